@@ -1,0 +1,33 @@
+"""Shared timing helpers: medians of repeated runs, so a noisy 2-core box still compares fairly."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def per_call_us(fn: Callable[[], object], *, repeats: int = 7, min_time: float = 0.05) -> float:
+    """Median over ``repeats`` runs of the time per call of ``fn``, in microseconds."""
+    n = 1
+    while True:  # calibrate the loop count so one run takes ``min_time``
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = time.perf_counter() - t0
+        if dt >= min_time:
+            break
+        n *= 2 if dt == 0 else max(2, min(10, int(min_time / dt) + 1))
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(runs)
+
+
+def percentiles(samples_us: list[float]) -> tuple[float, float]:
+    """(p50, p99) of latency samples."""
+    s = sorted(samples_us)
+    return s[len(s) // 2], s[min(len(s) - 1, int(len(s) * 0.99))]

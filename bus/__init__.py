@@ -1,0 +1,3 @@
+"""bus package."""
+
+__all__: list[str] = []

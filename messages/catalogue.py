@@ -1,0 +1,224 @@
+"""The concrete requests and outputs a scheduler exchanges.
+
+Names follow the serving engines our users come from (``BatchTokenIDOut``,
+``RpcReqOutput``, ...). Constraints live in the types: a request that breaks
+one fails at decode, with a :class:`~messages.errors.DecodeError` naming the
+field, before any handler sees it.
+
+Token-id sequences are packed int32 arrays (:data:`~messages.base.TokenIds`),
+not lists of Python ints: decoding 256 ids as a list builds 256 objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from messages.base import (
+    MAX_BATCH,
+    Output,
+    Request,
+    Rid,
+    Scalar,
+    TokenIds,
+    token_ids,
+)
+
+__all__ = [
+    "BatchEmbeddingOut",
+    "BatchTokenIDOut",
+    "ErrorCode",
+    "ErrorOut",
+    "FinishReason",
+    "AbortReq",
+    "RpcReqInput",
+    "RpcReqOutput",
+    "RpcResult",
+    "SamplingParams",
+    "TokenizedEmbeddingReqInput",
+    "TokenizedGenerateReqInput",
+]
+
+#: Why a request stopped producing tokens.
+FinishReason = Literal["stop", "length", "abort"]
+#: Why a request was answered with :class:`ErrorOut`.
+ErrorCode = Literal[
+    "invalid_request", "decode_error", "unknown_method", "overloaded", "internal", "shutdown"
+]
+#: What an rpc method may return: a flat mapping of scalars or scalar lists.
+RpcResult = dict[
+    Annotated[str, msgspec.Meta(max_length=256)],
+    Scalar | Annotated[list[Scalar], msgspec.Meta(max_length=1 << 16)],
+]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    """How to pick the next token.
+
+    ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1``
+    disable those filters; ``stop_token_ids=None`` means no stop tokens.
+    ``seed`` makes sampling reproducible per request, whatever else shares
+    the batch.
+    """
+
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1e4)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    stop_token_ids: TokenIds | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = token_ids(self.stop_token_ids, field="stop_token_ids")
+
+
+class TokenizedGenerateReqInput(Request):
+    """Generate tokens for an already-tokenized prompt."""
+
+    input_ids: TokenIds
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    input_embeds: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.input_ids = token_ids(self.input_ids, field="input_ids")
+
+
+class TokenizedEmbeddingReqInput(Request):
+    """Embed an already-tokenized text."""
+
+    input_ids: TokenIds
+
+    def __post_init__(self) -> None:
+        self.input_ids = token_ids(self.input_ids, field="input_ids")
+
+
+class AbortReq(Request):
+    """Abort the request whose id is ``rid`` (queued or running)."""
+
+
+class RpcReqInput(Request):
+    """A control call (``save_checkpoint``, ``get_load``, ...) on the scheduler."""
+
+    method: Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z_]\w*$")]
+    parameters: Annotated[
+        dict[Annotated[str, msgspec.Meta(max_length=128)], Scalar], msgspec.Meta(max_length=64)
+    ] = msgspec.field(default_factory=dict)
+
+
+class RpcReqOutput(Output):
+    """The one reply to an :class:`RpcReqInput` with the same ``rid``."""
+
+    rid: Rid
+    success: bool
+    message: Annotated[str, msgspec.Meta(max_length=1 << 16)] = ""
+    result: RpcResult | None = None
+
+
+class BatchTokenIDOut(Output):
+    """New tokens of every running request after one decode step, in columns.
+
+    Request ``i`` (``rids[i]``) produced ``output_lens[i]`` tokens this step:
+    its slice of the packed ``output_ids`` (and of ``logprobs``, when asked)
+    starts where request ``i - 1``'s ended. ``finished_reasons[i]`` is
+    ``None`` while it still runs. The columnar layout keeps a 64-request
+    batch to a handful of packed arrays instead of an object per request;
+    the lengths are unsigned, so no slice can be negative.
+    """
+
+    rids: Annotated[list[Rid], msgspec.Meta(max_length=MAX_BATCH)]
+    output_ids: TokenIds
+    output_lens: npt.NDArray[np.uint32]
+    finished_reasons: Annotated[list[FinishReason | None], msgspec.Meta(max_length=MAX_BATCH)]
+    logprobs: npt.NDArray[np.float32] | None = None
+    hidden_states: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.output_ids = token_ids(self.output_ids, field="output_ids")
+        n = len(self.rids)
+        lens = self.output_lens
+        if lens.dtype != np.uint32 or lens.shape != (n,):
+            raise ValueError(f"output_lens must be uint32 of shape ({n},), got "
+                             f"{lens.dtype} {tuple(lens.shape)}")
+        if len(self.finished_reasons) != n:
+            raise ValueError(f"finished_reasons has {len(self.finished_reasons)} entries "
+                             f"for {n} rids")
+        total = self.output_ids.shape[0]
+        if n and int(lens.sum(dtype=np.uint64)) != total:
+            raise ValueError(f"output_lens add up to {int(lens.sum(dtype=np.uint64))}, "
+                             f"output_ids has {total}")
+        lp = self.logprobs
+        if lp is not None and (lp.dtype != np.float32 or lp.shape != (total,)):
+            raise ValueError("logprobs must be float32 with one entry per output id")
+
+    @classmethod
+    def from_lists(
+        cls,
+        rids: list[str],
+        new_ids: list[list[int]],
+        finished_reasons: list[FinishReason | None],
+        logprobs: list[list[float]] | None = None,
+    ) -> BatchTokenIDOut:
+        """Build a batch from per-request lists (convenient, not the hot path)."""
+        lens = np.fromiter((len(x) for x in new_ids), np.uint32, len(new_ids))
+        flat = token_ids([t for ids in new_ids for t in ids], field="output_ids")
+        lp = None
+        if logprobs is not None:
+            lp = np.asarray([v for row in logprobs for v in row], np.float32)
+        return cls(rids=rids, output_ids=flat, output_lens=lens,
+                   finished_reasons=finished_reasons, logprobs=lp)
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def offsets(self) -> npt.NDArray[np.int64]:
+        """Start of each request's slice, plus the end: ``len(self) + 1`` entries."""
+        out = np.zeros(len(self.rids) + 1, np.int64)
+        np.cumsum(self.output_lens, out=out[1:])
+        return out
+
+    def items(self) -> Iterator[tuple[str, TokenIds, FinishReason | None]]:
+        """Iterate ``(rid, new_ids, finished_reason)`` per request (views, no copy)."""
+        bounds = self.offsets().tolist()
+        for i, rid in enumerate(self.rids):
+            yield rid, self.output_ids[bounds[i] : bounds[i + 1]], self.finished_reasons[i]
+
+    def logprobs_items(self) -> Iterator[tuple[str, npt.NDArray[np.float32]]]:
+        """Iterate ``(rid, logprobs of its new tokens)``; empty if none were asked."""
+        if self.logprobs is None:
+            return
+        bounds = self.offsets().tolist()
+        for i, rid in enumerate(self.rids):
+            yield rid, self.logprobs[bounds[i] : bounds[i + 1]]
+
+
+class BatchEmbeddingOut(Output):
+    """Embeddings of finished embedding requests: row ``i`` belongs to ``rids[i]``."""
+
+    rids: Annotated[list[Rid], msgspec.Meta(max_length=MAX_BATCH)]
+    embeddings: torch.Tensor
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.embeddings.shape)
+        if len(shape) != 2 or shape[0] != len(self.rids):
+            raise ValueError(f"embeddings must be ({len(self.rids)}, dim), got {shape}")
+
+
+class ErrorOut(Output):
+    """The terminal answer to a request that was rejected or failed.
+
+    Sent when a request could not be decoded (and its ``rid`` could be
+    read), broke a constraint, named an unknown rpc method, or could not be
+    served. ``rid`` is the request it answers.
+    """
+
+    rid: Rid
+    code: ErrorCode
+    message: Annotated[str, msgspec.Meta(max_length=1 << 16)] = ""

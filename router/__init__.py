@@ -1,0 +1,3 @@
+"""router package."""
+
+__all__: list[str] = []

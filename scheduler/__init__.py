@@ -1,0 +1,3 @@
+"""scheduler package."""
+
+__all__: list[str] = []

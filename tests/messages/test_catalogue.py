@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import pytest
+
+from messages import (
+    BatchTokenIDOut,
+    Codec,
+    DecodeError,
+    Message,
+    RpcReqInput,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    token_ids,
+)
+
+
+def test_token_ids_normalizes_and_validates() -> None:
+    assert token_ids([1, 2, 3]).dtype == np.uint32
+    a = np.arange(4, dtype=np.uint32)
+    assert token_ids(a) is a  # the decode path: no copy, no scan
+    with pytest.raises(ValueError, match="negative"):
+        token_ids([1, -2])
+    with pytest.raises(ValueError, match="1-D"):
+        token_ids(np.zeros((2, 2), np.uint32))
+    with pytest.raises(ValueError, match="integers"):
+        token_ids([1.5])
+    with pytest.raises(ValueError, match="past uint32"):
+        token_ids([1 << 33])
+    assert token_ids([]).shape == (0,)
+
+
+def test_request_accepts_lists_at_runtime() -> None:
+    req = TokenizedGenerateReqInput(rid="a", input_ids=[5, 6])  # type: ignore[arg-type]
+    assert req.input_ids.dtype == np.uint32
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ([5, -1.0], "sampling.temperature"),
+        ([5, math.inf], "sampling.temperature"),
+        ([5, math.nan], "sampling.temperature"),
+        ([5, 1.0, 0.0], "sampling.top_p"),
+        ([5, 1.0, 1.5], "sampling.top_p"),
+        ([-1], "sampling.max_new_tokens"),
+        ([5, 1.0, 1.0, -3], "sampling.top_k"),
+    ],
+)
+def test_constraints_fail_at_decode_naming_the_field(sampling: list[object], field: str) -> None:
+    codec = Codec(Message)
+    ids = np.arange(3, dtype=np.uint32).tobytes() + bytes([8])
+    frame = msgspec.msgpack.encode(["TokenizedGenerateReqInput", "req-7", ids, sampling])
+    with pytest.raises(DecodeError) as info:
+        codec.decode([frame])
+    assert info.value.rid == "req-7"
+    assert info.value.reason.startswith(field), info.value.reason
+    assert info.value.message_type == "TokenizedGenerateReqInput"
+
+
+def test_rpc_method_must_be_an_identifier() -> None:
+    codec = Codec(Message)
+    frame = msgspec.msgpack.encode(["RpcReqInput", "r1", "os.system('x')", {}])
+    with pytest.raises(DecodeError, match="method"):
+        codec.decode([frame])
+    ok = codec.decode(codec.encode(RpcReqInput(rid="r1", method="save_checkpoint",
+                                                parameters={"path": "/tmp/x"})))
+    assert isinstance(ok, RpcReqInput) and ok.parameters == {"path": "/tmp/x"}
+
+
+def test_batch_columns_are_checked() -> None:
+    with pytest.raises(ValueError, match="add up"):
+        BatchTokenIDOut(rids=["a"], output_ids=token_ids([1, 2]),
+                        output_lens=np.array([1], np.uint32), finished_reasons=[None])
+    with pytest.raises(ValueError, match="finished_reasons"):
+        BatchTokenIDOut(rids=["a"], output_ids=token_ids([1]),
+                        output_lens=np.array([1], np.uint32), finished_reasons=[])
+    out = BatchTokenIDOut.from_lists(["a", "b"], [[1, 2], [3]], [None, "stop"],
+                                     logprobs=[[-0.1, -0.2], [-0.3]])
+    items = [(rid, ids.tolist(), fin) for rid, ids, fin in out.items()]
+    assert items == [("a", [1, 2], None), ("b", [3], "stop")]
+    lps = [lp.tolist() for _, lp in out.logprobs_items()]
+    assert lps[0] == pytest.approx([-0.1, -0.2]) and lps[1] == pytest.approx([-0.3])
+
+
+def test_sampling_defaults() -> None:
+    sp = SamplingParams()
+    assert sp.stop_token_ids is None and sp.top_k == 0 and sp.top_p == 1.0

@@ -1,0 +1,284 @@
+from __future__ import annotations
+
+import math
+import os
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from messages import (
+    BatchEmbeddingOut,
+    BatchTokenIDOut,
+    Codec,
+    DecodeError,
+    EncodeError,
+    ErrorOut,
+    Message,
+    Output,
+    Request,
+    RpcReqInput,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    token_ids,
+)
+from messages._tensors import DTYPE_CODES
+from tests.messages.strategies import messages
+
+CODEC = Codec(Message, types=[t for t in Codec(Message).types
+                              if not t.__module__.startswith("tests")])
+
+
+def _bytes(frames: list[object]) -> list[bytes]:
+    return [bytes(memoryview(f)) for f in frames]  # type: ignore[arg-type]
+
+
+@given(messages)
+@settings(max_examples=300, deadline=None)
+def test_round_trip_every_message_type(msg: Message) -> None:
+    frames = CODEC.encode(msg)
+    back = CODEC.decode([bytes(memoryview(f)) for f in frames])
+    assert type(back) is type(msg)
+    # Double hop: decode then re-encode gives the same bytes.
+    assert _bytes(CODEC.encode(back)) == _bytes(frames)  # type: ignore[arg-type]
+    for name in msg.__struct_fields__:
+        a, b = getattr(msg, name), getattr(back, name)
+        if isinstance(a, np.ndarray | torch.Tensor):
+            assert _raw(a) == _raw(b) and tuple(a.shape) == tuple(b.shape)
+        elif not isinstance(a, msgspec.Struct):
+            assert a == b or (a != a and b != b)
+
+
+def _raw(x: np.ndarray | torch.Tensor) -> bytes:
+    if isinstance(x, torch.Tensor):
+        return bytes(x.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return np.ascontiguousarray(x).tobytes()
+
+
+class Holder(Output, tag="tests.Holder"):
+    """An output with an untyped array field."""
+
+    arr: np.ndarray
+
+
+def _embed(t: torch.Tensor) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(rid="t", input_ids=token_ids([1]), input_embeds=t)
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    n = math.prod(shape)
+    raw = torch.from_numpy(np.frombuffer(os.urandom(n * dtype.itemsize) or b"", np.uint8).copy())
+    if dtype == torch.bool:
+        raw = raw % 2
+    t = raw.view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+    if dtype.is_floating_point and n >= 3 and dtype.itemsize >= 2:
+        t.view(-1)[0], t.view(-1)[1], t.view(-1)[2] = math.inf, -math.inf, math.nan
+    return t
+
+
+SHAPES = [(), (0,), (3, 0, 2), (5,), (4, 7), (2, 3, 4), (300, 70)]
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_CODES, key=str), ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+def test_tensor_matrix_bit_exact(dtype: torch.dtype, shape: tuple[int, ...], layout: str) -> None:
+    t = _sample(dtype, shape)
+    if layout == "transposed" and t.dim() >= 2:
+        t = t.transpose(0, 1)
+    elif layout == "sliced" and t.dim() >= 1 and t.shape[-1] > 1:
+        t = t[..., ::2]
+    back = CODEC.decode(CODEC.encode(_embed(t)))
+    assert isinstance(back, TokenizedGenerateReqInput) and back.input_embeds is not None
+    assert back.input_embeds.dtype == t.dtype
+    assert tuple(back.input_embeds.shape) == tuple(t.shape)
+    assert _raw(back.input_embeds) == _raw(t)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16",
+                                   "uint32", "uint64", "float16", "float32", "float64",
+                                   "complex64", "complex128"])
+@pytest.mark.parametrize("shape", [(), (0,), (6,), (2, 3), (40, 40)], ids=str)
+def test_numpy_arrays_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
+    codec = Codec(Holder)
+    a = np.frombuffer(os.urandom(math.prod(shape) * np.dtype(dtype).itemsize),
+                      dtype=np.uint8).view(dtype).reshape(shape)
+    if dtype == "bool":
+        a = np.asarray(a.view(np.uint8) % 2 == 1)
+    back = codec.decode(codec.encode(Holder(arr=a.T)))
+    assert back.arr.dtype == a.dtype and back.arr.shape == a.T.shape
+    assert back.arr.tobytes() == a.T.tobytes()
+
+
+def test_large_tensor_is_zero_copy_both_ways() -> None:
+    t = torch.randn(256, 1024)
+    frames = CODEC.encode(BatchEmbeddingOut(rids=["r"] * 256, embeddings=t))
+    assert len(frames) == 2
+    sent = np.frombuffer(frames[1], np.uint8)
+    assert sent.__array_interface__["data"][0] == t.data_ptr()  # a view, not a copy
+    received = bytearray(memoryview(frames[1]))  # the receive buffer
+    back = CODEC.decode([frames[0], received])
+    assert isinstance(back, BatchEmbeddingOut)
+    base = np.frombuffer(received, np.uint8).__array_interface__["data"][0]
+    assert back.embeddings.data_ptr() == base  # lies inside the received buffer
+    assert torch.equal(back.embeddings, t)
+
+
+def test_small_tensor_rides_inline_as_an_owned_copy() -> None:
+    t = torch.arange(8, dtype=torch.float32)
+    frames = CODEC.encode(_embed(t))
+    assert len(frames) == 1
+    back = CODEC.decode(frames)
+    assert isinstance(back, TokenizedGenerateReqInput) and back.input_embeds is not None
+    back.input_embeds += 1  # writable, and does not touch the frame
+    again = CODEC.decode(frames)
+    assert isinstance(again, TokenizedGenerateReqInput) and again.input_embeds is not None
+    assert again.input_embeds.tolist() == t.tolist()
+
+
+def test_decoded_numpy_arrays_are_read_only() -> None:
+    back = CODEC.decode(CODEC.encode(TokenizedGenerateReqInput(rid="a", input_ids=token_ids([1]))))
+    assert isinstance(back, TokenizedGenerateReqInput)
+    with pytest.raises(ValueError):
+        back.input_ids[0] = 3
+
+
+def test_inline_threshold_is_configurable() -> None:
+    t = torch.zeros(64)
+    assert len(Codec(Message, inline_threshold=0).encode(_embed(t))) == 3  # ids too
+    assert len(Codec(Message, inline_threshold=1 << 20).encode(_embed(torch.zeros(1 << 16)))) == 1
+
+
+def test_non_cpu_tensor_is_refused_naming_the_field() -> None:
+    t = torch.empty(4, device="meta")
+    with pytest.raises(EncodeError) as info:
+        CODEC.encode(_embed(t))
+    assert info.value.field == "input_embeds" and "move_to_cpu" in info.value.reason
+    assert "TokenizedGenerateReqInput.input_embeds" in str(info.value)
+
+
+def test_unsupported_value_is_an_encode_error() -> None:
+    msg = RpcReqInput(rid="a", method="m", parameters={"x": object()})  # type: ignore[dict-item]
+    with pytest.raises(EncodeError, match="no pickle"):
+        CODEC.encode(msg)
+
+
+def test_typed_codec_decodes_only_its_family() -> None:
+    requests = Codec(Request)
+    frames = CODEC.encode(ErrorOut(rid="a", code="internal"))
+    with pytest.raises(DecodeError):
+        requests.decode(frames)
+
+
+# -- golden bytes: the wire format is pinned; change it deliberately -----------
+
+GOLDEN = {
+    "generate": (
+        TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
+                                  sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
+        "97b9546f6b656e697a656447656e6572617465526571496e707574a27231c40d0100000002000000"
+        "2c010000089608cb0000000000000000cb3ff000000000000000c0c0c2c2c0",
+    ),
+    "rpc": (
+        RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
+        "94ab527063526571496e707574a3632d31af736176655f636865636b706f696e7481a470617468a7"
+        "2f746d702f636b",
+    ),
+    "batch": (
+        BatchTokenIDOut.from_lists(["a", "b"], [[7], [9, 10]], [None, "stop"]),
+        "97af4261746368546f6b656e49444f757492a161a162c40d07000000090000000a00000008c40901"
+        "000000020000000892c0a473746f70c0c0",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_bytes(name: str) -> None:
+    msg, hexed = GOLDEN[name]
+    frames = CODEC.encode(msg)
+    assert len(frames) == 1
+    assert bytes(memoryview(frames[0])).hex() == hexed
+    assert isinstance(CODEC.decode([bytes.fromhex(hexed)]), type(msg))
+
+
+# -- malformed input: a DecodeError, never anything else -----------------------
+
+@given(st.lists(st.binary(max_size=200), min_size=1, max_size=4))
+@settings(max_examples=500, deadline=None)
+def test_random_bytes_only_raise_decode_error(frames: list[bytes]) -> None:
+    try:
+        CODEC.decode(frames)
+    except DecodeError:
+        pass
+
+
+@given(messages, st.data())
+@settings(max_examples=200, deadline=None)
+def test_truncated_or_flipped_frames_only_raise_decode_error(msg: Message, data: st.DataObject
+                                                            ) -> None:
+    frames = _bytes(CODEC.encode(msg))  # type: ignore[arg-type]
+    i = data.draw(st.integers(0, len(frames) - 1))
+    f = frames[i]
+    if f:
+        cut = data.draw(st.integers(0, len(f) - 1))
+        flip = data.draw(st.booleans())
+        frames[i] = (f[:cut] + bytes([f[cut] ^ 0xFF]) + f[cut + 1:]) if flip else f[:cut]
+    try:
+        CODEC.decode(frames)
+    except DecodeError:
+        pass
+
+
+def _ext(code: int, dtype: int, shape: tuple[int, ...], tail: bytes) -> msgspec.msgpack.Ext:
+    head = bytes([dtype, len(shape)]) + b"".join(d.to_bytes(8, "little", signed=True)
+                                                 for d in shape)
+    return msgspec.msgpack.Ext(code, head + tail)
+
+
+def _embed_frame(ext: object) -> bytes:
+    return msgspec.msgpack.encode(
+        ["TokenizedGenerateReqInput", "bad-1", token_ids([1]).tobytes() + b"\x08", [], False,
+         False, ext])
+
+
+@pytest.mark.parametrize(
+    ("frames", "needle"),
+    [
+        ([], "no frames"),
+        ([b"\xc1"], ""),
+        ([msgspec.msgpack.encode(["NoSuchType", "x"])], "NoSuchType"),
+        ([_embed_frame(_ext(3, 12, (1 << 40,), b""))], "needs"),  # 2^40 elements, no data
+        ([_embed_frame(_ext(3, 12, (2, 2), b"\0" * 12))], "needs 16 bytes"),  # lying shape
+        ([_embed_frame(_ext(3, 99, (2,), b"\0" * 8))], "dtype code 99"),  # unknown dtype
+        ([_embed_frame(_ext(3, 12, (-2,), b""))], "negative"),
+        ([_embed_frame(_ext(4, 12, (2,), (1).to_bytes(4, "little")))], "no tensor frames"),
+        ([_embed_frame(_ext(4, 12, (2,), (5).to_bytes(4, "little"))), b"\0" * 8], "frame 5"),
+        ([_embed_frame(_ext(4, 12, (4,), (1).to_bytes(4, "little"))), b"\0" * 8], "needs 16"),
+        ([_embed_frame(None), b"\0" * 8], "1 tensor frames sent but 0 referenced"),
+        ([_embed_frame(_ext(9, 12, (2,), b"\0" * 8))], "extension code 9"),
+        ([_embed_frame(_ext(3, 12, (1,) * 40, b""))], "dimensions"),
+    ],
+)
+def test_malformed_frames_are_decode_errors(frames: list[bytes], needle: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        CODEC.decode(frames)
+    assert needle in str(info.value)
+    if frames and frames[0].startswith(b"\x97\xb9"):
+        assert info.value.rid == "bad-1"
+        if "frames sent" not in needle:
+            assert "input_embeds" in info.value.reason
+
+
+def test_bounds_are_enforced_both_ways() -> None:
+    small = Codec(Message, max_frames=2, max_message_bytes=10_000)
+    two = BatchEmbeddingOut(rids=["a", "b"], embeddings=torch.zeros(2, 4096))
+    with pytest.raises(EncodeError, match="max_message_bytes"):
+        small.encode(two)
+    frames = CODEC.encode(two)
+    with pytest.raises(DecodeError, match="max_message_bytes"):
+        small.decode(frames)
+    with pytest.raises(DecodeError, match="max_frames"):
+        small.decode([frames[0], b"", b""])
