@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle  # noqa: S403 - the contestant we compare against, never in the packages
+import pickle  # the contestant we compare against, never in the packages
 import sys
 
 import msgspec

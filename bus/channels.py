@@ -1,0 +1,256 @@
+"""The channel ends a scheduler and its clients hold.
+
+Inboxes (drained by a :class:`~bus.receiver.Receiver`): :class:`RingInbox`,
+:class:`PullInbox`, :class:`RpcServer` (DEALER 1:1 or ROUTER many clients).
+Outboxes: :class:`PushOutbox`, and :meth:`RpcServer.reply`. Each zmq end takes
+a :class:`~messages.Codec` and is a context manager; one left open warns.
+
+Sends use ``copy=False``: a tensor frame is handed to zmq as a view and zmq
+keeps a reference until its I/O thread has sent it, so the memory stays
+alive. The *contents* must not change meanwhile: do not write to a tensor
+you sent (the codec's ownership rules; cf. vLLM issue 50053).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+from typing import Generic, Literal, Protocol, Self, TypeVar
+
+import zmq
+
+from bus.envelope import Envelope, Origin, Rejected
+from bus.errors import ChannelClosed, EndOfChannel, PeerGone, WouldBlock
+from bus.ring import Ring
+from bus.sockets import SocketOptions, make_socket
+from messages import Codec, DecodeError, Frame, Message
+
+__all__ = ["Inbox", "PullInbox", "PushOutbox", "RingInbox", "RpcServer", "ZmqInbox"]
+
+M = TypeVar("M", bound=Message)
+M_co = TypeVar("M_co", bound=Message, covariant=True)
+_DEFAULT_OPTIONS = SocketOptions()
+
+
+class Inbox(Protocol[M_co]):
+    """What a :class:`~bus.receiver.Receiver` drains."""
+
+    @property
+    def name(self) -> str:
+        """The channel's name, stamped on every origin."""
+        ...
+
+    def drain(self, max_n: int) -> Sequence[Envelope[M_co] | Rejected]:
+        """Take up to ``max_n`` waiting messages without blocking.
+
+        Raises:
+            EndOfChannel: the inbox ended cleanly and is empty.
+        """
+        ...
+
+    def pollable(self) -> zmq.Socket[bytes] | int:
+        """The socket or fd that becomes readable when messages wait."""
+        ...
+
+    def close(self) -> None:
+        """Stop receiving. Idempotent."""
+        ...
+
+
+class RingInbox(Generic[M]):
+    """An inbox over an in-process :class:`~bus.ring.Ring` (no serialization)."""
+
+    def __init__(self, ring: Ring[M], *, name: str = "work") -> None:
+        self.ring = ring
+        self._name = name
+        self._origin = Origin(name)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def drain(self, max_n: int) -> list[Envelope[M] | Rejected]:
+        origin = self._origin
+        return [Envelope(m, origin) for m in self.ring.drain(max_n)]
+
+    def pollable(self) -> int:
+        return self.ring.fileno()
+
+    def close(self) -> None:
+        self.ring.close()
+
+
+class _ZmqEnd:
+    """A socket with a name, closing rules and error conversion."""
+
+    def __init__(self, sock: zmq.Socket[bytes], name: str) -> None:
+        self.socket = sock
+        self._name = name
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the socket. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.socket.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"channel {self._name!r} was never closed", ResourceWarning,
+                          stacklevel=2)
+            self.close()
+
+    def _send(self, frames: Sequence[Frame]) -> None:
+        if self._closed:
+            raise ChannelClosed(self._name, "send on a closed channel")
+        try:
+            if len(frames) == 1:
+                self.socket.send(frames[0], copy=False)
+            else:
+                self.socket.send_multipart(frames, copy=False)
+        except zmq.Again as exc:
+            raise WouldBlock(self._name, "send timed out: the peer is not reading "
+                                         "(high-water mark reached)") from exc
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise PeerGone(self._name, "the peer that asked is gone") from exc
+            if exc.errno == zmq.ENOTSOCK:
+                raise ChannelClosed(self._name, "send on a closed channel") from exc
+            raise PeerGone(self._name, str(exc)) from exc
+
+
+class ZmqInbox(_ZmqEnd, Generic[M]):
+    """An inbox over a zmq socket that decodes with ``codec``.
+
+    A message that fails to decode becomes a :class:`~bus.envelope.Rejected`
+    (never an exception out of :meth:`drain`), and is counted in ``rejected``.
+    """
+
+    def __init__(self, sock: zmq.Socket[bytes], codec: Codec[M], name: str, *,
+                 routed: bool) -> None:
+        super().__init__(sock, name)
+        self.codec = codec
+        self.rejected = 0
+        self._routed = routed
+        self._origin = Origin(name)
+
+    def pollable(self) -> zmq.Socket[bytes]:
+        return self.socket
+
+    def drain(self, max_n: int) -> list[Envelope[M] | Rejected]:
+        if self._closed:
+            raise EndOfChannel(self._name, "closed")
+        sock, decode = self.socket, self.codec.decode
+        out: list[Envelope[M] | Rejected] = []
+        for _ in range(max_n):
+            try:
+                first = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            frames: list[Frame] = [first]
+            while sock.rcvmore:
+                frames.append(sock.recv(copy=False).buffer)
+            origin = self._origin
+            if self._routed:  # ROUTER: the identity zmq prepended, never the payload's
+                origin = Origin(self._name, bytes(frames[0]))
+                frames = frames[1:] if len(frames) > 1 else [b""]
+            try:
+                out.append(Envelope(decode(frames), origin))
+            except DecodeError as exc:
+                self.rejected += 1
+                out.append(Rejected(exc, origin))
+        return out
+
+
+def _context(ctx: zmq.Context[zmq.Socket[bytes]] | None) -> zmq.Context[zmq.Socket[bytes]]:
+    return ctx if ctx is not None else zmq.Context.instance()
+
+
+class PullInbox(ZmqInbox[M]):
+    """The work channel over PULL (binds by default: producers connect)."""
+
+    def __init__(self, codec: Codec[M], endpoint: str, *, name: str = "work", bind: bool = True,
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 options: SocketOptions = _DEFAULT_OPTIONS) -> None:
+        sock = make_socket(_context(ctx), zmq.PULL, endpoint, bind=bind, options=options,
+                           sending=False)
+        super().__init__(sock, codec, name, routed=False)
+        self.endpoint = endpoint
+
+
+class PushOutbox(_ZmqEnd, Generic[M]):
+    """A sending end over PUSH (connects by default)."""
+
+    def __init__(self, codec: Codec[M], endpoint: str, *, name: str = "out", bind: bool = False,
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 options: SocketOptions = _DEFAULT_OPTIONS) -> None:
+        sock = make_socket(_context(ctx), zmq.PUSH, endpoint, bind=bind, options=options,
+                           sending=True)
+        super().__init__(sock, name)
+        self.codec = codec
+        self.endpoint = endpoint
+
+    def send(self, msg: M, /) -> None:
+        """Encode and send ``msg``; blocks at most the send timeout at the high-water mark.
+
+        Raises:
+            EncodeError: ``msg`` cannot be encoded (nothing was sent).
+            WouldBlock: the peer is not reading.
+            ChannelClosed: this outbox is closed.
+        """
+        self._send(self.codec.encode(msg))
+
+
+class RpcServer(ZmqInbox[M]):
+    """The scheduler's rpc end: an inbox that can also reply to an origin.
+
+    ``kind="dealer"`` is the 1:1 pair engines use today; ``kind="router"``
+    serves many clients, each reply going to the identity that asked (the
+    identity zmq attached on receipt, never one read from the payload).
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, codec: Codec[M], endpoint: str, *, name: str = "rpc",
+                 kind: Literal["dealer", "router"] = "dealer", bind: bool = True,
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 options: SocketOptions = _DEFAULT_OPTIONS) -> None:
+        stype = zmq.ROUTER if kind == "router" else zmq.DEALER
+        sock = make_socket(_context(ctx), stype, endpoint, bind=bind, options=options,
+                           sending=True)
+        super().__init__(sock, codec, name, routed=kind == "router")
+        self.kind = kind
+        self.endpoint = endpoint
+
+    def reply(self, frames: Sequence[Frame], origin: Origin) -> None:
+        """Send encoded reply ``frames`` back to ``origin``.
+
+        Raises:
+            ValueError: ``origin`` did not come from this server.
+            PeerGone: a ROUTER peer that asked is gone.
+            WouldBlock: the client is not reading.
+        """
+        if origin.inbox != self._name:
+            raise ValueError(f"origin {origin.inbox!r} is not rpc server {self._name!r}")
+        if self._routed:
+            if origin.identity is None:
+                raise ValueError(f"rpc server {self._name!r} is a ROUTER: the origin "
+                                 "carries no peer identity")
+            self._send([origin.identity, *frames])
+        else:
+            self._send(frames)

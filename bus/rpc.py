@@ -1,0 +1,75 @@
+"""``RpcClient``: call a method on a scheduler over its rpc channel and wait for the reply."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+
+import zmq
+
+from bus.channels import _ZmqEnd
+from bus.errors import ChannelClosed, RpcTimeout
+from bus.sockets import SocketOptions, make_socket
+from messages import Codec, DecodeError, Message, RpcReqInput, RpcReqOutput, Scalar
+
+__all__ = ["RpcClient"]
+
+_DEFAULT_OPTIONS = SocketOptions()
+
+
+class RpcClient(_ZmqEnd):
+    """The caller's end of an rpc channel (a DEALER that connects).
+
+    Replies are matched to calls by request id. After a timeout the client
+    stays usable: a late reply to the abandoned call is discarded (and
+    counted in ``discarded``), never returned to a later call. Calls from
+    several threads are serialized.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, endpoint: str, *, name: str = "rpc",
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 options: SocketOptions = _DEFAULT_OPTIONS) -> None:
+        sock = make_socket(ctx if ctx is not None else zmq.Context.instance(), zmq.DEALER,
+                           endpoint, bind=False, options=options, sending=True)
+        super().__init__(sock, name)
+        self.endpoint = endpoint
+        self._send_codec: Codec[Message] = Codec(Message, types=[RpcReqInput])
+        self._reply_codec: Codec[Message] = Codec(Message, types=[RpcReqOutput])
+        self._lock = threading.Lock()
+        self._prefix = f"rpc-{os.getpid()}-{next(self._ids)}-"
+        self._seq = itertools.count()
+        self.discarded = 0
+
+    def call(self, method: str, *, timeout: float = 30.0, **params: Scalar) -> RpcReqOutput:
+        """Call ``method(**params)`` and return its reply.
+
+        Raises:
+            RpcTimeout: no reply within ``timeout`` seconds (names endpoint,
+                method and rid).
+            ChannelClosed: the client is closed.
+            EncodeError: a parameter is not a plain scalar.
+        """
+        with self._lock:
+            if self._closed:
+                raise ChannelClosed(self._name, "call on a closed rpc client")
+            rid = f"{self._prefix}{next(self._seq)}"
+            self._send(self._send_codec.encode(
+                RpcReqInput(rid=rid, method=method, parameters=dict(params))))
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.socket.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                    raise RpcTimeout(f"{self._name} ({self.endpoint})", method, rid, timeout)
+                frames = self.socket.recv_multipart()
+                try:
+                    reply = self._reply_codec.decode(frames)
+                except DecodeError:
+                    self.discarded += 1
+                    continue
+                if isinstance(reply, RpcReqOutput) and reply.rid == rid:
+                    return reply
+                self.discarded += 1  # a late reply to an abandoned call

@@ -1,0 +1,89 @@
+"""zmq socket set-up in one place: endpoints, options and their reasons.
+
+Defaults, and why:
+
+* **High-water marks** (``hwm``, default 100 000 messages per direction).
+  vLLM and SGLang set HWM=0 (unbounded) so nothing is dropped; that trades a
+  lost message for unbounded memory and a silent stall. We keep a large
+  finite bound and make reaching it *visible*: PUSH and DEALER sends block
+  at the mark (they never drop) for at most ``send_timeout``, then raise
+  :class:`~bus.errors.WouldBlock` naming the channel; ROUTER sockets set
+  ``ROUTER_MANDATORY`` so an unroutable or full peer is an error, not a drop.
+* **LINGER**: 0 for receiving sockets (nothing to flush); ``linger`` (1 s)
+  for sending ones, so a close flushes queued outputs without hanging on a
+  dead peer.
+* **MAXMSGSIZE**: the codec's byte bound plus slack; zmq refuses a bigger
+  message before allocating it.
+* **tcp binds to loopback** unless ``allow_remote=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import zmq
+
+from messages import DEFAULT_MAX_MESSAGE_BYTES
+
+__all__ = ["SocketOptions", "check_endpoint", "make_socket"]
+
+
+@dataclass(frozen=True, slots=True)
+class SocketOptions:
+    """Tunables shared by every zmq channel (see the module docstring for the reasons)."""
+
+    hwm: int = 100_000
+    linger_ms: int = 1000
+    send_timeout_ms: int = 10_000
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    allow_remote: bool = False
+
+
+_WILDCARDS = ("tcp://*", "tcp://0.0.0.0", "tcp://[::]", "tcp://::")
+
+
+def check_endpoint(endpoint: str, *, bind: bool, allow_remote: bool) -> None:
+    """Refuse unknown transports, and a non-loopback tcp bind unless allowed.
+
+    Raises:
+        ValueError: the endpoint is not ipc://, tcp:// or inproc://, or binds
+            beyond loopback without ``allow_remote``.
+    """
+    if not endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+        raise ValueError(f"unsupported endpoint {endpoint!r} (ipc://, tcp:// or inproc://)")
+    if bind and endpoint.startswith("tcp://") and not allow_remote:
+        host = endpoint[6:].rsplit(":", 1)[0].strip("[]")
+        if endpoint.startswith(_WILDCARDS) or host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(
+                f"refusing to bind {endpoint!r} beyond loopback; pass allow_remote=True "
+                "(and configure CURVE keys) to accept other hosts")
+
+
+def make_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    kind: int,
+    endpoint: str,
+    *,
+    bind: bool,
+    options: SocketOptions,
+    sending: bool,
+) -> zmq.Socket[bytes]:
+    """Create, configure and bind/connect one socket."""
+    check_endpoint(endpoint, bind=bind, allow_remote=options.allow_remote)
+    sock = ctx.socket(kind)
+    try:
+        sock.setsockopt(zmq.SNDHWM, options.hwm)
+        sock.setsockopt(zmq.RCVHWM, options.hwm)
+        sock.setsockopt(zmq.LINGER, options.linger_ms if sending else 0)
+        sock.setsockopt(zmq.SNDTIMEO, options.send_timeout_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes + (1 << 16))
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if bind:
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+    except BaseException:
+        sock.close(0)
+        raise
+    return sock

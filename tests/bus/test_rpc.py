@@ -1,0 +1,143 @@
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import zmq
+
+from bus import (
+    ChannelClosed,
+    Envelope,
+    PullInbox,
+    PushOutbox,
+    Receiver,
+    RpcClient,
+    RpcServer,
+    RpcTimeout,
+    check_endpoint,
+)
+from messages import AbortReq, Codec, Message, Output, Request, RpcReqInput, RpcReqOutput
+
+REQ: Codec[Request] = Codec(Request)
+OUT: Codec[Output] = Codec(Output)
+
+
+def _serve(server: RpcServer[Request], stop: threading.Event, *, delay_first: threading.Event
+           | None = None) -> threading.Thread:
+    """Answer every rpc with its method name and the caller's origin."""
+
+    def loop() -> None:
+        receiver = Receiver([server])
+        while not stop.is_set():
+            if not receiver.wait(0.05):
+                continue
+            for env in receiver.poll():
+                assert isinstance(env, Envelope) and isinstance(env.message, RpcReqInput)
+                if delay_first is not None and not delay_first.is_set():
+                    delay_first.wait(10)
+                reply = RpcReqOutput(rid=env.message.rid, success=True,
+                                     message=env.message.method,
+                                     result={"x": env.message.parameters.get("x")})
+                server.reply(OUT.encode(reply), env.origin)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("kind", ["dealer", "router"])
+def test_call_round_trip(kind: str, ctx: zmq.Context[zmq.Socket[bytes]],
+                         ipc: Callable[[str], str]) -> None:
+    ep = ipc("rpc")
+    stop = threading.Event()
+    with RpcServer(REQ, ep, kind=kind, ctx=ctx) as server:  # type: ignore[arg-type]
+        t = _serve(server, stop)
+        try:
+            with RpcClient(ep, ctx=ctx) as client:
+                out = client.call("save_checkpoint", x=3, timeout=10)
+                assert out.success and out.message == "save_checkpoint"
+                assert out.result == {"x": 3}
+        finally:
+            stop.set()
+            t.join()
+
+
+def test_router_replies_go_to_the_identity_that_asked(ctx: zmq.Context[zmq.Socket[bytes]],
+                                                      ipc: Callable[[str], str]) -> None:
+    ep = ipc("rpc")
+    stop = threading.Event()
+    with RpcServer(REQ, ep, kind="router", ctx=ctx) as server:
+        t = _serve(server, stop)
+        clients = [RpcClient(ep, ctx=ctx, name=f"c{i}") for i in range(4)]
+        try:
+            results: dict[int, int | None] = {}
+
+            def call(i: int) -> None:
+                out = clients[i].call("echo", x=i, timeout=10)
+                results[i] = out.result["x"] if out.result else None  # type: ignore[assignment]
+
+            threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            assert results == {0: 0, 1: 1, 2: 2, 3: 3}
+        finally:
+            for c in clients:
+                c.close()
+            stop.set()
+            t.join()
+
+
+def test_timeout_names_endpoint_and_method_and_late_reply_is_discarded(
+        ctx: zmq.Context[zmq.Socket[bytes]], ipc: Callable[[str], str]) -> None:
+    ep = ipc("rpc")
+    stop, release = threading.Event(), threading.Event()
+    with RpcServer(REQ, ep, ctx=ctx) as server:
+        t = _serve(server, stop, delay_first=release)
+        try:
+            with RpcClient(ep, ctx=ctx) as client:
+                with pytest.raises(RpcTimeout) as info:
+                    client.call("slow_method", timeout=0.05)
+                assert "slow_method" in str(info.value) and ep in str(info.value)
+                release.set()  # the late reply to the first call now arrives
+                out = client.call("second", timeout=10)
+                assert out.message == "second"  # never the late reply
+                assert client.discarded == 1
+        finally:
+            stop.set()
+            t.join()
+
+
+def test_closed_client_refuses_calls(ctx: zmq.Context[zmq.Socket[bytes]],
+                                     ipc: Callable[[str], str]) -> None:
+    client = RpcClient(ipc("nobody"), ctx=ctx)
+    client.close()
+    with pytest.raises(ChannelClosed):
+        client.call("x")
+
+
+def test_push_pull_and_loopback_policy(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with PullInbox(REQ, "tcp://127.0.0.1:0", ctx=ctx) as inbox:
+        ep = inbox.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        with PushOutbox(REQ, ep, ctx=ctx) as out:
+            out.send(AbortReq(rid="a"))
+            r: Receiver[Request] = Receiver([inbox])
+            assert r.wait(10)
+            got = r.poll()
+            assert isinstance(got[0], Envelope) and got[0].message == AbortReq(rid="a")
+    with pytest.raises(ValueError, match="loopback"):
+        check_endpoint("tcp://*:5555", bind=True, allow_remote=False)
+    with pytest.raises(ValueError, match="loopback"):
+        check_endpoint("tcp://10.1.2.3:5555", bind=True, allow_remote=False)
+    check_endpoint("tcp://10.1.2.3:5555", bind=False, allow_remote=False)
+    with pytest.raises(ValueError, match="unsupported"):
+        check_endpoint("udp://x", bind=True, allow_remote=False)
+
+
+def test_unclosed_channel_warns(ctx: zmq.Context[zmq.Socket[bytes]],
+                                ipc: Callable[[str], str]) -> None:
+    inbox: PullInbox[Message] = PullInbox(Codec(Message), ipc("w"), ctx=ctx)
+    with pytest.warns(ResourceWarning, match="never closed"):
+        inbox.__del__()
