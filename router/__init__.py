@@ -1,3 +1,24 @@
-"""router package."""
+"""``Router[O]``: each output type to a sink, most specific class first, total over the types."""
 
-__all__: list[str] = []
+from router.dispatch import TypeTable
+from router.errors import AmbiguousRouteError, NoSinkError, RouterFrozenError, RoutingError
+from router.router import Router, RouterStats, Sink, SinkFailure
+from router.sinks import CallbackSink, RingSink, RpcReplySink, TransportSink
+from router.tables import scheduler_router
+
+__all__ = [
+    "AmbiguousRouteError",
+    "CallbackSink",
+    "NoSinkError",
+    "RingSink",
+    "Router",
+    "RouterFrozenError",
+    "RouterStats",
+    "RoutingError",
+    "RpcReplySink",
+    "Sink",
+    "SinkFailure",
+    "TransportSink",
+    "TypeTable",
+    "scheduler_router",
+]
