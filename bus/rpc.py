@@ -6,11 +6,12 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
 from bus.channels import _ZmqEnd
-from bus.errors import ChannelClosed, RpcTimeout
+from bus.errors import ChannelClosed, PeerGone, RpcTimeout
 from bus.sockets import SocketOptions, make_socket
 from messages import Codec, DecodeError, Message, RpcReqInput, RpcReqOutput, Scalar
 
@@ -44,12 +45,18 @@ class RpcClient(_ZmqEnd):
         self._seq = itertools.count()
         self.discarded = 0
 
-    def call(self, method: str, *, timeout: float = 30.0, **params: Scalar) -> RpcReqOutput:
+    def call(self, method: str, *, timeout: float = 30.0,
+             alive: Callable[[], bool] | None = None, **params: Scalar) -> RpcReqOutput:
         """Call ``method(**params)`` and return its reply.
+
+        ``alive``, when given, is checked a few times a second while waiting:
+        once it says the server is gone, the call fails at once instead of
+        waiting out ``timeout``.
 
         Raises:
             RpcTimeout: no reply within ``timeout`` seconds (names endpoint,
                 method and rid).
+            PeerGone: ``alive()`` turned false while waiting.
             ChannelClosed: the client is closed.
             EncodeError: a parameter is not a plain scalar.
         """
@@ -60,10 +67,19 @@ class RpcClient(_ZmqEnd):
             self._send(self._send_codec.encode(
                 RpcReqInput(rid=rid, method=method, parameters=dict(params))))
             deadline = time.monotonic() + timeout
+            slice_ms = 100 if alive is not None else None
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self.socket.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                if left <= 0:
                     raise RpcTimeout(f"{self._name} ({self.endpoint})", method, rid, timeout)
+                ms = max(1, int(left * 1000))
+                if not self.socket.poll(ms if slice_ms is None else min(ms, slice_ms),
+                                        zmq.POLLIN):
+                    if alive is not None and not alive():
+                        raise PeerGone(f"{self._name} ({self.endpoint})",
+                                       f"the server is gone; rpc {method!r} (rid={rid!r}) "
+                                       "will not be answered")
+                    continue
                 frames = self.socket.recv_multipart()
                 try:
                     reply = self._reply_codec.decode(frames)

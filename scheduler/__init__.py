@@ -1,3 +1,27 @@
-"""scheduler package."""
+"""The scheduler loop, a small torch model, rpc methods, and the ``Engine`` facade."""
 
-__all__: list[str] = []
+from scheduler.engine import Engine, GenerateResult, RequestHandle, StreamChunk
+from scheduler.errors import EngineClosed, EngineError, RequestFailed, SchedulerGone
+from scheduler.loop import Scheduler, SchedulerStats
+from scheduler.model import ModelConfig, TinyLM
+from scheduler.rpc_methods import RpcMethods
+from scheduler.wiring import Endpoints, serve_ring, serve_zmq
+
+__all__ = [
+    "Endpoints",
+    "Engine",
+    "EngineClosed",
+    "EngineError",
+    "GenerateResult",
+    "ModelConfig",
+    "RequestFailed",
+    "RequestHandle",
+    "RpcMethods",
+    "Scheduler",
+    "SchedulerGone",
+    "SchedulerStats",
+    "StreamChunk",
+    "TinyLM",
+    "serve_ring",
+    "serve_zmq",
+]

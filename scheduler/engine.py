@@ -1,0 +1,395 @@
+"""``Engine``: the facade a serving engine imports. One API, two modes.
+
+``Engine(mode="ring")`` embeds the scheduler in this process (its own
+thread); ``Engine(mode="zmq")`` runs it in its own process. Either way::
+
+    with Engine() as engine:
+        result = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=8))
+        for chunk in engine.stream([4, 5], SamplingParams(max_new_tokens=8)):
+            ...
+        engine.collective_rpc("save_checkpoint", path="/tmp/model.ckpt")
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Literal, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from bus import (
+    ChannelClosed,
+    Envelope,
+    PeerGone,
+    PullInbox,
+    PushOutbox,
+    Receiver,
+    Ring,
+    RingInbox,
+    RpcClient,
+)
+from bus.channels import Inbox
+from messages import (
+    AbortReq,
+    BatchEmbeddingOut,
+    BatchTokenIDOut,
+    Codec,
+    ErrorOut,
+    FinishReason,
+    Output,
+    Request,
+    RpcReqOutput,
+    SamplingParams,
+    Scalar,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+    token_ids,
+)
+from scheduler.errors import EngineClosed, EngineError, RequestFailed, SchedulerGone
+from scheduler.model import ModelConfig
+from scheduler.wiring import Endpoints, serve_ring, serve_zmq
+
+__all__ = ["Engine", "GenerateResult", "RequestHandle", "StreamChunk"]
+
+log = logging.getLogger("scheduler.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """New tokens of one request (a streamed step, or the whole answer at the end)."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[float] | None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """The finished answer to a generate request."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[float] | None
+
+
+_Item = StreamChunk | npt.NDArray[np.float32] | EngineError
+
+
+class RequestHandle:
+    """A submitted request: iterate its chunks, or wait for its result."""
+
+    def __init__(self, engine: Engine, rid: str) -> None:
+        self.rid = rid
+        self._engine = engine
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._done = False
+
+    def _next(self, timeout: float | None) -> _Item:
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineError(f"request {self.rid!r}: no output within {timeout} s") from None
+        if isinstance(item, EngineError):
+            self._done = True
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        """Yield chunks until the request finishes.
+
+        Raises:
+            RequestFailed: the scheduler answered with an error.
+            SchedulerGone: the scheduler died.
+        """
+        while not self._done:
+            item = self._next(None)
+            assert isinstance(item, StreamChunk)
+            if item.finish_reason is not None:
+                self._done = True
+            yield item
+
+    def result(self, timeout: float | None = None) -> GenerateResult:
+        """Wait for the whole answer (all chunks joined)."""
+        ids: list[int] = []
+        lps: list[float] | None = None
+        while True:
+            item = self._next(timeout)
+            assert isinstance(item, StreamChunk)
+            ids.extend(item.token_ids)
+            if item.logprobs is not None:
+                lps = (lps or []) + item.logprobs
+            if item.finish_reason is not None:
+                self._done = True
+                return GenerateResult(self.rid, ids, item.finish_reason, lps)
+
+    def embedding(self, timeout: float | None = None) -> npt.NDArray[np.float32]:
+        """Wait for an embedding request's vector."""
+        item = self._next(timeout)
+        assert isinstance(item, np.ndarray)
+        self._done = True
+        return item
+
+
+class Engine:
+    """Wires a scheduler in one of two modes and offers the calls a frontend needs.
+
+    Args:
+        mode: ``"ring"`` (scheduler embedded in this process; requests and
+            outputs by reference through rings; rpc over zmq) or ``"zmq"``
+            (scheduler in its own process; everything over zmq ``ipc://``).
+        model: the model's shape and seed.
+        max_batch: most requests decoding at once.
+        start_timeout: seconds to wait for the scheduler to answer its first rpc.
+    """
+
+    def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
+                 *, max_batch: int = 64, start_timeout: float = 60.0) -> None:
+        if mode not in ("ring", "zmq"):
+            raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
+        self.mode = mode
+        self.model = model or ModelConfig()
+        self._dir = tempfile.mkdtemp(prefix="tsb-")
+        self.endpoints = Endpoints.in_dir(self._dir)
+        self._pending: dict[str, RequestHandle] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._gone: str | None = None
+        self._thread: threading.Thread | None = None
+        self._proc: BaseProcess | None = None
+        self._ingress: Ring[Request] | None = None
+        self._egress: Ring[Output] | None = None
+        self._work_out: PushOutbox[Request] | None = None
+        out_inbox: Inbox[Output]
+        if mode == "ring":
+            self._ingress = Ring(1 << 16, name="work")
+            self._egress = Ring(1 << 16, name="out")
+            ready = threading.Event()
+            ingress, egress = self._ingress, self._egress
+            self._thread = threading.Thread(
+                target=self._run_embedded, args=(ingress, egress, max_batch, ready),
+                name="scheduler", daemon=True)
+            self._thread.start()
+            out_inbox = RingInbox(egress, name="out")
+        else:
+            out_inbox = PullInbox(Codec(Output), self.endpoints.out, name="out")
+            self._work_out = PushOutbox(Codec(Request), self.endpoints.work, name="work")
+            ctx = multiprocessing.get_context("spawn")
+            self._proc = ctx.Process(target=serve_zmq, args=(self.endpoints, self.model),
+                                     kwargs={"max_batch": max_batch}, name="scheduler",
+                                     daemon=True)
+            self._proc.start()
+        self._out_inbox = out_inbox
+        self._rpc = RpcClient(self.endpoints.rpc, name="rpc")
+        self._reader_stop = threading.Event()
+        self._reader = threading.Thread(target=self._read_outputs, name="engine-reader",
+                                        daemon=True)
+        self._reader.start()
+        try:
+            self.collective_rpc("get_load", timeout=start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- public API -------------------------------------------------------------
+
+    def submit(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
+               stream: bool = False, return_logprob: bool = False,
+               rid: str | None = None) -> RequestHandle:
+        """Send a generate request; returns its handle at once.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            SchedulerGone: the scheduler died.
+            ValueError: ``input_ids`` are not valid token ids.
+        """
+        req = TokenizedGenerateReqInput(
+            rid=rid or uuid.uuid4().hex, input_ids=token_ids(input_ids, field="input_ids"),
+            sampling=sampling or SamplingParams(), stream=stream, return_logprob=return_logprob)
+        return self._submit(req)
+
+    def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
+                 return_logprob: bool = False, timeout: float | None = None) -> GenerateResult:
+        """Generate and wait for the whole answer.
+
+        Raises:
+            RequestFailed: the scheduler rejected the request.
+            SchedulerGone: the scheduler died meanwhile.
+        """
+        return self.submit(input_ids, sampling, return_logprob=return_logprob).result(timeout)
+
+    def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
+               return_logprob: bool = False) -> Iterator[StreamChunk]:
+        """Generate, yielding new tokens as each step produces them."""
+        return iter(self.submit(input_ids, sampling, stream=True, return_logprob=return_logprob))
+
+    def embed(self, input_ids: npt.ArrayLike, *, timeout: float | None = None
+              ) -> npt.NDArray[np.float32]:
+        """Embed a tokenized text; returns a unit-norm float32 vector."""
+        req = TokenizedEmbeddingReqInput(rid=uuid.uuid4().hex,
+                                         input_ids=token_ids(input_ids, field="input_ids"))
+        return self._submit(req).embedding(timeout)
+
+    def abort(self, rid: str) -> None:
+        """Abort a queued or running request; it ends with finish reason ``abort``."""
+        self._send(AbortReq(rid=rid))
+
+    def collective_rpc(self, method: str, *, timeout: float = 30.0,
+                       **params: Scalar) -> RpcReqOutput:
+        """Call an rpc method on the scheduler and return its reply.
+
+        Raises:
+            RpcTimeout: no reply in time.
+            SchedulerGone: the scheduler died (reported promptly, not at the timeout).
+        """
+        try:
+            return self._rpc.call(method, timeout=timeout, alive=self._alive, **params)
+        except PeerGone as exc:
+            raise SchedulerGone(f"rpc {method!r}: {self._gone or exc}") from exc
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish every accepted request with a terminal answer, then stop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._alive():
+            try:
+                self._rpc.call("shutdown", timeout=timeout, alive=self._alive)
+            except Exception as exc:  # still tear down
+                log.warning("shutdown rpc failed: %s", exc)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._proc is not None:
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+        self._reader_stop.set()
+        self._reader.join(timeout)
+        self._fail_all(EngineClosed("the engine closed before the request finished"))
+        self._rpc.close()
+        self._out_inbox.close()
+        if self._work_out is not None:
+            self._work_out.close()
+        for ring in (self._ingress, self._egress):
+            if ring is not None:
+                ring.release()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------
+
+    def _run_embedded(self, ingress: Ring[Request], egress: Ring[Output], max_batch: int,
+                      ready: threading.Event) -> None:
+        try:
+            serve_ring(ingress, egress, self.endpoints.rpc, self.model, max_batch=max_batch,
+                       ready=ready)
+        except BaseException as exc:
+            self._gone = f"the embedded scheduler crashed: {exc!r}"
+            log.exception("embedded scheduler crashed")
+
+    def _alive(self) -> bool:
+        if self._proc is not None:
+            if not self._proc.is_alive():
+                self._gone = self._gone or (f"the scheduler process exited "
+                                            f"(exit code {self._proc.exitcode})")
+                return False
+            return True
+        if self._thread is not None and not self._thread.is_alive():
+            self._gone = self._gone or "the embedded scheduler thread stopped"
+            return False
+        return True
+
+    def _submit(self, req: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
+                ) -> RequestHandle:
+        handle = RequestHandle(self, req.rid)
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("the engine is closed")
+            if self._gone is not None:
+                raise SchedulerGone(self._gone)
+            if req.rid in self._pending:
+                raise ValueError(f"request id {req.rid!r} is already pending")
+            self._pending[req.rid] = handle
+        try:
+            self._send(req)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(req.rid, None)
+            raise
+        return handle
+
+    def _send(self, req: Request) -> None:
+        if self._ingress is not None:
+            try:
+                self._ingress.put(req, timeout=30.0)
+            except ChannelClosed as exc:
+                raise EngineClosed("the engine is closed") from exc
+            return
+        assert self._work_out is not None
+        with self._lock:  # a zmq socket is not thread-safe
+            self._work_out.send(req)
+
+    def _read_outputs(self) -> None:
+        receiver: Receiver[Output] = Receiver([self._out_inbox], budget=1024)
+        while True:
+            if not receiver.wait(0.1):
+                if self._reader_stop.is_set():
+                    return
+                if not self._alive():
+                    self._fail_all(SchedulerGone(self._gone or "the scheduler is gone"))
+                continue
+            for env in receiver.poll():
+                if isinstance(env, Envelope):
+                    self._deliver(env.message)
+                else:
+                    log.error("undecodable output from the scheduler: %s", env.error)
+
+    def _deliver(self, out: Output) -> None:
+        if isinstance(out, BatchTokenIDOut):
+            lps = dict(out.logprobs_items()) if out.logprobs is not None else {}
+            for rid, ids, fin in out.items():
+                lp = lps.get(rid)
+                self._put(rid, StreamChunk(rid, ids.tolist(), fin,
+                                           lp.tolist() if lp is not None else None),
+                          final=fin is not None)
+        elif isinstance(out, BatchEmbeddingOut):
+            rows = out.embeddings.float().numpy()
+            for i, rid in enumerate(out.rids):
+                self._put(rid, rows[i].copy(), final=True)
+        elif isinstance(out, ErrorOut):
+            self._put(out.rid, RequestFailed(out.rid, out.code, out.message), final=True)
+        else:
+            log.error("unexpected output %s on the transport", type(out).__name__)
+
+    def _put(self, rid: str, item: _Item, *, final: bool) -> None:
+        with self._lock:
+            handle = self._pending.pop(rid, None) if final else self._pending.get(rid)
+        if handle is None:
+            log.debug("output for unknown request %r dropped", rid)
+            return
+        handle._queue.put(item)
+
+    def _fail_all(self, error: EngineError) -> None:
+        with self._lock:
+            handles = list(self._pending.values())
+            self._pending.clear()
+        for h in handles:
+            h._queue.put(error)
+
