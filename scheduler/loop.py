@@ -144,7 +144,7 @@ class Scheduler:
             self.finish_all("shutdown")
 
     def step(self) -> int:
-        """One iteration: poll every inbox, handle, one model step, route. Returns messages polled."""
+        """One iteration: poll, handle, one model step, route. Returns how many were polled."""
         self._steps += 1
         envelopes = self.receiver.poll()
         self._received += len(envelopes)

@@ -1,0 +1,131 @@
+"""Command line: ``python -m scheduler demo`` and ``python -m scheduler serve``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from messages import SamplingParams
+from scheduler.engine import Engine, RequestHandle
+from scheduler.model import ModelConfig
+from scheduler.wiring import Endpoints, serve_zmq
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(len(s) * q))] if s else float("nan")
+
+
+def _progress(done: int, total: int, t0: float) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    rate = done / max(time.perf_counter() - t0, 1e-9)
+    sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                     f"requests  {rate:6.1f} req/s")
+    sys.stderr.flush()
+
+
+def demo(mode: str, requests: int, max_new_tokens: int, seed: int) -> int:
+    """Run a generate workload; time rpc while idle and while busy; print a summary."""
+    print(f"typed-sched-bus demo: mode={mode}, {requests} requests x {max_new_tokens} tokens",
+          flush=True)
+    rng = np.random.default_rng(seed)
+    model = ModelConfig()
+    ckdir = tempfile.mkdtemp(prefix="tsb-demo-")
+    with Engine(mode, model) as engine:  # type: ignore[arg-type]
+        idle = []
+        for i in range(5):
+            t = time.perf_counter()
+            reply = engine.collective_rpc("save_checkpoint", path=f"{ckdir}/idle-{i}.ckpt")
+            idle.append((time.perf_counter() - t) * 1e3)
+            if not reply.success:
+                print(f"save_checkpoint failed: {reply.message}", file=sys.stderr)
+                return 1
+        t0 = time.perf_counter()
+        sent: list[tuple[RequestHandle, float]] = []
+        for i in range(requests):
+            prompt = rng.integers(0, model.vocab_size, size=int(rng.integers(4, 64)))
+            sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8, top_p=0.95,
+                                seed=seed + i)
+            sent.append((engine.submit(prompt, sp), time.perf_counter()))
+        busy = []
+        for i in range(5):
+            t = time.perf_counter()
+            engine.collective_rpc("save_checkpoint", path=f"{ckdir}/busy-{i}.ckpt")
+            busy.append((time.perf_counter() - t) * 1e3)
+        latencies, tokens = [], 0
+        for n, (handle, started) in enumerate(sent, 1):
+            result = handle.result(timeout=300)
+            latencies.append((time.perf_counter() - started) * 1e3)
+            tokens += len(result.token_ids)
+            if n % max(1, requests // 50) == 0 or n == requests:
+                _progress(n, requests, t0)
+        wall = time.perf_counter() - t0
+        load = engine.collective_rpc("get_load").result or {}
+    sys.stderr.write("\n")
+    sys.stderr.flush()
+    rows = [
+        ("mode", mode),
+        ("requests", f"{requests}"),
+        ("tokens generated", f"{tokens}"),
+        ("throughput", f"{tokens / wall:,.0f} tokens/s  ({requests / wall:,.1f} req/s)"),
+        ("request latency p50 / p99", f"{_pct(latencies, .5):,.1f} / {_pct(latencies, .99):,.1f}"
+                                      " ms"),
+        ("rpc save_checkpoint idle p50 / max", f"{statistics.median(idle):.2f} / "
+                                               f"{max(idle):.2f} ms"),
+        ("rpc save_checkpoint busy p50 / max", f"{statistics.median(busy):.2f} / "
+                                               f"{max(busy):.2f} ms"),
+        ("scheduler steps", f"{load.get('steps')}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("-" * (width + 40))
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print("-" * (width + 40))
+    for f in os.listdir(ckdir):
+        os.unlink(os.path.join(ckdir, f))
+    os.rmdir(ckdir)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scheduler")
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="run a generate workload and print a summary")
+    d.add_argument("--mode", choices=["ring", "zmq"], default="ring")
+    d.add_argument("--requests", type=int, default=200)
+    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("serve", help="run a scheduler for outside clients (zmq mode)")
+    s.add_argument("--mode", choices=["zmq"], default="zmq")
+    s.add_argument("--endpoint", required=True,
+                   help="a directory for ipc:// endpoints (work, rpc, out), or a tcp base "
+                        "like tcp://127.0.0.1:5550 (work=+0, rpc=+1, out=+2)")
+    s.add_argument("--max-batch", type=int, default=64)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return demo(args.mode, args.requests, args.max_new_tokens, args.seed)
+    ep: str = args.endpoint
+    if ep.startswith("tcp://"):
+        host, port = ep[6:].rsplit(":", 1)
+        p = int(port)
+        endpoints = Endpoints(f"tcp://{host}:{p}", f"tcp://{host}:{p + 1}",
+                              f"tcp://{host}:{p + 2}")
+    else:
+        os.makedirs(ep, exist_ok=True)
+        endpoints = Endpoints.in_dir(os.path.abspath(ep))
+    print(f"serving: work={endpoints.work} rpc={endpoints.rpc} outputs->{endpoints.out}",
+          file=sys.stderr)
+    serve_zmq(endpoints, ModelConfig(), max_batch=args.max_batch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

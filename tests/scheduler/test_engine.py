@@ -1,0 +1,123 @@
+"""The Engine facade, end to end, in both modes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from messages import SamplingParams
+from scheduler import Engine, EngineClosed, ModelConfig, RequestFailed, SchedulerGone
+
+SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
+MODES: list[Literal["ring", "zmq"]] = ["ring", "zmq"]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    with Engine(request.param, SMALL, max_batch=32) as e:
+        yield e
+
+
+def _idle(engine: Engine) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        load = engine.collective_rpc("get_load").result
+        assert load is not None
+        if load["running"] == 0 and load["queued"] == 0:
+            return
+        assert time.monotonic() < deadline
+
+
+def test_generate_stream_embed(engine: Engine) -> None:
+    r = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=6, temperature=0.0),
+                        return_logprob=True, timeout=30)
+    assert len(r.token_ids) == 6 and r.finish_reason == "length"
+    assert r.logprobs is not None and len(r.logprobs) == 6
+    chunks = list(engine.stream([1, 2, 3], SamplingParams(max_new_tokens=6, temperature=0.0)))
+    assert len(chunks) == 6 and [c.token_ids[0] for c in chunks] == r.token_ids
+    assert chunks[-1].finish_reason == "length"
+    vec = engine.embed([4, 5, 6], timeout=30)
+    assert vec.shape == (32,)
+
+
+def test_both_modes_give_the_same_tokens(engine: Engine) -> None:
+    sp = SamplingParams(max_new_tokens=10, temperature=0.8, seed=7)
+    got = engine.generate([9, 8, 7], sp, timeout=30).token_ids
+    with Engine("ring", SMALL) as other:
+        assert other.generate([9, 8, 7], sp, timeout=30).token_ids == got
+
+
+def test_seed_idle_rpc_is_answered_promptly(engine: Engine) -> None:
+    _idle(engine)
+    worst = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        assert engine.collective_rpc("get_load").success
+        worst = max(worst, time.perf_counter() - t0)
+    assert worst < 0.2  # the seed's ring mode waited out a 1 s park
+
+
+def test_seed_rpc_answered_while_1000_generates_flood(engine: Engine, tmp_path: Path) -> None:
+    handles = [engine.submit([1, 2], SamplingParams(max_new_tokens=4)) for _ in range(1000)]
+    t0 = time.perf_counter()
+    out = engine.collective_rpc("save_checkpoint", path=str(tmp_path / "busy.ckpt"), timeout=30)
+    rpc_s = time.perf_counter() - t0
+    assert out.success, out.message
+    results = [h.result(timeout=60) for h in handles]
+    assert all(r.finish_reason == "length" for r in results)
+    assert rpc_s < 10
+
+
+def test_abort_and_errors(engine: Engine) -> None:
+    h = engine.submit([1], SamplingParams(max_new_tokens=100_000), stream=True)
+    first = next(iter(h))
+    assert first.finish_reason is None
+    engine.abort(h.rid)
+    assert h.result(timeout=30).finish_reason == "abort"
+    with pytest.raises(RequestFailed) as info:
+        engine.generate([1, 10_000], timeout=30)
+    assert info.value.code == "invalid_request"
+    reply = engine.collective_rpc("explode_please")
+    assert not reply.success and "unknown rpc method" in reply.message
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"]) -> None:
+    engine = Engine(mode, SMALL, max_batch=2)
+    handles = [engine.submit([1], SamplingParams(max_new_tokens=100_000)) for _ in range(5)]
+    engine.close()
+    engine.close()  # idempotent
+    for h in handles:
+        with pytest.raises((RequestFailed, EngineClosed)) as info:
+            h.result(timeout=10)
+        if isinstance(info.value, RequestFailed):
+            assert info.value.code == "shutdown"
+    with pytest.raises(EngineClosed):
+        engine.submit([1])
+    assert not engine._reader.is_alive()
+    assert engine._thread is None or not engine._thread.is_alive()
+    assert engine._proc is None or not engine._proc.is_alive()
+
+
+def test_dead_scheduler_process_fails_pending_calls_promptly() -> None:
+    engine = Engine("zmq", SMALL)
+    try:
+        h = engine.submit([1], SamplingParams(max_new_tokens=1_000_000))
+        assert engine._proc is not None and engine._proc.pid is not None
+        os.kill(engine._proc.pid, signal.SIGKILL)
+        t0 = time.perf_counter()
+        with pytest.raises(SchedulerGone, match="exit"):
+            h.result(timeout=30)
+        with pytest.raises(SchedulerGone):
+            engine.collective_rpc("get_load", timeout=30)
+        assert time.perf_counter() - t0 < 5
+        with pytest.raises(SchedulerGone):
+            engine.submit([1])
+    finally:
+        engine.close()

@@ -1,0 +1,284 @@
+"""The scheduler loop on its own: dispatch, routing, rpc methods, the seed's failures."""
+
+from __future__ import annotations
+
+import ast
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from bus import Origin, PullInbox, Receiver, Ring, RingInbox, RpcClient, RpcServer
+from bus.channels import Inbox
+from messages import (
+    AbortReq,
+    BatchEmbeddingOut,
+    BatchTokenIDOut,
+    Codec,
+    ErrorOut,
+    Message,
+    Output,
+    Request,
+    RpcReqOutput,
+    SamplingParams,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+    token_ids,
+)
+from router import CallbackSink, RpcReplySink, scheduler_router
+from scheduler import ModelConfig, Scheduler, TinyLM
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ModelConfig(vocab_size=64, hidden=16, layers=1, seed=1)
+
+
+def test_loop_module_knows_no_socket_ring_or_mode() -> None:
+    tree = ast.parse((ROOT / "scheduler" / "loop.py").read_text())
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {node.module or ""} | {a.name for a in node.names}
+    assert not {m for m in imported if m.split(".")[0] == "zmq"}
+    assert not imported & {"Ring", "RingInbox", "PullInbox", "PushOutbox", "RpcServer"}
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert not {n for n in names if n.lower() in {"mode", "embedded", "ring_mode", "rust_server"}
+                or n.lower().endswith("_mode")}
+
+
+class Rig:
+    """A scheduler with a work inbox (ring or PULL), a real rpc pair and a spy transport."""
+
+    def __init__(self, mode: str, ctx: zmq.Context[zmq.Socket[bytes]],
+                 ipc: Callable[[str], str]) -> None:
+        self.codec: Codec[Message] = Codec(Message)
+        self.rpc = RpcServer(Codec(Request), ipc("rpc"), ctx=ctx)
+        self.ring: Ring[Request] | None = None
+        self.push: zmq.Socket[bytes] | None = None
+        work: Inbox[Request]
+        if mode == "ring":
+            self.ring = Ring(1 << 15)
+            work = RingInbox(self.ring)
+        else:
+            pull: PullInbox[Request] = PullInbox(Codec(Request), ipc("work"), ctx=ctx)
+            self.push = ctx.socket(zmq.PUSH)
+            self.push.connect(pull.endpoint)
+            work = pull
+        self.work = work
+        self.transport: list[tuple[Output, Origin]] = []
+        router = scheduler_router(CallbackSink(lambda o, g: self.transport.append((o, g))),
+                                  RpcReplySink(self.rpc))
+        self.sched = Scheduler(Receiver([work, self.rpc]), router, TinyLM(SMALL), max_batch=8)
+        self.client = RpcClient(self.rpc.endpoint, ctx=ctx)
+
+    def send(self, req: Request) -> None:
+        if self.ring is not None:
+            self.ring.put(req)
+        else:
+            assert self.push is not None
+            self.push.send_multipart(self.codec.encode(req))
+
+    def send_raw(self, frame: bytes) -> None:
+        assert self.push is not None
+        self.push.send(frame)
+
+    def run_until(self, cond: Callable[[], bool], timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, "scheduler did not get there in time"
+            if not self.sched.step() and not self.sched.busy:
+                self.sched.receiver.wait(0.05)
+
+    def outputs(self, kind: type[Output]) -> list[Output]:
+        return [o for o, _ in self.transport if isinstance(o, kind)]
+
+    def finished(self) -> dict[str, tuple[list[int], str]]:
+        acc: dict[str, list[int]] = {}
+        done: dict[str, tuple[list[int], str]] = {}
+        for o in self.outputs(BatchTokenIDOut):
+            assert isinstance(o, BatchTokenIDOut)
+            for rid, ids, fin in o.items():
+                acc.setdefault(rid, []).extend(ids.tolist())
+                if fin is not None:
+                    done[rid] = (acc[rid], fin)
+        return done
+
+    def close(self) -> None:
+        self.client.close()
+        self.rpc.close()
+        self.work.close()
+        if self.push is not None:
+            self.push.close(0)
+        if self.ring is not None:
+            self.ring.release()
+
+
+@pytest.fixture(params=["ring", "zmq"])
+def rig(request: pytest.FixtureRequest, ctx: zmq.Context[zmq.Socket[bytes]],
+        ipc: Callable[[str], str]) -> Iterator[Rig]:
+    r = Rig(request.param, ctx, ipc)
+    yield r
+    r.close()
+
+
+def _gen(rid: str, ids: list[int], **sp: object) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(rid=rid, input_ids=token_ids(ids),
+                                     sampling=SamplingParams(**sp))  # type: ignore[arg-type]
+
+
+def _call_in_background(rig: Rig, method: str, **params: object) -> list[RpcReqOutput]:
+    """Send an rpc from the client socket without blocking the test's scheduler loop."""
+    from messages import RpcReqInput
+
+    rig.client.socket.send_multipart(Codec(Message).encode(
+        RpcReqInput(rid=f"bg-{method}", method=method, parameters=params)))  # type: ignore[arg-type]
+    got: list[RpcReqOutput] = []
+
+    def poll() -> bool:
+        if rig.client.socket.poll(0):
+            reply = Codec(Message).decode(rig.client.socket.recv_multipart())
+            assert isinstance(reply, RpcReqOutput)
+            got.append(reply)
+        return bool(got)
+
+    rig._poll_reply = poll  # type: ignore[attr-defined]
+    return got
+
+
+def test_seed_rpc_is_drained_answered_on_rpc_and_never_on_transport(rig: Rig) -> None:
+    rig.send(_gen("g1", [1, 2, 3], max_new_tokens=3, temperature=0.0))
+    got = _call_in_background(rig, "get_load")
+    rig.run_until(lambda: rig._poll_reply() and "g1" in rig.finished())  # type: ignore[attr-defined]
+    assert got[0].success and got[0].rid == "bg-get_load"
+    assert not rig.outputs(RpcReqOutput)  # the transport never saw the rpc reply
+    assert rig.finished()["g1"][1] == "length"
+
+
+def test_seed_rpc_answered_while_work_floods(rig: Rig) -> None:
+    for i in range(1000):
+        rig.send(_gen(f"f{i}", [1, 2], max_new_tokens=1000))
+    got = _call_in_background(rig, "get_load")
+    steps = 0
+
+    def answered() -> bool:
+        nonlocal steps
+        steps += 1
+        return bool(rig._poll_reply())  # type: ignore[attr-defined]
+
+    rig.run_until(answered)
+    assert got[0].success
+    assert steps <= 5  # answered within the first few steps, not after the flood
+    accepted = rig.sched.finish_all()  # every accepted request gets a terminal answer
+    assert 0 < accepted < 1000  # the rpc did not wait behind the whole flood
+    errors = rig.outputs(ErrorOut)
+    assert len(errors) == accepted and all(
+        isinstance(e, ErrorOut) and e.code == "shutdown" for e in errors)
+
+
+def test_generation_rules(rig: Rig) -> None:
+    rig.send(_gen("len", [1, 2, 3], max_new_tokens=5, temperature=0.0))
+    rig.send(_gen("zero", [1], max_new_tokens=0))
+    rig.run_until(lambda: {"len", "zero"} <= rig.finished().keys())
+    done = rig.finished()
+    assert len(done["len"][0]) == 5 and done["len"][1] == "length"
+    assert done["zero"] == ([], "length")
+    first = done["len"][0][0]
+    rig.send(_gen("stop", [1, 2, 3], max_new_tokens=50, temperature=0.0,
+                  stop_token_ids=token_ids([first])))
+    rig.run_until(lambda: "stop" in rig.finished())
+    assert rig.finished()["stop"] == ([], "stop")  # the stop token is not emitted
+
+
+def test_abort_queued_and_running(rig: Rig) -> None:
+    rig.sched.max_batch = 1
+    rig.send(_gen("run", [1], max_new_tokens=10_000))
+    rig.send(_gen("queued", [1], max_new_tokens=10_000))
+    rig.run_until(lambda: rig.sched.statistics().running == 1)
+    rig.send(AbortReq(rid="queued"))
+    rig.send(AbortReq(rid="run"))
+    rig.send(AbortReq(rid="never-heard-of"))
+    rig.run_until(lambda: {"run", "queued"} <= rig.finished().keys())
+    assert rig.finished()["run"][1] == "abort" and rig.finished()["queued"][1] == "abort"
+    assert not rig.sched.busy
+
+
+def test_same_seed_same_tokens_whatever_the_batch(rig: Rig) -> None:
+    rig.send(_gen("alone", [5, 6, 7], max_new_tokens=12, temperature=0.9, top_p=0.9,
+                  top_k=20, seed=42))
+    rig.run_until(lambda: "alone" in rig.finished())
+    for i in range(5):
+        rig.send(_gen(f"other{i}", [i + 1], max_new_tokens=30, temperature=1.0))
+    rig.send(_gen("crowd", [5, 6, 7], max_new_tokens=12, temperature=0.9, top_p=0.9,
+                  top_k=20, seed=42))
+    rig.run_until(lambda: "crowd" in rig.finished())
+    assert rig.finished()["alone"] == rig.finished()["crowd"]
+
+
+def test_logprobs_and_embeddings(rig: Rig) -> None:
+    req = _gen("lp", [1, 2], max_new_tokens=4, temperature=0.0)
+    req.return_logprob = True
+    rig.send(req)
+    rig.send(TokenizedEmbeddingReqInput(rid="e1", input_ids=token_ids([3, 4])))
+    rig.run_until(lambda: "lp" in rig.finished() and bool(rig.outputs(BatchEmbeddingOut)))
+    outs = [o for o in rig.outputs(BatchTokenIDOut) if isinstance(o, BatchTokenIDOut)
+            and "lp" in o.rids]
+    lps = [lp for o in outs for rid, lp in o.logprobs_items() if rid == "lp"]
+    flat = np.concatenate(lps)
+    assert flat.shape == (4,) and (flat <= 0).all()
+    emb = rig.outputs(BatchEmbeddingOut)[0]
+    assert isinstance(emb, BatchEmbeddingOut) and emb.rids == ["e1"]
+    assert abs(float(emb.embeddings.norm()) - 1.0) < 1e-4
+
+
+def test_invalid_requests_get_an_error_on_their_origin(rig: Rig) -> None:
+    rig.send(_gen("big", [1, 10_000]))
+    rig.send(_gen("empty", []))
+    rig.run_until(lambda: len(rig.outputs(ErrorOut)) == 2)
+    errs = {e.rid: e for e in rig.outputs(ErrorOut) if isinstance(e, ErrorOut)}
+    assert errs["big"].code == "invalid_request" and "vocabulary" in errs["big"].message
+    assert errs["empty"].code == "invalid_request"
+
+
+def test_malformed_frame_is_answered_and_counted(rig: Rig) -> None:
+    if rig.push is None:
+        pytest.skip("a ring carries objects, not frames")
+    bad = msgspec.msgpack.encode(["TokenizedGenerateReqInput", "bad-7", b"\x01", [5, -1.0]])
+    rig.send_raw(bad)
+    rig.send_raw(b"\xff\xfe")
+    rig.send(_gen("ok", [1], max_new_tokens=1))
+    rig.run_until(lambda: "ok" in rig.finished())
+    errs = [e for e in rig.outputs(ErrorOut) if isinstance(e, ErrorOut)]
+    assert [(e.rid, e.code) for e in errs] == [("bad-7", "decode_error")]
+    assert rig.sched.statistics().rejected == 2
+
+
+def test_rpc_methods(rig: Rig, tmp_path: Path) -> None:
+    def call(method: str, **params: object) -> RpcReqOutput:
+        got = _call_in_background(rig, method, **params)
+        rig.run_until(lambda: bool(rig._poll_reply()))  # type: ignore[attr-defined]
+        return got[0]
+
+    ck = tmp_path / "model.ckpt"
+    assert call("save_checkpoint", path=str(ck)).success and ck.is_file()
+    before = {k: v.clone() for k, v in rig.sched.model.state_dict().items()}
+    for p in rig.sched.model.parameters():
+        p.data.zero_()
+    assert call("load_checkpoint", path=str(ck)).success
+    after = rig.sched.model.state_dict()
+    assert all(bool((before[k] == after[k]).all()) for k in before)
+    assert not call("load_checkpoint", path=str(tmp_path / "missing")).success
+    assert "unknown rpc method" in call("no_such_method").message
+    assert "bad parameters" in call("save_checkpoint", nope=1).message
+    assert call("flush_cache").success
+    rig.send(_gen("busy", [1], max_new_tokens=10_000))
+    rig.run_until(lambda: rig.sched.statistics().running == 1)
+    busy = call("flush_cache")
+    assert not busy.success and "cannot flush" in busy.message
+    load = call("get_load")
+    assert load.result is not None and load.result["running"] == 1
