@@ -3,7 +3,7 @@
 from scheduler.engine import Engine, GenerateResult, RequestHandle, StreamChunk
 from scheduler.errors import EngineClosed, EngineError, RequestFailed, SchedulerGone
 from scheduler.loop import Scheduler, SchedulerStats
-from scheduler.model import ModelConfig, TinyLM
+from scheduler.model import ModelConfig, StubLM, TinyLM, build_model
 from scheduler.rpc_methods import RpcMethods
 from scheduler.wiring import Endpoints, serve_ring, serve_zmq
 
@@ -21,7 +21,9 @@ __all__ = [
     "SchedulerGone",
     "SchedulerStats",
     "StreamChunk",
+    "StubLM",
     "TinyLM",
+    "build_model",
     "serve_ring",
     "serve_zmq",
 ]

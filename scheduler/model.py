@@ -9,11 +9,12 @@ bookkeeping. Weights are seeded, so two processes build the same model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-__all__ = ["ModelConfig", "TinyLM"]
+__all__ = ["ModelConfig", "StubLM", "TinyLM", "build_model"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,9 @@ class ModelConfig:
     hidden: int = 128
     layers: int = 2
     seed: int = 0
+    #: ``"gru"``: the real model; ``"stub"``: :class:`StubLM`, a zero-cost
+    #: stand-in that exposes the bus and router's own overhead in benchmarks.
+    kind: Literal["gru", "stub"] = "gru"
 
     def __post_init__(self) -> None:
         if min(self.vocab_size, self.hidden, self.layers) < 1:
@@ -79,3 +83,29 @@ class TinyLM(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         normed: torch.Tensor = self.norm(h)
         return normed @ self.embed.weight.T
+
+
+class StubLM(TinyLM):
+    """A stand-in with the model's interface and (almost) none of its cost.
+
+    Returns fixed logits and states, so a benchmark of the whole loop measures
+    the bus, the router and the scheduler's bookkeeping, not the matmuls.
+    """
+
+    def __init__(self, config: ModelConfig = ModelConfig(kind="stub")) -> None:
+        super().__init__(config)
+        self._row = torch.zeros(config.vocab_size)
+        self._state = self.initial_state()
+        self._rows = self._row.expand(4096, -1)
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._row, self._state
+
+    def decode(self, tokens: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+        return self._rows[: tokens.shape[0]], states
+
+
+def build_model(config: ModelConfig) -> TinyLM:
+    """The model ``config`` describes."""
+    return StubLM(config) if config.kind == "stub" else TinyLM(config)

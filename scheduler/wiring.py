@@ -20,7 +20,7 @@ from bus.channels import Inbox
 from messages import Codec, Output, Request
 from router import RingSink, RpcReplySink, TransportSink, scheduler_router
 from scheduler.loop import Scheduler
-from scheduler.model import ModelConfig, TinyLM
+from scheduler.model import ModelConfig, build_model
 
 __all__ = ["Endpoints", "serve_ring", "serve_zmq"]
 
@@ -52,7 +52,7 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
     with RpcServer(codec, rpc_endpoint, kind=rpc_kind, options=options) as rpc:
         inboxes: list[Inbox[Request]] = [RingInbox(ingress, name="work"), rpc]
         router = scheduler_router(RingSink(egress), RpcReplySink(rpc))
-        sched = Scheduler(Receiver(inboxes), router, TinyLM(model), max_batch=max_batch)
+        sched = Scheduler(Receiver(inboxes), router, build_model(model), max_batch=max_batch)
         if ready is not None:
             ready.set()
         sched.run()
@@ -70,4 +70,4 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
             PushOutbox(out_codec, endpoints.out, options=options) as out:
         router = scheduler_router(TransportSink(out), RpcReplySink(rpc))
         inboxes: list[Inbox[Request]] = [work, rpc]
-        Scheduler(Receiver(inboxes), router, TinyLM(model), max_batch=max_batch).run()
+        Scheduler(Receiver(inboxes), router, build_model(model), max_batch=max_batch).run()

@@ -86,7 +86,7 @@ def test_per_producer_order(rig: Rig) -> None:
     for i in range(300):
         rig.send(AbortReq(rid=f"r{i}"))
     got = _take(receiver, 300)
-    assert [e.message.rid for e in got if isinstance(e, Envelope)  # type: ignore[attr-defined]
+    assert [e.message.rid for e in got if isinstance(e, Envelope)
             ] == [f"r{i}" for i in range(300)]
 
 

@@ -1,0 +1,155 @@
+"""End to end: generate throughput, bus+router overhead per request, rpc latency, both modes.
+
+Run: ``python -m benchmarks.e2e``. The last line is one JSON object.
+
+* Throughput: N generate requests through the real model, per mode.
+* Overhead: the same loop with :class:`~scheduler.StubLM` (near-zero model
+  cost), one token per request, through the Engine; against a baseline that
+  feeds the very same scheduler by direct calls, with no bus at all. The
+  difference per request is what the bus, router and engine add.
+* Rpc latency p50/p99, idle and while 1000 generate requests flood the work channel.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+from benchmarks._timing import percentiles
+from bus import Envelope, Origin, Receiver, Rejected
+from messages import Output, Request, SamplingParams, TokenizedGenerateReqInput, token_ids
+from router import CallbackSink, scheduler_router
+from scheduler import Engine, ModelConfig, Scheduler, StubLM
+
+Mode = Literal["ring", "zmq"]
+WORK = Origin("work")
+
+
+class _DirectInbox:
+    """No bus: hands the scheduler envelopes from a list (the baseline)."""
+
+    name = "work"
+
+    def __init__(self, reqs: Sequence[Request]) -> None:
+        self._items = [Envelope(r, WORK) for r in reqs]
+        self._i = 0
+
+    def drain(self, max_n: int) -> list[Envelope[Request] | Rejected]:
+        out = self._items[self._i : self._i + max_n]
+        self._i += len(out)
+        return list(out)
+
+    def pollable(self) -> int:
+        import os
+
+        if not hasattr(self, "_fd"):
+            self._fd = os.eventfd(1)
+        return self._fd
+
+    def close(self) -> None:
+        pass
+
+
+def _requests(n: int, tokens: int) -> list[TokenizedGenerateReqInput]:
+    return [TokenizedGenerateReqInput(rid=f"r{i}", input_ids=token_ids(range(1, 33)),
+                                      sampling=SamplingParams(max_new_tokens=tokens,
+                                                              temperature=0.0))
+            for i in range(n)]
+
+
+def direct_us_per_request(n: int) -> float:
+    reqs = _requests(n, 1)
+    done: list[Output] = []
+    sink = CallbackSink(lambda o, g: done.append(o))
+    router = scheduler_router(sink, sink)  # type: ignore[arg-type]
+    sched = Scheduler(Receiver([_DirectInbox(reqs)]), router,
+                      StubLM(ModelConfig(kind="stub")), max_batch=64)
+    t0 = time.perf_counter()
+    while sched.step() or sched.busy:
+        pass
+    dt = time.perf_counter() - t0
+    assert sum(len(o.rids) for o in done if hasattr(o, "rids")) == n  # type: ignore[attr-defined]
+    return dt / n * 1e6
+
+
+def engine_us_per_request(mode: Mode, n: int) -> float:
+    with Engine(mode, ModelConfig(kind="stub"), max_batch=64) as engine:
+        prompt = token_ids(range(1, 33))
+        sp = SamplingParams(max_new_tokens=1, temperature=0.0)
+        for h in [engine.submit(prompt, sp) for _ in range(200)]:  # warm up
+            h.result(60)
+        t0 = time.perf_counter()
+        handles = [engine.submit(prompt, sp) for _ in range(n)]
+        for h in handles:
+            h.result(60)
+        return (time.perf_counter() - t0) / n * 1e6
+
+
+def throughput(mode: Mode, n: int, tokens: int) -> tuple[float, float]:
+    with Engine(mode, ModelConfig(), max_batch=64) as engine:
+        engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))  # warm up
+        prompt = token_ids(range(1, 33))
+        sp = SamplingParams(max_new_tokens=tokens, temperature=0.8, seed=1)
+        t0 = time.perf_counter()
+        handles = [engine.submit(prompt, sp) for _ in range(n)]
+        total = sum(len(h.result(300).token_ids) for h in handles)
+        dt = time.perf_counter() - t0
+    return n / dt, total / dt
+
+
+def rpc_latency(mode: Mode, samples: int) -> tuple[list[float], list[float]]:
+    with Engine(mode, ModelConfig(), max_batch=64) as engine:
+        idle = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            engine.collective_rpc("get_load")
+            idle.append((time.perf_counter() - t0) * 1e6)
+        handles = [engine.submit([1, 2, 3], SamplingParams(max_new_tokens=64))
+                   for _ in range(1000)]
+        flood = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            engine.collective_rpc("get_load")
+            flood.append((time.perf_counter() - t0) * 1e6)
+        for h in handles:
+            engine.abort(h.rid)
+        for h in handles:
+            h.result(120)
+    return idle, flood
+
+
+def main() -> None:
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    res: dict[str, float] = {}
+    n = 3000
+    direct = statistics.median(direct_us_per_request(n) for _ in range(3))
+    say(f"baseline (stub model, no bus, direct calls): {direct:.1f} us/request")
+    for mode in ("ring", "zmq"):
+        via = statistics.median(engine_us_per_request(mode, n) for _ in range(3))
+        rps, tps = throughput(mode, 256, 32)
+        idle, flood = rpc_latency(mode, 200)
+        i50, i99 = percentiles(idle)
+        f50, f99 = percentiles(flood)
+        say(f"{mode}: stub via Engine {via:.1f} us/request -> overhead {via - direct:.1f} us; "
+            f"real model {rps:.1f} req/s, {tps:,.0f} tokens/s; rpc us p50/p99 idle "
+            f"{i50:.0f}/{i99:.0f}, flood {f50:.0f}/{f99:.0f}")
+        res.update({
+            f"stub_us_per_request_{mode}": round(via, 1),
+            f"overhead_us_per_request_{mode}": round(via - direct, 1),
+            f"requests_per_s_{mode}": round(rps, 1),
+            f"tokens_per_s_{mode}": round(tps),
+            f"rpc_idle_p50_us_{mode}": round(i50, 1),
+            f"rpc_idle_p99_us_{mode}": round(i99, 1),
+            f"rpc_flood_p50_us_{mode}": round(f50, 1),
+            f"rpc_flood_p99_us_{mode}": round(f99, 1),
+        })
+    res["direct_us_per_request"] = round(direct, 1)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
