@@ -47,6 +47,7 @@ __all__ = ["Scheduler", "SchedulerStats"]
 log = logging.getLogger("scheduler")
 
 Handler = Callable[[Request, Origin], None]
+_MIN_PREFILL_COST = 128
 
 
 @dataclass(slots=True)
@@ -86,16 +87,22 @@ class Scheduler:
         router: where outputs go (see :func:`router.scheduler_router`).
         model: the model to run.
         max_batch: most requests decoding at once; the rest queue.
+        max_prefill_tokens: most prompt tokens read in one step, a prompt
+            counting at least 128 (at least one request is always admitted),
+            so a burst of new requests cannot make one step long enough to
+            delay an rpc or the running streams.
         idle_timeout: longest single park in :meth:`run` (any inbox wakes it
             sooner).
     """
 
     def __init__(self, receiver: Receiver[Request], router: Router[Output], model: TinyLM, *,
-                 max_batch: int = 64, idle_timeout: float = 1.0) -> None:
+                 max_batch: int = 64, max_prefill_tokens: int = 2048,
+                 idle_timeout: float = 1.0) -> None:
         self.receiver = receiver
         self.router = router
         self.model = model
         self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
         self.idle_timeout = idle_timeout
         self.rpc = RpcMethods()
         self._handlers: TypeTable[Request, Handler] = TypeTable(
@@ -254,7 +261,14 @@ class Scheduler:
 
     def _run_batch(self) -> None:
         new: list[_Seq] = []
+        budget = self.max_prefill_tokens
         while self._waiting and len(self._running) + len(new) < self.max_batch:
+            # A prompt costs at least _MIN_PREFILL_COST: admitting a request
+            # has a fixed price however short its prompt.
+            cost = max(_MIN_PREFILL_COST, self._waiting[0].req.input_ids.shape[0])
+            if new and cost > budget:
+                break
+            budget -= cost
             new.append(self._waiting.popleft())
         rows: list[torch.Tensor] = []
         if self._running:
