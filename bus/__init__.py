@@ -5,6 +5,7 @@ client speaks ``RpcReqInput``/``RpcReqOutput``, the rpc protocol itself).
 """
 
 from bus.channels import Inbox, PullInbox, PushOutbox, RingInbox, RpcServer, ZmqInbox
+from bus.curve import CurveAuthenticator, CurveKeys
 from bus.envelope import Envelope, Origin, Rejected
 from bus.errors import ChannelClosed, ChannelError, EndOfChannel, PeerGone, RpcTimeout, WouldBlock
 from bus.receiver import Receiver, ReceiverStats
@@ -15,6 +16,8 @@ from bus.sockets import SocketOptions, check_endpoint
 __all__ = [
     "ChannelClosed",
     "ChannelError",
+    "CurveAuthenticator",
+    "CurveKeys",
     "EndOfChannel",
     "Envelope",
     "Inbox",

@@ -15,6 +15,9 @@ Defaults, and why:
 * **MAXMSGSIZE**: the codec's byte bound plus slack; zmq refuses a bigger
   message before allocating it.
 * **tcp binds to loopback** unless ``allow_remote=True``.
+* **CURVE** (``curve_keys``): a socket that binds with keys is a CURVE
+  server; one that connects with ``curve_server_public`` is a CURVE client
+  (it must have keys too). Admit clients with :class:`~bus.CurveAuthenticator`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from bus.curve import CurveKeys
 from messages import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["SocketOptions", "check_endpoint", "make_socket"]
@@ -37,6 +41,8 @@ class SocketOptions:
     send_timeout_ms: int = 10_000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     allow_remote: bool = False
+    curve_keys: CurveKeys | None = None
+    curve_server_public: bytes | None = None
 
 
 _WILDCARDS = ("tcp://*", "tcp://0.0.0.0", "tcp://[::]", "tcp://::")
@@ -79,6 +85,7 @@ def make_socket(
         sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes + (1 << 16))
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        _apply_curve(sock, bind=bind, options=options)
         if bind:
             sock.bind(endpoint)
         else:
@@ -87,3 +94,17 @@ def make_socket(
         sock.close(0)
         raise
     return sock
+
+
+def _apply_curve(sock: zmq.Socket[bytes], *, bind: bool, options: SocketOptions) -> None:
+    keys = options.curve_keys
+    if bind and keys is not None:
+        sock.curve_secretkey = keys.secret
+        sock.curve_publickey = keys.public
+        sock.curve_server = True
+    elif not bind and options.curve_server_public is not None:
+        if keys is None:
+            raise ValueError("a CURVE client needs its own curve_keys")
+        sock.curve_secretkey = keys.secret
+        sock.curve_publickey = keys.public
+        sock.curve_serverkey = options.curve_server_public

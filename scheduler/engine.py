@@ -18,6 +18,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,7 +58,8 @@ from messages import (
 )
 from scheduler.errors import EngineClosed, EngineError, RequestFailed, SchedulerGone
 from scheduler.model import ModelConfig
-from scheduler.wiring import Endpoints, serve_ring, serve_zmq
+from scheduler.tp import TPConfig
+from scheduler.wiring import Endpoints, serve_follower, serve_ring, serve_zmq
 
 __all__ = ["Engine", "GenerateResult", "RequestHandle", "StreamChunk"]
 
@@ -152,12 +154,20 @@ class Engine:
         model: the model's shape and seed.
         max_batch: most requests decoding at once.
         start_timeout: seconds to wait for the scheduler to answer its first rpc.
+        tp_size: tensor-parallel ranks (``zmq`` mode): that many scheduler
+            processes joined by ``torch.distributed``; rank 0 owns the
+            channels and broadcasts every poll, outputs leave from rank 0,
+            and an rpc runs on every rank and is answered once.
     """
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
-                 *, max_batch: int = 64, start_timeout: float = 60.0) -> None:
+                 *, max_batch: int = 64, start_timeout: float = 60.0,
+                 tp_size: int = 1) -> None:
         if mode not in ("ring", "zmq"):
             raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
+        if tp_size < 1 or (tp_size > 1 and mode != "zmq"):
+            raise ValueError("tp_size > 1 needs mode='zmq' (each rank is a process)")
+        self.tp_size = tp_size
         self.mode = mode
         self.model = model or ModelConfig()
         self._dir = tempfile.mkdtemp(prefix="tsb-")
@@ -167,7 +177,7 @@ class Engine:
         self._closed = False
         self._gone: str | None = None
         self._thread: threading.Thread | None = None
-        self._proc: BaseProcess | None = None
+        self._procs: list[BaseProcess] = []
         self._ingress: Ring[Request] | None = None
         self._egress: Ring[Output] | None = None
         self._work_out: PushOutbox[Request] | None = None
@@ -186,10 +196,17 @@ class Engine:
             out_inbox = PullInbox(Codec(Output), self.endpoints.out, name="out")
             self._work_out = PushOutbox(Codec(Request), self.endpoints.work, name="work")
             ctx = multiprocessing.get_context("spawn")
-            self._proc = ctx.Process(target=serve_zmq, args=(self.endpoints, self.model),
-                                     kwargs={"max_batch": max_batch}, name="scheduler",
-                                     daemon=True)
-            self._proc.start()
+            tp = TPConfig(tp_size, f"{self._dir}/tp-init") if tp_size > 1 else None
+            self._procs.append(ctx.Process(
+                target=serve_zmq, args=(self.endpoints, self.model),
+                kwargs={"max_batch": max_batch, "tp": tp}, name="scheduler", daemon=True))
+            for rank in range(1, tp_size):
+                self._procs.append(ctx.Process(
+                    target=serve_follower, args=(rank, tp, self.model),
+                    kwargs={"max_batch": max_batch}, name=f"scheduler-rank{rank}",
+                    daemon=True))
+            for proc in self._procs:
+                proc.start()
         self._out_inbox = out_inbox
         self._rpc = RpcClient(self.endpoints.rpc, name="rpc")
         self._reader_stop = threading.Event()
@@ -270,11 +287,14 @@ class Engine:
                 log.warning("shutdown rpc failed: %s", exc)
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._proc is not None:
-            self._proc.join(timeout)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join()
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            if self._gone is not None:  # a rank died: the others may wait on it forever
+                proc.kill()
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
         self._reader_stop.set()
         self._reader.join(timeout)
         self._fail_all(EngineClosed("the engine closed before the request finished"))
@@ -305,11 +325,12 @@ class Engine:
             log.exception("embedded scheduler crashed")
 
     def _alive(self) -> bool:
-        if self._proc is not None:
-            if not self._proc.is_alive():
-                self._gone = self._gone or (f"the scheduler process exited "
-                                            f"(exit code {self._proc.exitcode})")
-                return False
+        if self._procs:
+            for proc in self._procs:
+                if not proc.is_alive():
+                    self._gone = self._gone or (f"scheduler process {proc.name} exited "
+                                                f"(exit code {proc.exitcode})")
+                    return False
             return True
         if self._thread is not None and not self._thread.is_alive():
             self._gone = self._gone or "the embedded scheduler thread stopped"

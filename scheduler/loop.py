@@ -8,17 +8,19 @@ and every output leaves through a :class:`~router.Router`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from bus import Envelope, Origin, Receiver, Rejected
+from bus import Envelope, Origin, Rejected
 from messages import (
     AbortReq,
     BatchEmbeddingOut,
@@ -42,12 +44,24 @@ from scheduler.model import TinyLM
 from scheduler.rpc_methods import RpcMethods
 from scheduler.sampling import sample_next
 
-__all__ = ["Scheduler", "SchedulerStats"]
+__all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 
 log = logging.getLogger("scheduler")
 
 Handler = Callable[[Request, Origin], None]
 _MIN_PREFILL_COST = 128
+
+
+class RequestSource(Protocol):
+    """Where requests come from: a :class:`~bus.Receiver`, or a tensor-parallel wrapper."""
+
+    def poll(self) -> Sequence[Envelope[Request] | Rejected]:
+        """Take what waits, never blocking."""
+        ...
+
+    def wait(self, timeout: float | None) -> bool:
+        """Park until something waits or ``timeout`` passes."""
+        ...
 
 
 @dataclass(slots=True)
@@ -93,11 +107,17 @@ class Scheduler:
             delay an rpc or the running streams.
         idle_timeout: longest single park in :meth:`run` (any inbox wakes it
             sooner).
+        rank, world_size: this scheduler's tensor-parallel rank (checkpoints
+            are written one shard per rank).
+        rpc_reduce: combines this rank's rpc reply with the other ranks'
+            (see :func:`scheduler.tp.rpc_reducer`); ``None`` answers nothing.
     """
 
-    def __init__(self, receiver: Receiver[Request], router: Router[Output], model: TinyLM, *,
+    def __init__(self, receiver: RequestSource, router: Router[Output], model: TinyLM, *,
                  max_batch: int = 64, max_prefill_tokens: int = 2048,
-                 idle_timeout: float = 1.0) -> None:
+                 idle_timeout: float = 1.0, rank: int = 0, world_size: int = 1,
+                 rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None
+                 ) -> None:
         self.receiver = receiver
         self.router = router
         self.model = model
@@ -105,6 +125,10 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.idle_timeout = idle_timeout
         self.rpc = RpcMethods()
+        self.rank = rank
+        self.world_size = world_size
+        self._rpc_reduce = rpc_reduce
+        self._digest = hashlib.blake2b(digest_size=16)
         self._handlers: TypeTable[Request, Handler] = TypeTable(
             Request, concrete_types(Request))
         self._handlers.register(TokenizedGenerateReqInput, self._on_generate)  # type: ignore[arg-type]
@@ -125,6 +149,7 @@ class Scheduler:
         for name, fn in (("save_checkpoint", self.save_checkpoint),
                          ("load_checkpoint", self.load_checkpoint),
                          ("flush_cache", self.flush_cache), ("get_load", self.get_load),
+                         ("token_digest", self.token_digest),
                          ("shutdown", self.request_shutdown)):
             self.rpc.register(name, fn)
 
@@ -210,11 +235,11 @@ class Scheduler:
             frozenset()
         gen = None
         if sp.temperature > 0 and sp.top_k != 1:
-            gen = torch.Generator()
-            if sp.seed is not None:
-                gen.manual_seed(sp.seed)
-            else:
-                gen.seed()
+            # No seed: derive one from the rid, so every tensor-parallel rank
+            # samples the same tokens for the same request.
+            seed = sp.seed if sp.seed is not None else int.from_bytes(
+                hashlib.blake2b(req.rid.encode(), digest_size=8).digest(), "little") >> 1
+            gen = torch.Generator().manual_seed(seed)
         seq = _Seq(req, origin, stop, gen)
         self._live[req.rid] = seq
         if sp.max_new_tokens == 0:
@@ -242,7 +267,11 @@ class Scheduler:
         self._aborted.append(seq)
 
     def _on_rpc(self, req: RpcReqInput, origin: Origin) -> None:
-        self._route(self.rpc.answer(req), origin)
+        reply: RpcReqOutput | None = self.rpc.answer(req)
+        if self._rpc_reduce is not None and reply is not None:
+            reply = self._rpc_reduce(reply)
+        if reply is not None:
+            self._route(reply, origin)
 
     # -- model work -----------------------------------------------------------
 
@@ -300,6 +329,7 @@ class Scheduler:
             if s.finished is not None:
                 done.append(s)
         n = len(active)
+        self._digest.update(toks.numpy().tobytes())
         self._tokens += n
         self._rate_tokens += n
         self._running = [s for s in active if s.finished is None]
@@ -362,15 +392,29 @@ class Scheduler:
 
     # -- rpc methods ------------------------------------------------------------
 
+    def _shard(self, path: str) -> Path:
+        p = Path(path)
+        return p if self.world_size == 1 else p.with_name(
+            f"{p.name}.rank{self.rank}-of-{self.world_size}")
+
     def save_checkpoint(self, path: str) -> RpcResult:
-        """Write the model weights atomically to ``path`` (temp file, then rename)."""
-        size = save_state(self.model.state_dict(), path)
-        return {"path": str(Path(path)), "bytes": size}
+        """Write the model weights atomically to ``path`` (temp file, then rename).
+
+        With several ranks, each writes its own shard ``path.rank<r>-of-<n>``.
+        """
+        target = self._shard(path)
+        size = save_state(self.model.state_dict(), target)
+        return {"path": str(target), "bytes": size}
 
     def load_checkpoint(self, path: str) -> RpcResult:
-        """Load model weights written by :meth:`save_checkpoint`."""
-        self.model.load_state_dict(load_state(path))
-        return {"path": str(Path(path))}
+        """Load model weights written by :meth:`save_checkpoint` (this rank's shard)."""
+        target = self._shard(path)
+        self.model.load_state_dict(load_state(target))
+        return {"path": str(target)}
+
+    def token_digest(self) -> RpcResult:
+        """A digest of every token this scheduler sampled, in order (ranks must agree)."""
+        return {"digest": self._digest.hexdigest(), "tokens": self._tokens, "rank": self.rank}
 
     def flush_cache(self) -> RpcResult:
         """Drop cached state; refused while requests are in flight."""

@@ -12,17 +12,31 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from bus import PullInbox, PushOutbox, Receiver, Ring, RingInbox, RpcServer, SocketOptions
+import torch.distributed as dist
+import zmq
+
+from bus import (
+    CurveAuthenticator,
+    PullInbox,
+    PushOutbox,
+    Receiver,
+    Ring,
+    RingInbox,
+    RpcServer,
+    SocketOptions,
+)
 from bus.channels import Inbox
 from messages import Codec, Output, Request
 from router import RingSink, RpcReplySink, TransportSink, scheduler_router
-from scheduler.loop import Scheduler
+from scheduler.loop import RequestSource, Scheduler
 from scheduler.model import ModelConfig, build_model
+from scheduler.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, rpc_reducer
 
-__all__ = ["Endpoints", "serve_ring", "serve_zmq"]
+__all__ = ["Endpoints", "serve_follower", "serve_ring", "serve_zmq"]
 
 log = logging.getLogger("scheduler")
 _OPTIONS = SocketOptions()
@@ -61,13 +75,48 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
 
 def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
               rpc_kind: Literal["dealer", "router"] = "dealer",
-              options: SocketOptions = _OPTIONS) -> None:
-    """Run a scheduler over zmq until shut down (the body of the scheduler process)."""
+              options: SocketOptions = _OPTIONS, tp: TPConfig | None = None,
+              curve_clients: Sequence[bytes] | None = None) -> None:
+    """Run a scheduler over zmq until shut down (the body of the scheduler process).
+
+    With ``tp``, this is rank 0 of ``tp.world_size`` ranks: it owns the
+    sockets and broadcasts each poll to the others (:func:`serve_follower`).
+    With ``curve_clients`` (and server keys in ``options``), only clients
+    holding one of those public keys are served.
+    """
     codec: Codec[Request] = Codec(Request)
     out_codec: Codec[Output] = Codec(Output)
-    with PullInbox(codec, endpoints.work, options=options) as work, \
-            RpcServer(codec, endpoints.rpc, kind=rpc_kind, options=options) as rpc, \
-            PushOutbox(out_codec, endpoints.out, options=options) as out:
-        router = scheduler_router(TransportSink(out), RpcReplySink(rpc))
-        inboxes: list[Inbox[Request]] = [work, rpc]
-        Scheduler(Receiver(inboxes), router, build_model(model), max_batch=max_batch).run()
+    if tp is not None:
+        init_ranks(0, tp)
+    auth = CurveAuthenticator(zmq.Context.instance(), curve_clients) \
+        if curve_clients is not None else None
+    try:
+        with PullInbox(codec, endpoints.work, options=options) as work, \
+                RpcServer(codec, endpoints.rpc, kind=rpc_kind, options=options) as rpc, \
+                PushOutbox(out_codec, endpoints.out, options=options) as out:
+            router = scheduler_router(TransportSink(out), RpcReplySink(rpc))
+            inboxes: list[Inbox[Request]] = [work, rpc]
+            receiver: RequestSource = Receiver(inboxes)
+            world = 1 if tp is None else tp.world_size
+            if tp is not None:
+                receiver = BroadcastReceiver(0, Receiver(inboxes), codec)
+            Scheduler(receiver, router, build_model(model), max_batch=max_batch,
+                      world_size=world,
+                      rpc_reduce=rpc_reducer(0, world) if tp is not None else None).run()
+    finally:
+        if auth is not None:
+            auth.stop()
+        if tp is not None:
+            dist.destroy_process_group()
+
+
+def serve_follower(rank: int, tp: TPConfig, model: ModelConfig, *, max_batch: int = 64) -> None:
+    """Run tensor-parallel rank ``rank`` (> 0): same requests as rank 0, no sockets."""
+    init_ranks(rank, tp)
+    try:
+        codec: Codec[Request] = Codec(Request)
+        Scheduler(BroadcastReceiver(rank, None, codec), null_router(), build_model(model),
+                  max_batch=max_batch, rank=rank, world_size=tp.world_size,
+                  rpc_reduce=rpc_reducer(rank, tp.world_size)).run()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,198 @@
+"""Tensor-parallel ranks over ``torch.distributed``: rank 0 owns the bus.
+
+Every step, rank 0 polls its :class:`~bus.Receiver` and broadcasts what it got
+to every rank as codec frames packed in one ``uint8`` tensor (never pickle);
+the other ranks decode and handle the same requests in the same order, so
+every rank runs the same batch. A step that received nothing costs one
+8-byte broadcast. Outputs leave from rank 0 only; an rpc runs on every rank
+and rank 0 answers once, with every rank's outcome (:func:`rpc_reducer`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from bus import Envelope, Origin, Receiver, Rejected
+from messages import (
+    Codec,
+    DecodeError,
+    Message,
+    Output,
+    Request,
+    RpcReqOutput,
+    RpcResult,
+    Scalar,
+)
+from router import CallbackSink, Router
+
+__all__ = ["BroadcastReceiver", "TPConfig", "init_ranks", "null_router", "rpc_reducer"]
+
+log = logging.getLogger("scheduler.tp")
+
+
+@dataclass(frozen=True, slots=True)
+class TPConfig:
+    """How the ranks meet: ``world_size`` processes rendezvous through ``init_file``."""
+
+    world_size: int
+    init_file: str
+    timeout_s: float = 60.0
+
+
+def init_ranks(rank: int, tp: TPConfig) -> None:
+    """Join the process group (gloo on CPU, nccl when CUDA is present)."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tp.init_file}", rank=rank,
+                            world_size=tp.world_size, timeout=timedelta(seconds=tp.timeout_s))
+
+
+class _Item(msgspec.Struct, array_like=True):
+    """One envelope of a broadcast poll: its origin and frame sizes (or its rejection)."""
+
+    inbox: str
+    identity: bytes | None
+    sizes: list[int]
+    reason: str | None = None
+    rid: str | None = None
+    message_type: str | None = None
+
+
+_HEAD = msgspec.msgpack.Encoder()
+_ITEMS = msgspec.msgpack.Decoder(list[_Item])
+
+
+class BroadcastReceiver:
+    """A receiver shared by all ranks: rank 0 polls and broadcasts, the others listen.
+
+    Args:
+        rank: this process's rank.
+        inner: the real receiver (rank 0 only; ``None`` elsewhere).
+        codec: encodes and decodes the requests.
+    """
+
+    def __init__(self, rank: int, inner: Receiver[Request] | None, codec: Codec[Request]) -> None:
+        if (rank == 0) != (inner is not None):
+            raise ValueError("rank 0, and only rank 0, owns the inner receiver")
+        self.rank = rank
+        self.inner = inner
+        self.codec = codec
+        self.broadcasts = 0
+
+    def poll(self) -> Sequence[Envelope[Request] | Rejected]:
+        """Rank 0: poll, then broadcast. Others: block until rank 0's broadcast."""
+        size = torch.zeros(1, dtype=torch.int64)
+        if self.inner is not None:
+            envelopes = self.inner.poll()
+            payload = self._pack(envelopes) if envelopes else b""
+            size[0] = len(payload)
+            dist.broadcast(size, src=0)
+            if payload:
+                dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+            self.broadcasts += 1
+            return envelopes
+        dist.broadcast(size, src=0)
+        self.broadcasts += 1
+        n = int(size[0])
+        if n == 0:
+            return []
+        buf = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, src=0)
+        return self._unpack(buf.numpy().data)
+
+    def wait(self, timeout: float | None) -> bool:
+        """Rank 0 parks on its inboxes; the other ranks park inside :meth:`poll`."""
+        if self.inner is not None:
+            return self.inner.wait(timeout)
+        return True
+
+    def _pack(self, envelopes: Sequence[Envelope[Request] | Rejected]) -> bytes:
+        items: list[_Item] = []
+        frames: list[bytes | bytearray | memoryview] = []
+        for env in envelopes:
+            if isinstance(env, Envelope):
+                fs = self.codec.encode(env.message)
+                items.append(_Item(env.origin.inbox, env.origin.identity,
+                                   [memoryview(f).nbytes for f in fs]))
+                frames.extend(fs)
+            else:
+                err = env.error
+                items.append(_Item(env.origin.inbox, env.origin.identity, [], err.reason,
+                                   err.rid, err.message_type))
+        head = _HEAD.encode(items)
+        return b"".join([len(head).to_bytes(8, "little"), head, *frames])
+
+    def _unpack(self, data: memoryview) -> list[Envelope[Request] | Rejected]:
+        n = int.from_bytes(data[:8], "little")
+        items = _ITEMS.decode(data[8 : 8 + n])
+        pos = 8 + n
+        out: list[Envelope[Request] | Rejected] = []
+        for it in items:
+            origin = Origin(it.inbox, it.identity)
+            if it.reason is not None:
+                out.append(Rejected(DecodeError(it.reason, rid=it.rid,
+                                                message_type=it.message_type), origin))
+                continue
+            frames = []
+            for size in it.sizes:
+                frames.append(data[pos : pos + size])
+                pos += size
+            out.append(Envelope(self.codec.decode(frames), origin))
+        return out
+
+
+def rpc_reducer(rank: int, world_size: int) -> Callable[[RpcReqOutput], RpcReqOutput | None]:
+    """Gather every rank's rpc reply on rank 0 and merge them into one answer.
+
+    The merged reply succeeds only if every rank did; its message names the
+    ranks that failed; each result key maps to the list of the ranks' values.
+    Other ranks get ``None`` (they answer nobody).
+    """
+    codec: Codec[Message] = Codec(Message, types=[RpcReqOutput])
+
+    def reduce(reply: RpcReqOutput) -> RpcReqOutput | None:
+        raw = bytes(memoryview(codec.encode(reply)[0]))
+        size = torch.tensor([len(raw)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+        dist.all_gather(sizes, size)
+        longest = max(int(s[0]) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world_size)]
+        dist.all_gather(bufs, mine)
+        if rank != 0:
+            return None
+        replies = []
+        for s, b in zip(sizes, bufs, strict=True):
+            r = codec.decode([b.numpy()[: int(s[0])].tobytes()])
+            assert isinstance(r, RpcReqOutput)
+            replies.append(r)
+        failed = [i for i, r in enumerate(replies) if not r.success]
+        result: dict[str, list[Scalar]] = {}
+        for r in replies:
+            for k, v in (r.result or {}).items():
+                result.setdefault(k, []).append(v if not isinstance(v, list) else str(v))
+        message = "ok" if not failed else "; ".join(
+            f"rank {i} failed: {replies[i].message}" for i in failed)
+        merged: RpcResult = dict(result)
+        return RpcReqOutput(rid=reply.rid, success=not failed, message=message,
+                            result=merged or None)
+
+    return reduce
+
+
+def null_router() -> Router[Output]:
+    """The router of ranks other than 0: outputs leave from rank 0 only."""
+    router: Router[Output] = Router(Output)
+    router.register(Output, CallbackSink(lambda output, origin: None))
+    router.freeze()
+    return router
+
+
+
