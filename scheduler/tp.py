@@ -1,10 +1,10 @@
 """Tensor-parallel ranks over ``torch.distributed``: rank 0 owns the bus.
 
 Every step, rank 0 polls its :class:`~bus.Receiver` and broadcasts what it got
-to every rank as codec frames packed in one ``uint8`` tensor (never pickle);
-the other ranks decode and handle the same requests in the same order, so
-every rank runs the same batch. A step that received nothing costs one
-8-byte broadcast. Outputs leave from rank 0 only; an rpc runs on every rank
+to every rank as codec frames packed in ``uint8`` tensors (never pickle); the
+other ranks decode and handle the same requests in the same order, so every
+rank runs the same batch. A step that received nothing, or a few requests,
+costs one 8 KiB broadcast. Outputs leave from rank 0 only; an rpc runs on every rank
 and rank 0 answers once, with every rank's outcome (:func:`rpc_reducer`).
 """
 
@@ -65,6 +65,7 @@ class _Item(msgspec.Struct, array_like=True):
 
 
 _HEAD = msgspec.msgpack.Encoder()
+_FIRST = 8192  # bytes of the first broadcast of every step: length + a small poll
 _ITEMS = msgspec.msgpack.Decoder(list[_Item])
 
 
@@ -86,25 +87,36 @@ class BroadcastReceiver:
         self.broadcasts = 0
 
     def poll(self) -> Sequence[Envelope[Request] | Rejected]:
-        """Rank 0: poll, then broadcast. Others: block until rank 0's broadcast."""
-        size = torch.zeros(1, dtype=torch.int64)
+        """Rank 0: poll, then broadcast. Others: block until rank 0's broadcast.
+
+        One fixed-size broadcast carries the length and, when it fits, the
+        whole poll (an idle step or a few requests: one round); a bigger
+        poll sends the rest in a second broadcast.
+        """
+        head = torch.zeros(_FIRST, dtype=torch.uint8)
         if self.inner is not None:
             envelopes = self.inner.poll()
             payload = self._pack(envelopes) if envelopes else b""
-            size[0] = len(payload)
-            dist.broadcast(size, src=0)
-            if payload:
-                dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+            n = len(payload)
+            first = n.to_bytes(8, "little") + payload[: _FIRST - 8]
+            head[: len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+            dist.broadcast(head, src=0)
+            if n > _FIRST - 8:
+                rest = bytearray(payload[_FIRST - 8 :])
+                dist.broadcast(torch.frombuffer(rest, dtype=torch.uint8), src=0)
             self.broadcasts += 1
             return envelopes
-        dist.broadcast(size, src=0)
+        dist.broadcast(head, src=0)
         self.broadcasts += 1
-        n = int(size[0])
+        raw = head.numpy()
+        n = int.from_bytes(raw[:8].tobytes(), "little")
         if n == 0:
             return []
-        buf = torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(buf, src=0)
-        return self._unpack(buf.numpy().data)
+        if n <= _FIRST - 8:
+            return self._unpack(raw[8 : 8 + n].data)
+        tail = torch.empty(n - (_FIRST - 8), dtype=torch.uint8)
+        dist.broadcast(tail, src=0)
+        return self._unpack(memoryview(raw[8:].tobytes() + tail.numpy().tobytes()))
 
     def wait(self, timeout: float | None) -> bool:
         """Rank 0 parks on its inboxes; the other ranks park inside :meth:`poll`."""
