@@ -52,6 +52,12 @@ class CurveKeys:
         return cls(public, secret)
 
     @staticmethod
+    def public_of(path: str | os.PathLike[str]) -> bytes:
+        """Read just the public key from a zmq certificate file (either file)."""
+        public, _ = zmq.auth.load_certificate(os.fspath(path))
+        return public
+
+    @staticmethod
     def create_files(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
         """Write a new key pair as zmq certificate files; returns (public, secret) paths."""
         os.makedirs(directory, exist_ok=True)

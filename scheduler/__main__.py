@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bus import CurveKeys, SocketOptions
 from messages import SamplingParams
 from scheduler.engine import Engine, RequestHandle
 from scheduler.model import ModelConfig
@@ -109,6 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a directory for ipc:// endpoints (work, rpc, out), or a tcp base "
                         "like tcp://127.0.0.1:5550 (work=+0, rpc=+1, out=+2)")
     s.add_argument("--max-batch", type=int, default=64)
+    s.add_argument("--allow-remote", action="store_true",
+                   help="allow binding tcp beyond loopback (use CURVE then)")
+    s.add_argument("--curve-keys", metavar="SECRET_FILE",
+                   help="this server's CURVE key pair (a zmq .key_secret file)")
+    s.add_argument("--curve-allow", metavar="PUBLIC_FILE", nargs="*", default=None,
+                   help="client public key files admitted (with --curve-keys)")
+    s.add_argument("--curve-out-server", metavar="PUBLIC_FILE",
+                   help="the output receiver's public key, to encrypt outputs too")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo(args.mode, args.requests, args.max_new_tokens, args.seed)
@@ -121,9 +130,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         os.makedirs(ep, exist_ok=True)
         endpoints = Endpoints.in_dir(os.path.abspath(ep))
-    print(f"serving: work={endpoints.work} rpc={endpoints.rpc} outputs->{endpoints.out}",
-          file=sys.stderr)
-    serve_zmq(endpoints, ModelConfig(), max_batch=args.max_batch)
+    keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
+    if (args.curve_allow is not None) != (keys is not None):
+        parser.error("--curve-keys and --curve-allow go together")
+    allowed = [CurveKeys.public_of(f) for f in args.curve_allow] if keys is not None else None
+    out_server = CurveKeys.public_of(args.curve_out_server) if args.curve_out_server else None
+    options = SocketOptions(allow_remote=args.allow_remote, curve_keys=keys,
+                            curve_server_public=out_server)
+    print(f"serving: work={endpoints.work} rpc={endpoints.rpc} outputs->{endpoints.out}"
+          f"{' (CURVE)' if keys else ''}", file=sys.stderr)
+    serve_zmq(endpoints, ModelConfig(), max_batch=args.max_batch, options=options,
+              curve_clients=allowed)
     return 0
 
 

@@ -1,0 +1,76 @@
+"""The command line: the demo (the README's first command) and serve with CURVE."""
+
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from bus import CurveKeys, RpcClient, RpcTimeout, SocketOptions
+from scheduler.__main__ import main
+
+
+def test_demo_runs_and_prints_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--requests", "6", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens generated                    18" in out
+    assert "rpc save_checkpoint busy" in out
+
+
+def _free_base() -> int:
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        socks = []
+        try:
+            for i in range(3):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+@pytest.fixture
+def curve_server(tmp_path: Path) -> Iterator[tuple[str, CurveKeys, CurveKeys]]:
+    _, server_secret = CurveKeys.create_files(tmp_path, "server")
+    client_public, client_secret = CurveKeys.create_files(tmp_path, "client")
+    base = _free_base()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scheduler", "serve", "--endpoint", f"tcp://127.0.0.1:{base}",
+         "--curve-keys", server_secret, "--curve-allow", client_public],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        yield (f"tcp://127.0.0.1:{base + 1}", CurveKeys.load(server_secret),
+               CurveKeys.load(client_secret))
+    finally:
+        proc.kill()
+        proc.wait(30)
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+def test_serve_with_curve_serves_only_admitted_clients(
+        curve_server: tuple[str, CurveKeys, CurveKeys],
+        ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    rpc, server, client = curve_server
+    good = SocketOptions(curve_keys=client, curve_server_public=server.public)
+    with RpcClient(rpc, ctx=ctx, options=good) as c:
+        assert c.call("get_load", timeout=60).success
+    bad = SocketOptions(curve_keys=CurveKeys.generate(), curve_server_public=server.public)
+    with RpcClient(rpc, ctx=ctx, options=bad) as c:
+        with pytest.raises(RpcTimeout):
+            c.call("get_load", timeout=0.5)
+    with RpcClient(rpc, ctx=ctx, options=good) as c:  # still serving
+        assert c.call("get_load", timeout=10).success
+        assert c.call("shutdown", timeout=10).success
