@@ -189,6 +189,16 @@ def _wake_sender(kind: str, endpoint: str, samples: int, ready: Any, lo: float, 
     ctx.term()
 
 
+def _collect_wakes(receiver: Receiver[Request], samples: int, out: list[float]) -> None:
+    """Park, and on each wake record how long ago the message was stamped."""
+    while len(out) < samples:
+        receiver.wait(5.0)
+        now = time.perf_counter_ns()
+        for env in receiver.poll():
+            assert isinstance(env, Envelope) and isinstance(env.message, RpcReqInput)
+            out.append((now - int(env.message.parameters["t"] or 0)) / 1e3)
+
+
 def wake_latency(kind: str, samples: int) -> list[float]:
     """us from send to the receiver returning from wait(), while it is parked."""
     d = tempfile.mkdtemp()
@@ -207,12 +217,7 @@ def wake_latency(kind: str, samples: int) -> list[float]:
                                      parameters={"t": time.perf_counter_ns()}))
         t = threading.Thread(target=send)
         t.start()
-        while len(out) < samples:
-            receiver.wait(5.0)
-            now = time.perf_counter_ns()
-            for env in receiver.poll():
-                assert isinstance(env, Envelope) and isinstance(env.message, RpcReqInput)
-                out.append((now - int(env.message.parameters["t"] or 0)) / 1e3)
+        _collect_wakes(receiver, samples, out)
         t.join()
         ring.release()
         ctx.term()
@@ -237,12 +242,7 @@ def wake_latency(kind: str, samples: int) -> list[float]:
         receiver = Receiver([inbox])
         proc.start()
         ready.set()
-        while len(out) < samples:
-            receiver.wait(5.0)
-            now = time.perf_counter_ns()
-            for env in receiver.poll():
-                assert isinstance(env, Envelope) and isinstance(env.message, RpcReqInput)
-                out.append((now - int(env.message.parameters["t"] or 0)) / 1e3)
+        _collect_wakes(receiver, samples, out)
         inbox.close()
     proc.join()
     ctx.term()

@@ -32,7 +32,7 @@ import operator
 import re
 import threading
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final, Generic, TypeVar
 
 import msgspec
@@ -436,33 +436,27 @@ def _pick_member(info: msgspec.inspect.UnionType, value: object) -> object:
     return None
 
 
+def _children(value: object, prefix: str) -> Iterator[tuple[str, object]]:
+    """(dotted path, child) of each field / item / entry of ``value``."""
+    if isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            yield (f"{prefix}.{name}" if prefix else name), getattr(value, name)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            yield f"{prefix}[{i}]", item
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield f"{prefix}[{key!r}]", item
+
+
 def _find_field(msg: object, target: object, prefix: str = "", depth: int = 0) -> str:
     """Dotted path of the field of ``msg`` holding ``target`` (identity), or ``""``."""
     if depth > 8:
         return ""
-    if isinstance(msg, msgspec.Struct):
-        for name in msg.__struct_fields__:
-            value = getattr(msg, name)
-            path = f"{prefix}.{name}" if prefix else name
-            if value is target:
-                return path
-            found = _find_field(value, target, path, depth + 1)
-            if found:
-                return found
-    elif isinstance(msg, list | tuple):
-        for i, value in enumerate(msg):
-            path = f"{prefix}[{i}]"
-            if value is target:
-                return path
-            found = _find_field(value, target, path, depth + 1)
-            if found:
-                return found
-    elif isinstance(msg, dict):
-        for key, value in msg.items():
-            path = f"{prefix}[{key!r}]"
-            if value is target:
-                return path
-            found = _find_field(value, target, path, depth + 1)
-            if found:
-                return found
+    for path, value in _children(msg, prefix):
+        if value is target:
+            return path
+        found = _find_field(value, target, path, depth + 1)
+        if found:
+            return found
     return ""
