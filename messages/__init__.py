@@ -8,10 +8,12 @@ from messages.base import (
     MAX_TOKENS,
     Message,
     Output,
+    PackedU32,
     Request,
     Rid,
     Scalar,
     TokenIds,
+    packed_u32,
     token_ids,
 )
 from messages.catalogue import (
@@ -58,6 +60,7 @@ __all__ = [
     "Frame",
     "Message",
     "Output",
+    "PackedU32",
     "Request",
     "Rid",
     "RpcReqInput",
@@ -69,5 +72,6 @@ __all__ = [
     "TokenizedEmbeddingReqInput",
     "TokenizedGenerateReqInput",
     "concrete_types",
+    "packed_u32",
     "token_ids",
 ]

@@ -6,7 +6,6 @@ from typing import Annotated, Final
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
 __all__ = [
     "ABSTRACT_MESSAGE_TYPES",
@@ -17,7 +16,9 @@ __all__ = [
     "Request",
     "Rid",
     "Scalar",
+    "PackedU32",
     "TokenIds",
+    "packed_u32",
     "token_ids",
 ]
 
@@ -30,9 +31,14 @@ MAX_BATCH: Final = 1 << 16
 Rid = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 #: A plain scalar, as rpc parameters and results carry.
 Scalar = None | bool | int | float | Annotated[str, msgspec.Meta(max_length=1 << 16)]
-#: A packed 1-D array of token ids. uint32 makes "ids are >= 0" a property of
-#: the type: checking it costs nothing at decode, unlike a scan for negatives.
-TokenIds = npt.NDArray[np.uint32]
+#: A packed 1-D array of unsigned 32-bit integers: a ``memoryview`` of
+#: format ``"I"``. msgspec encodes and decodes it natively (a msgpack ``bin``,
+#: no Python call either way), and a decoded one is a read-only view of the
+#: received frame (no copy). ``np.asarray(ids)`` or ``ids.tolist()`` read it.
+PackedU32 = memoryview
+#: Token ids, packed. Unsigned, so "ids are >= 0" is a property of the type,
+#: free at decode, unlike a scan for negatives.
+TokenIds = PackedU32
 _U32: Final = np.dtype(np.uint32)
 _ID_MAX: Final = (1 << 32) - 1
 
@@ -65,32 +71,51 @@ class Output(Message):
 ABSTRACT_MESSAGE_TYPES: Final[frozenset[type[Message]]] = frozenset({Message, Request, Output})
 
 
-def token_ids(values: npt.ArrayLike, *, field: str = "token_ids") -> TokenIds:
-    """Return ``values`` as a 1-D uint32 array of token ids, validating it.
+def packed_u32(values: object, *, field: str = "values") -> PackedU32:
+    """Return ``values`` as a 1-D uint32 memoryview (format ``"I"``), validating it.
 
-    Accepts a list, tuple, numpy array or anything ``numpy.asarray`` takes
-    (a CPU torch tensor included). A uint32 1-D array passes through
-    unchanged (no copy, no scan): this is the decode path.
+    Accepts a list, tuple, range, numpy array, CPU torch tensor, or a
+    memoryview (a byte view whose length is a multiple of 4 is read as
+    uint32: that is what the decoder hands over). A uint32 memoryview
+    passes through unchanged: the decode path costs a format check.
 
     Raises:
-        ValueError: not 1-D, not integers, a negative id, an id past uint32,
+        ValueError: not 1-D, not integers, a negative value, one past uint32,
             or longer than :data:`MAX_TOKENS`.
     """
-    arr = values if type(values) is np.ndarray else np.asarray(values)
-    if arr.dtype is not _U32 and arr.dtype != _U32:
-        if arr.size == 0 and arr.ndim == 1:
-            return np.empty(0, _U32)
-        if arr.dtype.kind not in "iu":
+    if type(values) is memoryview:
+        mv = values
+        if mv.format != "I" or mv.ndim != 1:
+            if mv.format in ("B", "b", "c") and mv.ndim == 1:
+                if mv.nbytes % 4:
+                    raise ValueError(f"{field}: {mv.nbytes} bytes is not a whole number "
+                                     "of uint32 values")
+                mv = mv.cast("I")
+            else:
+                mv = _from_array(np.asarray(mv), field)
+    else:
+        mv = _from_array(values if type(values) is np.ndarray else np.asarray(values), field)
+    if len(mv) > MAX_TOKENS:
+        raise ValueError(f"{field} holds {len(mv)} values, more than {MAX_TOKENS}")
+    return mv
+
+
+def token_ids(values: object, *, field: str = "token_ids") -> TokenIds:
+    """Return ``values`` as packed token ids (see :func:`packed_u32`)."""
+    return packed_u32(values, field=field)
+
+
+def _from_array(arr: np.ndarray, field: str) -> memoryview:
+    if arr.ndim != 1:
+        raise ValueError(f"{field} must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype != _U32:
+        if arr.size and arr.dtype.kind not in "iu":
             raise ValueError(f"{field} must hold integers, got dtype {arr.dtype}")
         if arr.size:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0:
-                raise ValueError(f"{field} holds a negative id: {lo}")
+                raise ValueError(f"{field} holds a negative value: {lo}")
             if hi > _ID_MAX:
-                raise ValueError(f"{field} holds an id past uint32: {hi}")
+                raise ValueError(f"{field} holds a value past uint32: {hi}")
         arr = arr.astype(_U32)
-    if arr.ndim != 1:
-        raise ValueError(f"{field} must be 1-D, got shape {tuple(arr.shape)}")
-    if arr.shape[0] > MAX_TOKENS:
-        raise ValueError(f"{field} holds {arr.shape[0]} ids, more than {MAX_TOKENS}")
-    return arr
+    return np.ascontiguousarray(arr).data.cast("B").cast("I")

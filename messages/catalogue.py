@@ -5,12 +5,14 @@ Names follow the serving engines our users come from (``BatchTokenIDOut``,
 one fails at decode, with a :class:`~messages.errors.DecodeError` naming the
 field, before any handler sees it.
 
-Token-id sequences are packed int32 arrays (:data:`~messages.base.TokenIds`),
-not lists of Python ints: decoding 256 ids as a list builds 256 objects.
+Token-id sequences are packed uint32 memoryviews (:data:`~messages.base.TokenIds`),
+not lists of Python ints: decoding 256 ids as a list builds 256 objects,
+while msgspec reads a packed ``bin`` in C, as a view of the frame.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Annotated, Literal
 
@@ -22,10 +24,12 @@ import torch
 from messages.base import (
     MAX_BATCH,
     Output,
+    PackedU32,
     Request,
     Rid,
     Scalar,
     TokenIds,
+    packed_u32,
     token_ids,
 )
 
@@ -74,8 +78,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
 
     def __post_init__(self) -> None:
-        if self.stop_token_ids is not None:
-            self.stop_token_ids = token_ids(self.stop_token_ids, field="stop_token_ids")
+        stop = self.stop_token_ids
+        if stop is not None and (type(stop) is not memoryview or stop.format != "I"):
+            self.stop_token_ids = token_ids(stop, field="stop_token_ids")
 
 
 class TokenizedGenerateReqInput(Request):
@@ -135,25 +140,23 @@ class BatchTokenIDOut(Output):
 
     rids: Annotated[list[Rid], msgspec.Meta(max_length=MAX_BATCH)]
     output_ids: TokenIds
-    output_lens: npt.NDArray[np.uint32]
+    output_lens: PackedU32
     finished_reasons: Annotated[list[FinishReason | None], msgspec.Meta(max_length=MAX_BATCH)]
     logprobs: npt.NDArray[np.float32] | None = None
     hidden_states: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.output_ids = token_ids(self.output_ids, field="output_ids")
+        self.output_lens = lens = packed_u32(self.output_lens, field="output_lens")
         n = len(self.rids)
-        lens = self.output_lens
-        if lens.dtype != np.uint32 or lens.shape != (n,):
-            raise ValueError(f"output_lens must be uint32 of shape ({n},), got "
-                             f"{lens.dtype} {tuple(lens.shape)}")
+        if len(lens) != n:
+            raise ValueError(f"output_lens has {len(lens)} entries for {n} rids")
         if len(self.finished_reasons) != n:
             raise ValueError(f"finished_reasons has {len(self.finished_reasons)} entries "
                              f"for {n} rids")
-        total = self.output_ids.shape[0]
-        if n and int(lens.sum(dtype=np.uint64)) != total:
-            raise ValueError(f"output_lens add up to {int(lens.sum(dtype=np.uint64))}, "
-                             f"output_ids has {total}")
+        total = len(self.output_ids)
+        if sum(lens) != total:
+            raise ValueError(f"output_lens add up to {sum(lens)}, output_ids has {total}")
         lp = self.logprobs
         if lp is not None and (lp.dtype != np.float32 or lp.shape != (total,)):
             raise ValueError("logprobs must be float32 with one entry per output id")
@@ -167,7 +170,7 @@ class BatchTokenIDOut(Output):
         logprobs: list[list[float]] | None = None,
     ) -> BatchTokenIDOut:
         """Build a batch from per-request lists (convenient, not the hot path)."""
-        lens = np.fromiter((len(x) for x in new_ids), np.uint32, len(new_ids))
+        lens = packed_u32([len(x) for x in new_ids], field="output_lens")
         flat = token_ids([t for ids in new_ids for t in ids], field="output_ids")
         lp = None
         if logprobs is not None:
@@ -178,15 +181,13 @@ class BatchTokenIDOut(Output):
     def __len__(self) -> int:
         return len(self.rids)
 
-    def offsets(self) -> npt.NDArray[np.int64]:
+    def offsets(self) -> list[int]:
         """Start of each request's slice, plus the end: ``len(self) + 1`` entries."""
-        out = np.zeros(len(self.rids) + 1, np.int64)
-        np.cumsum(self.output_lens, out=out[1:])
-        return out
+        return list(itertools.accumulate(self.output_lens, initial=0))
 
     def items(self) -> Iterator[tuple[str, TokenIds, FinishReason | None]]:
         """Iterate ``(rid, new_ids, finished_reason)`` per request (views, no copy)."""
-        bounds = self.offsets().tolist()
+        bounds = self.offsets()
         for i, rid in enumerate(self.rids):
             yield rid, self.output_ids[bounds[i] : bounds[i + 1]], self.finished_reasons[i]
 
@@ -194,7 +195,7 @@ class BatchTokenIDOut(Output):
         """Iterate ``(rid, logprobs of its new tokens)``; empty if none were asked."""
         if self.logprobs is None:
             return
-        bounds = self.offsets().tolist()
+        bounds = self.offsets()
         for i, rid in enumerate(self.rids):
             yield rid, self.logprobs[bounds[i] : bounds[i + 1]]
 

@@ -7,6 +7,10 @@ A message becomes one msgpack *header* frame plus one frame per large array:
   ``inline_threshold``, sent as a view of the array's memory (no copy).
   Smaller arrays ride inline in frame 0 (see :mod:`messages._tensors`).
 
+Packed columns (token ids, lengths: :data:`~messages.PackedU32`) are
+memoryviews, which msgspec writes and reads natively as a msgpack ``bin``
+in frame 0: no Python call, and decoded as a read-only view of the frame.
+
 Ownership rules, for callers:
 
 * **Source arrays**: ``encode`` returns views of contiguous arrays. Do not

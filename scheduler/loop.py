@@ -33,9 +33,11 @@ from messages import (
     RpcReqInput,
     RpcReqOutput,
     RpcResult,
+    TokenIds,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     concrete_types,
+    packed_u32,
     token_ids,
 )
 from router import Router, TypeTable
@@ -50,6 +52,11 @@ log = logging.getLogger("scheduler")
 
 Handler = Callable[[Request, Origin], None]
 _MIN_PREFILL_COST = 128
+
+
+def _as_tensor(ids: TokenIds) -> torch.Tensor:
+    """Token ids as the int64 tensor an embedding lookup wants (one copy)."""
+    return torch.from_numpy(np.frombuffer(ids, np.uint32).astype(np.int64))
 
 
 class RequestSource(Protocol):
@@ -232,7 +239,7 @@ class Scheduler:
             return
         sp = req.sampling
         stop = frozenset(sp.stop_token_ids.tolist()) if sp.stop_token_ids is not None else \
-            frozenset()
+            frozenset[int]()
         gen = None
         if sp.temperature > 0 and sp.top_k != 1:
             # No seed: derive one from the rid, so every tensor-parallel rank
@@ -280,7 +287,7 @@ class Scheduler:
             return
         by_origin: dict[Origin, list[tuple[str, torch.Tensor]]] = {}
         for req, origin in self._embeds:
-            vec = self.model.embed_text(torch.from_numpy(req.input_ids.astype(np.int64)))
+            vec = self.model.embed_text(_as_tensor(req.input_ids))
             by_origin.setdefault(origin, []).append((req.rid, vec))
         self._embeds.clear()
         for origin, rows in by_origin.items():
@@ -294,7 +301,7 @@ class Scheduler:
         while self._waiting and len(self._running) + len(new) < self.max_batch:
             # A prompt costs at least _MIN_PREFILL_COST: admitting a request
             # has a fixed price however short its prompt.
-            cost = max(_MIN_PREFILL_COST, self._waiting[0].req.input_ids.shape[0])
+            cost = max(_MIN_PREFILL_COST, len(self._waiting[0].req.input_ids))
             if new and cost > budget:
                 break
             budget -= cost
@@ -308,8 +315,7 @@ class Scheduler:
             for s, st in zip(self._running, states, strict=True):
                 s.state = st
         for s in new:
-            logits1, s.state = self.model.prefill(
-                torch.from_numpy(s.req.input_ids.astype(np.int64)))
+            logits1, s.state = self.model.prefill(_as_tensor(s.req.input_ids))
             rows.append(logits1)
         active = self._running + new
         if not active:
@@ -368,8 +374,8 @@ class Scheduler:
                     self._finished += 1
                     self._live.pop(s.req.rid, None)
             self._route(BatchTokenIDOut(
-                rids=rids, output_ids=token_ids(np.asarray(ids, np.uint32)),
-                output_lens=np.asarray(lens, np.uint32), finished_reasons=fins,
+                rids=rids, output_ids=token_ids(ids), output_lens=packed_u32(lens),
+                finished_reasons=fins,
                 logprobs=np.asarray(lps, np.float32) if any_lp else None), origin)
 
     def _error(self, rid: str, origin: Origin, code: ErrorCode, message: str) -> None:
@@ -379,13 +385,13 @@ class Scheduler:
     def _route(self, output: Output, origin: Origin) -> None:
         self.router.route(output, origin)  # a failing sink is isolated by the router
 
-    def _check_ids(self, ids: np.ndarray, rid: str) -> str:
-        if ids.shape[0] == 0:
+    def _check_ids(self, ids: TokenIds, rid: str) -> str:
+        if len(ids) == 0:
             return f"request {rid!r} has no input tokens"
         if rid in self._live:
             return f"request id {rid!r} is already in flight"
         vocab = self.model.config.vocab_size
-        top = int(ids.max())
+        top = int(np.frombuffer(ids, np.uint32).max())
         if top >= vocab:
             return f"request {rid!r}: token id {top} is outside the vocabulary (size {vocab})"
         return ""

@@ -139,16 +139,24 @@ def test_small_tensor_rides_inline_as_an_owned_copy() -> None:
     assert again.input_embeds.tolist() == t.tolist()
 
 
-def test_decoded_numpy_arrays_are_read_only() -> None:
-    back = CODEC.decode(CODEC.encode(TokenizedGenerateReqInput(rid="a", input_ids=token_ids([1]))))
+def test_decoded_arrays_are_read_only_views() -> None:
+    frames = CODEC.encode(TokenizedGenerateReqInput(rid="a", input_ids=token_ids([1, 2])))
+    back = CODEC.decode(frames)
     assert isinstance(back, TokenizedGenerateReqInput)
-    with pytest.raises(ValueError):
+    assert back.input_ids.format == "I" and back.input_ids.tolist() == [1, 2]
+    assert back.input_ids.obj is frames[0]  # a view of the received frame, no copy
+    with pytest.raises(TypeError):
         back.input_ids[0] = 3
+    out = CODEC.decode(CODEC.encode(BatchTokenIDOut.from_lists(["a"], [[1]], [None],
+                                                               logprobs=[[-1.0]])))
+    assert isinstance(out, BatchTokenIDOut) and out.logprobs is not None
+    with pytest.raises(ValueError):
+        out.logprobs[0] = 0.0
 
 
 def test_inline_threshold_is_configurable() -> None:
     t = torch.zeros(64)
-    assert len(Codec(Message, inline_threshold=0).encode(_embed(t))) == 3  # ids too
+    assert len(Codec(Message, inline_threshold=0).encode(_embed(t))) == 2  # ids: header
     assert len(Codec(Message, inline_threshold=1 << 20).encode(_embed(torch.zeros(1 << 16)))) == 1
 
 
@@ -179,8 +187,8 @@ GOLDEN = {
     "generate": (
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
-        "97b9546f6b656e697a656447656e6572617465526571496e707574a27231c40d0100000002000000"
-        "2c010000089608cb0000000000000000cb3ff000000000000000c0c0c2c2c0",
+        "97b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
+        "2c0100009608cb0000000000000000cb3ff000000000000000c0c0c2c2c0",
     ),
     "rpc": (
         RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
@@ -189,8 +197,8 @@ GOLDEN = {
     ),
     "batch": (
         BatchTokenIDOut.from_lists(["a", "b"], [[7], [9, 10]], [None, "stop"]),
-        "97af4261746368546f6b656e49444f757492a161a162c40d07000000090000000a00000008c40901"
-        "000000020000000892c0a473746f70c0c0",
+        "97af4261746368546f6b656e49444f757492a161a162c40c07000000090000000a000000c4080100"
+        "00000200000092c0a473746f70c0c0",
     ),
 }
 
@@ -240,7 +248,7 @@ def _ext(code: int, dtype: int, shape: tuple[int, ...], tail: bytes) -> msgspec.
 
 def _embed_frame(ext: object) -> bytes:
     return msgspec.msgpack.encode(
-        ["TokenizedGenerateReqInput", "bad-1", token_ids([1]).tobytes() + b"\x08", [], False,
+        ["TokenizedGenerateReqInput", "bad-1", token_ids([1]).tobytes(), [], False,
          False, ext])
 
 
