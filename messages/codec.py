@@ -83,7 +83,6 @@ class _Bad:
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
-_NO_FRAMES: Final[list[Frame]] = []
 _PATH_TOKENS: Final = re.compile(r"\[(\d+|\"(?:[^\"\\]|\\.)*\"|\.\.\.)\]|\.(\w+)")
 
 
@@ -161,8 +160,7 @@ class Codec(Generic[M]):
         )
         self._lock = threading.Lock()
         # Per-call state, guarded by the lock.
-        self._out: list[Frame] = _NO_FRAMES
-        self._failed: object = None
+        self._state = threading.local()  # the frames an encode in progress set aside
         self._in: Sequence[Frame] = ()
         self._used = 0
 
@@ -175,17 +173,16 @@ class Codec(Generic[M]):
             EncodeError: an unsupported or CUDA tensor (naming the field), or
                 the message exceeds ``max_frames`` / ``max_message_bytes``.
         """
-        with self._lock:
-            out: list[Frame] = [b""]
-            self._out = out
-            try:
-                out[0] = header = self._encoder.encode(msg)
-            except (tz.TensorFormatError, TypeError, ValueError, OverflowError) as exc:
-                field = _find_field(msg, self._failed) if self._failed is not None else ""
-                raise EncodeError(type(msg).__name__, field, str(exc)) from exc
-            finally:
-                self._failed = None
-                self._out = _NO_FRAMES
+        state = self._state.__dict__  # per thread: codecs are shared across threads
+        try:
+            header = self._encoder.encode(msg)
+        except (tz.TensorFormatError, TypeError, ValueError, OverflowError) as exc:
+            state.pop("frames", None)
+            failed = state.pop("failed", None)
+            field = _find_field(msg, failed) if failed is not None else ""
+            raise EncodeError(type(msg).__name__, field, str(exc)) from exc
+        extra: list[Frame] | None = state.pop("frames", None)
+        out: list[Frame] = [header] if extra is None else [header, *extra]
         if len(out) == 1:
             if len(header) > self.max_message_bytes:
                 raise self._too_big(msg, len(header))
@@ -217,12 +214,13 @@ class Codec(Generic[M]):
             else:
                 raise TypeError(f"cannot encode a {type(obj).__qualname__} (no pickle, ever)")
         except (tz.TensorFormatError, TypeError):
-            self._failed = obj
+            self._state.failed = obj
             raise
         if data.nbytes <= self.inline_threshold:
             return msgspec.msgpack.Ext(inline, head + data)
-        self._out.append(data if data.format == "B" else data.cast("B"))
-        return msgspec.msgpack.Ext(oob, head + tz.pack_index(len(self._out) - 1))
+        frames: list[Frame] = self._state.__dict__.setdefault("frames", [])
+        frames.append(data if data.format == "B" else data.cast("B"))
+        return msgspec.msgpack.Ext(oob, head + tz.pack_index(len(frames)))
 
     # -- decoding -----------------------------------------------------------
 
