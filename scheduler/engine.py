@@ -12,6 +12,7 @@ thread); ``Engine(mode="zmq")`` runs it in its own process. Either way::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import queue
@@ -173,6 +174,9 @@ class Engine:
         self._dir = tempfile.mkdtemp(prefix="tsb-")
         self.endpoints = Endpoints.in_dir(self._dir)
         self._pending: dict[str, RequestHandle] = {}
+        # Unique per engine (random prefix) and cheap per request (a counter).
+        self._rid_prefix = uuid.uuid4().hex[:12]
+        self._rid_seq = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
         self._gone: str | None = None
@@ -232,7 +236,7 @@ class Engine:
             ValueError: ``input_ids`` are not valid token ids.
         """
         req = TokenizedGenerateReqInput(
-            rid=rid or uuid.uuid4().hex, input_ids=token_ids(input_ids, field="input_ids"),
+            rid=rid or self._new_rid(), input_ids=token_ids(input_ids, field="input_ids"),
             sampling=sampling or SamplingParams(), stream=stream, return_logprob=return_logprob)
         return self._submit(req)
 
@@ -254,7 +258,7 @@ class Engine:
     def embed(self, input_ids: npt.ArrayLike, *, timeout: float | None = None
               ) -> npt.NDArray[np.float32]:
         """Embed a tokenized text; returns a unit-norm float32 vector."""
-        req = TokenizedEmbeddingReqInput(rid=uuid.uuid4().hex,
+        req = TokenizedEmbeddingReqInput(rid=self._new_rid(),
                                          input_ids=token_ids(input_ids, field="input_ids"))
         return self._submit(req).embedding(timeout)
 
@@ -314,6 +318,9 @@ class Engine:
         self.close()
 
     # -- internals --------------------------------------------------------------
+
+    def _new_rid(self) -> str:
+        return f"{self._rid_prefix}-{next(self._rid_seq)}"
 
     def _run_embedded(self, ingress: Ring[Request], egress: Ring[Output], max_batch: int,
                       ready: threading.Event) -> None:

@@ -51,7 +51,7 @@ __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 log = logging.getLogger("scheduler")
 
 Handler = Callable[[Request, Origin], None]
-_MIN_PREFILL_COST = 128
+_MIN_PREFILL_COST = 32
 
 
 def _as_tensor(ids: TokenIds) -> torch.Tensor:
@@ -109,7 +109,7 @@ class Scheduler:
         model: the model to run.
         max_batch: most requests decoding at once; the rest queue.
         max_prefill_tokens: most prompt tokens read in one step, a prompt
-            counting at least 128 (at least one request is always admitted),
+            counting at least 32 (at least one request is always admitted),
             so a burst of new requests cannot make one step long enough to
             delay an rpc or the running streams.
         idle_timeout: longest single park in :meth:`run` (any inbox wakes it
@@ -314,9 +314,12 @@ class Scheduler:
             rows.extend(logits)
             for s, st in zip(self._running, states, strict=True):
                 s.state = st
-        for s in new:
-            logits1, s.state = self.model.prefill(_as_tensor(s.req.input_ids))
-            rows.append(logits1)
+        if new:
+            logits_new, states_new = self.model.prefill_batch(
+                [_as_tensor(s.req.input_ids) for s in new])
+            rows.extend(logits_new)
+            for s, st in zip(new, states_new, strict=True):
+                s.state = st
         active = self._running + new
         if not active:
             return

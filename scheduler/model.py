@@ -62,6 +62,18 @@ class TinyLM(nn.Module):
         return self._logits(out[0, -1:])[0], h[:, 0]
 
     @torch.inference_mode()
+    def prefill_batch(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run several prompts at once: (logits ``(B, vocab)``, states ``(B, layers, hidden)``).
+
+        Prompts of different lengths are packed, so each row's state is taken
+        at its own last token.
+        """
+        packed = nn.utils.rnn.pack_sequence([self.embed(p.long()) for p in prompts],
+                                            enforce_sorted=False)
+        _, h = self.gru(packed)  # h: (layers, B, hidden), each row at its own end
+        return self._logits(h[-1]), h.transpose(0, 1)
+
+    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:
         """One step for a batch: ``tokens (B,)``, ``states (B, layers, hidden)``.
@@ -104,6 +116,10 @@ class StubLM(TinyLM):
     def decode(self, tokens: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:
         return self._rows[: tokens.shape[0]], states
+
+    def prefill_batch(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(prompts)
+        return self._rows[:n], self._state.expand(n, -1, -1)
 
 
 def build_model(config: ModelConfig) -> TinyLM:

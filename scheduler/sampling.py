@@ -17,25 +17,30 @@ def sample_next(
     """Pick one token per row; return (tokens ``(B,)``, their logprobs ``(B,)``).
 
     Logprobs are of the model's distribution (before temperature and
-    filters), as serving engines report them. Each sampled row draws from its
-    own generator, so a seeded request gets the same tokens whatever else
-    shares the batch.
+    filters), as serving engines report them. Sampled rows are processed
+    together (one sort, one softmax, one search for the whole batch); each
+    draws its uniform from its own generator, and every operation is
+    row-wise, so a seeded request gets the same tokens whatever else shares
+    the batch.
     """
     logp = torch.log_softmax(logits.float(), dim=-1)
     tokens = logp.argmax(dim=-1)
-    for i, p in enumerate(params):
-        if p.temperature == 0.0 or p.top_k == 1:
-            continue
-        row = logits[i].float() / p.temperature
-        if p.top_k:
-            k = min(p.top_k, row.shape[0])
-            kth = torch.topk(row, k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest set reaching top_p
-            row = row.scatter(0, order[drop], float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    rows = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.top_k != 1]
+    if rows:
+        vocab = logits.shape[-1]
+        idx = torch.tensor(rows)
+        chosen = [params[i] for i in rows]
+        temps = torch.tensor([p.temperature for p in chosen]).unsqueeze(1)
+        sorted_logits, order = torch.sort(logits[idx].float() / temps, dim=-1, descending=True)
+        ks = torch.tensor([p.top_k if p.top_k else vocab for p in chosen]).unsqueeze(1)
+        ranks = torch.arange(vocab).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        top_p = torch.tensor([p.top_p for p in chosen]).unsqueeze(1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p, 0.0)
+        cdf = probs.cumsum(-1)
+        u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).unsqueeze(1)
+        pick = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=vocab - 1)
+        tokens[idx] = order.gather(1, pick)[:, 0]
     return tokens, logp.gather(1, tokens.unsqueeze(1))[:, 0]
