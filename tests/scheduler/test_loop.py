@@ -164,6 +164,7 @@ def test_seed_rpc_answered_while_work_floods(rig: Rig) -> None:
     for i in range(1000):
         rig.send(_gen(f"f{i}", [1, 2], max_new_tokens=1000))
     got = _call_in_background(rig, "get_load")
+    assert rig.rpc.socket.poll(10_000)  # the rpc has landed behind the flood
     steps = 0
 
     def answered() -> bool:
@@ -173,7 +174,7 @@ def test_seed_rpc_answered_while_work_floods(rig: Rig) -> None:
 
     rig.run_until(answered)
     assert got[0].success
-    assert steps <= 5  # answered within the first few steps, not after the flood
+    assert steps <= 2  # answered by the first step, not after the flood
     accepted = rig.sched.finish_all()  # every accepted request gets a terminal answer
     assert 0 < accepted < 1000  # the rpc did not wait behind the whole flood
     errors = rig.outputs(ErrorOut)
