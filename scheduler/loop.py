@@ -179,8 +179,11 @@ class Scheduler:
                 received = self.step()
                 if not received and not self.busy and not self._stopping:
                     self.receiver.wait(self.idle_timeout)
-        finally:
-            self.finish_all("shutdown")
+        except BaseException as exc:
+            # Still answer everyone, saying why, before the error propagates.
+            self.finish_all("internal", f"the scheduler failed: {type(exc).__name__}: {exc}")
+            raise
+        self.finish_all("shutdown")
 
     def step(self) -> int:
         """One iteration: poll, handle, one model step, route. Returns how many were polled."""
@@ -203,17 +206,17 @@ class Scheduler:
         self._stopping = True
         return {"running": len(self._running), "queued": len(self._waiting)}
 
-    def finish_all(self, code: ErrorCode = "shutdown") -> int:
+    def finish_all(self, code: ErrorCode = "shutdown",
+                   message: str = "the scheduler shut down before the request finished") -> int:
         """Answer every queued and running request with a terminal :class:`ErrorOut`."""
         seqs = [*self._running, *self._waiting]
         self._running.clear()
         self._waiting.clear()
         for seq in seqs:
             self._live.pop(seq.req.rid, None)
-            self._error(seq.req.rid, seq.origin, code,
-                        "the scheduler shut down before the request finished")
+            self._error(seq.req.rid, seq.origin, code, message)
         for req, origin in self._embeds:
-            self._error(req.rid, origin, code, "the scheduler shut down")
+            self._error(req.rid, origin, code, message)
         self._embeds.clear()
         self._emit_aborted()
         return len(seqs)
