@@ -64,9 +64,15 @@ class RpcClient(_ZmqEnd):
             if self._closed:
                 raise ChannelClosed(self._name, "call on a closed rpc client")
             rid = f"{self._prefix}{next(self._seq)}"
-            self._send(self._send_codec.encode(
-                RpcReqInput(rid=rid, method=method, parameters=dict(params))))
+            frames = self._send_codec.encode(
+                RpcReqInput(rid=rid, method=method, parameters=dict(params)))
             deadline = time.monotonic() + timeout
+            # The whole call, sending included, keeps to ``timeout``: a DEALER
+            # with no usable peer (not connected yet, or refused by CURVE)
+            # would otherwise block for the socket's send timeout.
+            if not self.socket.poll(max(1, int(timeout * 1000)), zmq.POLLOUT):
+                raise RpcTimeout(f"{self._name} ({self.endpoint})", method, rid, timeout)
+            self._send(frames)
             slice_ms = 100 if alive is not None else None
             while True:
                 left = deadline - time.monotonic()
@@ -80,9 +86,9 @@ class RpcClient(_ZmqEnd):
                                        f"the server is gone; rpc {method!r} (rid={rid!r}) "
                                        "will not be answered")
                     continue
-                frames = self.socket.recv_multipart()
+                received = self.socket.recv_multipart()
                 try:
-                    reply = self._reply_codec.decode(frames)
+                    reply = self._reply_codec.decode(received)
                 except DecodeError:
                     self.discarded += 1
                     continue

@@ -141,3 +141,14 @@ def test_unclosed_channel_warns(ctx: zmq.Context[zmq.Socket[bytes]],
     inbox: PullInbox[Message] = PullInbox(Codec(Message), ipc("w"), ctx=ctx)
     with pytest.warns(ResourceWarning, match="never closed"):
         inbox.__del__()
+
+
+def test_call_to_nobody_keeps_to_its_timeout(ctx: zmq.Context[zmq.Socket[bytes]],
+                                             ipc: Callable[[str], str]) -> None:
+    import time
+
+    with RpcClient(ipc("nobody"), ctx=ctx) as client:
+        t0 = time.monotonic()
+        with pytest.raises(RpcTimeout, match="'get_load'"):
+            client.call("get_load", timeout=0.2)
+        assert time.monotonic() - t0 < 5
