@@ -104,7 +104,8 @@ class Codec(Generic[M]):
     ``Codec(Request)`` decodes every concrete request class defined when it is
     built; ``Codec(BatchTokenIDOut)`` just that one; ``types=`` narrows the
     union explicitly. Build one per socket and reuse it. A codec is safe to
-    share between threads (calls are serialized).
+    share between threads (encoding keeps its scratch per thread; decoding a
+    multi-frame message takes a lock).
 
     Args:
         base: the message type (or family base) this codec carries.
