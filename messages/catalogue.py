@@ -23,6 +23,7 @@ import torch
 
 from messages.base import (
     MAX_BATCH,
+    MAX_TOKENS,
     Output,
     PackedU32,
     Request,
@@ -59,6 +60,17 @@ RpcResult = dict[
     Annotated[str, msgspec.Meta(max_length=256)],
     Scalar | Annotated[list[Scalar], msgspec.Meta(max_length=1 << 16)],
 ]
+
+
+def _packed(value: memoryview, field: str) -> memoryview:
+    """The decode path in line (a byte view of whole uint32s); anything else via packed_u32."""
+    if type(value) is memoryview and value.format == "B" and not value.nbytes & 3 \
+            and value.nbytes <= _MAX_PACKED_BYTES:
+        return value.cast("I")
+    return packed_u32(value, field=field)
+
+
+_MAX_PACKED_BYTES = 4 * MAX_TOKENS
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
@@ -146,15 +158,16 @@ class BatchTokenIDOut(Output):
     hidden_states: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        self.output_ids = token_ids(self.output_ids, field="output_ids")
-        self.output_lens = lens = packed_u32(self.output_lens, field="output_lens")
+        # Once per decode step of the whole batch: the checks stay cheap.
+        self.output_ids = ids = _packed(self.output_ids, "output_ids")
+        self.output_lens = lens = _packed(self.output_lens, "output_lens")
         n = len(self.rids)
         if len(lens) != n:
             raise ValueError(f"output_lens has {len(lens)} entries for {n} rids")
         if len(self.finished_reasons) != n:
             raise ValueError(f"finished_reasons has {len(self.finished_reasons)} entries "
                              f"for {n} rids")
-        total = len(self.output_ids)
+        total = len(ids)
         if sum(lens) != total:
             raise ValueError(f"output_lens add up to {sum(lens)}, output_ids has {total}")
         lp = self.logprobs
