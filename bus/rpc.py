@@ -70,9 +70,17 @@ class RpcClient(_ZmqEnd):
             # The whole call, sending included, keeps to ``timeout``: a DEALER
             # with no usable peer (not connected yet, or refused by CURVE)
             # would otherwise block for the socket's send timeout.
-            if not self.socket.poll(max(1, int(timeout * 1000)), zmq.POLLOUT):
-                raise RpcTimeout(f"{self._name} ({self.endpoint})", method, rid, timeout)
-            self._send(frames)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.socket.poll(max(1, int(left * 1000)), zmq.POLLOUT):
+                    raise RpcTimeout(f"{self._name} ({self.endpoint})", method, rid, timeout)
+                try:  # the peer can vanish between poll and send: never block here
+                    self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    continue
+                except zmq.ZMQError as exc:
+                    raise PeerGone(f"{self._name} ({self.endpoint})", str(exc)) from exc
             slice_ms = 100 if alive is not None else None
             while True:
                 left = deadline - time.monotonic()
