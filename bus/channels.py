@@ -13,7 +13,6 @@ you sent (the codec's ownership rules; cf. vLLM issue 50053).
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Sequence
 from typing import Generic, Literal, Protocol, Self, TypeVar
@@ -231,8 +230,6 @@ class RpcServer(ZmqInbox[M]):
     serves many clients, each reply going to the identity that asked (the
     identity zmq attached on receipt, never one read from the payload).
     """
-
-    _ids = itertools.count()
 
     def __init__(self, codec: Codec[M], endpoint: str, *, name: str = "rpc",
                  kind: Literal["dealer", "router"] = "dealer", bind: bool = True,

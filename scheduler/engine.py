@@ -93,9 +93,8 @@ _Item = StreamChunk | npt.NDArray[np.float32] | EngineError
 class RequestHandle:
     """A submitted request: iterate its chunks, or wait for its result."""
 
-    def __init__(self, engine: Engine, rid: str) -> None:
+    def __init__(self, rid: str) -> None:
         self.rid = rid
-        self._engine = engine
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._done = False
 
@@ -177,7 +176,8 @@ class Engine:
         # Unique per engine (random prefix) and cheap per request (a counter).
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending
+        self._send_lock = threading.Lock()  # serializes sends on the work socket
         self._closed = False
         self._gone: str | None = None
         self._thread: threading.Thread | None = None
@@ -346,7 +346,7 @@ class Engine:
 
     def _submit(self, req: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
                 ) -> RequestHandle:
-        handle = RequestHandle(self, req.rid)
+        handle = RequestHandle(req.rid)
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine is closed")
@@ -371,7 +371,7 @@ class Engine:
                 raise EngineClosed("the engine is closed") from exc
             return
         assert self._work_out is not None
-        with self._lock:  # a zmq socket is not thread-safe
+        with self._send_lock:  # a zmq socket is not thread-safe
             self._work_out.send(req)
 
     def _read_outputs(self) -> None:

@@ -10,7 +10,6 @@ and rank 0 answers once, with every rank's outcome (:func:`rpc_reducer`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,7 +33,6 @@ from router import CallbackSink, Router
 
 __all__ = ["BroadcastReceiver", "TPConfig", "init_ranks", "null_router", "rpc_reducer"]
 
-log = logging.getLogger("scheduler.tp")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,6 @@ sink, it cannot skip the rpc channel or misroute its replies.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +37,6 @@ from scheduler.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, r
 
 __all__ = ["Endpoints", "serve_follower", "serve_ring", "serve_zmq"]
 
-log = logging.getLogger("scheduler")
 _OPTIONS = SocketOptions()
 
 
