@@ -56,7 +56,8 @@ import sys
 from bus import CurveKeys, RpcClient, RpcTimeout, SocketOptions
 server = CurveKeys.public_of(sys.argv[2])
 keys = CurveKeys.load(sys.argv[3]) if sys.argv[3] != "-" else CurveKeys.generate()
-with RpcClient(sys.argv[1], options=SocketOptions(curve_keys=keys, curve_server_public=server)) as c:
+opts = SocketOptions(curve_keys=keys, curve_server_public=server)
+with RpcClient(sys.argv[1], options=opts) as c:
     try:
         reply = c.call(sys.argv[4], timeout=float(sys.argv[5]))
         print("served", reply.success)
