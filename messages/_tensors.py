@@ -76,9 +76,6 @@ _ITEMSIZE: Final[dict[int, int]] = {c: d.itemsize for d, c in DTYPE_CODES.items(
 # only when raised from this module.
 warnings.filterwarnings("ignore", message="The given buffer is not writable",
                         category=UserWarning, module=__name__)
-_NUMPYABLE: Final = frozenset(
-    getattr(torch, n) for n in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16",
-                                "float32", "float64", "complex64", "complex128"))
 
 _HEAD = struct.Struct("<BB")
 _SHAPES: Final = [struct.Struct(f"<{n}q") for n in range(MAX_NDIM + 1)]
@@ -108,8 +105,6 @@ def numpy_parts(arr: np.ndarray) -> tuple[bytes, memoryview]:
             raise TensorFormatError(f"unsupported numpy dtype {arr.dtype}")
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
-    if arr.ndim == 1:
-        return _HEAD1.pack(code, 1, arr.shape[0]), arr.data
     return _header(code, arr.shape), arr.data.cast("B")
 
 
@@ -131,10 +126,8 @@ def torch_parts(t: torch.Tensor, *, move_to_cpu: bool) -> tuple[bytes, memoryvie
         t = t.detach()
     if not t.is_contiguous() or t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg().contiguous()
-    data = t.view(-1).view(torch.uint8).numpy() if t.dim() != 1 or t.dtype not in _NUMPYABLE \
-        else t.numpy()
-    return _header(code, tuple(t.shape)), data.data if data.ndim == 1 and data.dtype.itemsize == 1 \
-        else data.data.cast("B")
+    # As uint8 bytes: the one view every dtype has (bfloat16 and float8 have no numpy type).
+    return _header(code, tuple(t.shape)), t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def parse_header(data: memoryview) -> tuple[int, tuple[int, ...], int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from typing import Annotated, Final
 
 import msgspec
@@ -75,9 +76,9 @@ def packed_u32(values: object, *, field: str = "values") -> PackedU32:
     """Return ``values`` as a 1-D uint32 memoryview (format ``"I"``), validating it.
 
     Accepts a list, tuple, range, numpy array, CPU torch tensor, or a
-    memoryview (a byte view whose length is a multiple of 4 is read as
-    uint32: that is what the decoder hands over). A uint32 memoryview
-    passes through unchanged: the decode path costs a format check.
+    memoryview. A byte view whose length is a multiple of 4 is read as
+    uint32: that is what the decoder hands over, so it is checked first and
+    costs a cast. A uint32 memoryview passes through unchanged.
 
     Raises:
         ValueError: not 1-D, not integers, a negative value, one past uint32,
@@ -85,19 +86,31 @@ def packed_u32(values: object, *, field: str = "values") -> PackedU32:
     """
     if type(values) is memoryview:
         mv = values
-        if mv.format != "I" or mv.ndim != 1:
-            if mv.format in ("B", "b", "c") and mv.ndim == 1:
-                if mv.nbytes % 4:
-                    raise ValueError(f"{field}: {mv.nbytes} bytes is not a whole number "
-                                     "of uint32 values")
-                mv = mv.cast("I")
-            else:
-                mv = _from_array(np.asarray(mv), field)
+        if mv.format == "B" and mv.ndim == 1:  # the decode path: bytes of uint32s
+            if mv.nbytes & 3:
+                raise ValueError(f"{field}: {mv.nbytes} bytes is not a whole number "
+                                 "of uint32 values")
+            mv = mv.cast("I")
+        elif mv.format != "I" or mv.ndim != 1:
+            mv = _from_array(np.asarray(mv), field)
+    elif type(values) in (list, tuple, range):
+        mv = _from_sequence(values, field)  # type: ignore[arg-type]
     else:
         mv = _from_array(values if type(values) is np.ndarray else np.asarray(values), field)
     if len(mv) > MAX_TOKENS:
         raise ValueError(f"{field} holds {len(mv)} values, more than {MAX_TOKENS}")
     return mv
+
+
+def _from_sequence(values: list[int] | tuple[int, ...] | range, field: str) -> memoryview:
+    # array("I") packs in C and refuses what uint32 cannot hold.
+    try:
+        return memoryview(array.array("I", values))
+    except OverflowError as exc:
+        raise ValueError(f"{field} holds a value outside uint32, negative or past "
+                         f"{_ID_MAX} ({exc})") from None
+    except TypeError as exc:
+        raise ValueError(f"{field} must hold integers ({exc})") from None
 
 
 def token_ids(values: object, *, field: str = "token_ids") -> TokenIds:
@@ -119,3 +132,7 @@ def _from_array(arr: np.ndarray, field: str) -> memoryview:
                 raise ValueError(f"{field} holds a value past uint32: {hi}")
         arr = arr.astype(_U32)
     return np.ascontiguousarray(arr).data.cast("B").cast("I")
+
+
+if array.array("I").itemsize != 4:  # pragma: no cover - every platform we run on
+    raise ImportError("messages needs a 4-byte C unsigned int")

@@ -23,7 +23,6 @@ import torch
 
 from messages.base import (
     MAX_BATCH,
-    MAX_TOKENS,
     Output,
     PackedU32,
     Request,
@@ -31,7 +30,6 @@ from messages.base import (
     Scalar,
     TokenIds,
     packed_u32,
-    token_ids,
 )
 
 __all__ = [
@@ -62,17 +60,6 @@ RpcResult = dict[
 ]
 
 
-def _packed(value: memoryview, field: str) -> memoryview:
-    """The decode path in line (a byte view of whole uint32s); anything else via packed_u32."""
-    if type(value) is memoryview and value.format == "B" and not value.nbytes & 3 \
-            and value.nbytes <= _MAX_PACKED_BYTES:
-        return value.cast("I")
-    return packed_u32(value, field=field)
-
-
-_MAX_PACKED_BYTES = 4 * MAX_TOKENS
-
-
 class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
     """How to pick the next token.
 
@@ -90,9 +77,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
 
     def __post_init__(self) -> None:
-        stop = self.stop_token_ids
-        if stop is not None and (type(stop) is not memoryview or stop.format != "I"):
-            self.stop_token_ids = token_ids(stop, field="stop_token_ids")
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = packed_u32(self.stop_token_ids, field="stop_token_ids")
 
 
 class TokenizedGenerateReqInput(Request):
@@ -105,7 +91,7 @@ class TokenizedGenerateReqInput(Request):
     input_embeds: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        self.input_ids = token_ids(self.input_ids, field="input_ids")
+        self.input_ids = packed_u32(self.input_ids, field="input_ids")
 
 
 class TokenizedEmbeddingReqInput(Request):
@@ -114,7 +100,7 @@ class TokenizedEmbeddingReqInput(Request):
     input_ids: TokenIds
 
     def __post_init__(self) -> None:
-        self.input_ids = token_ids(self.input_ids, field="input_ids")
+        self.input_ids = packed_u32(self.input_ids, field="input_ids")
 
 
 class AbortReq(Request):
@@ -159,8 +145,8 @@ class BatchTokenIDOut(Output):
 
     def __post_init__(self) -> None:
         # Once per decode step of the whole batch: the checks stay cheap.
-        self.output_ids = ids = _packed(self.output_ids, "output_ids")
-        self.output_lens = lens = _packed(self.output_lens, "output_lens")
+        self.output_ids = ids = packed_u32(self.output_ids, field="output_ids")
+        self.output_lens = lens = packed_u32(self.output_lens, field="output_lens")
         n = len(self.rids)
         if len(lens) != n:
             raise ValueError(f"output_lens has {len(lens)} entries for {n} rids")
@@ -184,7 +170,7 @@ class BatchTokenIDOut(Output):
     ) -> BatchTokenIDOut:
         """Build a batch from per-request lists (convenient, not the hot path)."""
         lens = packed_u32([len(x) for x in new_ids], field="output_lens")
-        flat = token_ids([t for ids in new_ids for t in ids], field="output_ids")
+        flat = packed_u32([t for ids in new_ids for t in ids], field="output_ids")
         lp = None
         if logprobs is not None:
             lp = np.asarray([v for row in logprobs for v in row], np.float32)

@@ -159,9 +159,9 @@ class Codec(Generic[M]):
         self._single: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(
             union, ext_hook=self._ext_hook_single, dec_hook=self._dec_hook
         )
+        self._state = threading.local()  # per thread: the frames an encode sets aside
+        # A multi-frame decode's state, guarded by the lock.
         self._lock = threading.Lock()
-        # Per-call state, guarded by the lock.
-        self._state = threading.local()  # the frames an encode in progress set aside
         self._in: Sequence[Frame] = ()
         self._used = 0
 
@@ -203,7 +203,7 @@ class Codec(Generic[M]):
     def _enc_hook(self, obj: object) -> msgspec.msgpack.Ext | bytes:
         try:
             if isinstance(obj, np.ndarray):
-                if obj.nbytes < self.inline_threshold:
+                if obj.nbytes <= self.inline_threshold:
                     compact = tz.compact_numpy(obj)
                     if compact is not None:
                         return compact
@@ -407,7 +407,7 @@ def _field_path(decode_type: object, raw: object, path: str) -> str:
             else:
                 pos = int(index) - (1 if info.tag is not None else 0)
                 field = info.fields[pos] if 0 <= pos < len(info.fields) else None
-                name = field.name if field is not None else "<tag>"
+                name = field.name if field is not None else "message type"
             parts.append(("." if parts else "") + name)
             info = field.type if field is not None else None
         elif isinstance(info, ins.DictType):

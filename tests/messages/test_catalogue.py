@@ -33,8 +33,12 @@ def test_token_ids_normalizes_and_validates() -> None:
         token_ids(np.zeros((2, 2), np.uint32))
     with pytest.raises(ValueError, match="integers"):
         token_ids([1.5])
-    with pytest.raises(ValueError, match="past uint32"):
+    with pytest.raises(ValueError, match="outside uint32"):
         token_ids([1 << 33])
+    with pytest.raises(ValueError, match="past uint32"):
+        token_ids(np.array([1 << 33]))
+    with pytest.raises(ValueError, match="negative"):
+        token_ids(np.array([3, -1]))
     assert token_ids([]).shape == (0,)
 
 
