@@ -33,6 +33,7 @@ class _DirectInbox:
     """No bus: hands the scheduler envelopes from a list (the baseline)."""
 
     name = "work"
+    rejected = 0
 
     def __init__(self, reqs: Sequence[Request]) -> None:
         self._items = [Envelope(r, WORK) for r in reqs]

@@ -30,7 +30,8 @@ __all__ = ["Inbox", "PullInbox", "PushOutbox", "RingInbox", "RpcServer", "ZmqInb
 M = TypeVar("M", bound=Message)
 M_co = TypeVar("M_co", bound=Message, covariant=True)
 _DEFAULT_OPTIONS = SocketOptions()
-_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: the enum member costs a conversion per call
+_NOBLOCK = int(zmq.NOBLOCK)  # plain ints: an enum member costs a conversion per call
+_SNDMORE = int(zmq.SNDMORE)
 
 
 class Inbox(Protocol[M_co]):
@@ -51,6 +52,11 @@ class Inbox(Protocol[M_co]):
 
     def pollable(self) -> zmq.Socket[bytes] | int:
         """The socket or fd that becomes readable when messages wait."""
+        ...
+
+    @property
+    def rejected(self) -> int:
+        """How many received messages failed to decode."""
         ...
 
     def close(self) -> None:
@@ -76,6 +82,10 @@ class RingInbox(Generic[M]):
 
     def pollable(self) -> int:
         return self.ring.fileno()
+
+    @property
+    def rejected(self) -> int:
+        return 0  # objects by reference: nothing to decode
 
     def close(self) -> None:
         self.ring.close()
@@ -118,11 +128,12 @@ class _ZmqEnd:
     def _send(self, frames: Sequence[Frame]) -> None:
         if self._closed:
             raise ChannelClosed(self._name, "send on a closed channel")
+        send, last = self.socket.send, len(frames) - 1
         try:
-            if len(frames) == 1:
-                self.socket.send(frames[0], copy=False)
-            else:
-                self.socket.send_multipart(frames, copy=False)
+            # Copy small frames (the header: cheaper than wrapping it in a
+            # zmq Frame); hand large ones (tensor bytes) to zmq as views.
+            for i, f in enumerate(frames):
+                send(f, _SNDMORE if i < last else 0, copy=len(f) < zmq.COPY_THRESHOLD)
         except zmq.Again as exc:
             raise WouldBlock(self._name, "send timed out: the peer is not reading "
                                          "(high-water mark reached)") from exc
@@ -171,7 +182,7 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
                 while part.more:
                     part = recv(0, copy=False)
                     frames.append(part.buffer)
-            else:  # one small frame: msgspec reads bytes faster than a Frame's view
+            else:  # one frame: msgspec reads bytes faster than a Frame's view
                 frames = [part.bytes]
             if routed:  # ROUTER: the identity zmq prepended, never the payload's
                 origin = Origin(name, bytes(frames[0]))

@@ -49,7 +49,8 @@ class Receiver(Generic[M]):
         self._inboxes: list[Inbox[M]] = []
         self._poller = zmq.Poller()
         self._start = 0
-        self._polls = self._received = self._rejected = self._waits = 0
+        self._polls = self._received = self._waits = 0
+        self._rejected = 0  # of inboxes no longer here
         self._ended: list[str] = []
         for inbox in inboxes:
             self.add(inbox)
@@ -74,6 +75,7 @@ class Receiver(Generic[M]):
         """Stop draining ``inbox`` (it is not closed)."""
         self._inboxes.remove(inbox)
         self._poller.unregister(inbox.pollable())
+        self._rejected += inbox.rejected  # keep its count in the statistics
 
     def poll(self) -> list[Envelope[M] | Rejected]:
         """Take up to ``budget`` waiting messages from all inboxes, fairly. Never blocks."""
@@ -108,7 +110,6 @@ class Receiver(Generic[M]):
             self.remove(inbox)
             self._ended.append(inbox.name)
         self._received += len(out)
-        self._rejected += sum(1 for e in out if type(e) is Rejected)
         return out
 
     def wait(self, timeout: float | None) -> bool:
@@ -124,7 +125,8 @@ class Receiver(Generic[M]):
 
     def statistics(self) -> ReceiverStats:
         """A snapshot of the counters."""
-        return ReceiverStats(self._polls, self._received, self._rejected, self._waits,
+        rejected = self._rejected + sum(i.rejected for i in self._inboxes)
+        return ReceiverStats(self._polls, self._received, rejected, self._waits,
                              tuple(self._ended))
 
     def close(self) -> None:
