@@ -131,7 +131,8 @@ class RequestHandle:
             assert isinstance(item, StreamChunk)
             ids.extend(item.token_ids)
             if item.logprobs is not None:
-                lps = (lps or []) + item.logprobs
+                lps = [] if lps is None else lps
+                lps.extend(item.logprobs)
             if item.finish_reason is not None:
                 self._done = True
                 return GenerateResult(self.rid, ids, item.finish_reason, lps)
@@ -391,11 +392,12 @@ class Engine:
 
     def _deliver(self, out: Output) -> None:
         if isinstance(out, BatchTokenIDOut):
-            lps = dict(out.logprobs_items()) if out.logprobs is not None else {}
-            for rid, ids, fin in out.items():
-                lp = lps.get(rid)
-                self._put(rid, StreamChunk(rid, ids.tolist(), fin,
-                                           lp.tolist() if lp is not None else None),
+            bounds = out.offsets()
+            ids = out.output_ids.tolist()  # one conversion for the whole batch
+            lps = out.logprobs.tolist() if out.logprobs is not None else None
+            for i, (rid, fin) in enumerate(zip(out.rids, out.finished_reasons, strict=True)):
+                a, b = bounds[i], bounds[i + 1]
+                self._put(rid, StreamChunk(rid, ids[a:b], fin, None if lps is None else lps[a:b]),
                           final=fin is not None)
         elif isinstance(out, BatchEmbeddingOut):
             rows = out.embeddings.float().numpy()

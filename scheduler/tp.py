@@ -27,7 +27,6 @@ from messages import (
     Request,
     RpcReqOutput,
     RpcResult,
-    Scalar,
 )
 from router import CallbackSink, Router
 
@@ -83,6 +82,7 @@ class BroadcastReceiver:
         self.inner = inner
         self.codec = codec
         self.broadcasts = 0
+        self._idle = torch.zeros(_FIRST, dtype=torch.uint8)  # length 0: nothing arrived
 
     def poll(self) -> Sequence[Envelope[Request] | Rejected]:
         """Rank 0: poll, then broadcast. Others: block until rank 0's broadcast.
@@ -91,30 +91,28 @@ class BroadcastReceiver:
         whole poll (an idle step or a few requests: one round); a bigger
         poll sends the rest in a second broadcast.
         """
-        head = torch.zeros(_FIRST, dtype=torch.uint8)
+        self.broadcasts += 1
         if self.inner is not None:
             envelopes = self.inner.poll()
-            payload = self._pack(envelopes) if envelopes else b""
-            n = len(payload)
-            first = n.to_bytes(8, "little") + payload[: _FIRST - 8]
-            head[: len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-            dist.broadcast(head, src=0)
-            if n > _FIRST - 8:
-                rest = bytearray(payload[_FIRST - 8 :])
-                dist.broadcast(torch.frombuffer(rest, dtype=torch.uint8), src=0)
-            self.broadcasts += 1
+            if not envelopes:
+                dist.broadcast(self._idle, src=0)
+                return envelopes
+            wire = torch.frombuffer(self._pack(envelopes), dtype=torch.uint8)
+            dist.broadcast(wire[:_FIRST], src=0)
+            if len(wire) > _FIRST:
+                dist.broadcast(wire[_FIRST:], src=0)
             return envelopes
+        head = torch.empty(_FIRST, dtype=torch.uint8)
         dist.broadcast(head, src=0)
-        self.broadcasts += 1
-        raw = head.numpy()
-        n = int.from_bytes(raw[:8].tobytes(), "little")
+        n = int.from_bytes(head[:8].numpy().tobytes(), "little")
         if n == 0:
             return []
-        if n <= _FIRST - 8:
-            return self._unpack(raw[8 : 8 + n].data)
-        tail = torch.empty(n - (_FIRST - 8), dtype=torch.uint8)
-        dist.broadcast(tail, src=0)
-        return self._unpack(memoryview(raw[8:].tobytes() + tail.numpy().tobytes()))
+        if 8 + n > _FIRST:
+            whole = torch.empty(8 + n, dtype=torch.uint8)
+            whole[:_FIRST] = head
+            dist.broadcast(whole[_FIRST:], src=0)
+            head = whole
+        return self._unpack(head.numpy().data[8 : 8 + n])
 
     def wait(self, timeout: float | None) -> bool:
         """Rank 0 parks on its inboxes; the other ranks park inside :meth:`poll`."""
@@ -122,7 +120,8 @@ class BroadcastReceiver:
             return self.inner.wait(timeout)
         return True
 
-    def _pack(self, envelopes: Sequence[Envelope[Request] | Rejected]) -> bytes:
+    def _pack(self, envelopes: Sequence[Envelope[Request] | Rejected]) -> bytearray:
+        """One buffer: payload length, item index, frames; padded to the first broadcast."""
         items: list[_Item] = []
         frames: list[bytes | bytearray | memoryview] = []
         for env in envelopes:
@@ -136,7 +135,15 @@ class BroadcastReceiver:
                 items.append(_Item(env.origin.inbox, env.origin.identity, [], err.reason,
                                    err.rid, err.message_type))
         head = _HEAD.encode(items)
-        return b"".join([len(head).to_bytes(8, "little"), head, *frames])
+        buf = bytearray(8)
+        buf += len(head).to_bytes(8, "little")
+        buf += head
+        for f in frames:
+            buf += f
+        buf[:8] = (len(buf) - 8).to_bytes(8, "little")
+        if len(buf) < _FIRST:
+            buf += bytes(_FIRST - len(buf))
+        return buf
 
     def _unpack(self, data: memoryview) -> list[Envelope[Request] | Rejected]:
         n = int.from_bytes(data[:8], "little")
@@ -161,7 +168,8 @@ def rpc_reducer(rank: int, world_size: int) -> Callable[[RpcReqOutput], RpcReqOu
     """Gather every rank's rpc reply on rank 0 and merge them into one answer.
 
     The merged reply succeeds only if every rank did; its message names the
-    ranks that failed; each result key maps to the list of the ranks' values.
+    ranks that failed. A scalar result ``key`` becomes the list of the ranks'
+    values (rank order); a list result becomes ``key.rank<r>`` per rank.
     Other ranks get ``None`` (they answer nobody).
     """
     codec: Codec[Message] = Codec(Message, types=[RpcReqOutput])
@@ -184,13 +192,17 @@ def rpc_reducer(rank: int, world_size: int) -> Callable[[RpcReqOutput], RpcReqOu
             assert isinstance(r, RpcReqOutput)
             replies.append(r)
         failed = [i for i, r in enumerate(replies) if not r.success]
-        result: dict[str, list[Scalar]] = {}
-        for r in replies:
+        merged: RpcResult = {}
+        for i, r in enumerate(replies):
             for k, v in (r.result or {}).items():
-                result.setdefault(k, []).append(v if not isinstance(v, list) else str(v))
+                if isinstance(v, list):
+                    merged[f"{k}.rank{i}"] = v
+                else:
+                    per_rank = merged.setdefault(k, [])
+                    assert isinstance(per_rank, list)
+                    per_rank.append(v)
         message = "ok" if not failed else "; ".join(
             f"rank {i} failed: {replies[i].message}" for i in failed)
-        merged: RpcResult = dict(result)
         return RpcReqOutput(rid=reply.rid, success=not failed, message=message,
                             result=merged or None)
 
