@@ -34,7 +34,7 @@ class TypeTable(Generic[K, V]):
         self.base = base
         self.types: tuple[type[K], ...] = tuple(types)
         self._registry: dict[type, V] = {}
-        self._cache: dict[type, V] = {}
+        self._cache: dict[type, V] = {}  # cleared in place, never rebound (Router aliases it)
         self._frozen = False
 
     @property

@@ -69,7 +69,9 @@ class Router(Generic[O]):
         self._table: TypeTable[O, Sink[O]] = TypeTable(
             base, concrete_types(base) if types is None else types)
         self.on_failure = on_failure
-        self._hits = self._table._cache  # route()'s fast path reads the cache directly
+        # route()'s fast path reads the table's cache directly (a method call
+        # is a third of the dispatch cost); the table only clears it in place.
+        self._hits = self._table._cache
         self._routed = 0
         self._failed = 0
 

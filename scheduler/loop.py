@@ -328,7 +328,6 @@ class Scheduler:
             return
         toks, lps = sample_next(torch.stack(rows), [s.req.sampling for s in active],
                                 [s.generator for s in active])
-        done: list[_Seq] = []
         for s, t, lp in zip(active, toks.tolist(), lps.tolist(), strict=True):
             s.last = t
             if t in s.stop:
@@ -338,8 +337,6 @@ class Scheduler:
                 s.lps.append(lp)
                 if len(s.out) >= s.req.sampling.max_new_tokens:
                     s.finished = "length"
-            if s.finished is not None:
-                done.append(s)
         n = len(active)
         self._digest.update(toks.numpy().tobytes())
         self._tokens += n
