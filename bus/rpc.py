@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -13,11 +14,15 @@ import zmq
 from bus.channels import _ZmqEnd
 from bus.errors import ChannelClosed, PeerGone, RpcTimeout
 from bus.sockets import SocketOptions, make_socket
-from messages import Codec, DecodeError, Message, RpcReqInput, RpcReqOutput, Scalar
+from messages import Codec, DecodeError, Message, RpcReqInput, RpcReqOutput, Scalar, fit_text
 
 __all__ = ["RpcClient"]
 
+log = logging.getLogger("bus.rpc")
+
 _DEFAULT_OPTIONS = SocketOptions()
+#: Seconds between two warnings about undecodable replies (a flood logs a count).
+_LOG_EVERY = 1.0
 
 
 class RpcClient(_ZmqEnd):
@@ -25,8 +30,11 @@ class RpcClient(_ZmqEnd):
 
     Replies are matched to calls by request id. After a timeout the client
     stays usable: a late reply to the abandoned call is discarded (and
-    counted in ``discarded``), never returned to a later call. Calls from
-    several threads are serialized.
+    counted in ``discarded``), never returned to a later call. An undecodable
+    reply is never dropped silently: if it names the waiting call's rid the
+    call raises :class:`~messages.DecodeError` at once; otherwise it is
+    counted in ``discarded`` and logged (at most one warning a second, with
+    a count). Calls from several threads are serialized.
     """
 
     _ids = itertools.count()
@@ -44,6 +52,8 @@ class RpcClient(_ZmqEnd):
         self._prefix = f"rpc-{os.getpid()}-{next(self._ids)}-"
         self._seq = itertools.count()
         self.discarded = 0
+        self._undecodable_unlogged = 0
+        self._undecodable_logged_at = float("-inf")
 
     def call(self, method: str, *, timeout: float = 30.0,
              alive: Callable[[], bool] | None = None, **params: Scalar) -> RpcReqOutput:
@@ -59,6 +69,8 @@ class RpcClient(_ZmqEnd):
             PeerGone: ``alive()`` turned false while waiting.
             ChannelClosed: the client is closed.
             EncodeError: a parameter is not a plain scalar.
+            DecodeError: the reply to this call arrived but cannot be decoded
+                (``.rid`` is this call's rid); raised as soon as it arrives.
         """
         with self._lock:
             if self._closed:
@@ -97,9 +109,25 @@ class RpcClient(_ZmqEnd):
                 received = self.socket.recv_multipart()
                 try:
                     reply = self._reply_codec.decode(received)
-                except DecodeError:
-                    self.discarded += 1
+                except DecodeError as exc:
+                    if exc.rid == rid:  # our answer, unreadable: waiting longer cannot help
+                        raise
+                    self._discard_undecodable(exc)
                     continue
                 if isinstance(reply, RpcReqOutput) and reply.rid == rid:
                     return reply
                 self.discarded += 1  # a late reply to an abandoned call
+
+    def _discard_undecodable(self, exc: DecodeError) -> None:
+        """Count an undecodable reply no call waits for; warn, at most once a second."""
+        self.discarded += 1
+        self._undecodable_unlogged += 1
+        now = time.monotonic()
+        if now - self._undecodable_logged_at < _LOG_EVERY:
+            return  # a flood of bad replies must not become a flood of log lines
+        log.warning("%s (%s): discarded %d undecodable rpc repl%s since the last warning; "
+                    "latest: %s", self._name, self.endpoint, self._undecodable_unlogged,
+                    "y" if self._undecodable_unlogged == 1 else "ies",
+                    fit_text(str(exc), 1000))
+        self._undecodable_logged_at = now
+        self._undecodable_unlogged = 0

@@ -5,6 +5,7 @@ Must not import zmq, ``bus``, ``router`` or ``scheduler``.
 
 from messages.base import (
     MAX_BATCH,
+    MAX_TEXT,
     MAX_TOKENS,
     Message,
     Output,
@@ -13,6 +14,7 @@ from messages.base import (
     Rid,
     Scalar,
     TokenIds,
+    fit_text,
     packed_u32,
     token_ids,
 )
@@ -45,6 +47,7 @@ __all__ = [
     "DEFAULT_MAX_FRAMES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_BATCH",
+    "MAX_TEXT",
     "MAX_TOKENS",
     "AbortReq",
     "BatchEmbeddingOut",
@@ -72,6 +75,7 @@ __all__ = [
     "TokenizedEmbeddingReqInput",
     "TokenizedGenerateReqInput",
     "concrete_types",
+    "fit_text",
     "packed_u32",
     "token_ids",
 ]

@@ -11,6 +11,7 @@ import numpy as np
 __all__ = [
     "ABSTRACT_MESSAGE_TYPES",
     "MAX_BATCH",
+    "MAX_TEXT",
     "MAX_TOKENS",
     "Message",
     "Output",
@@ -19,6 +20,7 @@ __all__ = [
     "Scalar",
     "PackedU32",
     "TokenIds",
+    "fit_text",
     "packed_u32",
     "token_ids",
 ]
@@ -27,11 +29,13 @@ __all__ = [
 MAX_TOKENS: Final = 1 << 20
 #: Most requests one batched output may describe.
 MAX_BATCH: Final = 1 << 16
+#: Longest free text (an error or rpc message) a message may carry, in characters.
+MAX_TEXT: Final = 1 << 16
 
 #: A request id: non-empty, bounded.
 Rid = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 #: A plain scalar, as rpc parameters and results carry.
-Scalar = None | bool | int | float | Annotated[str, msgspec.Meta(max_length=1 << 16)]
+Scalar = None | bool | int | float | Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 #: A packed 1-D array of unsigned 32-bit integers: a ``memoryview`` of
 #: format ``"I"``. msgspec encodes and decodes it natively (a msgpack ``bin``,
 #: no Python call either way), and a decoded one is a read-only view of the
@@ -70,6 +74,36 @@ class Output(Message):
 
 #: The marker bases; a codec built from a base decodes its *other* subclasses.
 ABSTRACT_MESSAGE_TYPES: Final[frozenset[type[Message]]] = frozenset({Message, Request, Output})
+
+
+def fit_text(text: str, limit: int = MAX_TEXT) -> str:
+    """Return ``text`` so that it can always cross the wire as a ``max_length=limit`` string.
+
+    Text that fits is returned unchanged. Longer text is cut and ends with a
+    marker saying how long it was (``" ... [truncated, 70001 chars in all]"``),
+    the whole staying within ``limit`` characters: msgspec's ``max_length``
+    counts code points, and so does ``len``. Lone surrogates (UTF-8 cannot
+    encode them, so msgspec refuses the whole message) are written as
+    backslash escapes first. Use it for every message that embeds user input
+    or exception text, so a long path cannot make a reply undecodable.
+
+    Raises:
+        ValueError: ``limit`` is negative.
+    """
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    total = len(text)
+    if not text.isascii():  # ASCII always encodes: spare the common case the encode
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) <= limit:
+        return text
+    marker = f" ... [truncated, {total} chars in all]"
+    if len(marker) >= limit:  # no room for any of the text: the marker's start says most
+        return marker[:limit]
+    return text[: limit - len(marker)] + marker
 
 
 def packed_u32(values: object, *, field: str = "values") -> PackedU32:

@@ -3,13 +3,16 @@
 Layout: 8-byte little-endian length ``n``, ``n`` bytes of msgpack
 ``{name: [dtype, shape, offset, nbytes]}``, then the bytes. Saving writes a
 temp file in the same directory and renames it, so a reader never sees a
-half-written checkpoint.
+half-written checkpoint. Loading reads regular files only, of a bounded
+size: it runs on the scheduler loop, which a FIFO (blocks until a writer
+comes) or ``/dev/zero`` (never ends) would stall.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import torch
 __all__ = ["load_state", "save_state"]
 
 _MAX_INDEX = 1 << 24
+_CHUNK = 1 << 24  # read at most this much per syscall (a huge read() may be refused)
 
 
 class _Entry(msgspec.Struct, array_like=True):
@@ -57,13 +61,20 @@ def save_state(state: dict[str, torch.Tensor], path: str | os.PathLike[str]) -> 
     return 8 + len(head) + offset
 
 
-def load_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def load_state(path: str | os.PathLike[str], *,
+               max_bytes: int = 1 << 32) -> dict[str, torch.Tensor]:
     """Read a checkpoint written by :func:`save_state`.
 
+    Only a regular file of at most ``max_bytes`` is read; anything else is
+    refused at once rather than read (see the module docstring).
+
     Raises:
-        ValueError: the file is not a well-formed checkpoint.
+        ValueError: ``path`` is not a regular file (a FIFO, a device, a
+            directory), is larger than ``max_bytes``, changed size while being
+            read, or is not a well-formed checkpoint.
+        OSError: ``path`` cannot be opened or read (missing, no permission).
     """
-    data = Path(path).read_bytes()
+    data = _read_regular(path, max_bytes)
     n = int.from_bytes(data[:8], "little")
     if len(data) < 8 or n > min(_MAX_INDEX, len(data) - 8):
         raise ValueError(f"{path}: not a checkpoint (bad index length)")
@@ -84,3 +95,49 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         out[name] = t.view(dtype).reshape(e.shape)
     return out
+
+
+def _read_regular(path: str | os.PathLike[str], max_bytes: int) -> bytearray:
+    """Return the bytes of the regular file ``path``, refusing anything else.
+
+    Raises:
+        ValueError: not a regular file, over ``max_bytes``, or its size changed.
+        OSError: it cannot be opened or read.
+    """
+    # O_NONBLOCK: opening a FIFO for reading otherwise blocks until a writer
+    # appears; the fstat below then refuses it. It does not affect reads of
+    # a regular file.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)  # of what was opened: no race with a swapped path
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file (it is {_kind(st.st_mode)}); "
+                             "refusing to read it as a checkpoint")
+        size = st.st_size
+        if size > max_bytes:
+            raise ValueError(f"{path}: {size} bytes, more than max_bytes={max_bytes}")
+        buf = bytearray(size + 1)  # one spare byte shows a file that grew
+        view = memoryview(buf)
+        got = 0
+        while got < size + 1:
+            n = os.readv(fd, [view[got : got + _CHUNK]])
+            if n == 0:
+                break
+            got += n
+        view.release()
+    finally:
+        os.close(fd)
+    if got != size:
+        raise ValueError(f"{path}: changed size while being read (expected {size} bytes, "
+                         f"read {'more' if got > size else got})")
+    del buf[size:]  # the spare byte; no copy of the (possibly huge) rest
+    return buf
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return f"of mode {stat.filemode(mode)}"

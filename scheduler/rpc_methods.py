@@ -5,21 +5,37 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
+from typing import Final
 
-from messages import RpcReqInput, RpcReqOutput, RpcResult, Scalar
+from messages import (
+    Codec,
+    CodecError,
+    Message,
+    RpcReqInput,
+    RpcReqOutput,
+    RpcResult,
+    Scalar,
+    fit_text,
+)
 
 __all__ = ["RpcMethod", "RpcMethods"]
 
 #: An rpc method: keyword parameters (plain scalars) in, a flat result (or None) out.
 RpcMethod = Callable[..., RpcResult | None]
 
+# What the caller's RpcClient decodes with: a reply this codec cannot round-trip
+# would reach the caller as garbage, so it is replaced before it is sent.
+_WIRE: Final[Codec[Message]] = Codec(Message, types=[RpcReqOutput])
+
 
 class RpcMethods:
     """Name -> method. :meth:`answer` turns any request into exactly one reply.
 
-    An unknown method, parameters the method does not take, or a method that
-    raises all answer ``success=False`` with a message saying which; the
-    caller's loop goes on.
+    An unknown method, parameters the method does not take, a method that
+    raises, or a result that cannot cross the wire all answer
+    ``success=False`` with a message saying which; the caller's loop goes on.
+    Every message is cut to fit the wire (:func:`messages.fit_text`), since it
+    may quote user input such as a path.
     """
 
     def __init__(self) -> None:
@@ -46,21 +62,48 @@ class RpcMethods:
         return iter(self._methods)
 
     def answer(self, req: RpcReqInput) -> RpcReqOutput:
-        """Run ``req``'s method and build its reply (never raises)."""
+        """Run ``req``'s method and build its reply (never raises).
+
+        The reply always encodes and decodes as an :class:`RpcReqOutput`
+        (given a valid ``req.rid``): a result that would not is replaced by a
+        ``success=False`` reply saying so.
+        """
         fn = self._methods.get(req.method)
         if fn is None:
-            return RpcReqOutput(rid=req.rid, success=False,
-                                message=f"unknown rpc method {req.method!r}; known: "
-                                        f"{', '.join(sorted(self._methods))}")
+            return _failure(req, f"unknown rpc method {req.method!r}; known: "
+                                 f"{', '.join(sorted(self._methods))}")
         params: dict[str, Scalar] = req.parameters
         try:
             inspect.signature(fn).bind(**params)
         except TypeError as exc:
-            return RpcReqOutput(rid=req.rid, success=False,
-                                message=f"bad parameters for {req.method!r}: {exc}")
+            return _failure(req, f"bad parameters for {req.method!r}: {_text(exc)}")
         try:
             result = fn(**params)
         except Exception as exc:
-            return RpcReqOutput(rid=req.rid, success=False,
-                                message=f"{req.method} failed: {type(exc).__name__}: {exc}")
-        return RpcReqOutput(rid=req.rid, success=True, message="ok", result=result)
+            return _failure(req, f"{req.method} failed: {type(exc).__name__}: {_text(exc)}")
+        reply = RpcReqOutput(rid=req.rid, success=True, message="ok", result=result)
+        # msgspec checks constraints (max_length, scalar types) only when
+        # decoding, so the round trip is the one test of what the caller can
+        # read. Rpc is the cold path: the extra encode and decode are cheap.
+        try:
+            _WIRE.decode(_WIRE.encode(reply))
+        except CodecError as exc:
+            return _failure(req, f"{req.method} succeeded but its result does not fit in "
+                                 f"an rpc reply: {_text(exc)}")
+        except Exception as exc:  # answer() must never raise, whatever a result holds
+            return _failure(req, f"{req.method} succeeded but its result does not fit in "
+                                 f"an rpc reply: {type(exc).__name__}: {_text(exc)}")
+        return reply
+
+
+def _failure(req: RpcReqInput, message: str) -> RpcReqOutput:
+    # Exception text and echoed input (a path, a method name) are unbounded.
+    return RpcReqOutput(rid=req.rid, success=False, message=fit_text(message))
+
+
+def _text(exc: BaseException) -> str:
+    # A user exception's __str__ can itself raise; answer() must not.
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__name__} whose str() failed>"

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 import zmq
 
+import bus.rpc
 from bus import (
     ChannelClosed,
     Envelope,
@@ -17,7 +21,16 @@ from bus import (
     RpcTimeout,
     check_endpoint,
 )
-from messages import AbortReq, Codec, Message, Output, Request, RpcReqInput, RpcReqOutput
+from messages import (
+    AbortReq,
+    Codec,
+    DecodeError,
+    Message,
+    Output,
+    Request,
+    RpcReqInput,
+    RpcReqOutput,
+)
 
 REQ: Codec[Request] = Codec(Request)
 OUT: Codec[Output] = Codec(Output)
@@ -152,3 +165,89 @@ def test_call_to_nobody_keeps_to_its_timeout(ctx: zmq.Context[zmq.Socket[bytes]]
         with pytest.raises(RpcTimeout, match="'get_load'"):
             client.call("get_load", timeout=0.2)
         assert time.monotonic() - t0 < 5
+
+
+# -- undecodable replies ---------------------------------------------------------
+
+CALL: Codec[Message] = Codec(Message, types=[RpcReqInput])
+
+
+def _bad_reply(rid: str) -> bytes:
+    """An RpcReqOutput whose message breaks its 64 KiB bound: readable rid, undecodable."""
+    # Same layout a real reply has: ["RpcReqOutput", rid, success, message, result].
+    real = msgspec.msgpack.decode(OUT.encode(RpcReqOutput(rid=rid, success=False))[0])
+    assert real[:3] == ["RpcReqOutput", rid, False]
+    return msgspec.msgpack.encode(["RpcReqOutput", rid, False, "e" * 70_000, None])
+
+
+@pytest.fixture
+def router(ctx: zmq.Context[zmq.Socket[bytes]],
+           ipc: Callable[[str], str]) -> Iterator[tuple[zmq.Socket[bytes], str]]:
+    """A hand-made rpc server: a bare ROUTER, so a test can answer with any bytes."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    ep = ipc("raw-rpc")
+    sock.bind(ep)
+    yield sock, ep
+    sock.close(linger=0)
+
+
+def _answer_once(sock: zmq.Socket[bytes], make: Callable[[str], list[bytes]]) -> threading.Thread:
+    """Receive one call on ``sock`` and send back ``make(rid)`` to its caller."""
+
+    def run() -> None:
+        if not sock.poll(10_000, zmq.POLLIN):
+            return  # the test fails on its own assertion
+        identity, *frames = sock.recv_multipart()
+        req = CALL.decode(frames)
+        assert isinstance(req, RpcReqInput)
+        for reply in make(req.rid):
+            sock.send_multipart([identity, reply])
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_undecodable_reply_to_the_call_raises_at_once(
+        ctx: zmq.Context[zmq.Socket[bytes]], router: tuple[zmq.Socket[bytes], str]) -> None:
+    sock, ep = router
+    t = _answer_once(sock, lambda rid: [_bad_reply(rid)])
+    try:
+        with RpcClient(ep, ctx=ctx) as client:
+            t0 = time.monotonic()
+            with pytest.raises(DecodeError) as info:
+                client.call("save_checkpoint", path="p", timeout=30)
+            assert time.monotonic() - t0 < 10  # not the 30 s timeout
+            err = info.value
+            assert err.rid is not None and err.rid.startswith(client._prefix)
+            assert err.message_type == "RpcReqOutput" and "message" in err.reason
+            assert client.discarded == 0
+    finally:
+        t.join()
+
+
+def test_undecodable_reply_for_another_rid_is_counted_and_logged(
+        ctx: zmq.Context[zmq.Socket[bytes]], router: tuple[zmq.Socket[bytes], str],
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    sock, ep = router
+    monkeypatch.setattr(bus.rpc, "_LOG_EVERY", 3600.0)  # however slow the host: one window
+
+    def replies(rid: str) -> list[bytes]:
+        ok = OUT.encode(RpcReqOutput(rid=rid, success=True, message="real"))
+        assert len(ok) == 1
+        # Three bad replies first: a flood logs once, with a count.
+        return [_bad_reply("someone-else"), _bad_reply("someone-else"), b"\xc1garbage",
+                bytes(ok[0])]
+
+    t = _answer_once(sock, replies)
+    try:
+        with RpcClient(ep, ctx=ctx) as client, caplog.at_level(logging.WARNING, "bus.rpc"):
+            out = client.call("get_load", timeout=30)
+            assert out.success and out.message == "real"
+            assert client.discarded == 3
+    finally:
+        t.join()
+    warnings = [r for r in caplog.records if r.name == "bus.rpc"]
+    assert len(warnings) == 1  # one line per window, not one per reply
+    assert "discarded 1 undecodable" in warnings[0].getMessage()  # the first one, at once
