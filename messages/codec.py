@@ -26,7 +26,12 @@ Ownership rules, for callers:
 
 Decoding is defensive: every failure is a :class:`~messages.errors.DecodeError`
 (never a crash, an over-read or a huge allocation), carrying the request id
-when it could be read and naming the offending field.
+when it could be read and naming the offending field. That is structural,
+not a property each helper keeps: :meth:`Codec.decode` has one ``except
+Exception`` boundary, and the code naming the failure runs under its own
+guard (if naming fails, msgspec's own text is the reason). Naming is cheap,
+because every attacker reaches it: the type tree is inspected once per
+codec and each (tag, path) is named once, in a bounded cache.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import operator
 import re
 import threading
 import typing
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, Generic, TypeVar
 
 import msgspec
@@ -44,7 +49,7 @@ import numpy as np
 import torch
 
 from messages import _tensors as tz
-from messages.base import ABSTRACT_MESSAGE_TYPES, Message
+from messages.base import ABSTRACT_MESSAGE_TYPES, Message, Rid
 from messages.errors import DecodeError, EncodeError
 
 __all__ = [
@@ -82,6 +87,11 @@ class _Bad:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+
+class _Refused(Exception):
+    """A check of our own failed (a bound, the frame count); the boundary converts it."""
+
 
 _PATH_TOKENS: Final = re.compile(r"\[(\d+|\"(?:[^\"\\]|\\.)*\"|\.\.\.)\]|\.(\w+)")
 
@@ -147,8 +157,16 @@ class Codec(Generic[M]):
             str(msgspec.inspect.type_info(t).tag): t  # type: ignore[attr-defined]
             for t in self.types
         }
+        # Where a rejected message's rid sits in its array (the tag is item 0).
+        self._rid_at: dict[str, int] = {
+            tag: t.__struct_fields__.index("rid") + 1
+            for tag, t in self._by_tag.items() if "rid" in t.__struct_fields__
+        }
+        # Failure naming (cold path): the type tree, inspected on the first
+        # failure rather than per failure, and (tag, msgspec path) -> name.
+        self._infos: dict[str, msgspec.inspect.StructType] | None = None
+        self._names: dict[tuple[str | None, str], str] = {}
         union = self.types[0] if len(self.types) == 1 else _union(self.types)
-        self._decode_type = union
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(
             union, ext_hook=self._ext_hook, dec_hook=self._dec_hook
@@ -180,7 +198,10 @@ class Codec(Generic[M]):
         except (tz.TensorFormatError, TypeError, ValueError, OverflowError) as exc:
             state.pop("frames", None)
             failed = state.pop("failed", None)
-            field = _find_field(msg, failed) if failed is not None else ""
+            if failed is not None:  # the enc hook refused this object
+                field = _find_field(msg, lambda value: value is failed)
+            else:  # msgpack itself refused a scalar (an int past 64 bits, a lone surrogate)
+                field = _find_field(msg, _unencodable)
             raise EncodeError(type(msg).__name__, field, str(exc)) from exc
         extra: list[Frame] | None = state.pop("frames", None)
         out: list[Frame] = [header] if extra is None else [header, *extra]
@@ -231,37 +252,63 @@ class Codec(Generic[M]):
         Raises:
             DecodeError: the frames are not a valid ``M``; ``.rid`` is set
                 when a request id could be read, ``.reason`` names the field.
+                Nothing else leaves this method, whatever the bytes.
         """
+        # The one boundary: whatever fails below (msgspec, a hook, a bound, a
+        # bug in a helper), it leaves as a DecodeError. A try costs nothing
+        # on the way through, so the one-frame fast path stays as it was.
+        try:
+            if len(frames) == 1:
+                head = frames[0]
+                if len(head) <= self.max_message_bytes:
+                    return self._single.decode(head)
+            return self._decode_frames(frames)
+        except Exception as exc:
+            raise self._failure(frames, exc) from exc
+
+    def validate(self, msg: M, /) -> M:
+        """Check ``msg`` as if it had crossed the wire, and return the checked copy.
+
+        For messages that travel by reference (an in-process ring) and so are
+        never decoded: they get the same checks a received one gets (field
+        constraints, ``__post_init__``, tensor headers), by encoding and
+        decoding them. Large tensors are not copied: the frames view the
+        tensor's memory and decoding views them again, so the returned
+        message shares them with ``msg`` (treat them as read-only, as with
+        any decoded message).
+
+        Raises:
+            DecodeError: ``msg`` breaks a constraint or cannot be encoded at
+                all. ``.rid`` is ``msg.rid`` whenever that is a ``str``, even
+                one the wire would refuse (the caller is in-process and can
+                still be answered), ``.message_type`` is the class name and
+                ``.reason`` names the field.
+        """
+        try:
+            return self.decode(self.encode(msg))
+        except Exception as exc:
+            raise _invalid(msg, exc) from exc
+
+    def _decode_frames(self, frames: Sequence[Frame]) -> M:
+        """Decode several frames (or one past a bound); raises anything, the caller converts."""
         n = len(frames)
-        if n == 1:
-            head = frames[0]
-            if len(head) > self.max_message_bytes:
-                raise self._fail(frames, f"{len(head)} bytes, more than "
-                                 f"max_message_bytes={self.max_message_bytes}")
-            try:
-                return self._single.decode(head)
-            except _DECODE_FAILURES as exc:
-                raise self._fail(frames, _reason(self._decode_type, frames, exc)) from exc
         if n == 0:
-            raise DecodeError("no frames")
+            raise _Refused("no frames")
         if n > self.max_frames:
-            raise self._fail(frames, f"{n} frames, more than max_frames={self.max_frames}")
+            raise _Refused(f"{n} frames, more than max_frames={self.max_frames}")
         size = sum(memoryview(f).nbytes for f in frames)
         if size > self.max_message_bytes:
-            raise self._fail(frames, f"{size} bytes, more than "
-                             f"max_message_bytes={self.max_message_bytes}")
+            raise _Refused(f"{size} bytes, more than max_message_bytes={self.max_message_bytes}")
         with self._lock:
             self._in = frames
             self._used = 0
             try:
                 msg = self._decoder.decode(frames[0])
                 used = self._used
-            except _DECODE_FAILURES as exc:
-                raise self._fail(frames, _reason(self._decode_type, frames, exc)) from exc
             finally:
                 self._in = ()
         if used != n - 1:
-            raise self._fail(frames, f"{n - 1} tensor frames sent but {used} referenced")
+            raise _Refused(f"{n - 1} tensor frames sent but {used} referenced")
         return msg
 
     def _dec_hook(self, tp: object, obj: object) -> object:
@@ -325,51 +372,165 @@ class Codec(Generic[M]):
 
     # -- failure reporting (cold path) --------------------------------------
 
-    def _fail(self, frames: Sequence[Frame], reason: str) -> DecodeError:
-        tag, rid = self._peek(frames)
+    def _failure(self, frames: Sequence[Frame], exc: Exception) -> DecodeError:
+        """The DecodeError for ``exc``, naming what it can. Never raises.
+
+        Frame 0 is parsed once here, shallowly (its items as raw views), for
+        the tag and the rid; the field is named from the tag and msgspec's
+        path alone, so no value steers the walk and its result can be cached.
+        """
+        tag: str | None = None
+        rid: str | None = None
+        try:
+            reason = str(exc) or type(exc).__name__
+        except Exception:  # a str() that fails: still a DecodeError
+            reason = type(exc).__name__
+        try:
+            tag, rid, known = self._peek(frames)
+            if isinstance(exc, msgspec.ValidationError):
+                reason = self._name_field(tag if known else None, reason)
+        except Exception:  # naming is best effort: msgspec's text still says what is wrong
+            pass
         return DecodeError(reason, rid=rid, message_type=tag)
 
-    def _peek(self, frames: Sequence[Frame]) -> tuple[str | None, str | None]:
-        """Best effort: read the tag and rid of an undecodable message."""
+    def _peek(self, frames: Sequence[Frame]) -> tuple[str | None, str | None, bool]:
+        """(tag, rid, whether the tag is one of ours) of an undecodable message."""
         try:
-            raw = _RAW.decode(frames[0])
-        except Exception:  # anything: the frame is garbage
-            return None, None
-        if not (isinstance(raw, list) and raw and isinstance(raw[0], str)):
-            return None, None
-        tag = raw[0][:128]
-        cls = self._by_tag.get(tag)
-        if cls is None:
-            return tag, None
-        fields = cls.__struct_fields__
-        if "rid" in fields:
-            i = fields.index("rid") + 1
-            if i < len(raw) and isinstance(raw[i], str) and 0 < len(raw[i]) <= 256:
-                return tag, raw[i]
-        return tag, None
+            items = _PEEK.decode(frames[0])
+            tag = _TAG.decode(items[0])[:128]
+        except Exception:  # not a tagged array: nothing to read
+            return None, None, False
+        if tag not in self._by_tag:
+            return tag, None, False
+        i = self._rid_at.get(tag)
+        if i is None or i >= len(items):
+            return tag, None, True
+        try:
+            return tag, _RID.decode(items[i]), True
+        except Exception:  # a rid that is not a valid one is not an address
+            return tag, None, True
+
+    def _name_field(self, tag: str | None, reason: str) -> str:
+        """``Expected ... - at `$[3][2]``` -> ``sampling.top_p: Expected ...``."""
+        message, sep, where = reason.rpartition(" - at `")
+        if not sep:
+            return reason
+        key = (tag, where)
+        names = self._names
+        name = names.get(key)
+        if name is None:
+            if len(names) >= _MAX_NAMES:  # paths carry indices: bound what a sender can grow
+                names.clear()
+            name = names[key] = self._walk(tag, where.rstrip("`"))
+        return f"{name}: {message}" if name else reason
+
+    def _walk(self, tag: str | None, where: str) -> str:
+        """Name the field a msgspec path points at, from the types alone ("" if unsure)."""
+        if where.startswith("key` in `"):  # a dict key: name the dict
+            where = where[len("key` in `"):]
+        if not where.startswith("$"):
+            return ""
+        tokens = _PATH_TOKENS.findall(where, 1)
+        infos = self._infos
+        if infos is None:
+            infos = self._infos = {
+                str(info.tag): info
+                for info in msgspec.inspect.multi_type_info(self.types)
+                if isinstance(info, msgspec.inspect.StructType)
+            }
+        node: object = infos.get(tag) if tag is not None else None
+        if node is None:
+            return "message type" if tokens[:1] == [("0", "")] else ""
+        parts: list[str] = []
+        for index, attr in tokens:
+            node = _member(node, index)
+            if isinstance(node, msgspec.inspect.StructType):
+                name, node = _struct_step(node, index, attr)
+                if name is None:
+                    break
+                parts.append(("." if parts else "") + name)
+                continue
+            parts.append(f"[{index}]" if index else f".{attr}")
+            if isinstance(node, msgspec.inspect.DictType):
+                node = node.value_type
+            elif isinstance(node, msgspec.inspect.ListType | msgspec.inspect.VarTupleType
+                            | msgspec.inspect.SetType | msgspec.inspect.FrozenSetType):
+                node = node.item_type
+            elif isinstance(node, msgspec.inspect.TupleType) and index.isdigit():
+                i = int(index)
+                node = node.item_types[i] if i < len(node.item_types) else None
+            else:
+                node = None
+        return "".join(parts)
 
 
-_DECODE_FAILURES: Final = (
-    msgspec.ValidationError, msgspec.DecodeError, tz.TensorFormatError, ValueError, TypeError,
-    OverflowError, RecursionError, IndexError,
+#: Most cached (tag, path) -> name entries before the cache starts over.
+_MAX_NAMES: Final = 4096
+# The top-level items of frame 0 as raw views: enough for the tag and the rid,
+# without building (or copying) the rest of a message that failed.
+_PEEK: Final = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_TAG: Final = msgspec.msgpack.Decoder(str)
+_RID: Final = msgspec.msgpack.Decoder(Rid)
+_ARRAY_LIKE: Final = (
+    msgspec.inspect.ListType, msgspec.inspect.VarTupleType, msgspec.inspect.TupleType,
+    msgspec.inspect.SetType, msgspec.inspect.FrozenSetType,
 )
-_RAW: Final = msgspec.msgpack.Decoder(ext_hook=lambda code, data: None)
 
 
-def _reason(decode_type: object, frames: Sequence[Frame], exc: Exception) -> str:
-    """Turn msgspec's ``... - at `$[3][2]``` into ``sampling.top_p: ...``."""
-    text = str(exc)
-    if not isinstance(exc, msgspec.ValidationError):
-        return text
-    message, sep, path = text.rpartition(" - at `")
-    if not sep:
-        return text
+def _member(node: object, index: str) -> object:
+    """The member of a union that a path step can enter, or None if not exactly one.
+
+    Chosen by the step alone (``[3]`` enters an array, ``[...]`` a dict), not
+    by the value: two members of one kind (two tagged structs) are not
+    guessed between.
+    """
+    if not isinstance(node, msgspec.inspect.UnionType):
+        return node
+    fits: list[msgspec.inspect.Type]
+    if index.isdigit():
+        fits = [t for t in node.types if isinstance(t, _ARRAY_LIKE)
+                or (isinstance(t, msgspec.inspect.StructType) and t.array_like)]
+    elif index:
+        fits = [t for t in node.types if isinstance(t, msgspec.inspect.DictType)]
+    else:
+        fits = [t for t in node.types
+                if isinstance(t, msgspec.inspect.StructType) and not t.array_like]
+    return fits[0] if len(fits) == 1 else None
+
+
+def _struct_step(
+    info: msgspec.inspect.StructType, index: str, attr: str
+) -> tuple[str | None, object]:
+    """(field name, field type) of a path step into a struct; (None, None) if none."""
+    if attr:
+        field = next((f for f in info.fields if f.encode_name == attr), None)
+    elif index.isdigit():
+        pos = int(index) - (1 if info.tag is not None else 0)
+        if pos == -1:
+            return "message type", None
+        field = info.fields[pos] if pos < len(info.fields) else None
+    else:
+        field = None
+    return (field.name, field.type) if field is not None else (None, None)
+
+
+def _invalid(msg: object, exc: Exception) -> DecodeError:
+    """The DecodeError :meth:`Codec.validate` raises for ``msg``. Never raises."""
     try:
-        raw = _RAW.decode(frames[0])
-    except Exception:
-        raw = None
-    field = _field_path(decode_type, raw, path.rstrip("`"))
-    return f"{field}: {message}" if field else message
+        if isinstance(exc, EncodeError):
+            reason = f"{exc.field}: {exc.reason}" if exc.field else exc.reason
+        elif isinstance(exc, DecodeError):
+            reason = exc.reason
+        else:
+            reason = str(exc) or type(exc).__name__
+    except Exception:  # a str() that fails: still a DecodeError
+        reason = type(exc).__name__
+    try:
+        rid = getattr(msg, "rid", None)
+    except Exception:  # a property that raises: no address
+        rid = None
+    return DecodeError(reason, rid=rid if isinstance(rid, str) else None,
+                       message_type=type(msg).__name__)
 
 
 def _array_field(tp: object) -> tuple[type, np.dtype[np.generic] | None]:
@@ -390,57 +551,8 @@ def _union(types: Sequence[type[M]]) -> object:
     return functools.reduce(operator.or_, types)
 
 
-def _field_path(decode_type: object, raw: object, path: str) -> str:
-    """Name the field a msgspec path points at, walking the types alongside the raw value."""
-    info: object = msgspec.inspect.type_info(decode_type)
-    parts: list[str] = []
-    value = raw
-    ins = msgspec.inspect
-    for m in _PATH_TOKENS.finditer(path):
-        index, attr = m.group(1), m.group(2)
-        while isinstance(info, ins.UnionType):
-            info = _pick_member(info, value)
-        if isinstance(info, ins.StructType):
-            if attr is not None:
-                name = attr
-                field = next((f for f in info.fields if f.encode_name == attr), None)
-            else:
-                pos = int(index) - (1 if info.tag is not None else 0)
-                field = info.fields[pos] if 0 <= pos < len(info.fields) else None
-                name = field.name if field is not None else "message type"
-            parts.append(("." if parts else "") + name)
-            info = field.type if field is not None else None
-        elif isinstance(info, ins.DictType):
-            parts.append(f"[{index}]")
-            info = info.value_type
-        elif isinstance(info, ins.ListType | ins.TupleType | ins.VarTupleType | ins.SetType):
-            parts.append(f"[{index}]")
-            info = getattr(info, "item_type", None)
-        else:
-            parts.append(f"[{index}]" if index is not None else f".{attr}")
-            info = None
-        if isinstance(value, list) and index is not None and index.isdigit():
-            i = int(index)
-            value = value[i] if i < len(value) else None
-        else:
-            value = None
-    return "".join(parts)
-
-
-def _pick_member(info: msgspec.inspect.UnionType, value: object) -> object:
-    ins = msgspec.inspect
-    if isinstance(value, list) and value and isinstance(value[0], str):
-        for t in info.types:
-            if isinstance(t, ins.StructType) and t.tag == value[0]:
-                return t
-    for t in info.types:
-        if not isinstance(t, ins.NoneType):
-            return t
-    return None
-
-
 def _children(value: object, prefix: str) -> Iterator[tuple[str, object]]:
-    """(dotted path, child) of each field / item / entry of ``value``."""
+    """(dotted path, child) of each field / item / entry (key, then value) of ``value``."""
     if isinstance(value, msgspec.Struct):
         for name in value.__struct_fields__:
             yield (f"{prefix}.{name}" if prefix else name), getattr(value, name)
@@ -449,17 +561,32 @@ def _children(value: object, prefix: str) -> Iterator[tuple[str, object]]:
             yield f"{prefix}[{i}]", item
     elif isinstance(value, dict):
         for key, item in value.items():
+            yield f"{prefix}[{key!r}]", key
             yield f"{prefix}[{key!r}]", item
 
 
-def _find_field(msg: object, target: object, prefix: str = "", depth: int = 0) -> str:
-    """Dotted path of the field of ``msg`` holding ``target`` (identity), or ``""``."""
+def _find_field(
+    msg: object, match: Callable[[object], bool], prefix: str = "", depth: int = 0
+) -> str:
+    """Dotted path of the first field of ``msg`` whose value ``match``es, or ``""``."""
     if depth > 8:
         return ""
     for path, value in _children(msg, prefix):
-        if value is target:
+        if match(value):
             return path
-        found = _find_field(value, target, path, depth + 1)
+        found = _find_field(value, match, path, depth + 1)
         if found:
             return found
     return ""
+
+
+def _unencodable(value: object) -> bool:
+    """Whether msgpack cannot carry ``value``: an int past 64 bits or a non-UTF-8 str."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not -(1 << 63) <= value < (1 << 64)
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return True
+    return False
