@@ -14,7 +14,7 @@ you sent (the codec's ownership rules; cf. vLLM issue 50053).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, Literal, Protocol, Self, TypeVar
 
 import zmq
@@ -65,12 +65,24 @@ class Inbox(Protocol[M_co]):
 
 
 class RingInbox(Generic[M]):
-    """An inbox over an in-process :class:`~bus.ring.Ring` (no serialization)."""
+    """An inbox over an in-process :class:`~bus.ring.Ring` (no serialization).
 
-    def __init__(self, ring: Ring[M], *, name: str = "work") -> None:
+    Objects pass by reference, so nothing decodes them and the type
+    constraints a decoder enforces would never run. With ``validate`` (a
+    codec's :meth:`~messages.Codec.validate`), every message is checked as
+    if it had been decoded: one that fails becomes a
+    :class:`~bus.envelope.Rejected` carrying its rid, exactly like a bad
+    frame on a socket. Leave it ``None`` only where the producer validated
+    already (``Engine`` does, at submit).
+    """
+
+    def __init__(self, ring: Ring[M], *, name: str = "work",
+                 validate: Callable[[M], object] | None = None) -> None:
         self.ring = ring
         self._name = name
         self._origin = Origin(name)
+        self._validate = validate
+        self._rejected = 0
 
     @property
     def name(self) -> str:
@@ -78,14 +90,26 @@ class RingInbox(Generic[M]):
 
     def drain(self, max_n: int) -> list[Envelope[M] | Rejected]:
         origin = self._origin
-        return [Envelope(m, origin) for m in self.ring.drain(max_n)]
+        validate = self._validate
+        if validate is None:
+            return [Envelope(m, origin) for m in self.ring.drain(max_n)]
+        out: list[Envelope[M] | Rejected] = []
+        for m in self.ring.drain(max_n):
+            try:
+                validate(m)
+            except DecodeError as exc:
+                self._rejected += 1
+                out.append(Rejected(exc, origin))
+                continue
+            out.append(Envelope(m, origin))
+        return out
 
     def pollable(self) -> int:
         return self.ring.fileno()
 
     @property
     def rejected(self) -> int:
-        return 0  # objects by reference: nothing to decode
+        return self._rejected
 
     def close(self) -> None:
         self.ring.close()
@@ -125,18 +149,23 @@ class _ZmqEnd:
                           stacklevel=2)
             self.close()
 
-    def _send(self, frames: Sequence[Frame]) -> None:
+    def _send(self, frames: Sequence[Frame], *, block: bool = True) -> None:
         if self._closed:
             raise ChannelClosed(self._name, "send on a closed channel")
         send, last = self.socket.send, len(frames) - 1
+        flags = 0 if block else _NOBLOCK
         try:
             # Copy small frames (the header: cheaper than wrapping it in a
             # zmq Frame); hand large ones (tensor bytes) to zmq as views.
+            # Only the first part can meet the high-water mark: once it is
+            # queued, zmq takes the rest of the message whatever the flags.
             for i, f in enumerate(frames):
-                send(f, _SNDMORE if i < last else 0, copy=len(f) < zmq.COPY_THRESHOLD)
+                send(f, (_SNDMORE if i < last else 0) | flags,
+                     copy=len(f) < zmq.COPY_THRESHOLD)
         except zmq.Again as exc:
-            raise WouldBlock(self._name, "send timed out: the peer is not reading "
-                                         "(high-water mark reached)") from exc
+            raise WouldBlock(self._name, "the peer is not reading (high-water mark reached)"
+                             if not block else "send timed out: the peer is not reading "
+                             "(high-water mark reached)") from exc
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise PeerGone(self._name, "the peer that asked is gone") from exc
@@ -152,13 +181,24 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
     (never an exception out of :meth:`drain`), and is counted in ``rejected``.
     """
 
+    #: Most surplus parts of an oversized message discarded per drain: the
+    #: rest waits for the next poll, so one message of a million empty parts
+    #: costs a few milliseconds per step instead of stalling every inbox.
+    DISCARD_PER_DRAIN = 16384
+
     def __init__(self, sock: zmq.Socket[bytes], codec: Codec[M], name: str, *,
                  routed: bool) -> None:
         super().__init__(sock, name)
         self.codec = codec
         self.rejected = 0
+        self.discarded_parts = 0
         self._routed = routed
         self._origin = Origin(name)
+        # Parts one message may have on the wire: the codec's bound, plus the
+        # identity a ROUTER prepends. Checked while receiving, so surplus
+        # parts are never gathered into a list.
+        self._max_parts = codec.max_frames + (1 if routed else 0)
+        self._skipping = False  # inside an oversized message: discard to its end
 
     def pollable(self) -> zmq.Socket[bytes]:
         return self.socket
@@ -169,7 +209,10 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
         recv, decode = self.socket.recv, self.codec.decode
         origin, routed, name = self._origin, self._routed, self._name
         out: list[Envelope[M] | Rejected] = []
+        if self._skipping and not self._discard():
+            return out  # still inside an oversized message: go on next poll
         append = out.append
+        max_parts = self._max_parts
         for _ in range(max_n):
             try:
                 # copy=False: a Frame says `.more` for free, where the socket's
@@ -177,9 +220,13 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
                 part = recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            too_many = False
             if part.more:  # tensor frames follow: keep them as views (zero-copy)
                 frames: list[Frame] = [part.buffer]
                 while part.more:
+                    if len(frames) == max_parts:
+                        too_many = True
+                        break
                     part = recv(0, copy=False)
                     frames.append(part.buffer)
             else:  # one frame: msgspec reads bytes faster than a Frame's view
@@ -187,12 +234,46 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
             if routed:  # ROUTER: the identity zmq prepended, never the payload's
                 origin = Origin(name, bytes(frames[0]))
                 frames = frames[1:] if len(frames) > 1 else [b""]
+            if too_many:
+                # Answer from the header (it carries the rid), then drop the
+                # surplus parts unseen; what is left waits for the next poll.
+                self.rejected += 1
+                append(Rejected(self._oversized(frames), origin))
+                self._skipping = True
+                if not self._discard():
+                    break
+                continue
             try:
                 append(Envelope(decode(frames), origin))
             except DecodeError as exc:
                 self.rejected += 1
                 append(Rejected(exc, origin))
         return out
+
+    def _oversized(self, frames: Sequence[Frame]) -> DecodeError:
+        """The error for a message with too many parts, with its rid when the header has one."""
+        rid: str | None = None
+        tag: str | None = None
+        try:
+            head = self.codec.decode(frames[:1])
+        except DecodeError as exc:  # the usual case: the header refers to frames
+            rid, tag = exc.rid, exc.message_type
+        else:
+            found = getattr(head, "rid", None)
+            rid, tag = (found if isinstance(found, str) else None), type(head).__name__
+        return DecodeError(f"more than max_frames={self.codec.max_frames} frames (the rest "
+                           "were discarded unread)", rid=rid, message_type=tag)
+
+    def _discard(self) -> bool:
+        """Drop parts of the oversized message being skipped; True once it has ended."""
+        recv = self.socket.recv
+        for _ in range(self.DISCARD_PER_DRAIN):
+            part = recv(0, copy=False)  # the message's parts are all here: never blocks
+            self.discarded_parts += 1
+            if not part.more:
+                self._skipping = False
+                return True
+        return False
 
 
 def _context(ctx: zmq.Context[zmq.Socket[bytes]] | None) -> zmq.Context[zmq.Socket[bytes]]:
@@ -233,17 +314,30 @@ class PushOutbox(_ZmqEnd, Generic[M]):
         """
         self._send(self.codec.encode(msg))
 
+    def send_nowait(self, msg: M, /) -> None:
+        """Encode and send ``msg`` if the peer can take it now; never blocks.
+
+        Raises:
+            EncodeError: ``msg`` cannot be encoded (nothing was sent).
+            WouldBlock: the peer is not reading (nothing was sent: retry later).
+            ChannelClosed: this outbox is closed.
+        """
+        self._send(self.codec.encode(msg), block=False)
+
 
 class RpcServer(ZmqInbox[M]):
     """The scheduler's rpc end: an inbox that can also reply to an origin.
 
-    ``kind="dealer"`` is the 1:1 pair engines use today; ``kind="router"``
-    serves many clients, each reply going to the identity that asked (the
-    identity zmq attached on receipt, never one read from the payload).
+    ``kind="router"`` (the default) serves any number of clients, each reply
+    going to the identity that asked (the identity zmq attached on receipt,
+    never one read from the payload). ``kind="dealer"`` is only right where
+    exactly one client can ever connect: a DEALER round-robins its sends over
+    every connected peer, so with two clients each would get half of the
+    other's replies.
     """
 
     def __init__(self, codec: Codec[M], endpoint: str, *, name: str = "rpc",
-                 kind: Literal["dealer", "router"] = "dealer", bind: bool = True,
+                 kind: Literal["dealer", "router"] = "router", bind: bool = True,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
                  options: SocketOptions = _DEFAULT_OPTIONS) -> None:
         stype = zmq.ROUTER if kind == "router" else zmq.DEALER
@@ -253,8 +347,11 @@ class RpcServer(ZmqInbox[M]):
         self.kind = kind
         self.endpoint = endpoint
 
-    def reply(self, frames: Sequence[Frame], origin: Origin) -> None:
+    def reply(self, frames: Sequence[Frame], origin: Origin, *, block: bool = True) -> None:
         """Send encoded reply ``frames`` back to ``origin``.
+
+        With ``block=False`` a client that is not reading raises at once
+        instead of after the send timeout.
 
         Raises:
             ValueError: ``origin`` did not come from this server.
@@ -267,6 +364,6 @@ class RpcServer(ZmqInbox[M]):
             if origin.identity is None:
                 raise ValueError(f"rpc server {self._name!r} is a ROUTER: the origin "
                                  "carries no peer identity")
-            self._send([origin.identity, *frames])
+            self._send([origin.identity, *frames], block=block)
         else:
-            self._send(frames)
+            self._send(frames, block=block)

@@ -15,6 +15,9 @@ Defaults, and why:
 * **MAXMSGSIZE**: the codec's byte bound plus slack; zmq refuses a bigger
   message before allocating it.
 * **tcp binds to loopback** unless ``allow_remote=True``.
+* **Handshake interval** (``handshake_ms``, 5 s, zmq's default is 30 s): a
+  peer that connects and never completes the ZMTP handshake (a raw socket
+  writing garbage) is dropped after it, instead of holding a connection.
 * **CURVE** (``curve_keys``): a socket that binds with keys is a CURVE
   server; one that connects with ``curve_server_public`` is a CURVE client
   (it must have keys too). Admit clients with :class:`~bus.CurveAuthenticator`.
@@ -39,6 +42,7 @@ class SocketOptions:
     hwm: int = 100_000
     linger_ms: int = 1000
     send_timeout_ms: int = 10_000
+    handshake_ms: int = 5_000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     allow_remote: bool = False
     curve_keys: CurveKeys | None = None
@@ -83,6 +87,7 @@ def make_socket(
         sock.setsockopt(zmq.LINGER, options.linger_ms if sending else 0)
         sock.setsockopt(zmq.SNDTIMEO, options.send_timeout_ms)
         sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes + (1 << 16))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, options.handshake_ms)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         _apply_curve(sock, bind=bind, options=options)

@@ -1,5 +1,6 @@
 """``Router[O]``: each output type to a sink, most specific class first, total over the types."""
 
+from router.backlog import Backlog, Overflow
 from router.dispatch import TypeTable
 from router.errors import AmbiguousRouteError, NoSinkError, RouterFrozenError, RoutingError
 from router.router import Router, RouterStats, Sink, SinkFailure
@@ -8,8 +9,10 @@ from router.tables import scheduler_router
 
 __all__ = [
     "AmbiguousRouteError",
+    "Backlog",
     "CallbackSink",
     "NoSinkError",
+    "Overflow",
     "RingSink",
     "Router",
     "RouterFrozenError",

@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from bus import Origin
+from bus import Origin, WouldBlock
 from messages import Output, concrete_types
+from router.backlog import Backlog, Overflow
 from router.dispatch import TypeTable
 
 __all__ = ["Router", "RouterStats", "Sink", "SinkFailure"]
@@ -45,10 +46,17 @@ class SinkFailure:
 
 @dataclass(frozen=True, slots=True)
 class RouterStats:
-    """Counters of a router since it was built."""
+    """Counters of a router since it was built.
+
+    ``routed``: outputs a sink took; ``failed``: outputs a sink refused with
+    an error (each reported); ``backlog``: outputs waiting now for a consumer
+    that is not reading; ``overflows``: times a waiting queue hit its bound.
+    """
 
     routed: int
     failed: int
+    backlog: int = 0
+    overflows: int = 0
 
 
 class Router(Generic[O]):
@@ -62,13 +70,20 @@ class Router(Generic[O]):
             the first unlucky request.
         on_failure: called with a :class:`SinkFailure` whenever a sink raises
             (after logging); routing of other outputs goes on.
+        max_backlog: most outputs waiting per (sink, origin) for a consumer
+            that is not reading (see :mod:`router.backlog`).
+
+    A sink that raises :class:`~bus.WouldBlock` is not a failure: the output
+    waits in the backlog, in order, and :meth:`flush` retries it.
     """
 
     def __init__(self, base: type[O], *, types: Iterable[type[O]] | None = None,
-                 on_failure: Callable[[SinkFailure], None] | None = None) -> None:
+                 on_failure: Callable[[SinkFailure], None] | None = None,
+                 max_backlog: int = 1024) -> None:
         self._table: TypeTable[O, Sink[O]] = TypeTable(
             base, concrete_types(base) if types is None else types)
         self.on_failure = on_failure
+        self._backlog: Backlog[O] = Backlog(max_backlog)
         # route()'s fast path reads the table's cache directly (a method call
         # is a third of the dispatch cost); the table only clears it in place.
         self._hits = self._table._cache
@@ -106,11 +121,27 @@ class Router(Generic[O]):
         """
         return self._table.lookup(output_type)
 
-    def route(self, output: O, origin: Origin) -> bool:
-        """Deliver ``output``; returns whether its sink succeeded.
+    @property
+    def on_overflow(self) -> Overflow[O] | None:
+        """Called with the items of a backlog queue past its bound; returns what to keep."""
+        return self._backlog.on_overflow
 
-        A failing sink is isolated: counted, logged with the output type and
-        origin, reported to ``on_failure``; the caller goes on.
+    @on_overflow.setter
+    def on_overflow(self, fn: Overflow[O] | None) -> None:
+        self._backlog.on_overflow = fn
+
+    @property
+    def backlog(self) -> int:
+        """Outputs waiting for a consumer that is not reading."""
+        return len(self._backlog)
+
+    def route(self, output: O, origin: Origin) -> bool:
+        """Deliver ``output`` now, or queue it behind a consumer that is not reading.
+
+        Returns ``False`` when its sink failed. A failing sink is isolated:
+        counted, logged with the output type and origin, reported to
+        ``on_failure``; the caller goes on. A sink that would block is not a
+        failure: the output waits in the backlog (see :meth:`flush`).
 
         Raises:
             NoSinkError: no registration covers the output's type (never a
@@ -119,20 +150,63 @@ class Router(Generic[O]):
         sink = self._hits.get(type(output))
         if sink is None:
             sink = self._table.lookup(type(output))
+        backlog = self._backlog
+        if backlog and backlog.holds(sink, origin):  # keep order behind what waits
+            self._queue(sink, output, origin)
+            return True
         try:
             sink.send(output, origin)
+        except WouldBlock:
+            self._queue(sink, output, origin)
+            return True
         except Exception as exc:
-            self._failed += 1
-            failure = SinkFailure(type(output).__qualname__, origin, type(sink).__qualname__,
-                                  exc)
-            log.error("sink %s failed for %s from %s: %s", failure.sink, failure.output_type,
-                      origin, exc)
-            if self.on_failure is not None:
-                self.on_failure(failure)
+            self._fail(sink, output, origin, exc)
             return False
         self._routed += 1
         return True
 
+    def flush(self) -> int:
+        """Retry every waiting output, oldest first per queue; returns how many still wait.
+
+        Stops on a queue at its first output that would still block; a sink
+        error fails that output alone (reported as in :meth:`route`).
+        """
+        backlog = self._backlog
+        if not backlog:
+            return 0
+        for sink, items in backlog.queues():
+            taken = 0
+            while items:
+                output, origin = items[0]
+                try:
+                    sink.send(output, origin)
+                except WouldBlock:
+                    break
+                except Exception as exc:
+                    self._fail(sink, output, origin, exc)
+                else:
+                    self._routed += 1
+                items.popleft()
+                taken += 1
+            backlog.taken(taken)
+        return len(backlog)
+
+    def _queue(self, sink: Sink[O], output: O, origin: Origin) -> None:
+        for old, old_origin in self._backlog.push(sink, output, origin):
+            self._fail(sink, old, old_origin,
+                       WouldBlock(type(sink).__qualname__, "dropped: the backlog of a "
+                                  f"consumer that is not reading passed {self._backlog.max_items}"
+                                  " outputs and no overflow policy is set"))
+
+    def _fail(self, sink: Sink[O], output: O, origin: Origin, exc: BaseException) -> None:
+        self._failed += 1
+        failure = SinkFailure(type(output).__qualname__, origin, type(sink).__qualname__, exc)
+        log.error("sink %s failed for %s from %s: %s", failure.sink, failure.output_type,
+                  origin, exc)
+        if self.on_failure is not None:
+            self.on_failure(failure)
+
     def statistics(self) -> RouterStats:
         """A snapshot of the counters."""
-        return RouterStats(self._routed, self._failed)
+        return RouterStats(self._routed, self._failed, len(self._backlog),
+                           self._backlog.overflows)

@@ -1,4 +1,9 @@
-"""The standard sinks: rpc reply, zmq transport, ring egress, callback."""
+"""The standard sinks: rpc reply, zmq transport, ring egress, callback.
+
+Every standard sink sends without blocking: a consumer that is not reading
+raises :class:`~bus.WouldBlock`, and the router keeps the output in its
+backlog (:mod:`router.backlog`) instead of stalling the scheduler loop.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ class RpcReplySink:
                 f"RpcReqOutput rid={output.rid!r} answers a request from inbox "
                 f"{origin.inbox!r}, which is not an rpc channel "
                 f"(rpc channels: {sorted(self._servers)})")
-        server.reply(self._codec.encode(output), origin)
+        server.reply(self._codec.encode(output), origin, block=False)
 
 
 class TransportSink(Generic[O]):
@@ -43,18 +48,17 @@ class TransportSink(Generic[O]):
         self.outbox = outbox
 
     def send(self, output: O, origin: Origin, /) -> None:
-        self.outbox.send(output)
+        self.outbox.send_nowait(output)
 
 
 class RingSink(Generic[O]):
     """Puts outputs on the egress ring of an embedded frontend (by reference)."""
 
-    def __init__(self, ring: Ring[O], *, timeout: float | None = 10.0) -> None:
+    def __init__(self, ring: Ring[O]) -> None:
         self.ring = ring
-        self.timeout = timeout
 
     def send(self, output: O, origin: Origin, /) -> None:
-        self.ring.put(output, timeout=self.timeout)
+        self.ring.put_nowait(output)
 
 
 class CallbackSink(Generic[O]):

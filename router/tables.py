@@ -15,6 +15,7 @@ def scheduler_router(
     rpc: Sink[RpcReqOutput],
     *,
     on_failure: Callable[[SinkFailure], None] | None = None,
+    max_backlog: int = 1024,
 ) -> Router[Output]:
     """A frozen router for either mode: ``RpcReqOutput -> rpc``, any other ``Output -> transport``.
 
@@ -22,7 +23,7 @@ def scheduler_router(
     ring); the rpc sink is the same in both modes. Specificity, not order,
     decides: an rpc reply can never reach the transport.
     """
-    router: Router[Output] = Router(Output, on_failure=on_failure)
+    router: Router[Output] = Router(Output, on_failure=on_failure, max_backlog=max_backlog)
     router.register(Output, transport)
     router.register(RpcReqOutput, rpc)
     router.freeze()

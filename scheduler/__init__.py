@@ -1,7 +1,16 @@
 """The scheduler loop, a small torch model, rpc methods, and the ``Engine`` facade."""
 
-from scheduler.engine import Engine, GenerateResult, RequestHandle, StreamChunk
-from scheduler.errors import EngineClosed, EngineError, RequestFailed, SchedulerGone
+from scheduler.admission import Limits
+from scheduler.engine import Engine
+from scheduler.errors import (
+    EngineClosed,
+    EngineError,
+    InvalidRequest,
+    Overloaded,
+    RequestFailed,
+    SchedulerGone,
+)
+from scheduler.handles import GenerateResult, RequestHandle, StreamChunk
 from scheduler.loop import Scheduler, SchedulerStats
 from scheduler.model import ModelConfig, StubLM, TinyLM, build_model
 from scheduler.rpc_methods import RpcMethods
@@ -13,7 +22,10 @@ __all__ = [
     "EngineClosed",
     "EngineError",
     "GenerateResult",
+    "InvalidRequest",
+    "Limits",
     "ModelConfig",
+    "Overloaded",
     "RequestFailed",
     "RequestHandle",
     "RpcMethods",

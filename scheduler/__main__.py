@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import statistics
 import sys
 import tempfile
@@ -14,9 +15,43 @@ import numpy as np
 
 from bus import CurveKeys, SocketOptions
 from messages import SamplingParams
-from scheduler.engine import Engine, RequestHandle
+from scheduler.admission import Limits
+from scheduler.engine import Engine
+from scheduler.handles import RequestHandle
 from scheduler.model import ModelConfig
 from scheduler.wiring import Endpoints, serve_zmq
+
+
+def private_dir(path: str) -> str:
+    """Make ``path`` a directory only this user can enter, or refuse one that is not.
+
+    The ipc sockets inside are the scheduler's whole surface: whoever can
+    replace one can call ``shutdown`` or write files through
+    ``save_checkpoint`` as this user. So a new directory is made 0700
+    (whatever the umask), and an existing one must be owned by this user
+    and writable by nobody else.
+
+    Raises:
+        PermissionError: the directory is another user's, or group- or
+            world-writable.
+        NotADirectoryError: ``path`` exists and is not a directory.
+    """
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask; make it exact
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"endpoint directory {path!r} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"endpoint directory {path!r} belongs to uid {st.st_uid}, "
+                              f"not to this user (uid {os.geteuid()}): refusing it")
+    if st.st_mode & 0o022:
+        raise PermissionError(f"endpoint directory {path!r} is group- or world-writable "
+                              f"(mode {stat.S_IMODE(st.st_mode):04o}): refusing it; "
+                              f"chmod 700 it or use a new directory")
+    return os.path.abspath(path)
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -110,6 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a directory for ipc:// endpoints (work, rpc, out), or a tcp base "
                         "like tcp://127.0.0.1:5550 (work=+0, rpc=+1, out=+2)")
     s.add_argument("--max-batch", type=int, default=64)
+    s.add_argument("--max-queued-requests", type=int, default=Limits().max_queued_requests,
+                   help="requests waiting beyond this are answered 'overloaded' at once")
+    s.add_argument("--max-queued-tokens", type=int, default=Limits().max_queued_tokens,
+                   help="tokens (prompt + max_new_tokens) waiting beyond this: 'overloaded'")
+    s.add_argument("--max-backlog", type=int, default=Limits().max_backlog,
+                   help="outputs kept for a consumer that is not reading before its "
+                        "requests are aborted")
     s.add_argument("--allow-remote", action="store_true",
                    help="allow binding tcp beyond loopback (use CURVE then)")
     s.add_argument("--curve-keys", metavar="SECRET_FILE",
@@ -128,8 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         endpoints = Endpoints(f"tcp://{host}:{p}", f"tcp://{host}:{p + 1}",
                               f"tcp://{host}:{p + 2}")
     else:
-        os.makedirs(ep, exist_ok=True)
-        endpoints = Endpoints.in_dir(os.path.abspath(ep))
+        try:
+            endpoints = Endpoints.in_dir(private_dir(ep))
+        except OSError as exc:
+            parser.error(str(exc))
     keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
     if (args.curve_allow is not None) != (keys is not None):
         parser.error("--curve-keys and --curve-allow go together")
@@ -139,8 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                             curve_server_public=out_server)
     print(f"serving: work={endpoints.work} rpc={endpoints.rpc} outputs->{endpoints.out}"
           f"{' (CURVE)' if keys else ''}", file=sys.stderr)
+    try:
+        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
+    except ValueError as exc:
+        parser.error(str(exc))
     serve_zmq(endpoints, ModelConfig(), max_batch=args.max_batch, options=options,
-              curve_clients=allowed)
+              curve_clients=allowed, limits=limits)
     return 0
 
 

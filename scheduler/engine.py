@@ -15,14 +15,12 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
-import queue
 import shutil
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Literal, Self
 
@@ -46,8 +44,8 @@ from messages import (
     BatchEmbeddingOut,
     BatchTokenIDOut,
     Codec,
+    DecodeError,
     ErrorOut,
-    FinishReason,
     Output,
     Request,
     RpcReqOutput,
@@ -57,92 +55,25 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
-from scheduler.errors import EngineClosed, EngineError, RequestFailed, SchedulerGone
+from scheduler.admission import Limits
+from scheduler.errors import (
+    EngineClosed,
+    EngineError,
+    InvalidRequest,
+    Overloaded,
+    RequestFailed,
+    SchedulerGone,
+)
+from scheduler.handles import GenerateResult, RequestHandle, StreamChunk
 from scheduler.model import ModelConfig
 from scheduler.tp import TPConfig
 from scheduler.wiring import Endpoints, serve_follower, serve_ring, serve_zmq
 
 __all__ = ["Engine", "GenerateResult", "RequestHandle", "StreamChunk"]
 
-log = logging.getLogger("scheduler.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class StreamChunk:
-    """New tokens of one request (a streamed step, or the whole answer at the end)."""
-
-    rid: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    logprobs: list[float] | None
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateResult:
-    """The finished answer to a generate request."""
-
-    rid: str
-    token_ids: list[int]
-    finish_reason: FinishReason
-    logprobs: list[float] | None
-
-
 _Item = StreamChunk | npt.NDArray[np.float32] | EngineError
 
-
-class RequestHandle:
-    """A submitted request: iterate its chunks, or wait for its result."""
-
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
-        self._done = False
-
-    def _next(self, timeout: float | None) -> _Item:
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            raise EngineError(f"request {self.rid!r}: no output within {timeout} s") from None
-        if isinstance(item, EngineError):
-            self._done = True
-            raise item
-        return item
-
-    def __iter__(self) -> Iterator[StreamChunk]:
-        """Yield chunks until the request finishes.
-
-        Raises:
-            RequestFailed: the scheduler answered with an error.
-            SchedulerGone: the scheduler died.
-        """
-        while not self._done:
-            item = self._next(None)
-            assert isinstance(item, StreamChunk)
-            if item.finish_reason is not None:
-                self._done = True
-            yield item
-
-    def result(self, timeout: float | None = None) -> GenerateResult:
-        """Wait for the whole answer (all chunks joined)."""
-        ids: list[int] = []
-        lps: list[float] | None = None
-        while True:
-            item = self._next(timeout)
-            assert isinstance(item, StreamChunk)
-            ids.extend(item.token_ids)
-            if item.logprobs is not None:
-                lps = [] if lps is None else lps
-                lps.extend(item.logprobs)
-            if item.finish_reason is not None:
-                self._done = True
-                return GenerateResult(self.rid, ids, item.finish_reason, lps)
-
-    def embedding(self, timeout: float | None = None) -> npt.NDArray[np.float32]:
-        """Wait for an embedding request's vector."""
-        item = self._next(timeout)
-        assert isinstance(item, np.ndarray)
-        self._done = True
-        return item
+log = logging.getLogger("scheduler.engine")
 
 
 class Engine:
@@ -159,11 +90,18 @@ class Engine:
             processes joined by ``torch.distributed``; rank 0 owns the
             channels and broadcasts every poll, outputs leave from rank 0,
             and an rpc runs on every rank and is answered once.
+        limits: admission and output-backlog bounds of the scheduler
+            (:class:`~scheduler.Limits`): past them a request fails with
+            :class:`~scheduler.Overloaded`.
+
+    Every request is validated as the wire would validate it before it is
+    sent (:class:`~scheduler.InvalidRequest` at submit), in both modes: a
+    request is either refused at once or answered later, never lost.
     """
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, limits: Limits | None = None) -> None:
         if mode not in ("ring", "zmq"):
             raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
         if tp_size < 1 or (tp_size > 1 and mode != "zmq"):
@@ -171,6 +109,8 @@ class Engine:
         self.tp_size = tp_size
         self.mode = mode
         self.model = model or ModelConfig()
+        self.limits = limits or Limits()
+        self._codec: Codec[Request] = Codec(Request)
         self._dir = tempfile.mkdtemp(prefix="tsb-")
         self.endpoints = Endpoints.in_dir(self._dir)
         self._pending: dict[str, RequestHandle] = {}
@@ -204,11 +144,13 @@ class Engine:
             tp = TPConfig(tp_size, f"{self._dir}/tp-init") if tp_size > 1 else None
             self._procs.append(ctx.Process(
                 target=serve_zmq, args=(self.endpoints, self.model),
-                kwargs={"max_batch": max_batch, "tp": tp}, name="scheduler", daemon=True))
+                kwargs={"max_batch": max_batch, "tp": tp, "limits": self.limits},
+                name="scheduler", daemon=True))
             for rank in range(1, tp_size):
                 self._procs.append(ctx.Process(
                     target=serve_follower, args=(rank, tp, self.model),
-                    kwargs={"max_batch": max_batch}, name=f"scheduler-rank{rank}",
+                    kwargs={"max_batch": max_batch, "limits": self.limits},
+                    name=f"scheduler-rank{rank}",
                     daemon=True))
             for proc in self._procs:
                 proc.start()
@@ -234,6 +176,8 @@ class Engine:
         Raises:
             EngineClosed: the engine is closed.
             SchedulerGone: the scheduler died.
+            InvalidRequest: the request breaks the wire's rules (a rid over
+                256 characters or not valid text, sampling out of range).
             ValueError: ``input_ids`` are not valid token ids.
         """
         req = TokenizedGenerateReqInput(
@@ -246,7 +190,9 @@ class Engine:
         """Generate and wait for the whole answer.
 
         Raises:
-            RequestFailed: the scheduler rejected the request.
+            RequestFailed: the scheduler rejected the request
+                (:class:`~scheduler.Overloaded` when it was too busy).
+            InvalidRequest: refused before sending.
             SchedulerGone: the scheduler died meanwhile.
         """
         return self.submit(input_ids, sampling, return_logprob=return_logprob).result(timeout)
@@ -264,8 +210,15 @@ class Engine:
         return self._submit(req).embedding(timeout)
 
     def abort(self, rid: str) -> None:
-        """Abort a queued or running request; it ends with finish reason ``abort``."""
-        self._send(AbortReq(rid=rid))
+        """Abort a queued or running request; it ends with finish reason ``abort``.
+
+        Idempotent: aborting a finished, unknown or already aborted request
+        does nothing.
+
+        Raises:
+            InvalidRequest: ``rid`` is not a valid request id.
+        """
+        self._send(self._validated(AbortReq(rid=rid)))
 
     def collective_rpc(self, method: str, *, timeout: float = 30.0,
                        **params: Scalar) -> RpcReqOutput:
@@ -326,8 +279,10 @@ class Engine:
     def _run_embedded(self, ingress: Ring[Request], egress: Ring[Output], max_batch: int,
                       ready: threading.Event) -> None:
         try:
+            # Requests are validated at submit (_validated), so the ring need
+            # not check them again.
             serve_ring(ingress, egress, self.endpoints.rpc, self.model, max_batch=max_batch,
-                       ready=ready)
+                       limits=self.limits, validate=False, ready=ready)
         except BaseException as exc:
             self._gone = f"the embedded scheduler crashed: {exc!r}"
             log.exception("embedded scheduler crashed")
@@ -345,8 +300,17 @@ class Engine:
             return False
         return True
 
+    def _validated(self, req: Request) -> Request:
+        """``req`` checked as a decoder would check it (both modes), or InvalidRequest."""
+        try:
+            self._codec.validate(req)
+        except DecodeError as exc:
+            raise InvalidRequest(req.rid, exc.reason) from exc
+        return req
+
     def _submit(self, req: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
                 ) -> RequestHandle:
+        self._validated(req)
         handle = RequestHandle(req.rid)
         with self._lock:
             if self._closed:
@@ -404,7 +368,8 @@ class Engine:
             for i, rid in enumerate(out.rids):
                 self._put(rid, rows[i].copy(), final=True)
         elif isinstance(out, ErrorOut):
-            self._put(out.rid, RequestFailed(out.rid, out.code, out.message), final=True)
+            error = Overloaded if out.code == "overloaded" else RequestFailed
+            self._put(out.rid, error(out.rid, out.code, out.message), final=True)
         else:
             log.error("unexpected output %s on the transport", type(out).__name__)
 

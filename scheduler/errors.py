@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from messages.errors import BusError
 
-__all__ = ["EngineClosed", "EngineError", "RequestFailed", "SchedulerGone"]
+__all__ = [
+    "EngineClosed",
+    "EngineError",
+    "InvalidRequest",
+    "Overloaded",
+    "RequestFailed",
+    "SchedulerGone",
+]
 
 
 class EngineError(BusError):
@@ -23,6 +30,33 @@ class RequestFailed(EngineError):
         self.rid = rid
         self.code = code
         super().__init__(f"request {rid!r} failed ({code}): {message}")
+
+
+class Overloaded(RequestFailed):
+    """The scheduler refused the request as overloaded (code ``overloaded``).
+
+    Its queue was past ``max_queued_requests`` / ``max_queued_tokens``, or the
+    request's outputs were stuck behind a consumer that stopped reading.
+    Nothing of it runs any more: retry later, or elsewhere.
+    """
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The engine refused a request before sending it: it would break the wire's rules.
+
+    Raised at submit time (a rid too long or not valid text, sampling out of
+    range, ...), so a request is either refused here or answered later, never
+    lost in between. A ``ValueError`` too.
+
+    Attributes:
+        rid: the request id as given.
+        reason: which field breaks which rule.
+    """
+
+    def __init__(self, rid: str, reason: str) -> None:
+        self.rid = rid
+        self.reason = reason
+        super().__init__(f"request {rid!r} refused: {reason}")
 
 
 class SchedulerGone(EngineError):

@@ -8,13 +8,13 @@ and every output leaves through a :class:`~router.Router`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -37,11 +37,15 @@ from messages import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     concrete_types,
+    fit_text,
     packed_u32,
     token_ids,
 )
 from router import Router, TypeTable
-from scheduler.checkpoint import load_state, save_state
+from scheduler.admission import Admission, Limits
+from scheduler.backpressure import collapse
+from scheduler.control import ControlMethods
+from scheduler.logsummary import LogSummary
 from scheduler.model import TinyLM
 from scheduler.rpc_methods import RpcMethods
 from scheduler.sampling import sample_next
@@ -73,13 +77,16 @@ class RequestSource(Protocol):
 
 @dataclass(slots=True)
 class _Seq:
-    """A generate request in flight."""
+    """A generate request in flight (its sampler state is made at admission)."""
 
     req: TokenizedGenerateReqInput
     origin: Origin
-    stop: frozenset[int]
-    generator: torch.Generator | None
+    cost: int  # what it counts against the queue's token bound
+    stop: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
     state: torch.Tensor | None = None
+    prefilled: int = 0  # prompt tokens read so far (a long prompt takes several steps)
+    silenced: bool = False  # aborted by backpressure: its terminal error is already queued
     last: int = -1
     out: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
@@ -100,8 +107,13 @@ class SchedulerStats:
     queued: int
 
 
-class Scheduler:
+class Scheduler(ControlMethods):
     """The loop: ``step()`` = poll, handle by type, one batch step, route outputs.
+
+    Failure model: whatever one request does costs at most that request. A
+    handler that raises answers its request with ``ErrorOut(code="internal")``
+    (an rpc with ``success=False``) naming the error; a model step that raises
+    fails the requests in that batch; the loop goes on either way.
 
     Args:
         receiver: every inbox the scheduler serves (work and rpc).
@@ -109,9 +121,10 @@ class Scheduler:
         model: the model to run.
         max_batch: most requests decoding at once; the rest queue.
         max_prefill_tokens: most prompt tokens read in one step, a prompt
-            counting at least 32 (at least one request is always admitted),
-            so a burst of new requests cannot make one step long enough to
-            delay an rpc or the running streams.
+            counting at least 32, so a burst of new requests cannot make one
+            step long enough to delay an rpc or the running streams. A prompt
+            longer than this is read over several steps (chunked prefill).
+        limits: admission and output-backlog bounds (:class:`Limits`).
         idle_timeout: longest single park in :meth:`run` (any inbox wakes it
             sooner).
         rank, world_size: this scheduler's tensor-parallel rank (checkpoints
@@ -123,13 +136,19 @@ class Scheduler:
     def __init__(self, receiver: RequestSource, router: Router[Output], model: TinyLM, *,
                  max_batch: int = 64, max_prefill_tokens: int = 2048,
                  idle_timeout: float = 1.0, rank: int = 0, world_size: int = 1,
-                 rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None
-                 ) -> None:
+                 rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None,
+                 limits: Limits | None = None) -> None:
+        if max_batch < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_batch and max_prefill_tokens must be >= 1")
         self.receiver = receiver
         self.router = router
         self.model = model
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
+        self.admission = Admission(limits or Limits())
+        router.on_overflow = functools.partial(collapse, abort=self._silence,
+                                               dropped_rpc=self._dropped_rpc)
+        self._rejects = LogSummary(log, "rejected messages with no readable rid")
         self.idle_timeout = idle_timeout
         self.rpc = RpcMethods()
         self.rank = rank
@@ -178,7 +197,9 @@ class Scheduler:
             while not self._stopping:
                 received = self.step()
                 if not received and not self.busy and not self._stopping:
-                    self.receiver.wait(self.idle_timeout)
+                    # Outputs waiting for a consumer are retried every few ms;
+                    # otherwise park until any inbox wakes us.
+                    self.receiver.wait(0.005 if self.router.backlog else self.idle_timeout)
         except BaseException as exc:
             # Still answer everyone, saying why, before the error propagates.
             self.finish_all("internal", f"the scheduler failed: {type(exc).__name__}: {exc}")
@@ -188,14 +209,21 @@ class Scheduler:
     def step(self) -> int:
         """One iteration: poll, handle, one model step, route. Returns how many were polled."""
         self._steps += 1
+        if self.router.backlog:
+            self.router.flush()
         envelopes = self.receiver.poll()
         self._received += len(envelopes)
+        lookup = self._handlers.lookup
         for env in envelopes:
             if type(env) is Rejected:
                 self._on_rejected(env)
-            else:
-                assert isinstance(env, Envelope)
-                self._handlers.lookup(type(env.message))(env.message, env.origin)
+                continue
+            assert isinstance(env, Envelope)
+            msg = env.message
+            try:
+                lookup(type(msg))(msg, env.origin)
+            except Exception as exc:  # costs this request alone
+                self._handler_failed(msg, env.origin, exc)
         self._emit_aborted()
         self._run_embeddings()
         self._run_batch()
@@ -209,9 +237,10 @@ class Scheduler:
     def finish_all(self, code: ErrorCode = "shutdown",
                    message: str = "the scheduler shut down before the request finished") -> int:
         """Answer every queued and running request with a terminal :class:`ErrorOut`."""
-        seqs = [*self._running, *self._waiting]
+        seqs = [s for s in (*self._running, *self._waiting) if not s.silenced]
         self._running.clear()
         self._waiting.clear()
+        self.admission.clear()
         for seq in seqs:
             self._live.pop(seq.req.rid, None)
             self._error(seq.req.rid, seq.origin, code, message)
@@ -227,13 +256,22 @@ class Scheduler:
         self._rejected += 1
         err = env.error
         if err.rid is None:
-            log.warning("rejected a message on %r with no readable rid: %s", env.origin.inbox,
-                        err.reason)
+            # Nobody to answer: counted, and summarized in the log now and then.
+            self._rejects.add(env.origin.inbox, err.reason)
             return
         if err.message_type == RpcReqInput.__name__:
-            self._route(RpcReqOutput(rid=err.rid, success=False, message=str(err)), env.origin)
+            self._route(RpcReqOutput(rid=err.rid, success=False, message=fit_text(str(err))),
+                        env.origin)
         else:
             self._error(err.rid, env.origin, "decode_error", str(err))
+
+    def _handler_failed(self, msg: Request, origin: Origin, exc: Exception) -> None:
+        log.exception("handling %s rid=%r failed", type(msg).__name__, msg.rid)
+        text = f"{type(msg).__name__} rid={msg.rid!r} failed: {type(exc).__name__}: {exc}"
+        if isinstance(msg, RpcReqInput):
+            self._route(RpcReqOutput(rid=msg.rid, success=False, message=fit_text(text)), origin)
+        else:
+            self._error(msg.rid, origin, "internal", text)
 
     def _on_generate(self, req: TokenizedGenerateReqInput, origin: Origin) -> None:
         problem = self._check_ids(req.input_ids, req.rid)
@@ -241,22 +279,33 @@ class Scheduler:
             self._error(req.rid, origin, "invalid_request", problem)
             return
         sp = req.sampling
-        stop = frozenset(sp.stop_token_ids.tolist()) if sp.stop_token_ids is not None else \
-            frozenset[int]()
-        gen = None
+        cost = len(req.input_ids) + sp.max_new_tokens
+        refused = self.admission.refuse(cost)
+        if refused:
+            self._error(req.rid, origin, "overloaded", refused)
+            return
+        seq = _Seq(req, origin, cost)
+        if sp.max_new_tokens == 0:
+            seq.finished = "length"
+            self._live[req.rid] = seq
+            self._emit([seq])
+            return
+        self._waiting.append(seq)
+        self.admission.enter(cost)
+        self._live[req.rid] = seq
+
+    def _admit(self, seq: _Seq) -> None:
+        """Make a request's per-request state as it leaves the queue for the batch."""
+        self.admission.leave(seq.cost)
+        sp = seq.req.sampling
+        if sp.stop_token_ids is not None:
+            seq.stop = frozenset(sp.stop_token_ids.tolist())
         if sp.temperature > 0 and sp.top_k != 1:
             # No seed: derive one from the rid, so every tensor-parallel rank
             # samples the same tokens for the same request.
             seed = sp.seed if sp.seed is not None else int.from_bytes(
-                hashlib.blake2b(req.rid.encode(), digest_size=8).digest(), "little") >> 1
-            gen = torch.Generator().manual_seed(seed)
-        seq = _Seq(req, origin, stop, gen)
-        self._live[req.rid] = seq
-        if sp.max_new_tokens == 0:
-            seq.finished = "length"
-            self._emit([seq])
-            return
-        self._waiting.append(seq)
+                hashlib.blake2b(seq.req.rid.encode(), digest_size=8).digest(), "little") >> 1
+            seq.generator = torch.Generator().manual_seed(seed)
 
     def _on_embed(self, req: TokenizedEmbeddingReqInput, origin: Origin) -> None:
         problem = self._check_ids(req.input_ids, req.rid)
@@ -266,15 +315,37 @@ class Scheduler:
         self._embeds.append((req, origin))
 
     def _on_abort(self, req: AbortReq, origin: Origin) -> None:
-        seq = self._live.get(req.rid)
+        # Idempotent: the first abort takes the request out of _live, so a
+        # second one (in the same poll or later) finds nothing to do.
+        seq = self._unlink(req.rid)
         if seq is None:
             return  # unknown or already finished: nothing to answer
-        if seq in self._waiting:
-            self._waiting.remove(seq)
-        else:
-            self._running.remove(seq)
         seq.finished = "abort"
         self._aborted.append(seq)
+
+    def _unlink(self, rid: str) -> _Seq | None:
+        """Take a live request out of every queue; ``None`` if it is not live."""
+        seq = self._live.pop(rid, None)
+        if seq is None:
+            return None
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+            self.admission.leave(seq.cost)
+        elif seq in self._running:
+            self._running.remove(seq)
+        return seq
+
+    def _silence(self, rid: str) -> None:
+        """Abort a request whose terminal error the backlog already holds (see backpressure)."""
+        seq = self._unlink(rid)
+        if seq is not None:
+            seq.silenced = True
+            seq.finished = "abort"
+            self._finished += 1
+
+    def _dropped_rpc(self, reply: RpcReqOutput) -> None:
+        log.warning("dropped the rpc reply rid=%r: its client is not reading its replies",
+                    reply.rid)
 
     def _on_rpc(self, req: RpcReqInput, origin: Origin) -> None:
         reply: RpcReqOutput | None = self.rpc.answer(req)
@@ -299,35 +370,25 @@ class Scheduler:
                                           embeddings=torch.stack([v for _, v in rows])), origin)
 
     def _run_batch(self) -> None:
-        new: list[_Seq] = []
-        budget = self.max_prefill_tokens
-        while self._waiting and len(self._running) + len(new) < self.max_batch:
-            # A prompt costs at least _MIN_PREFILL_COST: admitting a request
-            # has a fixed price however short its prompt.
-            cost = max(_MIN_PREFILL_COST, len(self._waiting[0].req.input_ids))
-            if new and cost > budget:
-                break
-            budget -= cost
-            new.append(self._waiting.popleft())
-        rows: list[torch.Tensor] = []
-        if self._running:
-            tokens = torch.tensor([s.last for s in self._running])
-            states = torch.stack([s.state for s in self._running])  # type: ignore[misc]
-            logits, states = self.model.decode(tokens, states)
-            rows.extend(logits)
-            for s, st in zip(self._running, states, strict=True):
-                s.state = st
-        if new:
-            logits_new, states_new = self.model.prefill_batch(
-                [_as_tensor(s.req.input_ids) for s in new])
-            rows.extend(logits_new)
-            for s, st in zip(new, states_new, strict=True):
-                s.state = st
+        new, chunk = self._take_prefill()
         active = self._running + new
-        if not active:
+        if not active and chunk is None:
             return
-        toks, lps = sample_next(torch.stack(rows), [s.req.sampling for s in active],
-                                [s.generator for s in active])
+        try:
+            rows = self._forward(new, chunk)
+            if not active:
+                return
+            toks, lps = sample_next(torch.stack(rows), [s.req.sampling for s in active],
+                                    [s.generator for s in active])
+        except Exception as exc:  # the model failed: these requests fail, the loop goes on
+            log.exception("model step failed")
+            failed = active + ([chunk] if chunk is not None else [])
+            self._running = []
+            for s in failed:
+                if self._unlink(s.req.rid) is not None:
+                    self._error(s.req.rid, s.origin, "internal",
+                                f"the model step failed: {type(exc).__name__}: {exc}")
+            return
         for s, t, lp in zip(active, toks.tolist(), lps.tolist(), strict=True):
             s.last = t
             if t in s.stop:
@@ -344,6 +405,64 @@ class Scheduler:
         self._running = [s for s in active if s.finished is None]
         self._emit(active)
 
+    def _take_prefill(self) -> tuple[list[_Seq], _Seq | None]:
+        """Requests whose prompt ends this step, and one whose long prompt goes on after it.
+
+        At most ``max_prefill_tokens`` prompt tokens are read per step (a
+        request counts at least 32): a prompt longer than what is left of
+        the budget is read in chunks, one per step, at the head of the queue.
+        """
+        new: list[_Seq] = []
+        budget = self.max_prefill_tokens
+        while self._waiting and len(self._running) + len(new) < self.max_batch:
+            seq = self._waiting[0]
+            left = len(seq.req.input_ids) - seq.prefilled
+            cost = max(_MIN_PREFILL_COST, left)
+            if cost <= budget or left <= budget:
+                budget -= cost
+                self._waiting.popleft()
+                try:
+                    self._admit(seq)
+                except Exception as exc:  # e.g. a seed torch refuses: this request alone
+                    self._live.pop(seq.req.rid, None)
+                    self._handler_failed(seq.req, seq.origin, exc)
+                    continue
+                new.append(seq)
+                continue
+            if budget >= _MIN_PREFILL_COST or not new:
+                return new, seq  # read ``budget`` tokens of it now, the rest later
+            break
+        return new, None
+
+    def _forward(self, new: list[_Seq], chunk: _Seq | None) -> list[torch.Tensor]:
+        """Decode the running batch, read the new prompts (and a chunk); next-token logits."""
+        rows: list[torch.Tensor] = []
+        if self._running:
+            tokens = torch.tensor([s.last for s in self._running])
+            states = torch.stack([s.state for s in self._running])  # type: ignore[misc]
+            logits, states = self.model.decode(tokens, states)
+            rows.extend(logits)
+            for s, st in zip(self._running, states, strict=True):
+                s.state = st
+        prompts = [_as_tensor(s.req.input_ids[s.prefilled :]) for s in new]
+        starts = [s.state for s in new]
+        if chunk is not None:
+            used = sum(max(_MIN_PREFILL_COST, len(p)) for p in prompts)
+            size = max(1, self.max_prefill_tokens - used)
+            prompts.append(_as_tensor(chunk.req.input_ids[chunk.prefilled : chunk.prefilled
+                                                           + size]))
+            starts.append(chunk.state)
+        if prompts:
+            logits_new, states_new = self.model.prefill_batch(prompts, starts)
+            for s, st in zip([*new, *([chunk] if chunk is not None else [])], states_new,
+                             strict=True):
+                s.state = st
+            if chunk is not None:
+                chunk.prefilled += len(prompts[-1])
+                logits_new = logits_new[:-1]  # mid-prompt: nothing to sample yet
+            rows.extend(logits_new)
+        return rows
+
     # -- outputs --------------------------------------------------------------
 
     def _emit_aborted(self) -> None:
@@ -355,6 +474,8 @@ class Scheduler:
         """One BatchTokenIDOut per origin: streamed news, and every finished request."""
         groups: dict[Origin, list[_Seq]] = {}
         for s in seqs:
+            if s.silenced:
+                continue  # its terminal error already waits in the backlog
             if s.req.stream or s.finished is not None:
                 groups.setdefault(s.origin, []).append(s)
         for origin, group in groups.items():
@@ -383,7 +504,7 @@ class Scheduler:
 
     def _error(self, rid: str, origin: Origin, code: ErrorCode, message: str) -> None:
         self._finished += 1
-        self._route(ErrorOut(rid=rid, code=code, message=message), origin)
+        self._route(ErrorOut(rid=rid, code=code, message=fit_text(message)), origin)
 
     def _route(self, output: Output, origin: Origin) -> None:
         self.router.route(output, origin)  # a failing sink is isolated by the router
@@ -399,47 +520,8 @@ class Scheduler:
             return f"request {rid!r}: token id {top} is outside the vocabulary (size {vocab})"
         return ""
 
-    # -- rpc methods ------------------------------------------------------------
-
-    def _shard(self, path: str) -> Path:
-        p = Path(path)
-        return p if self.world_size == 1 else p.with_name(
-            f"{p.name}.rank{self.rank}-of-{self.world_size}")
-
-    def save_checkpoint(self, path: str) -> RpcResult:
-        """Write the model weights atomically to ``path`` (temp file, then rename).
-
-        With several ranks, each writes its own shard ``path.rank<r>-of-<n>``.
-        """
-        target = self._shard(path)
-        size = save_state(self.model.state_dict(), target)
-        return {"path": str(target), "bytes": size}
-
-    def load_checkpoint(self, path: str) -> RpcResult:
-        """Load model weights written by :meth:`save_checkpoint` (this rank's shard)."""
-        target = self._shard(path)
-        self.model.load_state_dict(load_state(target))
-        return {"path": str(target)}
-
-    def token_digest(self) -> RpcResult:
-        """A digest of every token this scheduler sampled, in order (ranks must agree)."""
-        return {"digest": self._digest.hexdigest(), "tokens": self._tokens, "rank": self.rank}
-
-    def flush_cache(self) -> RpcResult:
-        """Drop cached state; refused while requests are in flight."""
-        if self._running or self._waiting:
-            raise RuntimeError(f"cannot flush while {len(self._running)} requests run and "
-                               f"{len(self._waiting)} wait")
-        return {"flushed": True}
-
-    def get_load(self) -> RpcResult:
-        """Running and queued requests, and the recent token rate."""
-        now = time.monotonic()
-        if now - self._rate_t0 >= 1.0:
-            self._rate = self._rate_tokens / (now - self._rate_t0)
-            self._rate_t0, self._rate_tokens = now, 0
-        return {"running": len(self._running), "queued": len(self._waiting),
-                "tokens_per_s": round(self._rate, 1), "steps": self._steps}
+    def _queue_sizes(self) -> tuple[int, int]:
+        return len(self._running), len(self._waiting)
 
     def statistics(self) -> SchedulerStats:
         """A snapshot of the counters."""

@@ -8,6 +8,7 @@ bookkeeping. Weights are seeded, so two processes build the same model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,15 +63,23 @@ class TinyLM(nn.Module):
         return self._logits(out[0, -1:])[0], h[:, 0]
 
     @torch.inference_mode()
-    def prefill_batch(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_batch(self, prompts: list[torch.Tensor],
+                      states: Sequence[torch.Tensor | None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run several prompts at once: (logits ``(B, vocab)``, states ``(B, layers, hidden)``).
 
         Prompts of different lengths are packed, so each row's state is taken
-        at its own last token.
+        at its own last token. ``states[i]``, when given, is where prompt
+        ``i`` starts from (the state after the earlier chunks of a long
+        prompt); ``None`` starts from scratch.
         """
         packed = nn.utils.rnn.pack_sequence([self.embed(p.long()) for p in prompts],
                                             enforce_sorted=False)
-        _, h = self.gru(packed)  # h: (layers, B, hidden), each row at its own end
+        h0 = None
+        if states is not None and any(s is not None for s in states):
+            zero = self.initial_state()
+            h0 = torch.stack([zero if s is None else s for s in states], dim=1).contiguous()
+        _, h = self.gru(packed, h0)  # h: (layers, B, hidden), each row at its own end
         return self._logits(h[-1]), h.transpose(0, 1)
 
     @torch.inference_mode()
@@ -117,7 +126,9 @@ class StubLM(TinyLM):
                                                                           torch.Tensor]:
         return self._rows[: tokens.shape[0]], states
 
-    def prefill_batch(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_batch(self, prompts: list[torch.Tensor],
+                      states: Sequence[torch.Tensor | None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(prompts)
         return self._rows[:n], self._state.expand(n, -1, -1)
 

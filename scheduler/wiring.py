@@ -1,8 +1,10 @@
 """How each mode is put together: which inboxes, which sinks. The scheduler never knows.
 
 ``ring`` (embedded): work arrives on an in-process ring, outputs leave on an
-egress ring; rpc still comes over a zmq DEALER pair (the seed's setup).
-``zmq`` (own process): work over PULL, outputs over PUSH, rpc over DEALER.
+egress ring; rpc still comes over zmq (the seed's setup).
+``zmq`` (own process): work over PULL, outputs over PUSH, rpc over ROUTER.
+Rpc replies go by peer identity (ROUTER) in both, so a second client on the
+rpc endpoint can never receive the first one's replies.
 Both build a :class:`~bus.Receiver` over *all* their inboxes and the same
 :func:`~router.scheduler_router` table: adding a mode swaps an inbox and a
 sink, it cannot skip the rpc channel or misroute its replies.
@@ -31,6 +33,7 @@ from bus import (
 from bus.channels import Inbox
 from messages import Codec, Output, Request
 from router import RingSink, RpcReplySink, TransportSink, scheduler_router
+from scheduler.admission import Limits
 from scheduler.loop import RequestSource, Scheduler
 from scheduler.model import ModelConfig, build_model
 from scheduler.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, rpc_reducer
@@ -56,15 +59,24 @@ class Endpoints:
 
 def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
                model: ModelConfig, *, max_batch: int = 64,
-               rpc_kind: Literal["dealer", "router"] = "dealer",
-               options: SocketOptions = _OPTIONS,
-               ready: threading.Event | None = None) -> Scheduler:
-    """Run an embedded scheduler until shut down (call in its own thread)."""
+               rpc_kind: Literal["dealer", "router"] = "router",
+               options: SocketOptions = _OPTIONS, limits: Limits | None = None,
+               validate: bool = True, ready: threading.Event | None = None) -> Scheduler:
+    """Run an embedded scheduler until shut down (call in its own thread).
+
+    ``validate``: check every request taken from ``ingress`` as a decoder
+    would (types and constraints); pass ``False`` only when the producer
+    validated them already, as ``Engine`` does at submit.
+    """
     codec: Codec[Request] = Codec(Request)
+    limits = limits or Limits()
     with RpcServer(codec, rpc_endpoint, kind=rpc_kind, options=options) as rpc:
-        inboxes: list[Inbox[Request]] = [RingInbox(ingress, name="work"), rpc]
-        router = scheduler_router(RingSink(egress), RpcReplySink(rpc))
-        sched = Scheduler(Receiver(inboxes), router, build_model(model), max_batch=max_batch)
+        work = RingInbox(ingress, name="work", validate=codec.validate if validate else None)
+        inboxes: list[Inbox[Request]] = [work, rpc]
+        router = scheduler_router(RingSink(egress), RpcReplySink(rpc),
+                                  max_backlog=limits.max_backlog)
+        sched = Scheduler(Receiver(inboxes), router, build_model(model), max_batch=max_batch,
+                          limits=limits)
         if ready is not None:
             ready.set()
         sched.run()
@@ -72,9 +84,10 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
 
 
 def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
-              rpc_kind: Literal["dealer", "router"] = "dealer",
+              rpc_kind: Literal["dealer", "router"] = "router",
               options: SocketOptions = _OPTIONS, tp: TPConfig | None = None,
-              curve_clients: Sequence[bytes] | None = None) -> None:
+              curve_clients: Sequence[bytes] | None = None,
+              limits: Limits | None = None) -> None:
     """Run a scheduler over zmq until shut down (the body of the scheduler process).
 
     With ``tp``, this is rank 0 of ``tp.world_size`` ranks: it owns the
@@ -84,6 +97,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
     """
     codec: Codec[Request] = Codec(Request)
     out_codec: Codec[Output] = Codec(Output)
+    limits = limits or Limits()
     if tp is not None:
         init_ranks(0, tp)
     auth = CurveAuthenticator(zmq.Context.instance(), curve_clients) \
@@ -92,14 +106,15 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
         with PullInbox(codec, endpoints.work, options=options) as work, \
                 RpcServer(codec, endpoints.rpc, kind=rpc_kind, options=options) as rpc, \
                 PushOutbox(out_codec, endpoints.out, options=options) as out:
-            router = scheduler_router(TransportSink(out), RpcReplySink(rpc))
+            router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
+                                      max_backlog=limits.max_backlog)
             inboxes: list[Inbox[Request]] = [work, rpc]
             receiver: RequestSource = Receiver(inboxes)
             world = 1 if tp is None else tp.world_size
             if tp is not None:
                 receiver = BroadcastReceiver(0, Receiver(inboxes), codec)
             Scheduler(receiver, router, build_model(model), max_batch=max_batch,
-                      world_size=world,
+                      world_size=world, limits=limits,
                       rpc_reduce=rpc_reducer(0, world) if tp is not None else None).run()
     finally:
         if auth is not None:
@@ -108,13 +123,14 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
             dist.destroy_process_group()
 
 
-def serve_follower(rank: int, tp: TPConfig, model: ModelConfig, *, max_batch: int = 64) -> None:
+def serve_follower(rank: int, tp: TPConfig, model: ModelConfig, *, max_batch: int = 64,
+                   limits: Limits | None = None) -> None:
     """Run tensor-parallel rank ``rank`` (> 0): same requests as rank 0, no sockets."""
     init_ranks(rank, tp)
     try:
         codec: Codec[Request] = Codec(Request)
         Scheduler(BroadcastReceiver(rank, None, codec), null_router(), build_model(model),
-                  max_batch=max_batch, rank=rank, world_size=tp.world_size,
+                  max_batch=max_batch, rank=rank, world_size=tp.world_size, limits=limits,
                   rpc_reduce=rpc_reducer(rank, tp.world_size)).run()
     finally:
         dist.destroy_process_group()

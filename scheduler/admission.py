@@ -1,0 +1,76 @@
+"""Admission control: how much work a scheduler accepts before it answers ``overloaded``.
+
+A request that would push the queue past its bounds is answered at once
+with ``ErrorOut(code="overloaded")`` (an :class:`~scheduler.errors.Overloaded`
+from ``Engine``), costing the scheduler nothing more: a queued request holds
+only its message until it is admitted to the running batch, where its
+per-request state (sampler generator, model state) is made. Rpc is never
+refused here: control calls must get through an overloaded scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Admission", "Limits"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what a scheduler holds.
+
+    Attributes:
+        max_queued_requests: most generate requests waiting for a slot.
+        max_queued_tokens: most tokens those waiting requests may cost,
+            each counting its prompt plus its ``max_new_tokens``.
+        max_backlog: most outputs waiting per consumer that is not reading;
+            past it, the requests whose outputs are stuck are aborted (see
+            :mod:`router.backlog` and :mod:`scheduler.backpressure`).
+    """
+
+    max_queued_requests: int = 4096
+    max_queued_tokens: int = 1 << 22
+    max_backlog: int = 1024
+
+    def __post_init__(self) -> None:
+        if min(self.max_queued_requests, self.max_queued_tokens, self.max_backlog) < 1:
+            raise ValueError("every limit must be >= 1")
+
+
+class Admission:
+    """The queue's running totals against :class:`Limits`."""
+
+    __slots__ = ("limits", "refused", "requests", "tokens")
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.requests = 0
+        self.tokens = 0
+        self.refused = 0
+
+    def refuse(self, cost: int) -> str:
+        """Why a request costing ``cost`` tokens cannot queue, or ``""`` if it can."""
+        lim = self.limits
+        if self.requests >= lim.max_queued_requests:
+            why = f"{self.requests} requests wait (max_queued_requests={lim.max_queued_requests})"
+        elif self.tokens + cost > lim.max_queued_tokens:
+            why = (f"{self.tokens} tokens wait and this request costs {cost} "
+                   f"(max_queued_tokens={lim.max_queued_tokens})")
+        else:
+            return ""
+        self.refused += 1
+        return f"overloaded: {why}; retry later"
+
+    def enter(self, cost: int) -> None:
+        """A request of ``cost`` tokens joined the queue."""
+        self.requests += 1
+        self.tokens += cost
+
+    def leave(self, cost: int) -> None:
+        """A request of ``cost`` tokens left the queue (admitted, aborted or failed)."""
+        self.requests -= 1
+        self.tokens -= cost
+
+    def clear(self) -> None:
+        """The queue was emptied."""
+        self.requests = self.tokens = 0

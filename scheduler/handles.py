@@ -1,0 +1,97 @@
+"""What a caller holds for a submitted request: its handle, its chunks, its result.
+
+Shared by every engine face: a handle is fed by whichever thread reads the
+scheduler's outputs, and read by the caller.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from messages import FinishReason
+from scheduler.errors import EngineError
+
+__all__ = ["GenerateResult", "RequestHandle", "StreamChunk"]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """New tokens of one request (a streamed step, or the whole answer at the end)."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[float] | None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """The finished answer to a generate request."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[float] | None
+
+
+_Item = StreamChunk | npt.NDArray[np.float32] | EngineError
+
+
+class RequestHandle:
+    """A submitted request: iterate its chunks, or wait for its result."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._done = False
+
+    def _next(self, timeout: float | None) -> _Item:
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineError(f"request {self.rid!r}: no output within {timeout} s") from None
+        if isinstance(item, EngineError):
+            self._done = True
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        """Yield chunks until the request finishes.
+
+        Raises:
+            RequestFailed: the scheduler answered with an error.
+            SchedulerGone: the scheduler died.
+        """
+        while not self._done:
+            item = self._next(None)
+            assert isinstance(item, StreamChunk)
+            if item.finish_reason is not None:
+                self._done = True
+            yield item
+
+    def result(self, timeout: float | None = None) -> GenerateResult:
+        """Wait for the whole answer (all chunks joined)."""
+        ids: list[int] = []
+        lps: list[float] | None = None
+        while True:
+            item = self._next(timeout)
+            assert isinstance(item, StreamChunk)
+            ids.extend(item.token_ids)
+            if item.logprobs is not None:
+                lps = [] if lps is None else lps
+                lps.extend(item.logprobs)
+            if item.finish_reason is not None:
+                self._done = True
+                return GenerateResult(self.rid, ids, item.finish_reason, lps)
+
+    def embedding(self, timeout: float | None = None) -> npt.NDArray[np.float32]:
+        """Wait for an embedding request's vector."""
+        item = self._next(timeout)
+        assert isinstance(item, np.ndarray)
+        self._done = True
+        return item

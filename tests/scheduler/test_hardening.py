@@ -1,0 +1,463 @@
+"""The outside probe's findings, each through the public API: one bad actor costs itself alone.
+
+Numbers in the test names refer to the hardening issue's list.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from bus import (
+    Origin,
+    PullInbox,
+    Receiver,
+    Ring,
+    RingInbox,
+    RpcClient,
+    RpcServer,
+)
+from bus.channels import Inbox
+from messages import (
+    AbortReq,
+    BatchTokenIDOut,
+    Codec,
+    ErrorOut,
+    Message,
+    Output,
+    Request,
+    RpcReqInput,
+    RpcReqOutput,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    token_ids,
+)
+from router import CallbackSink, RingSink, RpcReplySink, Sink, scheduler_router
+from scheduler import (
+    Engine,
+    InvalidRequest,
+    Limits,
+    ModelConfig,
+    Overloaded,
+    Scheduler,
+    TinyLM,
+)
+from scheduler.__main__ import main, private_dir
+
+SMALL = ModelConfig(vocab_size=64, hidden=16, layers=1, seed=1)
+CODEC: Codec[Message] = Codec(Message)
+
+
+def _gen(rid: str, ids: list[int] | range, **sp: object) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(rid=rid, input_ids=token_ids(ids),
+                                     sampling=SamplingParams(**sp))  # type: ignore[arg-type]
+
+
+class Loop:
+    """A scheduler over a ring or PULL work inbox, an rpc ROUTER, and a spy (or ring) transport."""
+
+    def __init__(self, kind: str, ctx: zmq.Context[zmq.Socket[bytes]], ipc: Callable[[str], str],
+                 *, egress: Ring[Output] | None = None, validate: bool = False,
+                 model: TinyLM | None = None, **kw: object) -> None:
+        self.rpc = RpcServer(Codec(Request), ipc("rpc"), ctx=ctx)
+        self.ring: Ring[Request] | None = None
+        self.push: zmq.Socket[bytes] | None = None
+        work: Inbox[Request]
+        if kind == "ring":
+            self.ring = Ring(1 << 15)
+            work = RingInbox(self.ring, validate=Codec(Request).validate if validate else None)
+        else:
+            pull: PullInbox[Request] = PullInbox(Codec(Request), ipc("work"), ctx=ctx)
+            self.push = ctx.socket(zmq.PUSH)
+            self.push.connect(pull.endpoint)
+            work = pull
+        self.work = work
+        self.got: list[tuple[Output, Origin]] = []
+        transport: Sink[Output] = RingSink(egress) if egress is not None else \
+            CallbackSink(lambda o, g: self.got.append((o, g)))
+        limits = kw.pop("limits", None)
+        router = scheduler_router(transport, RpcReplySink(self.rpc),
+                                  max_backlog=limits.max_backlog if isinstance(limits, Limits)
+                                  else 1024)
+        self.sched = Scheduler(Receiver([work, self.rpc]), router, model or TinyLM(SMALL),
+                               limits=limits, **kw)  # type: ignore[arg-type]
+        self.client = RpcClient(self.rpc.endpoint, ctx=ctx)
+
+    def send(self, req: Request) -> None:
+        if self.ring is not None:
+            self.ring.put(req)
+        else:
+            assert self.push is not None
+            self.push.send_multipart(CODEC.encode(req))
+
+    def run_until(self, cond: Callable[[], bool], timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, "scheduler did not get there in time"
+            if not self.sched.step() and not self.sched.busy:
+                self.sched.receiver.wait(0.005 if self.sched.router.backlog else 0.05)
+
+    def errors(self) -> dict[str, ErrorOut]:
+        return {o.rid: o for o, _ in self.got if isinstance(o, ErrorOut)}
+
+    def finished(self) -> dict[str, tuple[list[int], str]]:
+        acc: dict[str, list[int]] = {}
+        done: dict[str, tuple[list[int], str]] = {}
+        for o, _ in self.got:
+            if isinstance(o, BatchTokenIDOut):
+                for rid, ids, fin in o.items():
+                    acc.setdefault(rid, []).extend(ids.tolist())
+                    if fin is not None:
+                        done[rid] = (acc[rid], fin)
+        return done
+
+    def call(self, method: str, timeout: float = 10.0) -> RpcReqOutput:
+        """An rpc answered while this thread drives the loop."""
+        result: list[RpcReqOutput] = []
+        t = threading.Thread(target=lambda: result.append(
+            self.client.call(method, timeout=timeout)))
+        t.start()
+        self.run_until(lambda: bool(result) or not t.is_alive(), timeout)
+        t.join()
+        assert result, f"rpc {method} got no answer"
+        return result[0]
+
+    def close(self) -> None:
+        self.client.close()
+        self.rpc.close()
+        self.work.close()
+        if self.push is not None:
+            self.push.close(0)
+        if self.ring is not None:
+            self.ring.release()
+
+
+@pytest.fixture
+def make_loop(ctx: zmq.Context[zmq.Socket[bytes]], ipc: Callable[[str], str]
+              ) -> Iterator[Callable[..., Loop]]:
+    loops: list[Loop] = []
+
+    def make(kind: str, **kw: object) -> Loop:
+        loop = Loop(kind, ctx, ipc, **kw)  # type: ignore[arg-type]
+        loops.append(loop)
+        return loop
+
+    yield make
+    for loop in loops:
+        loop.close()
+
+
+# -- 1. malformed frames fail only themselves -------------------------------------
+
+
+def _mutations(n: int, seed: int) -> Iterator[list[bytes]]:
+    rnd = random.Random(seed)
+    valid = [bytes(CODEC.encode(_gen(f"m{i}", [1, 2, 3], temperature=0.5, top_p=0.9,
+                                     stop_token_ids=[4], seed=3))[0]) for i in range(4)]
+    valid.append(bytes(CODEC.encode(RpcReqInput(rid="r", method="get_load"))[0]))
+    for _ in range(n):
+        b = bytearray(rnd.choice(valid))
+        for _ in range(rnd.randint(1, 4)):
+            i = rnd.randrange(len(b))
+            b[i] = rnd.choice([0xc1, 0xdc, 0xdd, 0xde, 0xdf, 0x90, 0xa0, 0xff, 0x00,
+                               rnd.randrange(256)])
+        if rnd.random() < 0.2:
+            b = b[: rnd.randrange(len(b) + 1)]
+        yield [bytes(b)] if rnd.random() < 0.9 else [bytes(b), os.urandom(rnd.randrange(64))]
+
+
+@pytest.mark.parametrize("kind", ["zmq"])
+def test_1_mutated_frames_never_stop_the_loop(make_loop: Callable[..., Loop], kind: str) -> None:
+    loop = make_loop(kind)
+    assert loop.push is not None
+    for frames in _mutations(3000, seed=1):
+        loop.push.send_multipart(frames)
+    loop.send(_gen("legit", [1, 2, 3], max_new_tokens=2))
+    loop.run_until(lambda: "legit" in loop.finished())
+    assert loop.call("get_load").success
+
+
+# -- 2. a reply goes to whoever asked -------------------------------------------------
+
+
+def _serve(endpoint: str, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--endpoint", endpoint,
+                             *extra], stderr=subprocess.PIPE, text=True)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.kill()
+    proc.wait(30)
+    assert proc.stderr is not None
+    proc.stderr.close()
+
+
+def test_2_and_7_serve_replies_to_each_client_and_owns_its_directory(tmp_path: Path) -> None:
+    sock_dir = tmp_path / "sched"
+    old = os.umask(0)
+    try:
+        proc = _serve(str(sock_dir))
+    finally:
+        os.umask(old)
+    try:
+        with RpcClient(f"ipc://{sock_dir}/rpc") as first:
+            assert first.call("get_load", timeout=60).success  # started
+        assert stat.S_IMODE(sock_dir.stat().st_mode) == 0o700
+        clients = [RpcClient(f"ipc://{sock_dir}/rpc") for _ in range(2)]
+        errors: list[BaseException] = []
+
+        def hammer(c: RpcClient) -> None:
+            try:
+                for _ in range(40):
+                    assert c.call("get_load", timeout=10).success
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=hammer, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert [c.discarded for c in clients] == [0, 0]  # nobody got another's reply
+        for c in clients:
+            c.close()
+    finally:
+        _stop(proc)
+
+
+def test_7_serve_refuses_a_directory_others_can_write(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="world-writable"):
+        private_dir(str(shared))
+    with pytest.raises(SystemExit):
+        main(["serve", "--endpoint", str(shared)])
+    if os.geteuid() == 0:  # only root can give a directory away
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(PermissionError, match="belongs to uid 65534"):
+            private_dir(str(theirs))
+    mine = private_dir(str(tmp_path / "new"))
+    assert stat.S_IMODE(os.stat(mine).st_mode) == 0o700
+
+
+# -- 3. a message of a million parts --------------------------------------------------
+
+
+def test_3_surplus_parts_are_discarded_unread_and_the_sender_is_answered(
+        make_loop: Callable[..., Loop]) -> None:
+    loop = make_loop("zmq")
+    assert loop.push is not None and isinstance(loop.work, PullInbox)
+    head = CODEC.encode(_gen("huge", [1, 2], max_new_tokens=1))[0]
+    parts = 200_000
+    loop.push.send_multipart([head, *([b""] * parts)])
+    loop.send(_gen("after", [1, 2], max_new_tokens=1))
+    loop.run_until(lambda: "after" in loop.finished())
+    err = loop.errors()["huge"]
+    assert err.code == "decode_error" and "max_frames" in err.message
+    assert loop.work.discarded_parts == parts + 1 - (Codec(Request).max_frames)
+
+
+# -- 4. aborts are idempotent -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["ring", "zmq"])
+def test_4_two_aborts_of_one_rid_in_one_poll(make_loop: Callable[..., Loop], kind: str) -> None:
+    loop = make_loop(kind)
+    loop.send(_gen("a", [1, 2, 3], max_new_tokens=10_000))
+    loop.run_until(lambda: loop.sched.statistics().running == 1)
+    loop.send(AbortReq(rid="a"))
+    loop.send(AbortReq(rid="a"))
+    loop.send(AbortReq(rid="never-was"))
+    loop.run_until(lambda: "a" in loop.finished())
+    assert loop.finished()["a"][1] == "abort"
+    loop.send(_gen("b", [1], max_new_tokens=1))
+    loop.run_until(lambda: "b" in loop.finished())
+
+
+def test_4_engine_abort_twice_is_harmless() -> None:
+    with Engine("zmq", SMALL) as engine:
+        h = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=100_000))
+        engine.abort(h.rid)
+        engine.abort(h.rid)
+        assert h.result(timeout=30).finish_reason == "abort"
+        assert engine.generate([1], SamplingParams(max_new_tokens=2), timeout=30).token_ids
+
+
+# -- 5. ring mode validates; a failing handler fails its request alone ------------------
+
+
+def test_5_ring_requests_are_validated_like_decoded_ones(make_loop: Callable[..., Loop]) -> None:
+    loop = make_loop("ring", validate=True)
+    bad = [_gen("big-seed", [1], seed=2**64), _gen("\ud800", [1]), _gen("x" * 300, [1]),
+           _gen("top-p", [1], top_p=2.0)]
+    for req in bad:
+        loop.send(req)
+    loop.send(_gen("fine", [1, 2], max_new_tokens=2))
+    loop.run_until(lambda: "fine" in loop.finished() and len(loop.errors()) == len(bad))
+    assert {e.code for e in loop.errors().values()} == {"decode_error"}
+    assert "sampling.top_p" in loop.errors()["top-p"].message
+
+
+@pytest.mark.parametrize("kind", ["ring", "zmq"])
+def test_5_a_raising_handler_fails_only_its_request(make_loop: Callable[..., Loop],
+                                                    kind: str) -> None:
+    # Unvalidated ring: a seed torch refuses reaches the scheduler and raises there.
+    loop = make_loop(kind)
+    if kind == "ring":
+        loop.send(_gen("poison", [1, 2], seed=2**64, temperature=1.0))
+    else:
+        original = loop.sched._check_ids
+
+        def explode(ids: memoryview, rid: str) -> str:
+            if rid == "poison":
+                raise RuntimeError("boom")
+            return original(ids, rid)
+
+        loop.sched._check_ids = explode  # type: ignore[method-assign]
+        loop.send(_gen("poison", [1, 2]))
+    loop.send(_gen("innocent", [1, 2], max_new_tokens=3))
+    loop.run_until(lambda: "innocent" in loop.finished() and "poison" in loop.errors())
+    assert loop.errors()["poison"].code == "internal"
+    assert loop.finished()["innocent"][1] == "length"
+    assert loop.call("get_load").success
+
+
+def test_5_a_failing_model_step_fails_its_batch_and_the_loop_goes_on(
+        make_loop: Callable[..., Loop]) -> None:
+    class Flaky(TinyLM):
+        fail = True
+
+        def prefill_batch(self, prompts: list[torch.Tensor],
+                          states: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("device lost")
+            return super().prefill_batch(prompts, states)  # type: ignore[arg-type]
+
+    loop = make_loop("ring", model=Flaky(SMALL))
+    loop.send(_gen("first", [1, 2]))
+    loop.run_until(lambda: "first" in loop.errors())
+    assert "device lost" in loop.errors()["first"].message
+    loop.send(_gen("second", [1, 2], max_new_tokens=2))
+    loop.run_until(lambda: "second" in loop.finished())
+
+
+# -- 6. Engine refuses at submit what the wire cannot carry -----------------------------
+
+
+@pytest.mark.parametrize("mode", ["ring", "zmq"])
+def test_6_engine_refuses_bad_requests_at_submit(mode: str) -> None:
+    with Engine(mode, SMALL) as engine:  # type: ignore[arg-type]
+        for rid in ("x" * 300, "\ud800", ""):
+            with pytest.raises(InvalidRequest) as info:
+                engine.submit([1, 2], rid=rid) if rid else engine.abort(rid)
+            assert isinstance(info.value, ValueError)
+        with pytest.raises(InvalidRequest, match="seed"):
+            engine.submit([1], SamplingParams(seed=2**64))
+        with pytest.raises(InvalidRequest, match="top_p"):
+            engine.submit([1], SamplingParams(top_p=1.5))
+        ok = engine.generate([1, 2], SamplingParams(max_new_tokens=2), timeout=30)
+        assert len(ok.token_ids) == 2
+
+
+# -- 10. admission control --------------------------------------------------------------
+
+
+def test_10_past_the_limits_requests_are_refused_at_once(make_loop: Callable[..., Loop]) -> None:
+    loop = make_loop("zmq", max_batch=1, limits=Limits(max_queued_requests=3,
+                                                       max_queued_tokens=10_000))
+    loop.send(_gen("costly", [1], max_new_tokens=20_000))
+    for i in range(10):
+        loop.send(_gen(f"q{i}", [1, 2], max_new_tokens=1000))
+    loop.run_until(lambda: len(loop.errors()) >= 7)
+    errors = loop.errors()
+    assert all(e.code == "overloaded" for e in errors.values())
+    assert "costly" in errors and "max_queued_tokens" in errors["costly"].message
+    assert loop.sched.admission.refused == len(errors)
+    assert loop.call("get_load").success  # rpc is never refused
+    for s in loop.sched._waiting:
+        assert s.generator is None  # per-request state is made at admission
+
+
+def test_10_engine_raises_overloaded() -> None:
+    with Engine("ring", SMALL, max_batch=1, limits=Limits(max_queued_requests=1)) as engine:
+        handles = [engine.submit([1], SamplingParams(max_new_tokens=100_000, temperature=0.0))
+                   for _ in range(4)]
+        with pytest.raises(Overloaded) as info:
+            handles[-1].result(timeout=30)
+        assert info.value.code == "overloaded"
+        for h in handles[:2]:
+            engine.abort(h.rid)
+
+
+# -- 11. chunked prefill ----------------------------------------------------------------
+
+
+def test_11_a_long_prompt_is_read_in_bounded_chunks_with_the_same_result(
+        make_loop: Callable[..., Loop]) -> None:
+    prompt = [(i * 7) % 64 for i in range(1000)]
+    whole = make_loop("ring", max_prefill_tokens=4096)
+    whole.send(_gen("p", prompt, max_new_tokens=5, temperature=0.0))
+    whole.run_until(lambda: "p" in whole.finished())
+    chunked = make_loop("ring", max_prefill_tokens=64)
+    chunked.send(_gen("p", prompt, max_new_tokens=5, temperature=0.0))
+    chunked.send(_gen("short", [1, 2], max_new_tokens=40, temperature=0.0))
+    chunked.run_until(lambda: "p" in chunked.finished())
+    assert chunked.finished()["p"] == whole.finished()["p"]
+    assert chunked.sched.statistics().steps >= 1000 // 64
+    assert "short" in chunked.finished() or chunked.sched.statistics().running == 1
+
+
+# -- 12. a consumer that stops reading --------------------------------------------------
+
+
+def test_12_slow_consumer_never_blocks_the_loop_and_every_request_is_told(
+        make_loop: Callable[..., Loop]) -> None:
+    egress: Ring[Output] = Ring(4, name="out")
+    loop = make_loop("ring", egress=egress, max_batch=4,
+                     limits=Limits(max_backlog=16))
+    rids = [f"s{i}" for i in range(12)]
+    for rid in rids:
+        req = _gen(rid, [1, 2], max_new_tokens=50, temperature=0.0)
+        req.stream = True
+        loop.send(req)
+    loop.run_until(lambda: loop.sched.router.statistics().overflows >= 1)
+    t0 = time.monotonic()
+    assert loop.call("get_load").success  # rpc answered while outputs are stuck
+    assert time.monotonic() - t0 < 5
+    # The consumer reads again: every request ends exactly once, nothing silent.
+    terminal: dict[str, str] = {}
+
+    def read() -> bool:
+        for out in egress.drain(1024):
+            if isinstance(out, ErrorOut):
+                assert out.rid not in terminal
+                terminal[out.rid] = out.code
+            elif isinstance(out, BatchTokenIDOut):
+                for rid, _, fin in out.items():
+                    if fin is not None:
+                        assert rid not in terminal
+                        terminal[rid] = fin
+        return len(terminal) == len(rids)
+
+    loop.run_until(read)
+    assert set(terminal) == set(rids)
+    assert "overloaded" in terminal.values()
+    assert loop.sched.router.statistics().failed == 0
+    assert not loop.sched.busy
+    egress.release()
