@@ -12,9 +12,8 @@ import functools
 import hashlib
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -44,23 +43,17 @@ from messages import (
 from router import Router, TypeTable
 from scheduler.admission import Admission, Limits
 from scheduler.backpressure import collapse
+from scheduler.batch import Batch, Seq, StepFailed, as_tensor
 from scheduler.control import ControlMethods
 from scheduler.logsummary import LogSummary
 from scheduler.model import TinyLM
 from scheduler.rpc_methods import RpcMethods
-from scheduler.sampling import sample_next
 
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 
 log = logging.getLogger("scheduler")
 
 Handler = Callable[[Request, Origin], None]
-_MIN_PREFILL_COST = 32
-
-
-def _as_tensor(ids: TokenIds) -> torch.Tensor:
-    """Token ids as the int64 tensor an embedding lookup wants (one copy)."""
-    return torch.from_numpy(np.frombuffer(ids, np.uint32).astype(np.int64))
 
 
 class RequestSource(Protocol):
@@ -73,25 +66,6 @@ class RequestSource(Protocol):
     def wait(self, timeout: float | None) -> bool:
         """Park until something waits or ``timeout`` passes."""
         ...
-
-
-@dataclass(slots=True)
-class _Seq:
-    """A generate request in flight (its sampler state is made at admission)."""
-
-    req: TokenizedGenerateReqInput
-    origin: Origin
-    cost: int  # what it counts against the queue's token bound
-    stop: frozenset[int] = frozenset()
-    generator: torch.Generator | None = None
-    state: torch.Tensor | None = None
-    prefilled: int = 0  # prompt tokens read so far (a long prompt takes several steps)
-    silenced: bool = False  # aborted by backpressure: its terminal error is already queued
-    last: int = -1
-    out: list[int] = field(default_factory=list)
-    lps: list[float] = field(default_factory=list)
-    sent: int = 0  # tokens already streamed
-    finished: FinishReason | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,14 +112,12 @@ class Scheduler(ControlMethods):
                  idle_timeout: float = 1.0, rank: int = 0, world_size: int = 1,
                  rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None,
                  limits: Limits | None = None) -> None:
-        if max_batch < 1 or max_prefill_tokens < 1:
-            raise ValueError("max_batch and max_prefill_tokens must be >= 1")
         self.receiver = receiver
         self.router = router
         self.model = model
-        self.max_batch = max_batch
-        self.max_prefill_tokens = max_prefill_tokens
         self.admission = Admission(limits or Limits())
+        self.batch = Batch(model, self.admission, max_batch=max_batch,
+                           max_prefill_tokens=max_prefill_tokens)
         router.on_overflow = functools.partial(collapse, abort=self._silence,
                                                dropped_rpc=self._dropped_rpc)
         self._rejects = LogSummary(log, "rejected messages with no readable rid")
@@ -162,11 +134,9 @@ class Scheduler(ControlMethods):
         self._handlers.register(AbortReq, self._on_abort)  # type: ignore[arg-type]
         self._handlers.register(RpcReqInput, self._on_rpc)  # type: ignore[arg-type]
         self._handlers.freeze()
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
         self._embeds: list[tuple[TokenizedEmbeddingReqInput, Origin]] = []
-        self._live: dict[str, _Seq] = {}
-        self._aborted: list[_Seq] = []
+        self._live: dict[str, Seq] = {}
+        self._aborted: list[Seq] = []
         self._stopping = False
         self._steps = self._received = self._rejected = self._finished = self._tokens = 0
         self._rate_t0 = time.monotonic()
@@ -189,7 +159,7 @@ class Scheduler(ControlMethods):
     @property
     def busy(self) -> bool:
         """Whether any request is queued or running."""
-        return bool(self._running or self._waiting or self._embeds or self._aborted)
+        return bool(self.batch or self._embeds or self._aborted)
 
     def run(self) -> None:
         """Serve until :meth:`request_shutdown`; then answer everything left and return."""
@@ -232,15 +202,13 @@ class Scheduler(ControlMethods):
     def request_shutdown(self) -> RpcResult:
         """Stop after the current step (the ``shutdown`` rpc method)."""
         self._stopping = True
-        return {"running": len(self._running), "queued": len(self._waiting)}
+        running, queued = self._queue_sizes()
+        return {"running": running, "queued": queued}
 
     def finish_all(self, code: ErrorCode = "shutdown",
                    message: str = "the scheduler shut down before the request finished") -> int:
         """Answer every queued and running request with a terminal :class:`ErrorOut`."""
-        seqs = [s for s in (*self._running, *self._waiting) if not s.silenced]
-        self._running.clear()
-        self._waiting.clear()
-        self.admission.clear()
+        seqs = [s for s in self.batch.clear() if not s.silenced]
         for seq in seqs:
             self._live.pop(seq.req.rid, None)
             self._error(seq.req.rid, seq.origin, code, message)
@@ -279,33 +247,17 @@ class Scheduler(ControlMethods):
             self._error(req.rid, origin, "invalid_request", problem)
             return
         sp = req.sampling
-        cost = len(req.input_ids) + sp.max_new_tokens
-        refused = self.admission.refuse(cost)
-        if refused:
-            self._error(req.rid, origin, "overloaded", refused)
-            return
-        seq = _Seq(req, origin, cost)
+        seq = Seq(req, origin, len(req.input_ids) + sp.max_new_tokens)
         if sp.max_new_tokens == 0:
             seq.finished = "length"
             self._live[req.rid] = seq
             self._emit([seq])
             return
-        self._waiting.append(seq)
-        self.admission.enter(cost)
+        refused = self.batch.queue(seq)
+        if refused:
+            self._error(req.rid, origin, "overloaded", refused)
+            return
         self._live[req.rid] = seq
-
-    def _admit(self, seq: _Seq) -> None:
-        """Make a request's per-request state as it leaves the queue for the batch."""
-        self.admission.leave(seq.cost)
-        sp = seq.req.sampling
-        if sp.stop_token_ids is not None:
-            seq.stop = frozenset(sp.stop_token_ids.tolist())
-        if sp.temperature > 0 and sp.top_k != 1:
-            # No seed: derive one from the rid, so every tensor-parallel rank
-            # samples the same tokens for the same request.
-            seed = sp.seed if sp.seed is not None else int.from_bytes(
-                hashlib.blake2b(seq.req.rid.encode(), digest_size=8).digest(), "little") >> 1
-            seq.generator = torch.Generator().manual_seed(seed)
 
     def _on_embed(self, req: TokenizedEmbeddingReqInput, origin: Origin) -> None:
         problem = self._check_ids(req.input_ids, req.rid)
@@ -323,16 +275,11 @@ class Scheduler(ControlMethods):
         seq.finished = "abort"
         self._aborted.append(seq)
 
-    def _unlink(self, rid: str) -> _Seq | None:
+    def _unlink(self, rid: str) -> Seq | None:
         """Take a live request out of every queue; ``None`` if it is not live."""
         seq = self._live.pop(rid, None)
-        if seq is None:
-            return None
-        if seq in self._waiting:
-            self._waiting.remove(seq)
-            self.admission.leave(seq.cost)
-        elif seq in self._running:
-            self._running.remove(seq)
+        if seq is not None:
+            self.batch.remove(seq)
         return seq
 
     def _silence(self, rid: str) -> None:
@@ -361,7 +308,7 @@ class Scheduler(ControlMethods):
             return
         by_origin: dict[Origin, list[tuple[str, torch.Tensor]]] = {}
         for req, origin in self._embeds:
-            vec = self.model.embed_text(_as_tensor(req.input_ids))
+            vec = self.model.embed_text(as_tensor(req.input_ids))
             by_origin.setdefault(origin, []).append((req.rid, vec))
         self._embeds.clear()
         for origin, rows in by_origin.items():
@@ -370,98 +317,25 @@ class Scheduler(ControlMethods):
                                           embeddings=torch.stack([v for _, v in rows])), origin)
 
     def _run_batch(self) -> None:
-        new, chunk = self._take_prefill()
-        active = self._running + new
-        if not active and chunk is None:
-            return
         try:
-            rows = self._forward(new, chunk)
-            if not active:
-                return
-            toks, lps = sample_next(torch.stack(rows), [s.req.sampling for s in active],
-                                    [s.generator for s in active])
-        except Exception as exc:  # the model failed: these requests fail, the loop goes on
-            log.exception("model step failed")
-            failed = active + ([chunk] if chunk is not None else [])
-            self._running = []
-            for s in failed:
-                if self._unlink(s.req.rid) is not None:
-                    self._error(s.req.rid, s.origin, "internal",
-                                f"the model step failed: {type(exc).__name__}: {exc}")
+            active = self.batch.step(self._admit_failed)
+        except StepFailed as exc:  # these requests fail, the loop goes on
+            log.error("%s", exc, exc_info=exc.error)
+            for s in exc.seqs:
+                if self._live.pop(s.req.rid, None) is s:
+                    self._error(s.req.rid, s.origin, "internal", str(exc))
             return
-        for s, t, lp in zip(active, toks.tolist(), lps.tolist(), strict=True):
-            s.last = t
-            if t in s.stop:
-                s.finished = "stop"
-            else:
-                s.out.append(t)
-                s.lps.append(lp)
-                if len(s.out) >= s.req.sampling.max_new_tokens:
-                    s.finished = "length"
+        if not active:
+            return
         n = len(active)
-        self._digest.update(toks.numpy().tobytes())
+        self._digest.update(np.asarray([s.last for s in active], np.int64).tobytes())
         self._tokens += n
         self._rate_tokens += n
-        self._running = [s for s in active if s.finished is None]
         self._emit(active)
 
-    def _take_prefill(self) -> tuple[list[_Seq], _Seq | None]:
-        """Requests whose prompt ends this step, and one whose long prompt goes on after it.
-
-        At most ``max_prefill_tokens`` prompt tokens are read per step (a
-        request counts at least 32): a prompt longer than what is left of
-        the budget is read in chunks, one per step, at the head of the queue.
-        """
-        new: list[_Seq] = []
-        budget = self.max_prefill_tokens
-        while self._waiting and len(self._running) + len(new) < self.max_batch:
-            seq = self._waiting[0]
-            left = len(seq.req.input_ids) - seq.prefilled
-            cost = max(_MIN_PREFILL_COST, left)
-            if cost <= budget or left <= budget:
-                budget -= cost
-                self._waiting.popleft()
-                try:
-                    self._admit(seq)
-                except Exception as exc:  # e.g. a seed torch refuses: this request alone
-                    self._live.pop(seq.req.rid, None)
-                    self._handler_failed(seq.req, seq.origin, exc)
-                    continue
-                new.append(seq)
-                continue
-            if budget >= _MIN_PREFILL_COST or not new:
-                return new, seq  # read ``budget`` tokens of it now, the rest later
-            break
-        return new, None
-
-    def _forward(self, new: list[_Seq], chunk: _Seq | None) -> list[torch.Tensor]:
-        """Decode the running batch, read the new prompts (and a chunk); next-token logits."""
-        rows: list[torch.Tensor] = []
-        if self._running:
-            tokens = torch.tensor([s.last for s in self._running])
-            states = torch.stack([s.state for s in self._running])  # type: ignore[misc]
-            logits, states = self.model.decode(tokens, states)
-            rows.extend(logits)
-            for s, st in zip(self._running, states, strict=True):
-                s.state = st
-        prompts = [_as_tensor(s.req.input_ids[s.prefilled :]) for s in new]
-        starts = [s.state for s in new]
-        if chunk is not None:
-            used = sum(max(_MIN_PREFILL_COST, len(p)) for p in prompts)
-            size = max(1, self.max_prefill_tokens - used)
-            prompts.append(_as_tensor(chunk.req.input_ids[chunk.prefilled : chunk.prefilled
-                                                           + size]))
-            starts.append(chunk.state)
-        if prompts:
-            logits_new, states_new = self.model.prefill_batch(prompts, starts)
-            for s, st in zip([*new, *([chunk] if chunk is not None else [])], states_new,
-                             strict=True):
-                s.state = st
-            if chunk is not None:
-                chunk.prefilled += len(prompts[-1])
-                logits_new = logits_new[:-1]  # mid-prompt: nothing to sample yet
-            rows.extend(logits_new)
-        return rows
+    def _admit_failed(self, seq: Seq, exc: Exception) -> None:
+        self._live.pop(seq.req.rid, None)
+        self._handler_failed(seq.req, seq.origin, exc)
 
     # -- outputs --------------------------------------------------------------
 
@@ -470,9 +344,9 @@ class Scheduler(ControlMethods):
             seqs, self._aborted = self._aborted, []
             self._emit(seqs)
 
-    def _emit(self, seqs: list[_Seq]) -> None:
+    def _emit(self, seqs: list[Seq]) -> None:
         """One BatchTokenIDOut per origin: streamed news, and every finished request."""
-        groups: dict[Origin, list[_Seq]] = {}
+        groups: dict[Origin, list[Seq]] = {}
         for s in seqs:
             if s.silenced:
                 continue  # its terminal error already waits in the backlog
@@ -521,9 +395,9 @@ class Scheduler(ControlMethods):
         return ""
 
     def _queue_sizes(self) -> tuple[int, int]:
-        return len(self._running), len(self._waiting)
+        return len(self.batch.running), len(self.batch.waiting)
 
     def statistics(self) -> SchedulerStats:
         """A snapshot of the counters."""
         return SchedulerStats(self._steps, self._received, self._rejected, self._finished,
-                              self._tokens, len(self._running), len(self._waiting))
+                              self._tokens, *self._queue_sizes())

@@ -390,7 +390,7 @@ def test_10_past_the_limits_requests_are_refused_at_once(make_loop: Callable[...
     assert "costly" in errors and "max_queued_tokens" in errors["costly"].message
     assert loop.sched.admission.refused == len(errors)
     assert loop.call("get_load").success  # rpc is never refused
-    for s in loop.sched._waiting:
+    for s in loop.sched.batch.waiting:
         assert s.generator is None  # per-request state is made at admission
 
 

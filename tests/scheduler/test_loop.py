@@ -197,7 +197,7 @@ def test_generation_rules(rig: Rig) -> None:
 
 
 def test_abort_queued_and_running(rig: Rig) -> None:
-    rig.sched.max_batch = 1
+    rig.sched.batch.max_batch = 1
     rig.send(_gen("run", [1], max_new_tokens=10_000))
     rig.send(_gen("queued", [1], max_new_tokens=10_000))
     rig.run_until(lambda: rig.sched.statistics().running == 1)
