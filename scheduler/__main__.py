@@ -145,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a directory for ipc:// endpoints (work, rpc, out), or a tcp base "
                         "like tcp://127.0.0.1:5550 (work=+0, rpc=+1, out=+2)")
     s.add_argument("--max-batch", type=int, default=64)
+    s.add_argument("--hwm", type=int, default=SocketOptions().hwm,
+                   help="zmq high-water mark per socket and direction (messages)")
     s.add_argument("--max-queued-requests", type=int, default=Limits().max_queued_requests,
                    help="requests waiting beyond this are answered 'overloaded' at once")
     s.add_argument("--max-queued-tokens", type=int, default=Limits().max_queued_tokens,
@@ -179,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--curve-keys and --curve-allow go together")
     allowed = [CurveKeys.public_of(f) for f in args.curve_allow] if keys is not None else None
     out_server = CurveKeys.public_of(args.curve_out_server) if args.curve_out_server else None
-    options = SocketOptions(allow_remote=args.allow_remote, curve_keys=keys,
+    options = SocketOptions(hwm=args.hwm, allow_remote=args.allow_remote, curve_keys=keys,
                             curve_server_public=out_server)
     print(f"serving: work={endpoints.work} rpc={endpoints.rpc} outputs->{endpoints.out}"
           f"{' (CURVE)' if keys else ''}", file=sys.stderr)

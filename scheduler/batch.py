@@ -1,11 +1,13 @@
-"""``Batch``: the generate queue, the running batch, and one model step over them.
+"""``Batch``: the request queue, the running batch, and one model step over them.
 
-Requests wait in a bounded queue (:class:`~scheduler.admission.Admission`);
-each step admits what fits into the running batch, reads new prompts (at
-most ``max_prefill_tokens`` of them, a long prompt in chunks over several
-steps), decodes the running requests one token, and samples. The
-scheduler loop decides what to do with the tokens; this module knows no
-channel and no output.
+Generate and embedding requests wait in one bounded queue
+(:class:`~scheduler.admission.Admission`); each step admits what fits into
+the running batch, reads new prompts (at most ``max_prefill_tokens`` of
+them, a long prompt in chunks over several steps), decodes the running
+requests one token, and samples. An embedding request ends when its prompt
+has been read: its embedding is the state it reached. The scheduler loop
+decides what to do with tokens and embeddings; this module knows no channel
+and no output.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ import numpy as np
 import torch
 
 from bus import Origin
-from messages import FinishReason, TokenIds, TokenizedGenerateReqInput
+from messages import (
+    FinishReason,
+    SamplingParams,
+    TokenIds,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
 from scheduler.admission import Admission
 from scheduler.model import TinyLM
 from scheduler.sampling import sample_next
@@ -35,13 +43,20 @@ def as_tensor(ids: TokenIds) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(ids, np.uint32).astype(np.int64))
 
 
+_EMBED = SamplingParams(max_new_tokens=0)
+
+
 @dataclass(slots=True)
 class Seq:
-    """A generate request in flight (its sampler state is made at admission)."""
+    """A request in flight (its sampler state is made at admission)."""
 
-    req: TokenizedGenerateReqInput
+    req: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
     origin: Origin
     cost: int  # what it counts against the queue's token bound
+    sampling: SamplingParams = _EMBED
+    stream: bool = False
+    logprobs: bool = False
+    embedding: torch.Tensor | None = None  # an embedding request's answer, once read
     stop: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
     state: torch.Tensor | None = None
@@ -111,29 +126,37 @@ class Batch:
         self.admission.clear()
         return seqs
 
-    def step(self, admit_failed: Callable[[Seq, Exception], None]) -> list[Seq]:
-        """Admit, prefill, decode and sample once; returns the requests that got a token.
+    def step(self, admit_failed: Callable[[Seq, Exception], None]
+             ) -> tuple[list[Seq], list[Seq]]:
+        """Admit, prefill, decode and sample once.
 
-        A request whose per-request state cannot be made fails alone
-        (``admit_failed``); a failing model step raises :class:`StepFailed`
-        with every request it held, all of them out of the batch.
+        Returns the generate requests that got a token, and the embedding
+        requests whose prompt was read (``.embedding`` set). A request whose
+        per-request state cannot be made fails alone (``admit_failed``); a
+        failing model step raises :class:`StepFailed` with every request it
+        held, all of them out of the batch.
         """
         new, chunk = self._take_prefill(admit_failed)
-        active = self.running + new
-        if not active and chunk is None:
-            return []
+        gen = [s for s in new if s.sampling is not _EMBED]
+        embedded = [s for s in new if s.sampling is _EMBED] if len(gen) != len(new) else []
+        active = self.running + gen
+        if not active and not embedded and chunk is None:
+            return [], []
         try:
             rows = self._forward(new, chunk)
+            for s in embedded:
+                assert s.state is not None
+                s.embedding = self.model.embed_state(s.state)
             if not active:
-                return []
-            toks, lps = sample_next(torch.stack(rows), [s.req.sampling for s in active],
+                return [], embedded
+            toks, lps = sample_next(torch.stack(rows), [s.sampling for s in active],
                                     [s.generator for s in active])
         except Exception as exc:
-            failed = active
+            failed = active + embedded
             self.running = []
             if chunk is not None:
                 self.remove(chunk)
-                failed = [*active, chunk]
+                failed.append(chunk)
             raise StepFailed(failed, exc) from exc
         for s, t, lp in zip(active, toks.tolist(), lps.tolist(), strict=True):
             s.last = t
@@ -142,14 +165,16 @@ class Batch:
             else:
                 s.out.append(t)
                 s.lps.append(lp)
-                if len(s.out) >= s.req.sampling.max_new_tokens:
+                if len(s.out) >= s.sampling.max_new_tokens:
                     s.finished = "length"
         self.running = [s for s in active if s.finished is None]
-        return active
+        return active, embedded
 
     def _admit(self, seq: Seq) -> None:
         """Make a request's per-request state as it leaves the queue for the batch."""
-        sp = seq.req.sampling
+        sp = seq.sampling
+        if sp is _EMBED:
+            return
         if sp.stop_token_ids is not None:
             seq.stop = frozenset(sp.stop_token_ids.tolist())
         if sp.temperature > 0 and sp.top_k != 1:
@@ -215,6 +240,8 @@ class Batch:
                 s.state = st
             if chunk is not None:
                 chunk.prefilled += len(prompts[-1])
-                logits_new = logits_new[:-1]  # mid-prompt: nothing to sample yet
-            rows.extend(logits_new)
+            # Sample only for generate requests whose prompt ended (not a
+            # mid-prompt chunk, not an embedding).
+            rows.extend(row for s, row in zip(new, logits_new, strict=False)
+                        if s.sampling is not _EMBED)
         return rows

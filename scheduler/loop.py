@@ -43,7 +43,7 @@ from messages import (
 from router import Router, TypeTable
 from scheduler.admission import Admission, Limits
 from scheduler.backpressure import collapse
-from scheduler.batch import Batch, Seq, StepFailed, as_tensor
+from scheduler.batch import Batch, Seq, StepFailed
 from scheduler.control import ControlMethods
 from scheduler.logsummary import LogSummary
 from scheduler.model import TinyLM
@@ -105,13 +105,17 @@ class Scheduler(ControlMethods):
             are written one shard per rank).
         rpc_reduce: combines this rank's rpc reply with the other ranks'
             (see :func:`scheduler.tp.rpc_reducer`); ``None`` answers nothing.
+        tell_ranks: rank 0 of several: hands the other ranks a request
+            this rank decided on alone (an abort of a request whose outputs
+            are stuck), so every rank keeps the same batch.
     """
 
     def __init__(self, receiver: RequestSource, router: Router[Output], model: TinyLM, *,
                  max_batch: int = 64, max_prefill_tokens: int = 2048,
                  idle_timeout: float = 1.0, rank: int = 0, world_size: int = 1,
                  rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None,
+                 tell_ranks: Callable[[Request], None] | None = None) -> None:
         self.receiver = receiver
         self.router = router
         self.model = model
@@ -126,6 +130,7 @@ class Scheduler(ControlMethods):
         self.rank = rank
         self.world_size = world_size
         self._rpc_reduce = rpc_reduce
+        self._tell_ranks = tell_ranks
         self._digest = hashlib.blake2b(digest_size=16)
         self._handlers: TypeTable[Request, Handler] = TypeTable(
             Request, concrete_types(Request))
@@ -134,7 +139,6 @@ class Scheduler(ControlMethods):
         self._handlers.register(AbortReq, self._on_abort)  # type: ignore[arg-type]
         self._handlers.register(RpcReqInput, self._on_rpc)  # type: ignore[arg-type]
         self._handlers.freeze()
-        self._embeds: list[tuple[TokenizedEmbeddingReqInput, Origin]] = []
         self._live: dict[str, Seq] = {}
         self._aborted: list[Seq] = []
         self._stopping = False
@@ -159,7 +163,7 @@ class Scheduler(ControlMethods):
     @property
     def busy(self) -> bool:
         """Whether any request is queued or running."""
-        return bool(self.batch or self._embeds or self._aborted)
+        return bool(self.batch or self._aborted)
 
     def run(self) -> None:
         """Serve until :meth:`request_shutdown`; then answer everything left and return."""
@@ -195,7 +199,6 @@ class Scheduler(ControlMethods):
             except Exception as exc:  # costs this request alone
                 self._handler_failed(msg, env.origin, exc)
         self._emit_aborted()
-        self._run_embeddings()
         self._run_batch()
         return len(envelopes)
 
@@ -212,9 +215,6 @@ class Scheduler(ControlMethods):
         for seq in seqs:
             self._live.pop(seq.req.rid, None)
             self._error(seq.req.rid, seq.origin, code, message)
-        for req, origin in self._embeds:
-            self._error(req.rid, origin, code, message)
-        self._embeds.clear()
         self._emit_aborted()
         return len(seqs)
 
@@ -247,7 +247,8 @@ class Scheduler(ControlMethods):
             self._error(req.rid, origin, "invalid_request", problem)
             return
         sp = req.sampling
-        seq = Seq(req, origin, len(req.input_ids) + sp.max_new_tokens)
+        seq = Seq(req, origin, len(req.input_ids) + sp.max_new_tokens, sp, req.stream,
+                  req.return_logprob)
         if sp.max_new_tokens == 0:
             seq.finished = "length"
             self._live[req.rid] = seq
@@ -264,7 +265,12 @@ class Scheduler(ControlMethods):
         if problem:
             self._error(req.rid, origin, "invalid_request", problem)
             return
-        self._embeds.append((req, origin))
+        seq = Seq(req, origin, len(req.input_ids))  # its prompt is read like any other
+        refused = self.batch.queue(seq)
+        if refused:
+            self._error(req.rid, origin, "overloaded", refused)
+            return
+        self._live[req.rid] = seq
 
     def _on_abort(self, req: AbortReq, origin: Origin) -> None:
         # Idempotent: the first abort takes the request out of _live, so a
@@ -289,6 +295,8 @@ class Scheduler(ControlMethods):
             seq.silenced = True
             seq.finished = "abort"
             self._finished += 1
+            if self._tell_ranks is not None:
+                self._tell_ranks(AbortReq(rid=rid))
 
     def _dropped_rpc(self, reply: RpcReqOutput) -> None:
         log.warning("dropped the rpc reply rid=%r: its client is not reading its replies",
@@ -303,28 +311,17 @@ class Scheduler(ControlMethods):
 
     # -- model work -----------------------------------------------------------
 
-    def _run_embeddings(self) -> None:
-        if not self._embeds:
-            return
-        by_origin: dict[Origin, list[tuple[str, torch.Tensor]]] = {}
-        for req, origin in self._embeds:
-            vec = self.model.embed_text(as_tensor(req.input_ids))
-            by_origin.setdefault(origin, []).append((req.rid, vec))
-        self._embeds.clear()
-        for origin, rows in by_origin.items():
-            self._finished += len(rows)
-            self._route(BatchEmbeddingOut(rids=[r for r, _ in rows],
-                                          embeddings=torch.stack([v for _, v in rows])), origin)
-
     def _run_batch(self) -> None:
         try:
-            active = self.batch.step(self._admit_failed)
+            active, embeddings = self.batch.step(self._admit_failed)
         except StepFailed as exc:  # these requests fail, the loop goes on
             log.error("%s", exc, exc_info=exc.error)
             for s in exc.seqs:
                 if self._live.pop(s.req.rid, None) is s:
                     self._error(s.req.rid, s.origin, "internal", str(exc))
             return
+        if embeddings:
+            self._emit_embeddings(embeddings)
         if not active:
             return
         n = len(active)
@@ -332,6 +329,19 @@ class Scheduler(ControlMethods):
         self._tokens += n
         self._rate_tokens += n
         self._emit(active)
+
+    def _emit_embeddings(self, seqs: list[Seq]) -> None:
+        """One BatchEmbeddingOut per origin."""
+        by_origin: dict[Origin, list[Seq]] = {}
+        for s in seqs:
+            if self._live.pop(s.req.rid, None) is s:
+                by_origin.setdefault(s.origin, []).append(s)
+        for origin, group in by_origin.items():
+            self._finished += len(group)
+            self._route(BatchEmbeddingOut(
+                rids=[s.req.rid for s in group],
+                embeddings=torch.stack([s.embedding for s in group])),  # type: ignore[misc]
+                origin)
 
     def _admit_failed(self, seq: Seq, exc: Exception) -> None:
         self._live.pop(seq.req.rid, None)
@@ -350,7 +360,7 @@ class Scheduler(ControlMethods):
         for s in seqs:
             if s.silenced:
                 continue  # its terminal error already waits in the backlog
-            if s.req.stream or s.finished is not None:
+            if s.stream or s.finished is not None:
                 groups.setdefault(s.origin, []).append(s)
         for origin, group in groups.items():
             rids: list[str] = []
@@ -365,7 +375,7 @@ class Scheduler(ControlMethods):
                 ids.extend(new)
                 lens.append(len(new))
                 lps.extend(s.lps[s.sent :])
-                any_lp |= s.req.return_logprob
+                any_lp |= s.logprobs
                 fins.append(s.finished)
                 s.sent = len(s.out)
                 if s.finished is not None:

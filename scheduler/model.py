@@ -97,6 +97,11 @@ class TinyLM(nn.Module):
     def embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
         """A unit-norm embedding of a text: the final top-layer state."""
         _, state = self.prefill(input_ids)
+        return self.embed_state(state)
+
+    @torch.inference_mode()
+    def embed_state(self, state: torch.Tensor) -> torch.Tensor:
+        """The unit-norm embedding of a text read up to ``state`` ``(layers, hidden)``."""
         v: torch.Tensor = self.norm(state[-1])
         unit: torch.Tensor = v / v.norm().clamp_min(1e-6)
         return unit

@@ -64,6 +64,7 @@ class _Item(msgspec.Struct, array_like=True):
 _HEAD = msgspec.msgpack.Encoder()
 _FIRST = 8192  # bytes of the first broadcast of every step: length + a small poll
 _ITEMS = msgspec.msgpack.Decoder(list[_Item])
+_INTERNAL = Origin("internal")  # requests rank 0 decided on, not received
 
 
 class BroadcastReceiver:
@@ -83,6 +84,16 @@ class BroadcastReceiver:
         self.codec = codec
         self.broadcasts = 0
         self._idle = torch.zeros(_FIRST, dtype=torch.uint8)  # length 0: nothing arrived
+        self._injected: list[Envelope[Request] | Rejected] = []
+
+    def inject(self, req: Request) -> None:
+        """Rank 0: have every rank handle ``req`` at the next poll.
+
+        For decisions rank 0 takes alone (aborting the requests whose
+        outputs are stuck behind a consumer that is not reading): the other
+        ranks must drop them too, or their batches drift apart.
+        """
+        self._injected.append(Envelope(req, _INTERNAL))
 
     def poll(self) -> Sequence[Envelope[Request] | Rejected]:
         """Rank 0: poll, then broadcast. Others: block until rank 0's broadcast.
@@ -94,6 +105,9 @@ class BroadcastReceiver:
         self.broadcasts += 1
         if self.inner is not None:
             envelopes = self.inner.poll()
+            if self._injected:
+                envelopes = [*self._injected, *envelopes]
+                self._injected = []
             if not envelopes:
                 dist.broadcast(self._idle, src=0)
                 return envelopes

@@ -111,10 +111,12 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
             inboxes: list[Inbox[Request]] = [work, rpc]
             receiver: RequestSource = Receiver(inboxes)
             world = 1 if tp is None else tp.world_size
+            tell = None
             if tp is not None:
-                receiver = BroadcastReceiver(0, Receiver(inboxes), codec)
+                receiver = broadcast = BroadcastReceiver(0, Receiver(inboxes), codec)
+                tell = broadcast.inject
             Scheduler(receiver, router, build_model(model), max_batch=max_batch,
-                      world_size=world, limits=limits,
+                      world_size=world, limits=limits, tell_ranks=tell,
                       rpc_reduce=rpc_reducer(0, world) if tp is not None else None).run()
     finally:
         if auth is not None:

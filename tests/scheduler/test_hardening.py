@@ -31,6 +31,7 @@ from bus import (
 from bus.channels import Inbox
 from messages import (
     AbortReq,
+    BatchEmbeddingOut,
     BatchTokenIDOut,
     Codec,
     ErrorOut,
@@ -40,6 +41,7 @@ from messages import (
     RpcReqInput,
     RpcReqOutput,
     SamplingParams,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     token_ids,
 )
@@ -423,14 +425,30 @@ def test_11_a_long_prompt_is_read_in_bounded_chunks_with_the_same_result(
     assert "short" in chunked.finished() or chunked.sched.statistics().running == 1
 
 
+def test_11_a_long_embedding_is_read_in_chunks_with_the_same_vector(
+        make_loop: Callable[..., Loop]) -> None:
+    prompt = token_ids([(i * 5) % 64 for i in range(700)])
+    vectors = []
+    for budget in (4096, 50):
+        loop = make_loop("ring", max_prefill_tokens=budget)
+        loop.send(TokenizedEmbeddingReqInput(rid="e", input_ids=prompt))
+        loop.run_until(lambda loop=loop: any(isinstance(o, BatchEmbeddingOut)  # type: ignore[misc]
+                                             for o, _ in loop.got))
+        out = next(o for o, _ in loop.got if isinstance(o, BatchEmbeddingOut))
+        vectors.append(out.embeddings[0])
+        assert loop.sched.statistics().steps >= (700 // budget)
+    torch.testing.assert_close(vectors[0], vectors[1])
+
+
 # -- 12. a consumer that stops reading --------------------------------------------------
 
 
 def test_12_slow_consumer_never_blocks_the_loop_and_every_request_is_told(
         make_loop: Callable[..., Loop]) -> None:
     egress: Ring[Output] = Ring(4, name="out")
+    told: list[Request] = []  # what tensor-parallel followers would be told
     loop = make_loop("ring", egress=egress, max_batch=4,
-                     limits=Limits(max_backlog=16))
+                     limits=Limits(max_backlog=16), tell_ranks=told.append)
     rids = [f"s{i}" for i in range(12)]
     for rid in rids:
         req = _gen(rid, [1, 2], max_new_tokens=50, temperature=0.0)
@@ -458,6 +476,9 @@ def test_12_slow_consumer_never_blocks_the_loop_and_every_request_is_told(
     loop.run_until(read)
     assert set(terminal) == set(rids)
     assert "overloaded" in terminal.values()
+    # Every request aborted for backpressure is aborted on the other ranks too.
+    assert {r.rid for r in told if isinstance(r, AbortReq)} == \
+        {rid for rid, code in terminal.items() if code == "overloaded"}
     assert loop.sched.router.statistics().failed == 0
     assert not loop.sched.busy
     egress.release()
