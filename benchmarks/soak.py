@@ -26,6 +26,7 @@ Every socket is ``ipc://`` in a temp dir; every process is stopped.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -85,7 +86,7 @@ class Server:
                 raise RuntimeError("serve did not start")
             time.sleep(0.01)  # sleep-ok: pacing a deadline poll
         self.out = self.ctx.socket(zmq.PULL)
-        self.out.setsockopt(zmq.RCVHWM, 1000)
+        self.out.setsockopt(zmq.RCVHWM, 50)
         self.out.bind(f"ipc://{self.dir}/out")
         self.work = self.ctx.socket(zmq.PUSH)
         self.work.setsockopt(zmq.SNDHWM, 0)
@@ -205,6 +206,22 @@ def serve_fuzz(n: int = 20_000, seed: int = 1) -> dict[str, float]:
             "serve_fuzz_unanswered": missing}
 
 
+def _flood(endpoint: str, n: int) -> None:
+    """Send ``n`` generate requests (rids ``o0``...) as fast as the socket takes them."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, -1)
+    sock.connect(endpoint)
+    ids = token_ids(range(1, 17))
+    sp = SamplingParams(max_new_tokens=64, temperature=0.8)
+    for i in range(n):
+        req = TokenizedGenerateReqInput(rid=f"o{i}", input_ids=ids, stream=True, sampling=sp)
+        sock.send_multipart(CODEC.encode(req), copy=False)
+    sock.close()
+    ctx.term()
+
+
 def overload(n: int = 200_000) -> dict[str, float]:
     """Offer far more than the admission limits allow; RSS and rpc latency meanwhile."""
     with server("--max-queued-requests", "1024") as s:
@@ -223,11 +240,14 @@ def overload(n: int = 200_000) -> dict[str, float]:
         t = threading.Thread(target=probe)
         t.start()
         peak = base
-        ids = list(range(1, 17))
-        for i in range(n):
-            s.submit(f"o{i}", ids, max_new_tokens=64, temperature=0.8)
-            if i % 5000 == 0:
-                peak = max(peak, _rss_mib(s.proc.pid))
+        # The flood comes from its own process: in this one it would hold the
+        # GIL and the probe would measure our own client, not the server.
+        flood = multiprocessing.get_context("spawn").Process(
+            target=_flood, args=(f"ipc://{s.dir}/work", n))
+        flood.start()
+        while flood.is_alive():
+            peak = max(peak, _rss_mib(s.proc.pid))
+            flood.join(0.05)
         rids = [f"o{i}" for i in range(n)]
         deadline = time.monotonic() + 300
         while sum(1 for r in rids if r not in s.terminal) and time.monotonic() < deadline:
@@ -259,7 +279,7 @@ def long_prompt() -> dict[str, float]:
 
 def slow_consumer(n: int = 400) -> dict[str, float]:
     """The output consumer stops reading while streams run; then reads again."""
-    with server("--hwm", "200", "--max-backlog", "256") as s:
+    with server("--hwm", "50", "--max-backlog", "64") as s:
         s.reading.clear()  # the consumer stops reading
         rids = [f"s{i}" for i in range(n)]
         for rid in rids:

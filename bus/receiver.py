@@ -52,6 +52,7 @@ class Receiver(Generic[M]):
         self._polls = self._received = self._waits = 0
         self._rejected = 0  # of inboxes no longer here
         self._ended: list[str] = []
+        self._paused: set[str] = set()
         for inbox in inboxes:
             self.add(inbox)
 
@@ -74,8 +75,48 @@ class Receiver(Generic[M]):
     def remove(self, inbox: Inbox[M]) -> None:
         """Stop draining ``inbox`` (it is not closed)."""
         self._inboxes.remove(inbox)
-        self._poller.unregister(inbox.pollable())
+        if inbox.name not in self._paused:
+            self._poller.unregister(inbox.pollable())
+        self._paused.discard(inbox.name)
         self._rejected += inbox.rejected  # keep its count in the statistics
+
+    @property
+    def paused(self) -> frozenset[str]:
+        """Names of the inboxes neither drained nor waited on (see :meth:`pause`)."""
+        return frozenset(self._paused)
+
+    def pause(self, name: str) -> None:
+        """Stop draining the inbox ``name`` until :meth:`resume`; what arrives waits in it.
+
+        Backpressure: when the consumer of an inbox's outputs stops reading,
+        taking more requests from that inbox would only pile up answers no one
+        reads. Left in the inbox, they are bounded by its high-water mark (or
+        ring capacity), and the sender sees it. Idempotent.
+
+        Raises:
+            KeyError: no inbox of that name.
+        """
+        inbox = self._named(name)
+        if name not in self._paused:
+            self._paused.add(name)
+            self._poller.unregister(inbox.pollable())
+
+    def resume(self, name: str) -> None:
+        """Drain the inbox ``name`` again. Idempotent.
+
+        Raises:
+            KeyError: no inbox of that name.
+        """
+        inbox = self._named(name)
+        if name in self._paused:
+            self._paused.discard(name)
+            self._poller.register(inbox.pollable(), zmq.POLLIN)
+
+    def _named(self, name: str) -> Inbox[M]:
+        for inbox in self._inboxes:
+            if inbox.name == name:
+                return inbox
+        raise KeyError(f"no inbox named {name!r}")
 
     def poll(self) -> list[Envelope[M] | Rejected]:
         """Take up to ``budget`` waiting messages from all inboxes, fairly. Never blocks."""
@@ -87,6 +128,8 @@ class Receiver(Generic[M]):
         start = self._start % n
         self._start = start + 1  # rotate who goes first
         pending = self._inboxes[start:] + self._inboxes[:start]
+        if self._paused:
+            pending = [i for i in pending if i.name not in self._paused]
         remaining = self.budget
         ended: list[Inbox[M]] = []
         while remaining and pending:
@@ -118,8 +161,8 @@ class Receiver(Generic[M]):
         Returns whether something is ready. Burns no CPU while parked.
         """
         self._waits += 1
-        if not self._inboxes:
-            return False
+        if not self._inboxes or (timeout is None and len(self._inboxes) == len(self._paused)):
+            return False  # nothing could ever wake it
         ms = None if timeout is None else max(0, int(timeout * 1000))
         return bool(self._poller.poll(ms))
 

@@ -99,6 +99,13 @@ class Backlog(Generic[O]):
             del self._queues[key]
         return dropped
 
+    def by_origin(self) -> dict[Origin, int]:
+        """Outputs waiting per origin (all sinks together)."""
+        out: dict[Origin, int] = {}
+        for (_, origin), q in self._queues.items():
+            out[origin] = out.get(origin, 0) + len(q.items)
+        return out
+
     def queues(self) -> Iterator[tuple[_AnySink[O], deque[tuple[O, Origin]]]]:
         """Each non-empty queue's sink and items (for flushing; safe to pop from)."""
         for key, q in list(self._queues.items()):

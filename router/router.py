@@ -135,6 +135,10 @@ class Router(Generic[O]):
         """Outputs waiting for a consumer that is not reading."""
         return len(self._backlog)
 
+    def backlog_by_origin(self) -> dict[Origin, int]:
+        """Outputs waiting per origin: which requesters' consumers are not reading."""
+        return self._backlog.by_origin()
+
     def route(self, output: O, origin: Origin) -> bool:
         """Deliver ``output`` now, or queue it behind a consumer that is not reading.
 

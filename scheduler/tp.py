@@ -128,6 +128,16 @@ class BroadcastReceiver:
             head = whole
         return self._unpack(head.numpy().data[8 : 8 + n])
 
+    def pause(self, name: str) -> None:
+        """Rank 0: stop draining inbox ``name`` (the others follow its broadcasts)."""
+        if self.inner is not None:
+            self.inner.pause(name)
+
+    def resume(self, name: str) -> None:
+        """Rank 0: drain inbox ``name`` again."""
+        if self.inner is not None:
+            self.inner.resume(name)
+
     def wait(self, timeout: float | None) -> bool:
         """Rank 0 parks on its inboxes; the other ranks park inside :meth:`poll`."""
         if self.inner is not None:

@@ -455,6 +455,9 @@ def test_12_slow_consumer_never_blocks_the_loop_and_every_request_is_told(
         req.stream = True
         loop.send(req)
     loop.run_until(lambda: loop.sched.router.statistics().overflows >= 1)
+    receiver = loop.sched.receiver
+    assert isinstance(receiver, Receiver)
+    assert receiver.paused == {"work"}  # no new work while its outputs pile up
     t0 = time.monotonic()
     assert loop.call("get_load").success  # rpc answered while outputs are stuck
     assert time.monotonic() - t0 < 5
@@ -480,5 +483,6 @@ def test_12_slow_consumer_never_blocks_the_loop_and_every_request_is_told(
     assert {r.rid for r in told if isinstance(r, AbortReq)} == \
         {rid for rid, code in terminal.items() if code == "overloaded"}
     assert loop.sched.router.statistics().failed == 0
+    loop.run_until(lambda: not receiver.paused)  # the consumer reads: work resumes
     assert not loop.sched.busy
     egress.release()
