@@ -89,6 +89,8 @@ class Router(Generic[O]):
         self._hits = self._table._cache
         self._routed = 0
         self._failed = 0
+        self._ok: dict[type, int] = {}  # per output type, for metrics
+        self._bad: dict[type, int] = {}
 
     def register(self, output_type: type[T], sink: Sink[T]) -> None:
         """Send outputs of ``output_type`` (and its subclasses) to ``sink``.
@@ -167,6 +169,8 @@ class Router(Generic[O]):
             self._fail(sink, output, origin, exc)
             return False
         self._routed += 1
+        kind = type(output)
+        self._ok[kind] = self._ok.get(kind, 0) + 1
         return True
 
     def flush(self) -> int:
@@ -190,6 +194,8 @@ class Router(Generic[O]):
                     self._fail(sink, output, origin, exc)
                 else:
                     self._routed += 1
+                    kind = type(output)
+                    self._ok[kind] = self._ok.get(kind, 0) + 1
                 items.popleft()
                 taken += 1
             backlog.taken(taken)
@@ -204,11 +210,21 @@ class Router(Generic[O]):
 
     def _fail(self, sink: Sink[O], output: O, origin: Origin, exc: BaseException) -> None:
         self._failed += 1
+        kind = type(output)
+        self._bad[kind] = self._bad.get(kind, 0) + 1
         failure = SinkFailure(type(output).__qualname__, origin, type(sink).__qualname__, exc)
         log.error("sink %s failed for %s from %s: %s", failure.sink, failure.output_type,
                   origin, exc)
         if self.on_failure is not None:
             self.on_failure(failure)
+
+    def counts(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``(routed, failed)`` per (output type name, sink type name) seen so far."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        for kind in {*self._ok, *self._bad}:
+            sink = type(self._table.lookup(kind)).__qualname__
+            out[(kind.__qualname__, sink)] = (self._ok.get(kind, 0), self._bad.get(kind, 0))
+        return out
 
     def statistics(self) -> RouterStats:
         """A snapshot of the counters."""

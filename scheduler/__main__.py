@@ -19,6 +19,7 @@ from scheduler.admission import Limits
 from scheduler.engine import Engine
 from scheduler.handles import RequestHandle
 from scheduler.model import ModelConfig
+from scheduler.top import run_top
 from scheduler.wiring import Endpoints, serve_zmq
 
 
@@ -162,7 +163,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="client public key files admitted (with --curve-keys)")
     s.add_argument("--curve-out-server", metavar="PUBLIC_FILE",
                    help="the output receiver's public key, to encrypt outputs too")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics endpoint binds (default: loopback)")
+    t = sub.add_parser("top", help="a live view of a scheduler's metrics endpoint")
+    t.add_argument("endpoint", help="PORT, HOST:PORT or the /metrics URL")
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    t.add_argument("--frames", type=int, default=None, help="stop after this many screens")
     args = parser.parse_args(argv)
+    if args.command == "top":
+        return run_top(args.endpoint, interval=args.interval, frames=args.frames)
     if args.command == "demo":
         return demo(args.mode, args.requests, args.max_new_tokens, args.seed)
     ep: str = args.endpoint
@@ -189,8 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.metrics_port is not None:
+        print(f"metrics: http://{args.metrics_host}:{args.metrics_port}/metrics",
+              file=sys.stderr)
     serve_zmq(endpoints, ModelConfig(), max_batch=args.max_batch, options=options,
-              curve_clients=allowed, limits=limits)
+              curve_clients=allowed, limits=limits, metrics_port=args.metrics_port,
+              metrics_host=args.metrics_host)
     return 0
 
 

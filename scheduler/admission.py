@@ -40,25 +40,32 @@ class Limits:
 class Admission:
     """The queue's running totals against :class:`Limits`."""
 
-    __slots__ = ("limits", "refused", "requests", "tokens")
+    __slots__ = ("limits", "refused_requests", "refused_tokens", "requests", "tokens")
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.requests = 0
         self.tokens = 0
-        self.refused = 0
+        self.refused_requests = 0  # refused: too many requests waiting
+        self.refused_tokens = 0  # refused: too many tokens waiting
+
+    @property
+    def refused(self) -> int:
+        """Requests refused so far, for either reason."""
+        return self.refused_requests + self.refused_tokens
 
     def refuse(self, cost: int) -> str:
         """Why a request costing ``cost`` tokens cannot queue, or ``""`` if it can."""
         lim = self.limits
         if self.requests >= lim.max_queued_requests:
             why = f"{self.requests} requests wait (max_queued_requests={lim.max_queued_requests})"
+            self.refused_requests += 1
         elif self.tokens + cost > lim.max_queued_tokens:
             why = (f"{self.tokens} tokens wait and this request costs {cost} "
                    f"(max_queued_tokens={lim.max_queued_tokens})")
+            self.refused_tokens += 1
         else:
             return ""
-        self.refused += 1
         return f"overloaded: {why}; retry later"
 
     def enter(self, cost: int) -> None:

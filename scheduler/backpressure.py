@@ -15,16 +15,66 @@ queue passes its bound, :func:`collapse` decides what to keep:
 So the queue shrinks to at most one small item per request in flight, each
 request is told, and the terminal errors go out once the consumer reads
 again. Nothing is dropped silently.
+
+Meanwhile :class:`InboxThrottle` stops taking new requests from the inbox
+whose outputs pile up, so the backlog stops growing at its source.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from bus import Origin
 from messages import BatchTokenIDOut, ErrorOut, Output, RpcReqOutput, fit_text
 
-__all__ = ["collapse"]
+__all__ = ["InboxThrottle", "collapse"]
+
+log = logging.getLogger("scheduler")
+
+
+class Pausable(Protocol):
+    """A request source whose inboxes can be paused by name (a :class:`~bus.Receiver`)."""
+
+    def pause(self, name: str) -> None: ...
+
+    def resume(self, name: str) -> None: ...
+
+
+class InboxThrottle:
+    """Pauses the inboxes whose requesters' outputs pile up unread; resumes them once read.
+
+    ``limit`` outputs waiting for one inbox's requesters pause it: its new
+    requests wait in it (bounded by its high-water mark or ring capacity,
+    where the sender sees it), while the requests already taken finish or
+    are aborted by the backlog's overflow (:func:`collapse`). It resumes when
+    its consumer has taken every waiting output. Rpc inboxes (a peer
+    identity per origin) are never paused: one client not reading must not
+    silence the others.
+    """
+
+    def __init__(self, source: Pausable, limit: int) -> None:
+        self.source = source
+        self.limit = max(1, limit)
+        self.paused: set[str] = set()
+
+    def update(self, waiting_by_origin: Mapping[Origin, int]) -> None:
+        """Pause or resume inboxes given the outputs waiting per origin now."""
+        waiting: dict[str, int] = {}
+        for o, n in waiting_by_origin.items():
+            if o.identity is None:
+                waiting[o.inbox] = waiting.get(o.inbox, 0) + n
+        for name, n in waiting.items():
+            if n >= self.limit and name not in self.paused:
+                log.warning("inbox %r paused: %d outputs wait for a consumer that is not "
+                            "reading", name, n)
+                self.source.pause(name)
+                self.paused.add(name)
+        for name in [p for p in self.paused if p not in waiting]:
+            log.info("inbox %r resumed: its consumer reads again", name)
+            self.source.resume(name)
+            self.paused.discard(name)
 
 
 def collapse(items: list[tuple[Output, Origin]], abort: Callable[[str], None],

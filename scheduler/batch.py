@@ -67,6 +67,10 @@ class Seq:
     lps: list[float] = field(default_factory=list)
     sent: int = 0  # tokens already streamed
     finished: FinishReason | None = None
+    # On the scheduler's monotonic clock (seconds), for the latency metrics.
+    t_arrival: float = 0.0
+    t_admit: float = 0.0
+    t_last: float = 0.0  # the last token's time; 0 before the first
 
 
 class StepFailed(Exception):
@@ -126,7 +130,7 @@ class Batch:
         self.admission.clear()
         return seqs
 
-    def step(self, admit_failed: Callable[[Seq, Exception], None]
+    def step(self, admit_failed: Callable[[Seq, Exception], None], now: float = 0.0
              ) -> tuple[list[Seq], list[Seq]]:
         """Admit, prefill, decode and sample once.
 
@@ -137,6 +141,8 @@ class Batch:
         held, all of them out of the batch.
         """
         new, chunk = self._take_prefill(admit_failed)
+        for s in new:
+            s.t_admit = now
         gen = [s for s in new if s.sampling is not _EMBED]
         embedded = [s for s in new if s.sampling is _EMBED] if len(gen) != len(new) else []
         active = self.running + gen

@@ -12,8 +12,11 @@ import hashlib
 import time
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from messages import RpcResult
 from scheduler.checkpoint import load_state, save_state
+from scheduler.metrics import chunks, exposition
 from scheduler.model import TinyLM
 
 __all__ = ["ControlMethods"]
@@ -31,6 +34,7 @@ class ControlMethods:
     _rate_t0: float
     _rate_tokens: int
     _rate: float
+    registry: CollectorRegistry | None
 
     def _queue_sizes(self) -> tuple[int, int]:
         """(running, queued)."""
@@ -71,6 +75,12 @@ class ControlMethods:
             raise RuntimeError(f"cannot flush while {running} requests run and "
                                f"{queued} wait")
         return {"flushed": True}
+
+    def metrics_text(self) -> RpcResult:
+        """The Prometheus exposition text, in pieces that fit an rpc string (join them)."""
+        if self.registry is None:
+            raise RuntimeError("this scheduler records no metrics (metrics=False)")
+        return {"text": list(chunks(exposition(self.registry)))}
 
     def get_load(self) -> RpcResult:
         """Running and queued requests, and the recent token rate."""

@@ -17,16 +17,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from bus import Envelope, Origin, Rejected
 from messages import (
     AbortReq,
-    BatchEmbeddingOut,
-    BatchTokenIDOut,
     ErrorCode,
     ErrorOut,
-    FinishReason,
     Output,
     Request,
     RpcReqInput,
@@ -37,16 +33,16 @@ from messages import (
     TokenizedGenerateReqInput,
     concrete_types,
     fit_text,
-    packed_u32,
-    token_ids,
 )
 from router import Router, TypeTable
 from scheduler.admission import Admission, Limits
-from scheduler.backpressure import collapse
+from scheduler.backpressure import InboxThrottle, collapse
 from scheduler.batch import Batch, Seq, StepFailed
 from scheduler.control import ControlMethods
 from scheduler.logsummary import LogSummary
+from scheduler.metrics import SchedulerMetrics, registry_for
 from scheduler.model import TinyLM
+from scheduler.outputs import embedding_outputs, token_outputs
 from scheduler.rpc_methods import RpcMethods
 
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
@@ -115,6 +111,8 @@ class Scheduler(ControlMethods):
             are written one shard per rank).
         rpc_reduce: combines this rank's rpc reply with the other ranks'
             (see :func:`scheduler.tp.rpc_reducer`); ``None`` answers nothing.
+        metrics: record Prometheus metrics (:mod:`scheduler.metrics`);
+            :attr:`registry` exposes them.
         tell_ranks: rank 0 of several: hands the other ranks a request
             this rank decided on alone (an abort of a request whose outputs
             are stuck), so every rank keeps the same batch.
@@ -124,7 +122,7 @@ class Scheduler(ControlMethods):
                  max_batch: int = 64, max_prefill_tokens: int = 512,
                  idle_timeout: float = 1.0, rank: int = 0, world_size: int = 1,
                  rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None,
-                 limits: Limits | None = None,
+                 limits: Limits | None = None, metrics: bool = True,
                  tell_ranks: Callable[[Request], None] | None = None) -> None:
         self.receiver = receiver
         self.router = router
@@ -141,7 +139,11 @@ class Scheduler(ControlMethods):
         self.world_size = world_size
         self._rpc_reduce = rpc_reduce
         self._tell_ranks = tell_ranks
-        self._paused: set[str] = set()
+        self._throttle = InboxThrottle(receiver, self.admission.limits.max_backlog // 2)
+        self._now = time.monotonic()  # the current step's start: one clock read per step
+        self.backlog_aborts = 0
+        self.metrics = SchedulerMetrics() if metrics else None
+        self.registry = registry_for(self, self.metrics) if self.metrics is not None else None
         self._digest = hashlib.blake2b(digest_size=16)
         self._handlers: TypeTable[Request, Handler] = TypeTable(
             Request, concrete_types(Request))
@@ -160,7 +162,7 @@ class Scheduler(ControlMethods):
         for name, fn in (("save_checkpoint", self.save_checkpoint),
                          ("load_checkpoint", self.load_checkpoint),
                          ("flush_cache", self.flush_cache), ("get_load", self.get_load),
-                         ("token_digest", self.token_digest),
+                         ("token_digest", self.token_digest), ("metrics", self.metrics_text),
                          ("shutdown", self.request_shutdown)):
             self.rpc.register(name, fn)
 
@@ -194,52 +196,33 @@ class Scheduler(ControlMethods):
     def step(self) -> int:
         """One iteration: poll, handle, one model step, route. Returns how many were polled."""
         self._steps += 1
+        self._now = t0 = time.monotonic()
         if self.router.backlog:
             self.router.flush()
         envelopes = self.receiver.poll()
         self._received += len(envelopes)
         lookup = self._handlers.lookup
+        counts = self.metrics.received if self.metrics is not None else None
         for env in envelopes:
             if type(env) is Rejected:
                 self._on_rejected(env)
                 continue
             assert isinstance(env, Envelope)
             msg = env.message
+            if counts is not None:
+                key = (env.origin.inbox, type(msg).__name__)
+                counts[key] = counts.get(key, 0) + 1
             try:
                 lookup(type(msg))(msg, env.origin)
             except Exception as exc:  # costs this request alone
                 self._handler_failed(msg, env.origin, exc)
         self._emit_aborted()
-        self._run_batch()
-        if self._paused or self.router.backlog:
-            self._throttle()
+        worked = self._run_batch()
+        if self._throttle.paused or self.router.backlog:
+            self._throttle.update(self.router.backlog_by_origin())
+        if self.metrics is not None and (envelopes or worked):
+            self.metrics.step.observe(time.monotonic() - t0)
         return len(envelopes)
-
-    def _throttle(self) -> None:
-        """Pause the inboxes whose requesters' outputs pile up unread; resume them once read.
-
-        Half the backlog bound pauses an inbox: its new requests wait in it
-        (bounded by its high-water mark, seen by the sender), while the
-        requests already here finish or are aborted by the backlog's
-        overflow. It resumes when its consumer has taken every waiting
-        output. Rpc inboxes (a peer identity per origin) are never paused:
-        one client not reading must not silence the others.
-        """
-        limit = max(1, self.admission.limits.max_backlog // 2)
-        waiting: dict[str, int] = {}
-        for o, n in self.router.backlog_by_origin().items():
-            if o.identity is None:
-                waiting[o.inbox] = waiting.get(o.inbox, 0) + n
-        for name, n in waiting.items():
-            if n >= limit and name not in self._paused:
-                log.warning("inbox %r paused: %d outputs wait for a consumer that is not "
-                            "reading", name, n)
-                self.receiver.pause(name)
-                self._paused.add(name)
-        for name in [p for p in self._paused if p not in waiting]:
-            log.info("inbox %r resumed: its consumer reads again", name)
-            self.receiver.resume(name)
-            self._paused.discard(name)
 
     def request_shutdown(self) -> RpcResult:
         """Stop after the current step (the ``shutdown`` rpc method)."""
@@ -262,6 +245,8 @@ class Scheduler(ControlMethods):
     def _on_rejected(self, env: Rejected) -> None:
         self._rejected += 1
         err = env.error
+        if self.metrics is not None:
+            self.metrics.reject(env.origin.inbox, err)
         if err.rid is None:
             # Nobody to answer: counted, and summarized in the log now and then.
             self._rejects.add(env.origin.inbox, err.reason)
@@ -287,7 +272,7 @@ class Scheduler(ControlMethods):
             return
         sp = req.sampling
         seq = Seq(req, origin, len(req.input_ids) + sp.max_new_tokens, sp, req.stream,
-                  req.return_logprob)
+                  req.return_logprob, t_arrival=self._now)
         if sp.max_new_tokens == 0:
             seq.finished = "length"
             self._live[req.rid] = seq
@@ -304,7 +289,7 @@ class Scheduler(ControlMethods):
         if problem:
             self._error(req.rid, origin, "invalid_request", problem)
             return
-        seq = Seq(req, origin, len(req.input_ids))  # its prompt is read like any other
+        seq = Seq(req, origin, len(req.input_ids), t_arrival=self._now)  # read like a prompt
         refused = self.batch.queue(seq)
         if refused:
             self._error(req.rid, origin, "overloaded", refused)
@@ -334,6 +319,7 @@ class Scheduler(ControlMethods):
             seq.silenced = True
             seq.finished = "abort"
             self._finished += 1
+            self.backlog_aborts += 1
             if self._tell_ranks is not None:
                 self._tell_ranks(AbortReq(rid=rid))
 
@@ -347,40 +333,43 @@ class Scheduler(ControlMethods):
             reply = self._rpc_reduce(reply)
         if reply is not None:
             self._route(reply, origin)
+        if self.metrics is not None:  # bounded label: registered names, else "unknown"
+            method = req.method if req.method in self.rpc.methods else "unknown"
+            self.metrics.rpc_latency(method, time.monotonic() - self._now)
 
     # -- model work -----------------------------------------------------------
 
-    def _run_batch(self) -> None:
+    def _run_batch(self) -> bool:
+        """One model step; returns whether it ran anything."""
         try:
-            active, embeddings = self.batch.step(self._admit_failed)
+            active, embeddings = self.batch.step(self._admit_failed, self._now)
         except StepFailed as exc:  # these requests fail, the loop goes on
             log.error("%s", exc, exc_info=exc.error)
             for s in exc.seqs:
                 if self._live.pop(s.req.rid, None) is s:
                     self._error(s.req.rid, s.origin, "internal", str(exc))
-            return
+            return True
+        m = self.metrics
+        if m is not None and (active or embeddings):
+            now = time.monotonic()
+            m.on_tokens(active, now)
+            m.on_embedded(embeddings, now)
         if embeddings:
             self._emit_embeddings(embeddings)
         if not active:
-            return
+            return bool(embeddings)
         n = len(active)
         self._digest.update(np.asarray([s.last for s in active], np.int64).tobytes())
         self._tokens += n
         self._rate_tokens += n
         self._emit(active)
+        return True
 
     def _emit_embeddings(self, seqs: list[Seq]) -> None:
-        """One BatchEmbeddingOut per origin."""
-        by_origin: dict[Origin, list[Seq]] = {}
-        for s in seqs:
-            if self._live.pop(s.req.rid, None) is s:
-                by_origin.setdefault(s.origin, []).append(s)
-        for origin, group in by_origin.items():
-            self._finished += len(group)
-            self._route(BatchEmbeddingOut(
-                rids=[s.req.rid for s in group],
-                embeddings=torch.stack([s.embedding for s in group])),  # type: ignore[misc]
-                origin)
+        done = [s for s in seqs if self._live.pop(s.req.rid, None) is s]
+        self._finished += len(done)
+        for output, origin in embedding_outputs(done):
+            self._route(output, origin)
 
     def _admit_failed(self, seq: Seq, exc: Exception) -> None:
         self._live.pop(seq.req.rid, None)
@@ -394,36 +383,13 @@ class Scheduler(ControlMethods):
             self._emit(seqs)
 
     def _emit(self, seqs: list[Seq]) -> None:
-        """One BatchTokenIDOut per origin: streamed news, and every finished request."""
-        groups: dict[Origin, list[Seq]] = {}
+        """Route this step's token outputs; finished requests leave the live table."""
         for s in seqs:
-            if s.silenced:
-                continue  # its terminal error already waits in the backlog
-            if s.stream or s.finished is not None:
-                groups.setdefault(s.origin, []).append(s)
-        for origin, group in groups.items():
-            rids: list[str] = []
-            ids: list[int] = []
-            lens: list[int] = []
-            lps: list[float] = []
-            fins: list[FinishReason | None] = []
-            any_lp = False
-            for s in group:
-                new = s.out[s.sent :]
-                rids.append(s.req.rid)
-                ids.extend(new)
-                lens.append(len(new))
-                lps.extend(s.lps[s.sent :])
-                any_lp |= s.logprobs
-                fins.append(s.finished)
-                s.sent = len(s.out)
-                if s.finished is not None:
-                    self._finished += 1
-                    self._live.pop(s.req.rid, None)
-            self._route(BatchTokenIDOut(
-                rids=rids, output_ids=token_ids(ids), output_lens=packed_u32(lens),
-                finished_reasons=fins,
-                logprobs=np.asarray(lps, np.float32) if any_lp else None), origin)
+            if s.finished is not None and not s.silenced:
+                self._finished += 1
+                self._live.pop(s.req.rid, None)
+        for output, origin in token_outputs(seqs):
+            self._route(output, origin)
 
     def _error(self, rid: str, origin: Origin, code: ErrorCode, message: str) -> None:
         self._finished += 1

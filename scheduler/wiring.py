@@ -12,11 +12,13 @@ sink, it cannot skip the rpc channel or misroute its replies.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import prometheus_client
 import torch.distributed as dist
 import zmq
 
@@ -57,16 +59,36 @@ class Endpoints:
         return cls(f"ipc://{directory}/work", f"ipc://{directory}/rpc", f"ipc://{directory}/out")
 
 
+@contextlib.contextmanager
+def _metrics_http(sched: Scheduler, host: str, port: int | None) -> Iterator[None]:
+    """Serve ``sched``'s metrics over HTTP while the block runs (nothing if ``port`` is None)."""
+    if port is None or sched.registry is None:
+        yield
+        return
+    server, thread = prometheus_client.start_http_server(port, addr=host,
+                                                         registry=sched.registry)
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
                model: ModelConfig, *, max_batch: int = 64,
                rpc_kind: Literal["dealer", "router"] = "router",
                options: SocketOptions = _OPTIONS, limits: Limits | None = None,
-               validate: bool = True, ready: threading.Event | None = None) -> Scheduler:
+               validate: bool = True, metrics: bool = True,
+               ready: threading.Event | None = None,
+               started: Callable[[Scheduler], None] | None = None) -> Scheduler:
     """Run an embedded scheduler until shut down (call in its own thread).
 
     ``validate``: check every request taken from ``ingress`` as a decoder
     would (types and constraints); pass ``False`` only when the producer
-    validated them already, as ``Engine`` does at submit.
+    validated them already, as ``Engine`` does at submit. ``started`` is
+    called with the scheduler before it runs (an engine keeps it to read its
+    metrics).
     """
     codec: Codec[Request] = Codec(Request)
     limits = limits or Limits()
@@ -76,7 +98,9 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
         router = scheduler_router(RingSink(egress), RpcReplySink(rpc),
                                   max_backlog=limits.max_backlog)
         sched = Scheduler(Receiver(inboxes), router, build_model(model), max_batch=max_batch,
-                          limits=limits)
+                          limits=limits, metrics=metrics)
+        if started is not None:
+            started(sched)
         if ready is not None:
             ready.set()
         sched.run()
@@ -87,13 +111,17 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
               rpc_kind: Literal["dealer", "router"] = "router",
               options: SocketOptions = _OPTIONS, tp: TPConfig | None = None,
               curve_clients: Sequence[bytes] | None = None,
-              limits: Limits | None = None) -> None:
+              limits: Limits | None = None, metrics: bool = True,
+              metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
     """Run a scheduler over zmq until shut down (the body of the scheduler process).
 
     With ``tp``, this is rank 0 of ``tp.world_size`` ranks: it owns the
     sockets and broadcasts each poll to the others (:func:`serve_follower`).
     With ``curve_clients`` (and server keys in ``options``), only clients
-    holding one of those public keys are served.
+    holding one of those public keys are served. With ``metrics_port``,
+    ``http://metrics_host:metrics_port/metrics`` serves the Prometheus
+    metrics (loopback unless told otherwise; under tensor parallelism rank 0
+    serves them: the other ranks run the very batches it broadcasts).
     """
     codec: Codec[Request] = Codec(Request)
     out_codec: Codec[Output] = Codec(Output)
@@ -115,9 +143,12 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
             if tp is not None:
                 receiver = broadcast = BroadcastReceiver(0, Receiver(inboxes), codec)
                 tell = broadcast.inject
-            Scheduler(receiver, router, build_model(model), max_batch=max_batch,
-                      world_size=world, limits=limits, tell_ranks=tell,
-                      rpc_reduce=rpc_reducer(0, world) if tp is not None else None).run()
+            sched = Scheduler(receiver, router, build_model(model), max_batch=max_batch,
+                              world_size=world, limits=limits, tell_ranks=tell,
+                              metrics=metrics or metrics_port is not None,
+                              rpc_reduce=rpc_reducer(0, world) if tp is not None else None)
+            with _metrics_http(sched, metrics_host, metrics_port):
+                sched.run()
     finally:
         if auth is not None:
             auth.stop()
@@ -133,6 +164,7 @@ def serve_follower(rank: int, tp: TPConfig, model: ModelConfig, *, max_batch: in
         codec: Codec[Request] = Codec(Request)
         Scheduler(BroadcastReceiver(rank, None, codec), null_router(), build_model(model),
                   max_batch=max_batch, rank=rank, world_size=tp.world_size, limits=limits,
+                  metrics=False,
                   rpc_reduce=rpc_reducer(rank, tp.world_size)).run()
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,56 @@
+"""The outputs of one step: requests in flight turned into columnar batches, one per origin."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bus import Origin
+from messages import BatchEmbeddingOut, BatchTokenIDOut, FinishReason, packed_u32, token_ids
+from scheduler.batch import Seq
+
+__all__ = ["embedding_outputs", "token_outputs"]
+
+
+def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
+    """One BatchTokenIDOut per origin: streamed news, and every finished request.
+
+    Marks what each request has sent. Requests silenced by backpressure (their
+    terminal error already waits in the backlog) produce nothing.
+    """
+    groups: dict[Origin, list[Seq]] = {}
+    for s in seqs:
+        if not s.silenced and (s.stream or s.finished is not None):
+            groups.setdefault(s.origin, []).append(s)
+    out: list[tuple[BatchTokenIDOut, Origin]] = []
+    for origin, group in groups.items():
+        rids: list[str] = []
+        ids: list[int] = []
+        lens: list[int] = []
+        lps: list[float] = []
+        fins: list[FinishReason | None] = []
+        any_lp = False
+        for s in group:
+            new = s.out[s.sent :]
+            rids.append(s.req.rid)
+            ids.extend(new)
+            lens.append(len(new))
+            lps.extend(s.lps[s.sent :])
+            any_lp |= s.logprobs
+            fins.append(s.finished)
+            s.sent = len(s.out)
+        out.append((BatchTokenIDOut(
+            rids=rids, output_ids=token_ids(ids), output_lens=packed_u32(lens),
+            finished_reasons=fins,
+            logprobs=np.asarray(lps, np.float32) if any_lp else None), origin))
+    return out
+
+
+def embedding_outputs(seqs: list[Seq]) -> list[tuple[BatchEmbeddingOut, Origin]]:
+    """One BatchEmbeddingOut per origin, for embedding requests whose prompt was read."""
+    groups: dict[Origin, list[Seq]] = {}
+    for s in seqs:
+        groups.setdefault(s.origin, []).append(s)
+    return [(BatchEmbeddingOut(rids=[s.req.rid for s in group],
+                               embeddings=torch.stack([s.embedding for s in group])),  # type: ignore[misc]
+             origin) for origin, group in groups.items()]
