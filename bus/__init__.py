@@ -8,6 +8,7 @@ from bus.channels import Inbox, PullInbox, PushOutbox, RingInbox, RpcServer, Zmq
 from bus.curve import CurveAuthenticator, CurveKeys
 from bus.envelope import Envelope, Origin, Rejected
 from bus.errors import ChannelClosed, ChannelError, EndOfChannel, PeerGone, RpcTimeout, WouldBlock
+from bus.logsummary import LogSummary
 from bus.receiver import Receiver, ReceiverStats
 from bus.ring import Ring, RingStats, open_ring
 from bus.rpc import RpcClient
@@ -21,6 +22,7 @@ __all__ = [
     "EndOfChannel",
     "Envelope",
     "Inbox",
+    "LogSummary",
     "Origin",
     "PeerGone",
     "PullInbox",

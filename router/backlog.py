@@ -17,6 +17,12 @@ silently):
   scheduler replaces the stuck streams by one terminal error per request and
   aborts those requests, freeing their slots). Without a callback, the
   oldest items past the bound are reported as sink failures and dropped.
+  What a callback keeps (terminal answers that must be delivered) may exceed
+  the bound; the next overflow of that queue then waits until it has
+  doubled (or grown by ``max_items``), so each push costs O(1) amortized. The scheduler also
+  stops taking new requests from the inbox concerned
+  (:class:`~scheduler.backpressure.InboxThrottle`), which bounds the
+  number of such answers.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class _AnySink(Protocol[O_contra]):
 @dataclass(slots=True)
 class _Queue(Generic[O]):
     sink: _AnySink[O]
+    limit: int  # overflow when longer than this
     items: deque[tuple[O, Origin]] = field(default_factory=deque)
 
 
@@ -80,10 +87,10 @@ class Backlog(Generic[O]):
         key = (id(sink), origin)
         q = self._queues.get(key)
         if q is None:
-            q = self._queues[key] = _Queue(sink)
+            q = self._queues[key] = _Queue(sink, self.max_items)
         q.items.append((output, origin))
         self._size += 1
-        if len(q.items) <= self.max_items:
+        if len(q.items) <= q.limit:
             return []
         self.overflows += 1
         items = list(q.items)
@@ -95,6 +102,11 @@ class Backlog(Generic[O]):
             kept, dropped = items[cut:], items[:cut]
         self._size += len(kept) - len(items)
         q.items = deque(kept)
+        # What an overflow keeps (terminal answers) may itself pass the bound:
+        # the next overflow then waits until the queue has grown by as much
+        # again (at least max_items), so pushing stays O(1) amortized instead
+        # of a pass over the whole queue per push.
+        q.limit = max(2 * len(q.items), len(q.items) + self.max_items)
         if not q.items:
             del self._queues[key]
         return dropped

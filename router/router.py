@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from bus import Origin, WouldBlock
+from bus import LogSummary, Origin, WouldBlock
 from messages import Output, concrete_types
 from router.backlog import Backlog, Overflow
 from router.dispatch import TypeTable
@@ -89,6 +89,9 @@ class Router(Generic[O]):
         self._hits = self._table._cache
         self._routed = 0
         self._failed = 0
+        # One log line per interval, not per failure: a client that left can
+        # make every reply to it fail.
+        self._failures_log = LogSummary(log, "sink failures", level=logging.ERROR)
         self._ok: dict[type, int] = {}  # per output type, for metrics
         self._bad: dict[type, int] = {}
 
@@ -213,8 +216,7 @@ class Router(Generic[O]):
         kind = type(output)
         self._bad[kind] = self._bad.get(kind, 0) + 1
         failure = SinkFailure(type(output).__qualname__, origin, type(sink).__qualname__, exc)
-        log.error("sink %s failed for %s from %s: %s", failure.sink, failure.output_type,
-                  origin, exc)
+        self._failures_log.add(f"{failure.sink}/{failure.output_type}", f"from {origin}: {exc}")
         if self.on_failure is not None:
             self.on_failure(failure)
 

@@ -19,9 +19,11 @@ from pathlib import Path
 import msgspec
 import torch
 
-__all__ = ["load_state", "save_state"]
+__all__ = ["MAX_INDEX_BYTES", "load_state", "save_state"]
 
 _MAX_INDEX = 1 << 24
+#: Most bytes a checkpoint spends on anything but weights (length and index).
+MAX_INDEX_BYTES = 8 + _MAX_INDEX
 _CHUNK = 1 << 24  # read at most this much per syscall (a huge read() may be refused)
 
 
@@ -33,8 +35,28 @@ class _Entry(msgspec.Struct, array_like=True):
 
 
 def save_state(state: dict[str, torch.Tensor], path: str | os.PathLike[str]) -> int:
-    """Write ``state`` atomically to ``path``; returns the bytes written."""
+    """Write ``state`` atomically to ``path``; returns the bytes written.
+
+    Only a new file or an existing regular file is replaced: the rename would
+    otherwise swap a FIFO, a device node (``/dev/null`` for a server running
+    as root) or a directory for a checkpoint.
+
+    Raises:
+        ValueError: ``path`` is empty, or names something other than a
+            regular file.
+        OSError: the directory cannot be written.
+    """
+    if not os.fspath(path):
+        raise ValueError("save_checkpoint needs a file path, got an empty one")
     target = Path(path)
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        pass
+    else:
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            raise ValueError(f"{target}: exists and is {_kind(st.st_mode)}, not a regular "
+                             "file: refusing to replace it")
     index: dict[str, _Entry] = {}
     blobs: list[bytes] = []
     offset = 0

@@ -15,7 +15,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from messages import RpcResult
-from scheduler.checkpoint import load_state, save_state
+from scheduler.checkpoint import MAX_INDEX_BYTES, load_state, save_state
 from scheduler.metrics import chunks, exposition
 from scheduler.model import TinyLM
 
@@ -57,11 +57,13 @@ class ControlMethods:
     def load_checkpoint(self, path: str) -> RpcResult:
         """Load model weights written by :meth:`save_checkpoint` (this rank's shard).
 
-        Only a regular file of bounded size is read: a FIFO or a device would
-        block the loop or fill memory.
+        Only a regular file is read, and no bigger than this model's weights
+        plus an index: a FIFO or a device would block the loop or fill
+        memory, and a huge file would stall it for seconds.
         """
         target = self._shard(path)
-        self.model.load_state_dict(load_state(target))
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        self.model.load_state_dict(load_state(target, max_bytes=weights + MAX_INDEX_BYTES))
         return {"path": str(target)}
 
     def token_digest(self) -> RpcResult:

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from bus import Envelope, Origin, Rejected
+from bus import Envelope, LogSummary, Origin, Rejected
 from messages import (
     AbortReq,
     ErrorCode,
@@ -39,7 +39,6 @@ from scheduler.admission import Admission, Limits
 from scheduler.backpressure import InboxThrottle, collapse
 from scheduler.batch import Batch, Seq, StepFailed
 from scheduler.control import ControlMethods
-from scheduler.logsummary import LogSummary
 from scheduler.metrics import SchedulerMetrics, registry_for
 from scheduler.model import TinyLM
 from scheduler.outputs import embedding_outputs, token_outputs
@@ -133,6 +132,7 @@ class Scheduler(ControlMethods):
         router.on_overflow = functools.partial(collapse, abort=self._silence,
                                                dropped_rpc=self._dropped_rpc)
         self._rejects = LogSummary(log, "rejected messages with no readable rid")
+        self._misaddressed = LogSummary(log, "unanswered requests reusing a live rid")
         self.idle_timeout = idle_timeout
         self.rpc = RpcMethods()
         self.rank = rank
@@ -255,7 +255,7 @@ class Scheduler(ControlMethods):
             self._route(RpcReqOutput(rid=err.rid, success=False, message=fit_text(str(err))),
                         env.origin)
         else:
-            self._error(err.rid, env.origin, "decode_error", str(err))
+            self._refuse(err.rid, env.origin, "decode_error", str(err))
 
     def _handler_failed(self, msg: Request, origin: Origin, exc: Exception) -> None:
         log.exception("handling %s rid=%r failed", type(msg).__name__, msg.rid)
@@ -263,12 +263,12 @@ class Scheduler(ControlMethods):
         if isinstance(msg, RpcReqInput):
             self._route(RpcReqOutput(rid=msg.rid, success=False, message=fit_text(text)), origin)
         else:
-            self._error(msg.rid, origin, "internal", text)
+            self._refuse(msg.rid, origin, "internal", text)
 
     def _on_generate(self, req: TokenizedGenerateReqInput, origin: Origin) -> None:
         problem = self._check_ids(req.input_ids, req.rid)
         if problem:
-            self._error(req.rid, origin, "invalid_request", problem)
+            self._refuse(req.rid, origin, "invalid_request", problem)
             return
         sp = req.sampling
         seq = Seq(req, origin, len(req.input_ids) + sp.max_new_tokens, sp, req.stream,
@@ -280,19 +280,19 @@ class Scheduler(ControlMethods):
             return
         refused = self.batch.queue(seq)
         if refused:
-            self._error(req.rid, origin, "overloaded", refused)
+            self._refuse(req.rid, origin, "overloaded", refused)
             return
         self._live[req.rid] = seq
 
     def _on_embed(self, req: TokenizedEmbeddingReqInput, origin: Origin) -> None:
         problem = self._check_ids(req.input_ids, req.rid)
         if problem:
-            self._error(req.rid, origin, "invalid_request", problem)
+            self._refuse(req.rid, origin, "invalid_request", problem)
             return
         seq = Seq(req, origin, len(req.input_ids), t_arrival=self._now)  # read like a prompt
         refused = self.batch.queue(seq)
         if refused:
-            self._error(req.rid, origin, "overloaded", refused)
+            self._refuse(req.rid, origin, "overloaded", refused)
             return
         self._live[req.rid] = seq
 
@@ -390,6 +390,22 @@ class Scheduler(ControlMethods):
                 self._live.pop(s.req.rid, None)
         for output, origin in token_outputs(seqs):
             self._route(output, origin)
+
+    def _refuse(self, rid: str, origin: Origin, code: ErrorCode, message: str) -> None:
+        """Answer a request that was *not* accepted, unless its rid names one in flight.
+
+        An answer carries nothing but the rid to tell requests apart, so an
+        error for a second request reusing a live rid would end the first
+        one in its client's eyes. Such a request is counted and logged
+        instead: a reply goes only to whoever asked.
+        """
+        if rid in self._live:
+            self._misaddressed.add(origin.inbox, f"rid {rid!r} is in flight: {message}")
+            if self.metrics is not None:
+                key = (origin.inbox, "duplicate_rid")
+                self.metrics.rejected[key] = self.metrics.rejected.get(key, 0) + 1
+            return
+        self._error(rid, origin, code, message)
 
     def _error(self, rid: str, origin: Origin, code: ErrorCode, message: str) -> None:
         self._finished += 1

@@ -50,7 +50,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 #: Why a frame was rejected, as a bounded label (see :func:`reject_reason`).
-REJECT_REASONS = ("malformed", "oversized", "invalid_field", "unknown_type")
+REJECT_REASONS = ("malformed", "oversized", "invalid_field", "unknown_type", "duplicate_rid")
 
 
 def reject_reason(err: DecodeError) -> str:

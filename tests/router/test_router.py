@@ -219,3 +219,29 @@ def test_lookup_matches_reference_mro_walk(h: tuple[list[type], list[type]], rnd
             except AmbiguousRouteError:
                 got = "ambiguous"
             assert got == want
+
+
+def test_a_backlog_that_keeps_everything_on_overflow_stays_cheap() -> None:
+    from bus import WouldBlock
+    from messages import ErrorOut
+    from router import Backlog
+
+    class Stuck:
+        def send(self, output: Output, origin: Origin, /) -> None:
+            raise WouldBlock("out", "not reading")
+
+    backlog: Backlog[Output] = Backlog(16)
+    calls: list[int] = []
+
+    def keep_all(items: list[tuple[Output, Origin]]) -> list[tuple[Output, Origin]]:
+        calls.append(len(items))
+        return items
+
+    backlog.on_overflow = keep_all
+    sink, origin = Stuck(), Origin("work")
+    for i in range(8000):
+        backlog.push(sink, ErrorOut(rid=f"r{i}", code="overloaded"), origin)
+    assert len(backlog) == 8000
+    # Terminal answers are kept, but each overflow waits for the queue to double:
+    # a push costs O(1) amortized, not a pass over the queue.
+    assert len(calls) <= 12 and sum(calls) < 4 * 8000

@@ -486,3 +486,50 @@ def test_12_slow_consumer_never_blocks_the_loop_and_every_request_is_told(
     loop.run_until(lambda: not receiver.paused)  # the consumer reads: work resumes
     assert not loop.sched.busy
     egress.release()
+
+
+# -- found by the outside probe after the first round -----------------------------------
+
+
+@pytest.mark.parametrize("kind", ["ring", "zmq"])
+def test_a_request_reusing_a_live_rid_never_ends_the_live_one(
+        make_loop: Callable[..., Loop], kind: str) -> None:
+    loop = make_loop(kind)
+    loop.send(_gen("victim", [1, 2, 3], max_new_tokens=30, temperature=0.0))
+    loop.run_until(lambda: loop.sched.statistics().running == 1)
+    loop.send(_gen("victim", [1, 2, 999]))  # same rid, out of vocabulary
+    loop.send(_gen("victim", [1, 2]))  # same rid, valid
+    if loop.push is not None:  # a frame that fails to decode but names the live rid
+        frames = CODEC.encode(_gen("victim", [1], top_p=0.5))
+        loop.push.send_multipart([bytes(frames[0]).replace(b"\xcb?\xe0", b"\xcb@\x00")])
+    loop.run_until(lambda: "victim" in loop.finished())
+    assert loop.finished()["victim"] == (loop.finished()["victim"][0], "length")
+    assert len(loop.finished()["victim"][0]) == 30
+    assert "victim" not in loop.errors()  # exactly one terminal answer, the real one
+
+
+def test_checkpoints_never_replace_what_is_not_a_file_nor_read_past_the_model(
+        tmp_path: Path, make_loop: Callable[..., Loop]) -> None:
+    loop = make_loop("ring")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "dir").mkdir()
+    for target in (fifo, tmp_path / "dir", ""):
+        reply = loop.sched.rpc.answer(RpcReqInput(rid="s", method="save_checkpoint",
+                                                  parameters={"path": str(target)}))
+        assert not reply.success, target
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # still a FIFO
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)  # sparse: far past this model's weights
+    t0 = time.monotonic()
+    reply = loop.sched.rpc.answer(RpcReqInput(rid="l", method="load_checkpoint",
+                                              parameters={"path": str(big)}))
+    assert not reply.success and "max_bytes" in reply.message
+    assert time.monotonic() - t0 < 1.0  # refused from its size, not read
+    ok = loop.sched.rpc.answer(RpcReqInput(rid="s2", method="save_checkpoint",
+                                           parameters={"path": str(tmp_path / "ck")}))
+    assert ok.success
+    back = loop.sched.rpc.answer(RpcReqInput(rid="l2", method="load_checkpoint",
+                                             parameters={"path": str(tmp_path / "ck")}))
+    assert back.success, back.message
