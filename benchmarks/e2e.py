@@ -8,6 +8,8 @@ Run: ``python -m benchmarks.e2e``. The last line is one JSON object.
   feeds the very same scheduler by direct calls, with no bus at all. The
   difference per request is what the bus, router and engine add.
 * Rpc latency p50/p99, idle and while 1000 generate requests flood the work channel.
+* Metrics overhead (zmq): the stub-model Engine with metrics against without,
+  interleaved runs of the same workload, medians.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ def direct_us_per_request(n: int) -> float:
     return dt / n * 1e6
 
 
-def engine_us_per_request(mode: Mode, n: int) -> float:
-    with Engine(mode, ModelConfig(kind="stub"), max_batch=64) as engine:
+def engine_us_per_request(mode: Mode, n: int, *, metrics: bool = True) -> float:
+    with Engine(mode, ModelConfig(kind="stub"), max_batch=64, metrics=metrics) as engine:
         prompt = token_ids(range(1, 33))
         sp = SamplingParams(max_new_tokens=1, temperature=0.0)
         for h in [engine.submit(prompt, sp) for _ in range(200)]:  # warm up
@@ -148,6 +150,15 @@ def main() -> None:
             f"rpc_flood_p50_us_{mode}": round(f50, 1),
             f"rpc_flood_p99_us_{mode}": round(f99, 1),
         })
+    with_m, without_m = [], []
+    for _ in range(5):  # interleaved, so drift on a noisy box hits both alike
+        without_m.append(engine_us_per_request("zmq", n, metrics=False))
+        with_m.append(engine_us_per_request("zmq", n, metrics=True))
+    on, off = statistics.median(with_m), statistics.median(without_m)
+    say(f"zmq metrics: {on:.2f} us/request with, {off:.2f} without -> {on - off:+.2f} us")
+    res["stub_us_per_request_zmq_metrics_on"] = round(on, 2)
+    res["stub_us_per_request_zmq_metrics_off"] = round(off, 2)
+    res["metrics_overhead_us_per_request_zmq"] = round(on - off, 2)
     res["direct_us_per_request"] = round(direct, 1)
     print(json.dumps(res))
 

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
-from typing import Literal, Self
+from typing import Literal, Self, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -71,6 +71,8 @@ from scheduler.wiring import Endpoints, serve_follower, serve_ring, serve_zmq
 
 __all__ = ["Engine", "GenerateResult", "RequestHandle", "StreamChunk"]
 
+R = TypeVar("R", bound=Request)
+
 _Item = StreamChunk | npt.NDArray[np.float32] | EngineError
 
 log = logging.getLogger("scheduler.engine")
@@ -93,6 +95,7 @@ class Engine:
         limits: admission and output-backlog bounds of the scheduler
             (:class:`~scheduler.Limits`): past them a request fails with
             :class:`~scheduler.Overloaded`.
+        metrics: record the scheduler's Prometheus metrics (:meth:`metrics`).
 
     Every request is validated as the wire would validate it before it is
     sent (:class:`~scheduler.InvalidRequest` at submit), in both modes: a
@@ -101,7 +104,8 @@ class Engine:
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0,
-                 tp_size: int = 1, limits: Limits | None = None) -> None:
+                 tp_size: int = 1, limits: Limits | None = None,
+                 metrics: bool = True) -> None:
         if mode not in ("ring", "zmq"):
             raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
         if tp_size < 1 or (tp_size > 1 and mode != "zmq"):
@@ -110,6 +114,7 @@ class Engine:
         self.mode = mode
         self.model = model or ModelConfig()
         self.limits = limits or Limits()
+        self._metrics = metrics
         self._codec: Codec[Request] = Codec(Request)
         self._dir = tempfile.mkdtemp(prefix="tsb-")
         self.endpoints = Endpoints.in_dir(self._dir)
@@ -144,7 +149,8 @@ class Engine:
             tp = TPConfig(tp_size, f"{self._dir}/tp-init") if tp_size > 1 else None
             self._procs.append(ctx.Process(
                 target=serve_zmq, args=(self.endpoints, self.model),
-                kwargs={"max_batch": max_batch, "tp": tp, "limits": self.limits},
+                kwargs={"max_batch": max_batch, "tp": tp, "limits": self.limits,
+                        "metrics": metrics},
                 name="scheduler", daemon=True))
             for rank in range(1, tp_size):
                 self._procs.append(ctx.Process(
@@ -181,7 +187,8 @@ class Engine:
             ValueError: ``input_ids`` are not valid token ids.
         """
         req = TokenizedGenerateReqInput(
-            rid=rid or self._new_rid(), input_ids=token_ids(input_ids, field="input_ids"),
+            rid=rid if rid is not None else self._new_rid(),
+            input_ids=token_ids(input_ids, field="input_ids"),
             sampling=sampling or SamplingParams(), stream=stream, return_logprob=return_logprob)
         return self._submit(req)
 
@@ -217,6 +224,8 @@ class Engine:
 
         Raises:
             InvalidRequest: ``rid`` is not a valid request id.
+            EngineClosed: the engine is closed.
+            SchedulerGone: the scheduler died.
         """
         self._send(self._validated(AbortReq(rid=rid)))
 
@@ -227,11 +236,31 @@ class Engine:
         Raises:
             RpcTimeout: no reply in time.
             SchedulerGone: the scheduler died (reported promptly, not at the timeout).
+            EngineClosed: the engine is closed.
+            DecodeError: the scheduler's reply could not be decoded.
         """
+        if self._closed:
+            raise EngineClosed(f"rpc {method!r}: the engine is closed")
         try:
             return self._rpc.call(method, timeout=timeout, alive=self._alive, **params)
         except PeerGone as exc:
             raise SchedulerGone(f"rpc {method!r}: {self._gone or exc}") from exc
+
+    def metrics(self, timeout: float = 30.0) -> str:
+        """The scheduler's Prometheus metrics, in the text exposition format.
+
+        Read over rpc, so it is consistent with the scheduler's own step (in
+        either mode) and parses with ``prometheus_client.parser``.
+
+        Raises:
+            RequestFailed: the engine was built with ``metrics=False``.
+            EngineClosed, SchedulerGone, RpcTimeout: as :meth:`collective_rpc`.
+        """
+        reply = self.collective_rpc("metrics", timeout=timeout)
+        if not reply.success or reply.result is None:
+            raise RequestFailed(reply.rid, "metrics", reply.message)
+        pieces = reply.result.get("text")
+        return "".join(str(p) for p in pieces) if isinstance(pieces, list) else ""
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish every accepted request with a terminal answer, then stop. Idempotent."""
@@ -282,7 +311,8 @@ class Engine:
             # Requests are validated at submit (_validated), so the ring need
             # not check them again.
             serve_ring(ingress, egress, self.endpoints.rpc, self.model, max_batch=max_batch,
-                       limits=self.limits, validate=False, ready=ready)
+                       limits=self.limits, validate=False, metrics=self._metrics,
+                       ready=ready)
         except BaseException as exc:
             self._gone = f"the embedded scheduler crashed: {exc!r}"
             log.exception("embedded scheduler crashed")
@@ -300,17 +330,23 @@ class Engine:
             return False
         return True
 
-    def _validated(self, req: Request) -> Request:
-        """``req`` checked as a decoder would check it (both modes), or InvalidRequest."""
+    def _validated(self, req: R) -> R:
+        """``req`` as a decoder would hand it over (both modes), or InvalidRequest.
+
+        The result is what the embedded scheduler receives: its token ids are
+        its own bytes, not a view of the caller's buffer, which the caller
+        may reuse as soon as submit returns.
+        """
         try:
-            self._codec.validate(req)
+            checked = self._codec.validate(req)
         except DecodeError as exc:
             raise InvalidRequest(req.rid, exc.reason) from exc
-        return req
+        assert type(checked) is type(req)
+        return checked
 
     def _submit(self, req: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
                 ) -> RequestHandle:
-        self._validated(req)
+        req = self._validated(req)
         handle = RequestHandle(req.rid)
         with self._lock:
             if self._closed:
@@ -329,6 +365,10 @@ class Engine:
         return handle
 
     def _send(self, req: Request) -> None:
+        if self._closed:
+            raise EngineClosed("the engine is closed")
+        if self._gone is not None:
+            raise SchedulerGone(self._gone)
         if self._ingress is not None:
             try:
                 self._ingress.put(req, timeout=30.0)

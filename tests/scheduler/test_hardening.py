@@ -533,3 +533,36 @@ def test_checkpoints_never_replace_what_is_not_a_file_nor_read_past_the_model(
     back = loop.sched.rpc.answer(RpcReqInput(rid="l2", method="load_checkpoint",
                                              parameters={"path": str(tmp_path / "ck")}))
     assert back.success, back.message
+
+
+def test_engine_ring_owns_the_prompt_once_submitted() -> None:
+    import numpy as np
+
+    with Engine("ring", SMALL, max_batch=1) as engine:
+        blocker = engine.submit([1, 2], SamplingParams(max_new_tokens=10_000))
+        buf = np.array([1, 2, 3], np.uint32)
+        queued = engine.submit(buf, SamplingParams(max_new_tokens=3, temperature=0.0))
+        buf[:] = 100_000  # the caller reuses its buffer while the request waits
+        engine.abort(blocker.rid)
+        assert queued.result(timeout=30).finish_reason == "length"
+        assert blocker.result(timeout=30).finish_reason == "abort"
+
+
+@pytest.mark.parametrize("mode", ["ring", "zmq"])
+def test_engine_says_closed_and_refuses_an_empty_rid(mode: str) -> None:
+    from scheduler import EngineClosed
+
+    engine = Engine(mode, SMALL)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(InvalidRequest):
+            engine.submit([1], rid="")
+        text = engine.metrics()
+        assert "tsb_received_total" in text and "tsb_step_seconds_bucket" in text
+    finally:
+        engine.close()
+    with pytest.raises(EngineClosed):
+        engine.abort("anything")
+    with pytest.raises(EngineClosed):
+        engine.collective_rpc("get_load")
+    with pytest.raises(EngineClosed):
+        engine.submit([1])
