@@ -64,13 +64,13 @@ def _requests(n: int, tokens: int) -> list[TokenizedGenerateReqInput]:
             for i in range(n)]
 
 
-def direct_us_per_request(n: int) -> float:
+def direct_us_per_request(n: int, *, metrics: bool = True) -> float:
     reqs = _requests(n, 1)
     done: list[Output] = []
     sink = CallbackSink(lambda o, g: done.append(o))
     router = scheduler_router(sink, sink)  # type: ignore[arg-type]
     sched = Scheduler(Receiver([_DirectInbox(reqs)]), router,
-                      StubLM(ModelConfig(kind="stub")), max_batch=64)
+                      StubLM(ModelConfig(kind="stub")), max_batch=64, metrics=metrics)
     t0 = time.perf_counter()
     while sched.step() or sched.busy:
         pass
@@ -156,6 +156,14 @@ def main() -> None:
         with_m.append(engine_us_per_request("zmq", n, metrics=True))
     on, off = statistics.median(with_m), statistics.median(without_m)
     say(f"zmq metrics: {on:.2f} us/request with, {off:.2f} without -> {on - off:+.2f} us")
+    # The same difference without processes or sockets: the scheduler's own cost.
+    d_on, d_off = [], []
+    for _ in range(7):
+        d_off.append(direct_us_per_request(n, metrics=False))
+        d_on.append(direct_us_per_request(n, metrics=True))
+    don, doff = statistics.median(d_on), statistics.median(d_off)
+    say(f"direct metrics: {don:.2f} us/request with, {doff:.2f} without -> {don - doff:+.2f} us")
+    res["metrics_overhead_us_per_request_direct"] = round(don - doff, 2)
     res["stub_us_per_request_zmq_metrics_on"] = round(on, 2)
     res["stub_us_per_request_zmq_metrics_off"] = round(off, 2)
     res["metrics_overhead_us_per_request_zmq"] = round(on - off, 2)

@@ -157,7 +157,7 @@ def test_histogram_batches_match_single_observations() -> None:
     for v in values:
         one.observe(v)
     many.observe_many(values)
-    assert one.counts.tolist() == many.counts.tolist()
+    assert one.counts == many.counts
     assert one.total == pytest.approx(many.total)
 
 
