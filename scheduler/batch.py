@@ -35,7 +35,7 @@ from scheduler.sampling import sample_next
 __all__ = ["Batch", "Seq", "StepFailed"]
 
 #: What admitting a request costs the prefill budget at least, however short its prompt.
-MIN_PREFILL_COST = 32
+MIN_PREFILL_COST = 16
 
 
 def as_tensor(ids: TokenIds) -> torch.Tensor:

@@ -98,12 +98,12 @@ class Scheduler(ControlMethods):
         model: the model to run.
         max_batch: most requests decoding at once; the rest queue.
         max_prefill_tokens: most prompt tokens read in one step, a prompt
-            counting at least 32, so a burst of new requests cannot make one
+            counting at least 16, so a burst of new requests cannot make one
             step long enough to delay an rpc or the running streams. A prompt
             longer than this is read over several steps (chunked prefill).
-            The default keeps a long prompt's step near 40 ms with the default
-            model on two CPU cores (a 2048-token chunk took 75 ms) while still
-            admitting 32 short prompts a step.
+            The default keeps a long prompt's step near 20 ms with the default
+            model on two CPU cores (a 2048-token chunk took 75 ms, a 1024 one
+            let an rpc wait 126 ms).
         limits: admission and output-backlog bounds (:class:`Limits`).
         idle_timeout: longest single park in :meth:`run` (any inbox wakes it
             sooner).
@@ -119,7 +119,7 @@ class Scheduler(ControlMethods):
     """
 
     def __init__(self, receiver: RequestSource, router: Router[Output], model: TinyLM, *,
-                 max_batch: int = 64, max_prefill_tokens: int = 1024,
+                 max_batch: int = 64, max_prefill_tokens: int = 512,
                  idle_timeout: float = 1.0, rank: int = 0, world_size: int = 1,
                  rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None,
                  limits: Limits | None = None, metrics: bool = True,
