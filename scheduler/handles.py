@@ -50,6 +50,10 @@ class RequestHandle:
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._done = False
 
+    def put(self, item: _Item) -> None:
+        """Hand this request an output (called by the engine's reader)."""
+        self._queue.put(item)
+
     def _next(self, timeout: float | None) -> _Item:
         try:
             item = self._queue.get(timeout=timeout)
