@@ -1,6 +1,7 @@
 """The scheduler loop, a small torch model, rpc methods, and the ``Engine`` facade."""
 
 from scheduler.admission import Limits
+from scheduler.async_engine import AsyncEngine
 from scheduler.engine import Engine
 from scheduler.errors import (
     EngineClosed,
@@ -17,6 +18,7 @@ from scheduler.rpc_methods import RpcMethods
 from scheduler.wiring import Endpoints, serve_ring, serve_zmq
 
 __all__ = [
+    "AsyncEngine",
     "Endpoints",
     "Engine",
     "EngineClosed",

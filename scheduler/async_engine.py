@@ -1,0 +1,282 @@
+"""``AsyncEngine``: the asyncio face of the engine core, for asyncio frontends.
+
+Outputs are read on the event loop itself: ``loop.add_reader`` on the
+output inbox's fd (the egress ring's eventfd, or the PULL socket's zmq FD,
+drained to empty and re-checked, as its edge-triggered rules require) hands
+each output straight to its request's handle. No thread hop per message.
+
+Cancellation aborts: cancelling a task awaiting :meth:`AsyncEngine.generate`
+or :meth:`AsyncEngine.embed`, or leaving :meth:`AsyncEngine.stream` early
+(``break``, ``aclose()``, garbage collection), forgets the request's handle
+and sends ``AbortReq`` for it, so the scheduler frees its slot.
+
+Buffering policy: each request buffers what its consumer has not taken yet.
+Past :attr:`AsyncHandle.max_buffered` items, a new token chunk is merged
+into the last buffered one instead of queued: a slow consumer of one stream
+holds at most that many objects (plus its tokens, which are never dropped),
+and delivery to the other streams never waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Literal, Self, cast
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from messages import RpcReqOutput, SamplingParams, Scalar
+from scheduler.admission import Limits
+from scheduler.engine_core import EngineCore, Item
+from scheduler.errors import EngineClosed, EngineError
+from scheduler.handles import GenerateResult, StreamChunk
+from scheduler.model import ModelConfig
+
+__all__ = ["AsyncEngine", "AsyncHandle"]
+
+
+class AsyncHandle:
+    """A request's outputs on the event loop, bounded (see the module docstring)."""
+
+    max_buffered = 64
+
+    def __init__(self, rid: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.rid = rid
+        self._loop = loop
+        self._thread = threading.get_ident()
+        self._items: deque[Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Item) -> None:
+        """Hand over one output; safe from any thread."""
+        if threading.get_ident() != self._thread:
+            self._loop.call_soon_threadsafe(self._put, item)
+        else:
+            self._put(item)
+
+    def _put(self, item: Item) -> None:
+        items = self._items
+        last = items[-1] if items else None
+        if (len(items) >= self.max_buffered and isinstance(item, StreamChunk)
+                and isinstance(last, StreamChunk) and last.finish_reason is None):
+            lps = None if last.logprobs is None or item.logprobs is None else \
+                last.logprobs + item.logprobs
+            items[-1] = StreamChunk(self.rid, last.token_ids + item.token_ids,
+                                    item.finish_reason, lps)
+        else:
+            items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    @property
+    def buffered(self) -> int:
+        """Outputs waiting for the consumer."""
+        return len(self._items)
+
+    async def next(self) -> Item:
+        """The next output (raises nothing itself: an error arrives as an item)."""
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
+class AsyncEngine(EngineCore):
+    """The engine for asyncio code: the same modes, options and errors as ``Engine``.
+
+    Use it as ``async with AsyncEngine(...) as engine:`` (or ``await
+    engine.start()`` and ``await engine.close()``), from one event loop.
+    Arguments are :class:`~scheduler.Engine`'s.
+    """
+
+    def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
+                 *, max_batch: int = 64, start_timeout: float = 60.0, tp_size: int = 1,
+                 limits: Limits | None = None, metrics: bool = True) -> None:
+        super().__init__(mode, model, max_batch=max_batch, tp_size=tp_size, limits=limits,
+                         metrics=metrics)
+        self._start_timeout = start_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._fd = self.outputs_fd
+        pollable = self._out_inbox.pollable()
+        self._zmq_out = pollable if isinstance(pollable, zmq.Socket) else None
+
+    async def start(self) -> Self:
+        """Start reading outputs on the running loop; wait for the scheduler to answer.
+
+        Raises:
+            RpcTimeout: the scheduler did not answer within ``start_timeout``.
+            SchedulerGone: it died while starting.
+        """
+        loop = self._loop = asyncio.get_running_loop()
+        loop.add_reader(self._fd, self._on_readable)
+        self._watchdog = loop.create_task(self._watch())
+        try:
+            await self.collective_rpc("get_load", timeout=self._start_timeout)
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- requests -------------------------------------------------------------
+
+    def _handle(self, rid: str) -> AsyncHandle:
+        if self._loop is None:
+            raise EngineClosed("the engine is not started (use 'async with' or start())")
+        return AsyncHandle(rid, self._loop)
+
+    async def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
+                       *, return_logprob: bool = False, rid: str | None = None
+                       ) -> GenerateResult:
+        """Generate and return the whole answer; cancelling the task aborts the request.
+
+        Raises:
+            RequestFailed: the scheduler answered with an error
+                (:class:`~scheduler.Overloaded` when it was too busy).
+            InvalidRequest: refused before sending.
+            SchedulerGone: the scheduler died meanwhile.
+            EngineClosed: the engine is closed.
+        """
+        ids: list[int] = []
+        lps: list[float] | None = None
+        async for chunk in self._chunks(input_ids, sampling, False, return_logprob, rid):
+            ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                lps = (lps or []) + chunk.logprobs
+            if chunk.finish_reason is not None:
+                return GenerateResult(chunk.rid, ids, chunk.finish_reason, lps)
+        raise EngineError("the stream ended without a finish reason")  # pragma: no cover
+
+    def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
+               return_logprob: bool = False, rid: str | None = None
+               ) -> AsyncIterator[StreamChunk]:
+        """Yield new tokens as each step produces them; leaving early aborts the request.
+
+        Raises (while iterating): as :meth:`generate`.
+        """
+        return self._chunks(input_ids, sampling, True, return_logprob, rid)
+
+    async def _chunks(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
+                      stream: bool, return_logprob: bool, rid: str | None
+                      ) -> AsyncIterator[StreamChunk]:
+        req = self._generate_req(input_ids, sampling, stream, return_logprob, rid)
+        handle = self._submit(req, self._handle)
+        finished = False
+        try:
+            while not finished:
+                item = await handle.next()
+                if isinstance(item, EngineError):
+                    finished = True
+                    raise item
+                assert isinstance(item, StreamChunk)
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            if not finished:  # cancelled, broken out of, or collected: free the slot
+                self._cancel(handle.rid)
+
+    async def embed(self, input_ids: npt.ArrayLike) -> npt.NDArray[np.float32]:
+        """Embed a tokenized text; returns a unit-norm float32 vector.
+
+        Raises: as :meth:`generate`.
+        """
+        handle = self._submit(self._embed_req(input_ids), self._handle)
+        try:
+            item = await handle.next()
+        except BaseException:
+            self._cancel(handle.rid)
+            raise
+        if isinstance(item, EngineError):
+            raise item
+        assert isinstance(item, np.ndarray)
+        return item
+
+    async def abort(self, rid: str) -> None:
+        """Abort a queued or running request (idempotent).
+
+        Raises:
+            InvalidRequest: ``rid`` is not a valid request id.
+            EngineClosed, SchedulerGone: as :meth:`generate`.
+        """
+        self._send(self._abort_req(rid))
+
+    def _cancel(self, rid: str) -> None:
+        """The caller left: forget its handle and abort the request, best effort."""
+        self._forget(rid)
+        if self.closed or self._gone is not None:
+            return
+        try:
+            self._send(self._abort_req(rid))
+        except EngineError:
+            pass  # closing or gone: nothing left to free
+
+    # -- rpc --------------------------------------------------------------------
+
+    async def collective_rpc(self, method: str, *, timeout: float = 30.0,  # type: ignore[override]
+                             **params: Scalar) -> RpcReqOutput:
+        """Call an rpc method on the scheduler without blocking the loop.
+
+        Raises: as :meth:`Engine.collective_rpc <scheduler.Engine.collective_rpc>`.
+        """
+        call = functools.partial(EngineCore.collective_rpc, self, method, timeout=timeout,
+                                 **params)
+        return await asyncio.get_running_loop().run_in_executor(None, call)
+
+    async def metrics(self, timeout: float = 30.0) -> str:  # type: ignore[override]
+        """The scheduler's Prometheus metrics, as text (see ``Engine.metrics``)."""
+        call = functools.partial(EngineCore.metrics, self, timeout)
+        return await asyncio.get_running_loop().run_in_executor(None, call)
+
+    # -- lifecycle --------------------------------------------------------------
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Finish every accepted request with a terminal answer, then stop. Idempotent."""
+        if self.closed:
+            return
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        loop = asyncio.get_running_loop()
+        # The shutdown rpc and joins block: run them off the loop, which keeps
+        # delivering the terminal answers meanwhile.
+        await loop.run_in_executor(None, self._shutdown, timeout,
+                                   functools.partial(self._stop_reading, loop))
+
+    def _stop_reading(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._remove_reader(), loop).result()
+
+    async def _remove_reader(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self._fd)
+        self.read_outputs()  # what arrived last
+
+    def _on_readable(self) -> None:
+        self.read_outputs()
+        sock = self._zmq_out
+        # zmq's FD is edge-triggered: it fires again only after EVENTS is read
+        # with nothing left; if messages slipped in meanwhile, go again.
+        if sock is not None and cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            assert self._loop is not None
+            self._loop.call_soon(self._on_readable)
+
+    async def _watch(self) -> None:
+        """Fail every waiting request promptly once the scheduler is gone."""
+        while not self.closed:
+            await asyncio.sleep(0.1)  # a liveness poll, not a wait for a condition
+            self._check_alive()
