@@ -1,0 +1,192 @@
+"""AsyncEngine, both modes: concurrent streams, cancellation that aborts, rpc under flood, death."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import pytest
+import pytest_asyncio
+
+from messages import SamplingParams
+from scheduler import AsyncEngine, EngineClosed, ModelConfig, SchedulerGone, StreamChunk
+from scheduler.async_engine import AsyncHandle
+
+SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
+Mode = Literal["ring", "zmq"]
+
+
+@pytest_asyncio.fixture(params=["ring", "zmq"])
+async def engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
+    async with AsyncEngine(request.param, SMALL, max_batch=64) as e:
+        yield e
+
+
+async def _until_idle(engine: AsyncEngine, timeout: float = 10.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while True:
+        load = (await engine.collective_rpc("get_load")).result
+        assert load is not None
+        if load["running"] == 0 and load["queued"] == 0:
+            return dict(load)
+        assert time.monotonic() < deadline, f"scheduler still busy: {load}"
+        await asyncio.sleep(0.005)  # sleep-ok: pacing of a deadline poll
+
+
+@pytest.mark.asyncio
+async def test_generate_stream_embed_and_the_same_tokens_as_sync(engine: AsyncEngine) -> None:
+    from scheduler import Engine
+
+    sp = SamplingParams(max_new_tokens=6, temperature=0.8, seed=7)
+    r = await engine.generate([9, 8, 7], sp, return_logprob=True)
+    assert len(r.token_ids) == 6 and r.finish_reason == "length"
+    assert r.logprobs is not None and len(r.logprobs) == 6
+    chunks = [c async for c in engine.stream([9, 8, 7], sp)]
+    assert [c.token_ids[0] for c in chunks] == r.token_ids
+    with Engine("ring", SMALL) as sync:
+        assert sync.generate([9, 8, 7], sp, timeout=30).token_ids == r.token_ids
+    vec = await engine.embed([4, 5, 6])
+    assert vec.shape == (32,)
+    assert engine.pending == 0
+
+
+@pytest.mark.asyncio
+async def test_hundreds_of_concurrent_streams(engine: AsyncEngine) -> None:
+    async def one(i: int) -> int:
+        n = 0
+        async for chunk in engine.stream([1 + i % 100, 2], SamplingParams(max_new_tokens=12)):
+            n += len(chunk.token_ids)
+        return n
+
+    counts = await asyncio.gather(*(one(i) for i in range(300)))
+    assert counts == [12] * 300
+    assert engine.pending == 0
+
+
+@pytest.mark.asyncio
+async def test_cancel_mid_stream_frees_the_slot(engine: AsyncEngine) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.stream([1, 2], SamplingParams(max_new_tokens=1_000_000)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _until_idle(engine)
+    assert engine.pending == 0
+    # A generate cancelled while it waits is aborted too.
+    gen = asyncio.create_task(engine.generate([3], SamplingParams(max_new_tokens=1_000_000)))
+    await asyncio.sleep(0)  # let it submit
+    deadline = time.monotonic() + 10
+    while engine.pending == 0:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.001)  # sleep-ok: pacing of a deadline poll
+    gen.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gen
+    await _until_idle(engine)
+    assert engine.pending == 0
+
+
+@pytest.mark.asyncio
+async def test_leaving_a_stream_early_aborts_it(engine: AsyncEngine) -> None:
+    stream = engine.stream([5], SamplingParams(max_new_tokens=1_000_000))
+    async for _ in stream:
+        break
+    await stream.aclose()  # type: ignore[attr-defined]
+    await _until_idle(engine)
+    assert engine.pending == 0
+
+
+@pytest.mark.asyncio
+async def test_a_disconnecting_client_while_hundreds_stream(engine: AsyncEngine) -> None:
+    async def one(i: int) -> int:
+        n = 0
+        async for chunk in engine.stream([1 + i % 100], SamplingParams(max_new_tokens=20)):
+            n += len(chunk.token_ids)
+        return n
+
+    others = [asyncio.create_task(one(i)) for i in range(200)]
+    leaver = asyncio.create_task(one(999))
+    await asyncio.sleep(0.01)  # sleep-ok: let the leaver get going before it leaves
+    leaver.cancel()
+    assert await asyncio.gather(*others) == [20] * 200
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    await _until_idle(engine)
+    assert engine.pending == 0
+
+
+@pytest.mark.asyncio
+async def test_rpc_is_answered_while_streams_flood(engine: AsyncEngine) -> None:
+    flood = [asyncio.create_task(engine.generate([1 + i % 100], SamplingParams(
+        max_new_tokens=64))) for i in range(300)]
+    t0 = time.perf_counter()
+    reply = await engine.collective_rpc("get_load")
+    assert reply.success and time.perf_counter() - t0 < 5
+    await asyncio.gather(*flood)
+
+
+@pytest.mark.asyncio
+async def test_a_slow_consumer_is_bounded_and_loses_nothing() -> None:
+    async with AsyncEngine("ring", SMALL) as engine:
+        stream = engine.stream([1], SamplingParams(max_new_tokens=400, temperature=0.0))
+        first = await stream.__anext__()
+        # Do not read while the rest is produced: the handle merges chunks.
+        deadline = time.monotonic() + 30
+        while True:
+            load = (await engine.collective_rpc("get_load")).result
+            assert load is not None
+            if load["running"] == 0:
+                break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+        rest = [c async for c in stream]
+        assert len(rest) <= AsyncHandle.max_buffered
+        assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 400
+        assert rest[-1].finish_reason == "length"
+
+
+@pytest.mark.asyncio
+async def test_a_dead_scheduler_fails_every_waiting_task_promptly() -> None:
+    engine = AsyncEngine("zmq", SMALL)
+    await engine.start()
+    try:
+        tasks = [asyncio.create_task(engine.generate([1], SamplingParams(
+            max_new_tokens=1_000_000))) for _ in range(50)]
+        await asyncio.sleep(0)  # let them submit
+        pid = engine._procs[0].pid
+        assert pid is not None
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        assert all(isinstance(r, SchedulerGone) for r in results)
+        assert time.monotonic() - t0 < 2
+        assert engine.pending == 0
+    finally:
+        await engine.close()
+    with pytest.raises(EngineClosed):
+        await engine.abort("x")
+
+
+def test_chunks_are_merged_past_the_bound() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        h = AsyncHandle("r", loop)
+        for i in range(AsyncHandle.max_buffered + 10):
+            h.put(StreamChunk("r", [i], None, None))
+        h.put(StreamChunk("r", [999], "length", None))
+        assert h.buffered == AsyncHandle.max_buffered
+        items = [loop.run_until_complete(h.next()) for _ in range(h.buffered)]
+        tokens = [t for c in items if isinstance(c, StreamChunk) for t in c.token_ids]
+        assert tokens == [*range(AsyncHandle.max_buffered + 10), 999]
+    finally:
+        loop.close()
