@@ -1,23 +1,16 @@
-"""Command line: ``python -m scheduler demo`` and ``python -m scheduler serve``."""
+"""Command line: ``python -m scheduler demo``, ``serve`` and ``top``."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import stat
-import statistics
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 
-import numpy as np
-
 from bus import CurveKeys, SocketOptions
-from messages import SamplingParams
 from scheduler.admission import Limits
-from scheduler.engine import Engine
-from scheduler.handles import RequestHandle
+from scheduler.demo import demo
 from scheduler.model import ModelConfig
 from scheduler.top import run_top
 from scheduler.wiring import Endpoints, serve_zmq
@@ -55,83 +48,6 @@ def private_dir(path: str) -> str:
     return os.path.abspath(path)
 
 
-def _pct(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(len(s) * q))] if s else float("nan")
-
-
-def _progress(done: int, total: int, t0: float) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    rate = done / max(time.perf_counter() - t0, 1e-9)
-    sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                     f"requests  {rate:6.1f} req/s")
-    sys.stderr.flush()
-
-
-def demo(mode: str, requests: int, max_new_tokens: int, seed: int) -> int:
-    """Run a generate workload; time rpc while idle and while busy; print a summary."""
-    print(f"typed-sched-bus demo: mode={mode}, {requests} requests x {max_new_tokens} tokens",
-          flush=True)
-    rng = np.random.default_rng(seed)
-    model = ModelConfig()
-    ckdir = tempfile.mkdtemp(prefix="tsb-demo-")
-    with Engine(mode, model) as engine:  # type: ignore[arg-type]
-        idle = []
-        for i in range(5):
-            t = time.perf_counter()
-            reply = engine.collective_rpc("save_checkpoint", path=f"{ckdir}/idle-{i}.ckpt")
-            idle.append((time.perf_counter() - t) * 1e3)
-            if not reply.success:
-                print(f"save_checkpoint failed: {reply.message}", file=sys.stderr)
-                return 1
-        t0 = time.perf_counter()
-        sent: list[tuple[RequestHandle, float]] = []
-        for i in range(requests):
-            prompt = rng.integers(0, model.vocab_size, size=int(rng.integers(4, 64)))
-            sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8, top_p=0.95,
-                                seed=seed + i)
-            sent.append((engine.submit(prompt, sp), time.perf_counter()))
-        busy = []
-        for i in range(5):
-            t = time.perf_counter()
-            engine.collective_rpc("save_checkpoint", path=f"{ckdir}/busy-{i}.ckpt")
-            busy.append((time.perf_counter() - t) * 1e3)
-        latencies, tokens = [], 0
-        for n, (handle, started) in enumerate(sent, 1):
-            result = handle.result(timeout=300)
-            latencies.append((time.perf_counter() - started) * 1e3)
-            tokens += len(result.token_ids)
-            if n % max(1, requests // 50) == 0 or n == requests:
-                _progress(n, requests, t0)
-        wall = time.perf_counter() - t0
-        load = engine.collective_rpc("get_load").result or {}
-    sys.stderr.write("\n")
-    sys.stderr.flush()
-    rows = [
-        ("mode", mode),
-        ("requests", f"{requests}"),
-        ("tokens generated", f"{tokens}"),
-        ("throughput", f"{tokens / wall:,.0f} tokens/s  ({requests / wall:,.1f} req/s)"),
-        ("request latency p50 / p99", f"{_pct(latencies, .5):,.1f} / {_pct(latencies, .99):,.1f}"
-                                      " ms"),
-        ("rpc save_checkpoint idle p50 / max", f"{statistics.median(idle):.2f} / "
-                                               f"{max(idle):.2f} ms"),
-        ("rpc save_checkpoint busy p50 / max", f"{statistics.median(busy):.2f} / "
-                                               f"{max(busy):.2f} ms"),
-        ("scheduler steps", f"{load.get('steps')}"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print("-" * (width + 40))
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    print("-" * (width + 40))
-    for f in os.listdir(ckdir):
-        os.unlink(os.path.join(ckdir, f))
-    os.rmdir(ckdir)
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scheduler")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--requests", type=int, default=200)
     d.add_argument("--max-new-tokens", type=int, default=32)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--async", dest="use_async", action="store_true",
+                   help="send the requests from concurrent asyncio tasks (AsyncEngine)")
     s = sub.add_parser("serve", help="run a scheduler for outside clients (zmq mode)")
     s.add_argument("--mode", choices=["zmq"], default="zmq")
     s.add_argument("--endpoint", required=True,
@@ -175,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "top":
         return run_top(args.endpoint, interval=args.interval, frames=args.frames)
     if args.command == "demo":
-        return demo(args.mode, args.requests, args.max_new_tokens, args.seed)
+        return demo(args.mode, args.requests, args.max_new_tokens, args.seed,
+                    use_async=args.use_async)
     ep: str = args.endpoint
     if ep.startswith("tcp://"):
         host, port = ep[6:].rsplit(":", 1)
