@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,8 +11,6 @@ import numpy as np
 import pytest
 import zmq
 
-from bus import Origin, PullInbox, Receiver, Ring, RingInbox, RpcClient, RpcServer
-from bus.channels import Inbox
 from messages import (
     AbortReq,
     BatchEmbeddingOut,
@@ -21,19 +18,15 @@ from messages import (
     Codec,
     ErrorOut,
     Message,
-    Output,
-    Request,
     RpcReqOutput,
     SamplingParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     token_ids,
 )
-from router import CallbackSink, RpcReplySink, scheduler_router
-from scheduler import ModelConfig, Scheduler, TinyLM
+from tests.scheduler.rig import Loop
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ModelConfig(vocab_size=64, hidden=16, layers=1, seed=1)
 
 
 def test_loop_module_knows_no_socket_ring_or_mode() -> None:
@@ -52,71 +45,12 @@ def test_loop_module_knows_no_socket_ring_or_mode() -> None:
                 or n.lower().endswith("_mode")}
 
 
-class Rig:
+class Rig(Loop):
     """A scheduler with a work inbox (ring or PULL), a real rpc pair and a spy transport."""
 
     def __init__(self, mode: str, ctx: zmq.Context[zmq.Socket[bytes]],
                  ipc: Callable[[str], str]) -> None:
-        self.codec: Codec[Message] = Codec(Message)
-        self.rpc = RpcServer(Codec(Request), ipc("rpc"), ctx=ctx)
-        self.ring: Ring[Request] | None = None
-        self.push: zmq.Socket[bytes] | None = None
-        work: Inbox[Request]
-        if mode == "ring":
-            self.ring = Ring(1 << 15)
-            work = RingInbox(self.ring)
-        else:
-            pull: PullInbox[Request] = PullInbox(Codec(Request), ipc("work"), ctx=ctx)
-            self.push = ctx.socket(zmq.PUSH)
-            self.push.connect(pull.endpoint)
-            work = pull
-        self.work = work
-        self.transport: list[tuple[Output, Origin]] = []
-        router = scheduler_router(CallbackSink(lambda o, g: self.transport.append((o, g))),
-                                  RpcReplySink(self.rpc))
-        self.sched = Scheduler(Receiver([work, self.rpc]), router, TinyLM(SMALL), max_batch=8)
-        self.client = RpcClient(self.rpc.endpoint, ctx=ctx)
-
-    def send(self, req: Request) -> None:
-        if self.ring is not None:
-            self.ring.put(req)
-        else:
-            assert self.push is not None
-            self.push.send_multipart(self.codec.encode(req))
-
-    def send_raw(self, frame: bytes) -> None:
-        assert self.push is not None
-        self.push.send(frame)
-
-    def run_until(self, cond: Callable[[], bool], timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, "scheduler did not get there in time"
-            if not self.sched.step() and not self.sched.busy:
-                self.sched.receiver.wait(0.05)
-
-    def outputs(self, kind: type[Output]) -> list[Output]:
-        return [o for o, _ in self.transport if isinstance(o, kind)]
-
-    def finished(self) -> dict[str, tuple[list[int], str]]:
-        acc: dict[str, list[int]] = {}
-        done: dict[str, tuple[list[int], str]] = {}
-        for o in self.outputs(BatchTokenIDOut):
-            assert isinstance(o, BatchTokenIDOut)
-            for rid, ids, fin in o.items():
-                acc.setdefault(rid, []).extend(ids.tolist())
-                if fin is not None:
-                    done[rid] = (acc[rid], fin)
-        return done
-
-    def close(self) -> None:
-        self.client.close()
-        self.rpc.close()
-        self.work.close()
-        if self.push is not None:
-            self.push.close(0)
-        if self.ring is not None:
-            self.ring.release()
+        super().__init__(mode, ctx, ipc, max_batch=8)
 
 
 @pytest.fixture(params=["ring", "zmq"])
