@@ -122,20 +122,28 @@ class StubLM(TinyLM):
         super().__init__(config)
         self._row = torch.zeros(config.vocab_size)
         self._state = self.initial_state()
-        self._rows = self._row.expand(4096, -1)
+        # Real rows, not ``_row.expand(n, -1)``: torch's intra-op threads turn
+        # a softmax over a stride-0 batch into ~8 ms on the main thread (2
+        # cores), which made the stub cost more than the bus it stands beside.
+        self._rows = torch.zeros(64, config.vocab_size)
+
+    def _zero_logits(self, n: int) -> torch.Tensor:
+        if n > self._rows.shape[0]:
+            self._rows = torch.zeros(max(n, 2 * self._rows.shape[0]), self.config.vocab_size)
+        return self._rows[:n]
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._row, self._state
 
     def decode(self, tokens: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:
-        return self._rows[: tokens.shape[0]], states
+        return self._zero_logits(tokens.shape[0]), states
 
     def prefill_batch(self, prompts: list[torch.Tensor],
                       states: Sequence[torch.Tensor | None] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(prompts)
-        return self._rows[:n], self._state.expand(n, -1, -1)
+        return self._zero_logits(n), self._state.expand(n, -1, -1)
 
 
 def build_model(config: ModelConfig) -> TinyLM:
