@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from messages import RpcReqOutput, SamplingParams, Scalar
+from messages import FinishReason, RpcReqOutput, SamplingParams, Scalar
 from scheduler.admission import Limits
 from scheduler.engine_core import EngineCore, Item
 from scheduler.errors import EngineClosed, EngineError
@@ -38,6 +38,17 @@ from scheduler.handles import GenerateResult, StreamChunk
 from scheduler.model import ModelConfig
 
 __all__ = ["AsyncEngine", "AsyncHandle"]
+
+
+class _Merged:
+    """Chunks merged past the buffer bound: lists extended in place (O(1) a token)."""
+
+    __slots__ = ("finish_reason", "logprobs", "token_ids")
+
+    def __init__(self, token_ids: list[int], logprobs: list[float] | None) -> None:
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+        self.finish_reason: FinishReason | None = None
 
 
 class AsyncHandle:
@@ -49,7 +60,7 @@ class AsyncHandle:
         self.rid = rid
         self._loop = loop
         self._thread = threading.get_ident()
-        self._items: deque[Item] = deque()
+        self._items: deque[Item | _Merged] = deque()
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: Item) -> None:
@@ -63,11 +74,14 @@ class AsyncHandle:
         items = self._items
         last = items[-1] if items else None
         if (len(items) >= self.max_buffered and isinstance(item, StreamChunk)
-                and isinstance(last, StreamChunk) and last.finish_reason is None):
-            lps = None if last.logprobs is None or item.logprobs is None else \
-                last.logprobs + item.logprobs
-            items[-1] = StreamChunk(self.rid, last.token_ids + item.token_ids,
-                                    item.finish_reason, lps)
+                and isinstance(last, StreamChunk | _Merged) and last.finish_reason is None):
+            if isinstance(last, StreamChunk):  # copied once, then extended in place
+                last = items[-1] = _Merged(list(last.token_ids), None if last.logprobs is None
+                                           else list(last.logprobs))
+            last.token_ids.extend(item.token_ids)
+            if last.logprobs is not None and item.logprobs is not None:
+                last.logprobs.extend(item.logprobs)
+            last.finish_reason = item.finish_reason
         else:
             items.append(item)
         waiter = self._waiter
@@ -87,7 +101,10 @@ class AsyncHandle:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._items.popleft()
+        item = self._items.popleft()
+        if isinstance(item, _Merged):
+            return StreamChunk(self.rid, item.token_ids, item.finish_reason, item.logprobs)
+        return item
 
 
 class AsyncEngine(EngineCore):
@@ -240,19 +257,25 @@ class AsyncEngine(EngineCore):
 
     # -- rpc --------------------------------------------------------------------
 
-    async def collective_rpc(self, method: str, *, timeout: float = 30.0,  # type: ignore[override]
+    async def collective_rpc(self, method: str, *, timeout: float = 30.0,
                              **params: Scalar) -> RpcReqOutput:
         """Call an rpc method on the scheduler without blocking the loop.
 
+        The blocking call runs in the loop's default executor (calls are
+        serialized on the one rpc socket, and matched to replies by rid);
+        outputs keep being delivered on the loop meanwhile.
+
         Raises: as :meth:`Engine.collective_rpc <scheduler.Engine.collective_rpc>`.
         """
-        call = functools.partial(EngineCore.collective_rpc, self, method, timeout=timeout,
-                                 **params)
+        call = functools.partial(self._call_rpc, method, timeout=timeout, **params)
         return await asyncio.get_running_loop().run_in_executor(None, call)
 
-    async def metrics(self, timeout: float = 30.0) -> str:  # type: ignore[override]
-        """The scheduler's Prometheus metrics, as text (see ``Engine.metrics``)."""
-        call = functools.partial(EngineCore.metrics, self, timeout)
+    async def metrics(self, timeout: float = 30.0) -> str:
+        """The scheduler's Prometheus metrics, as text (see ``Engine.metrics``).
+
+        Raises: as :meth:`Engine.metrics <scheduler.Engine.metrics>`.
+        """
+        call = functools.partial(self._read_metrics, timeout)
         return await asyncio.get_running_loop().run_in_executor(None, call)
 
     # -- lifecycle --------------------------------------------------------------

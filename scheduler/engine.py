@@ -23,7 +23,7 @@ from typing import Literal, Self
 import numpy as np
 import numpy.typing as npt
 
-from messages import SamplingParams
+from messages import RpcReqOutput, SamplingParams, Scalar
 from scheduler.admission import Limits
 from scheduler.engine_core import EngineCore
 from scheduler.handles import GenerateResult, RequestHandle, StreamChunk
@@ -123,6 +123,27 @@ class Engine(EngineCore):
             SchedulerGone: the scheduler died.
         """
         self._send(self._abort_req(rid))
+
+    def collective_rpc(self, method: str, *, timeout: float = 30.0,
+                       **params: Scalar) -> RpcReqOutput:
+        """Call an rpc method on the scheduler and return its reply.
+
+        Raises:
+            RpcTimeout: no reply in time.
+            SchedulerGone: the scheduler died (reported promptly, not at the timeout).
+            EngineClosed: the engine is closed.
+            DecodeError: the scheduler's reply could not be decoded.
+        """
+        return self._call_rpc(method, timeout=timeout, **params)
+
+    def metrics(self, timeout: float = 30.0) -> str:
+        """The scheduler's Prometheus metrics, in the text exposition format.
+
+        Raises:
+            RequestFailed: the engine was built with ``metrics=False``.
+            EngineClosed, SchedulerGone, RpcTimeout: as :meth:`collective_rpc`.
+        """
+        return self._read_metrics(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish every accepted request with a terminal answer, then stop. Idempotent."""

@@ -87,6 +87,16 @@ class Pending(Protocol):
         ...
 
 
+class _Discard:
+    """The pending entry of a request whose caller left: outputs go nowhere."""
+
+    def put(self, item: Item) -> None:
+        """Drop ``item``."""
+
+
+_DISCARD = _Discard()
+
+
 class EngineCore:
     """Wires a scheduler in one of two modes; see the faces for the arguments.
 
@@ -165,9 +175,9 @@ class EngineCore:
         """Whether :meth:`close` has begun."""
         return self._closed
 
-    def collective_rpc(self, method: str, *, timeout: float = 30.0,
-                       **params: Scalar) -> RpcReqOutput:
-        """Call an rpc method on the scheduler and return its reply.
+    def _call_rpc(self, method: str, *, timeout: float = 30.0,
+                  **params: Scalar) -> RpcReqOutput:
+        """Call an rpc method on the scheduler and return its reply (blocks).
 
         Raises:
             RpcTimeout: no reply in time.
@@ -182,17 +192,17 @@ class EngineCore:
         except PeerGone as exc:
             raise SchedulerGone(f"rpc {method!r}: {self._gone or exc}") from exc
 
-    def metrics(self, timeout: float = 30.0) -> str:
-        """The scheduler's Prometheus metrics, in the text exposition format.
+    def _read_metrics(self, timeout: float = 30.0) -> str:
+        """The scheduler's Prometheus metrics, in the text exposition format (blocks).
 
         Read over rpc, so it is consistent with the scheduler's own step (in
         either mode) and parses with ``prometheus_client.parser``.
 
         Raises:
             RequestFailed: the engine was built with ``metrics=False``.
-            EngineClosed, SchedulerGone, RpcTimeout: as :meth:`collective_rpc`.
+            EngineClosed, SchedulerGone, RpcTimeout: as :meth:`_call_rpc`.
         """
-        reply = self.collective_rpc("metrics", timeout=timeout)
+        reply = self._call_rpc("metrics", timeout=timeout)
         if not reply.success or reply.result is None:
             raise RequestFailed(reply.rid, "metrics", reply.message)
         pieces = reply.result.get("text")
@@ -299,7 +309,9 @@ class EngineCore:
             if self._gone is not None:
                 raise SchedulerGone(self._gone)
             if req.rid in self._pending:
-                raise ValueError(f"request id {req.rid!r} is already pending")
+                raise InvalidRequest(req.rid, "this request id is still in flight (pending, "
+                                              "or cancelled and not yet ended by the "
+                                              "scheduler)")
             self._pending[req.rid] = handle
         try:
             self._send(req)
@@ -325,9 +337,16 @@ class EngineCore:
             self._work_out.send(req)
 
     def _forget(self, rid: str) -> None:
-        """Drop a request's handle (its caller left); a late output for it is ignored."""
+        """The caller left: ignore the request's outputs, but keep its rid taken.
+
+        The rid stays reserved (a :class:`_Discard` in the pending table) until
+        the scheduler's terminal answer for it arrives: a new request reusing
+        it before then would receive the old one's outputs, or be refused by
+        the scheduler as a duplicate and never answered.
+        """
         with self._lock:
-            self._pending.pop(rid, None)
+            if rid in self._pending:
+                self._pending[rid] = _DISCARD
 
     @property
     def outputs_fd(self) -> int:

@@ -27,13 +27,14 @@ async def engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
 
 
 async def _until_idle(engine: AsyncEngine, timeout: float = 10.0) -> dict[str, object]:
+    """Until the scheduler holds nothing and every pending entry (cancelled ones too) ended."""
     deadline = time.monotonic() + timeout
     while True:
         load = (await engine.collective_rpc("get_load")).result
         assert load is not None
-        if load["running"] == 0 and load["queued"] == 0:
+        if load["running"] == 0 and load["queued"] == 0 and engine.pending == 0:
             return dict(load)
-        assert time.monotonic() < deadline, f"scheduler still busy: {load}"
+        assert time.monotonic() < deadline, f"still busy: {load}, pending {engine.pending}"
         await asyncio.sleep(0.005)  # sleep-ok: pacing of a deadline poll
 
 
@@ -175,6 +176,24 @@ async def test_a_dead_scheduler_fails_every_waiting_task_promptly() -> None:
         await engine.close()
     with pytest.raises(EngineClosed):
         await engine.abort("x")
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_rid_is_not_reused_before_its_request_ended(engine: AsyncEngine) -> None:
+    from scheduler import InvalidRequest
+
+    long = SamplingParams(max_new_tokens=1_000_000)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(engine.generate([1, 2], long, rid="job-1"), 0.2)
+    try:  # right away: either refused (still in flight) or, if already ended, served
+        again = await engine.generate([5, 6], SamplingParams(max_new_tokens=4), rid="job-1")
+        assert len(again.token_ids) == 4 and again.finish_reason == "length"
+    except InvalidRequest as exc:
+        assert "in flight" in exc.reason
+    await _until_idle(engine)
+    again = await engine.generate([5, 6], SamplingParams(max_new_tokens=4), rid="job-1")
+    assert len(again.token_ids) == 4 and again.finish_reason == "length"
+    await _until_idle(engine)
 
 
 def test_chunks_are_merged_past_the_bound() -> None:
