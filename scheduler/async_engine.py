@@ -107,6 +107,44 @@ class AsyncHandle:
         return item
 
 
+class _Answer:
+    """A generate or embed request's one answer: a future on the loop, resolved once.
+
+    ``generate`` needs no queue: a non-streamed request gets one chunk (all its
+    tokens) or one error, so awaiting a future costs one wake-up and no frames.
+    """
+
+    __slots__ = ("_ids", "_loop", "_lps", "_thread", "future", "rid")
+
+    def __init__(self, rid: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.rid = rid
+        self.future: asyncio.Future[StreamChunk | npt.NDArray[np.float32]] = loop.create_future()
+        self._loop = loop
+        self._thread = threading.get_ident()
+        self._ids: list[int] | None = None  # tokens of unfinished chunks, if any came
+        self._lps: list[float] | None = None
+
+    def put(self, item: Item) -> None:
+        """Hand over one output; safe from any thread."""
+        if threading.get_ident() != self._thread:
+            self._loop.call_soon_threadsafe(self.put, item)
+            return
+        future = self.future
+        if future.done():  # its caller left
+            return
+        if isinstance(item, EngineError):
+            future.set_exception(item)
+        elif isinstance(item, StreamChunk) and (self._ids is not None
+                                                or item.finish_reason is None):
+            ids = self._ids = (self._ids or []) + item.token_ids
+            if item.logprobs is not None:
+                self._lps = (self._lps or []) + item.logprobs
+            if item.finish_reason is not None:
+                future.set_result(StreamChunk(self.rid, ids, item.finish_reason, self._lps))
+        else:
+            future.set_result(item)
+
+
 class AsyncEngine(EngineCore):
     """The engine for asyncio code: the same modes, options and errors as ``Engine``.
 
@@ -157,6 +195,11 @@ class AsyncEngine(EngineCore):
             raise EngineClosed("the engine is not started (use 'async with' or start())")
         return AsyncHandle(rid, self._loop)
 
+    def _answer(self, rid: str) -> _Answer:
+        if self._loop is None:
+            raise EngineClosed("the engine is not started (use 'async with' or start())")
+        return _Answer(rid, self._loop)
+
     async def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                        *, return_logprob: bool = False, rid: str | None = None
                        ) -> GenerateResult:
@@ -169,28 +212,17 @@ class AsyncEngine(EngineCore):
             SchedulerGone: the scheduler died meanwhile.
             EngineClosed: the engine is closed.
         """
-        # Not via the stream's async generator: one fewer object and frame per
-        # request on the hot path of many short requests.
-        handle = self._submit(self._generate_req(input_ids, sampling, False, return_logprob,
-                                                 rid), self._handle)
-        ids: list[int] = []
-        lps: list[float] | None = None
+        # One future, not the stream's async generator: the hot path of many
+        # short requests.
+        answer = self._submit(self._generate_req(input_ids, sampling, False, return_logprob,
+                                                 rid), self._answer)
         try:
-            while True:
-                item = await handle.next()
-                if isinstance(item, EngineError):
-                    raise item
-                assert isinstance(item, StreamChunk)
-                ids.extend(item.token_ids)
-                if item.logprobs is not None:
-                    lps = (lps or []) + item.logprobs
-                if item.finish_reason is not None:
-                    return GenerateResult(item.rid, ids, item.finish_reason, lps)
-        except EngineError:
-            raise  # the request is over: nothing to abort
-        except BaseException:
-            self._cancel(handle.rid)  # cancelled while waiting: free its slot
+            item = await answer.future
+        except asyncio.CancelledError:
+            self._cancel(answer.rid)  # its caller left: free its slot
             raise
+        assert isinstance(item, StreamChunk) and item.finish_reason is not None
+        return GenerateResult(item.rid, item.token_ids, item.finish_reason, item.logprobs)
 
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                return_logprob: bool = False, rid: str | None = None
@@ -225,14 +257,12 @@ class AsyncEngine(EngineCore):
 
         Raises: as :meth:`generate`.
         """
-        handle = self._submit(self._embed_req(input_ids), self._handle)
+        answer = self._submit(self._embed_req(input_ids), self._answer)
         try:
-            item = await handle.next()
-        except BaseException:
-            self._cancel(handle.rid)
+            item = await answer.future
+        except asyncio.CancelledError:
+            self._cancel(answer.rid)
             raise
-        if isinstance(item, EngineError):
-            raise item
         assert isinstance(item, np.ndarray)
         return item
 
