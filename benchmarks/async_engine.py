@@ -137,8 +137,11 @@ async def streams(mode: Mode, rounds: int, n: int, tokens: int) -> tuple[float, 
     return statistics.median(sync), statistics.median(aio)
 
 
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 async def run() -> dict[str, float]:
-    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     res: dict[str, float] = {}
     for mode in ("ring", "zmq"):
         d, s, a = await overheads(mode, rounds=15, n=1000)

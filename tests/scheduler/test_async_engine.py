@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import time
@@ -105,6 +106,17 @@ async def test_leaving_a_stream_early_aborts_it(engine: AsyncEngine) -> None:
     await stream.aclose()  # type: ignore[attr-defined]
     await _until_idle(engine)
     assert engine.pending == 0
+
+
+@pytest.mark.asyncio
+async def test_a_stream_dropped_unfinished_is_aborted_when_collected(engine: AsyncEngine) -> None:
+    async def leave() -> None:
+        async for _ in engine.stream([6], SamplingParams(max_new_tokens=1_000_000)):
+            break  # no aclose(): the generator is dropped, unfinished, on return
+
+    await leave()
+    gc.collect()  # the loop's asyncgen finalizer runs its aclose(), which aborts
+    await _until_idle(engine)
 
 
 @pytest.mark.asyncio
