@@ -85,25 +85,36 @@ class AsyncHandle:
         else:
             items.append(item)
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # (cancelled if its consumer left)
+                waiter.set_result(None)
 
     @property
     def buffered(self) -> int:
         """Outputs waiting for the consumer."""
         return len(self._items)
 
-    async def next(self) -> Item:
-        """The next output (raises nothing itself: an error arrives as an item)."""
-        while not self._items:
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+    def get_nowait(self) -> Item | None:
+        """The next output if one waits, else None (an error arrives as an item)."""
+        if not self._items:
+            return None
         item = self._items.popleft()
         if isinstance(item, _Merged):
             return StreamChunk(self.rid, item.token_ids, item.finish_reason, item.logprobs)
+        return item
+
+    def arrival(self) -> asyncio.Future[None]:
+        """A future done when the next output arrives (await it only while empty)."""
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            waiter = self._waiter = self._loop.create_future()
+        return waiter
+
+    async def next(self) -> Item:
+        """The next output (raises nothing itself: an error arrives as an item)."""
+        while (item := self.get_nowait()) is None:
+            await self.arrival()
         return item
 
 
@@ -241,7 +252,12 @@ class AsyncEngine(EngineCore):
         finished = False
         try:
             while not finished:
-                item = await handle.next()
+                # What is buffered is taken without a coroutine; a bare future
+                # is awaited only when nothing waits (the per-token hot path).
+                item = handle.get_nowait()
+                if item is None:
+                    await handle.arrival()
+                    continue
                 if isinstance(item, EngineError):
                     finished = True
                     raise item
