@@ -144,7 +144,7 @@ def say(line: str) -> None:
 async def run() -> dict[str, float]:
     res: dict[str, float] = {}
     for mode in ("ring", "zmq"):
-        d, s, a = await overheads(mode, rounds=15, n=1000)
+        d, s, a = await overheads(mode, rounds=25, n=1000)
         say(f"{mode}: direct {d:.1f} us/request; sync {s:.1f} (overhead {s - d:.1f}); "
             f"async {a:.1f} (overhead {a - d:.1f})")
         res[f"sync_overhead_us_per_request_{mode}"] = round(s - d, 1)
