@@ -1,7 +1,7 @@
 """The scheduler loop, a small torch model, rpc methods, and the ``Engine`` facade."""
 
 from scheduler.admission import Limits
-from scheduler.async_engine import AsyncEngine
+from scheduler.async_engine import AsyncEngine, AsyncRequest
 from scheduler.engine import Engine
 from scheduler.errors import (
     EngineClosed,
@@ -19,6 +19,7 @@ from scheduler.wiring import Endpoints, serve_ring, serve_zmq
 
 __all__ = [
     "AsyncEngine",
+    "AsyncRequest",
     "Endpoints",
     "Engine",
     "EngineClosed",

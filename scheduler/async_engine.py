@@ -23,21 +23,24 @@ import asyncio
 import functools
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Generator
 from typing import Literal, Self, cast
 
 import numpy as np
 import numpy.typing as npt
 import zmq
 
-from messages import FinishReason, RpcReqOutput, SamplingParams, Scalar
+from messages import FinishReason, Request, RpcReqOutput, SamplingParams, Scalar
 from scheduler.admission import Limits
 from scheduler.engine_core import EngineCore, Item
 from scheduler.errors import EngineClosed, EngineError
 from scheduler.handles import GenerateResult, StreamChunk
 from scheduler.model import ModelConfig
 
-__all__ = ["AsyncEngine", "AsyncHandle"]
+__all__ = ["AsyncEngine", "AsyncHandle", "AsyncRequest"]
+
+#: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._send``).
+_READ_EVERY = 32
 
 
 class _Merged:
@@ -156,6 +159,34 @@ class _Answer:
             future.set_result(item)
 
 
+class AsyncRequest(_Answer):
+    """A submitted generate request: ``await`` it for its :class:`~scheduler.GenerateResult`.
+
+    The asyncio twin of :class:`~scheduler.RequestHandle`, with no task of its
+    own: many can be awaited one after another, as the threaded face's
+    handles are. Cancelling what awaits it aborts the request; one never
+    awaited runs to its end (``await engine.abort(request.rid)`` stops it).
+
+    Raises (when awaited): as :meth:`AsyncEngine.generate`.
+    """
+
+    __slots__ = ("_on_cancel",)
+
+    def __init__(self, rid: str, loop: asyncio.AbstractEventLoop,
+                 on_cancel: Callable[[str], None]) -> None:
+        super().__init__(rid, loop)
+        self._on_cancel = on_cancel
+
+    def __await__(self) -> Generator[object, None, GenerateResult]:
+        try:
+            item = yield from self.future.__await__()
+        except asyncio.CancelledError:
+            self._on_cancel(self.rid)  # its caller left: free its slot
+            raise
+        assert isinstance(item, StreamChunk) and item.finish_reason is not None
+        return GenerateResult(item.rid, item.token_ids, item.finish_reason, item.logprobs)
+
+
 class AsyncEngine(EngineCore):
     """The engine for asyncio code: the same modes, options and errors as ``Engine``.
 
@@ -175,6 +206,8 @@ class AsyncEngine(EngineCore):
         self._fd = self.outputs_fd
         pollable = self._out_inbox.pollable()
         self._zmq_out = pollable if isinstance(pollable, zmq.Socket) else None
+        self._reading = False  # the loop's reader is registered
+        self._sent_unread = 0  # sends since outputs were last read
 
     async def start(self) -> Self:
         """Start reading outputs on the running loop; wait for the scheduler to answer.
@@ -185,6 +218,7 @@ class AsyncEngine(EngineCore):
         """
         loop = self._loop = asyncio.get_running_loop()
         loop.add_reader(self._fd, self._on_readable)
+        self._reading = True
         self._watchdog = loop.create_task(self._watch())
         try:
             await self.collective_rpc("get_load", timeout=self._start_timeout)
@@ -211,6 +245,11 @@ class AsyncEngine(EngineCore):
             raise EngineClosed("the engine is not started (use 'async with' or start())")
         return _Answer(rid, self._loop)
 
+    def _request(self, rid: str) -> AsyncRequest:
+        if self._loop is None:
+            raise EngineClosed("the engine is not started (use 'async with' or start())")
+        return AsyncRequest(rid, self._loop, self._cancel)
+
     async def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                        *, return_logprob: bool = False, rid: str | None = None
                        ) -> GenerateResult:
@@ -223,17 +262,22 @@ class AsyncEngine(EngineCore):
             SchedulerGone: the scheduler died meanwhile.
             EngineClosed: the engine is closed.
         """
-        # One future, not the stream's async generator: the hot path of many
-        # short requests.
-        answer = self._submit(self._generate_req(input_ids, sampling, False, return_logprob,
-                                                 rid), self._answer)
-        try:
-            item = await answer.future
-        except asyncio.CancelledError:
-            self._cancel(answer.rid)  # its caller left: free its slot
-            raise
-        assert isinstance(item, StreamChunk) and item.finish_reason is not None
-        return GenerateResult(item.rid, item.token_ids, item.finish_reason, item.logprobs)
+        # An awaitable with no frame of its own, not the stream's async
+        # generator: the hot path of many short requests.
+        return await self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid)
+
+    def submit(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
+               return_logprob: bool = False, rid: str | None = None) -> AsyncRequest:
+        """Send a generate request now; ``await`` what it returns for the answer.
+
+        Raises:
+            InvalidRequest: refused before sending.
+            EngineClosed: the engine is closed (or not started).
+            SchedulerGone: the scheduler died.
+            ValueError: ``input_ids`` are not valid token ids.
+        """
+        return self._submit(self._generate_req(input_ids, sampling, False, return_logprob,
+                                               rid), self._request)
 
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                return_logprob: bool = False, rid: str | None = None
@@ -346,9 +390,23 @@ class AsyncEngine(EngineCore):
     async def _remove_reader(self) -> None:
         assert self._loop is not None
         self._loop.remove_reader(self._fd)
+        self._reading = False
         self.read_outputs()  # what arrived last
 
+    def _send(self, req: Request) -> None:
+        super()._send(req)
+        # A burst of submits runs in one loop iteration, before the loop polls
+        # again: read outputs every so often meanwhile, so delivery overlaps
+        # the burst as the threaded face's reader does (one non-blocking poll
+        # per _READ_EVERY sends).
+        self._sent_unread += 1
+        if self._sent_unread >= _READ_EVERY and self._reading:
+            self._on_readable()
+
     def _on_readable(self) -> None:
+        if not self._reading:  # a call scheduled before the reader was removed
+            return
+        self._sent_unread = 0
         self.read_outputs()
         sock = self._zmq_out
         # zmq's FD is edge-triggered: it fires again only after EVENTS is read
