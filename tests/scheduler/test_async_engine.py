@@ -109,6 +109,20 @@ async def test_leaving_a_stream_early_aborts_it(engine: AsyncEngine) -> None:
 
 
 @pytest.mark.asyncio
+async def test_submit_then_await_each_and_a_timed_out_await_aborts(engine: AsyncEngine) -> None:
+    requests = [engine.submit([1 + i % 100], SamplingParams(max_new_tokens=3))
+                for i in range(200)]
+    results = [await r for r in requests]
+    assert [len(r.token_ids) for r in results] == [3] * 200
+    assert [r.rid for r in results] == [r.rid for r in requests]
+    assert engine.pending == 0
+    long = engine.submit([2], SamplingParams(max_new_tokens=1_000_000))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(long, 0.2)  # cancels the await: the request is aborted
+    await _until_idle(engine)
+
+
+@pytest.mark.asyncio
 async def test_a_stream_dropped_unfinished_is_aborted_when_collected(engine: AsyncEngine) -> None:
     async def leave() -> None:
         async for _ in engine.stream([6], SamplingParams(max_new_tokens=1_000_000)):
