@@ -4,10 +4,14 @@ Run: ``python -m benchmarks.async_engine``. The last line is one JSON object:
 
 * ``sync_overhead_us_per_request_{ring,zmq}`` and
   ``async_overhead_us_per_request_{ring,zmq}``: stub model, one token per
-  request, n requests in flight at once (the sync face submits them all and
-  waits on each handle; the async face awaits one task per request, with
-  ``asyncio.gather``), minus the same scheduler fed by direct calls (no bus,
-  no engine), as ``benchmarks/e2e.py`` measures it. One engine of each face
+  request, n requests in flight at once, minus the same scheduler fed by
+  direct calls (no bus, no engine), as ``benchmarks/e2e.py`` measures it:
+  each face submits them all and then waits on each (``Engine.submit`` and
+  ``handle.result()``; ``AsyncEngine.submit`` and ``await request``).
+  ``async_gather_overhead_us_per_request_*`` is the same with one task per
+  request (``asyncio.gather(*(engine.generate(...)))``): it adds what asyncio
+  itself charges for a task, a future and gather's bookkeeping (about 11 us
+  a request on the 2-core box, with no engine at all). One engine of each face
   stays open for the whole mode and the three are measured in alternating
   rounds; each figure is the median round. On a 2-core box a single run of
   a few thousand requests swings by 2x, so only paired, interleaved rounds
@@ -49,15 +53,24 @@ def _sync_round(engine: Engine, n: int) -> float:
 
 async def _async_round(engine: AsyncEngine, n: int) -> float:
     t0 = time.perf_counter()
+    for request in [engine.submit(PROMPT, ONE) for _ in range(n)]:
+        await request
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+async def _gather_round(engine: AsyncEngine, n: int) -> float:
+    t0 = time.perf_counter()
     await asyncio.gather(*(engine.generate(PROMPT, ONE) for _ in range(n)))
     return (time.perf_counter() - t0) / n * 1e6
 
 
-async def overheads(mode: Mode, rounds: int, n: int) -> tuple[float, float, float]:
-    """Median us/request of (direct, sync face, async face) over alternating rounds."""
+async def overheads(mode: Mode, rounds: int, n: int
+                    ) -> tuple[float, float, float, float]:
+    """Median us/request of (direct, sync, async, async with a task each), alternating."""
     direct: list[float] = []
     sync: list[float] = []
     aio: list[float] = []
+    gathered: list[float] = []
     with Engine(mode, STUB, max_batch=64) as s_engine:
         async with AsyncEngine(mode, STUB, max_batch=64) as a_engine:
             _sync_round(s_engine, 500)  # warm up
@@ -71,8 +84,10 @@ async def overheads(mode: Mode, rounds: int, n: int) -> tuple[float, float, floa
                 else:
                     aio.append(await _async_round(a_engine, n))
                     sync.append(_sync_round(s_engine, n))
+                gathered.append(await _gather_round(a_engine, n))
                 direct.append(direct_us_per_request(n))
-    return statistics.median(direct), statistics.median(sync), statistics.median(aio)
+    return (statistics.median(direct), statistics.median(sync), statistics.median(aio),
+            statistics.median(gathered))
 
 
 async def cancel_to_free(mode: Mode, samples: int) -> list[float]:
@@ -144,11 +159,13 @@ def say(line: str) -> None:
 async def run() -> dict[str, float]:
     res: dict[str, float] = {}
     for mode in ("ring", "zmq"):
-        d, s, a = await overheads(mode, rounds=25, n=1000)
+        d, s, a, g = await overheads(mode, rounds=25, n=1000)
         say(f"{mode}: direct {d:.1f} us/request; sync {s:.1f} (overhead {s - d:.1f}); "
-            f"async {a:.1f} (overhead {a - d:.1f})")
+            f"async {a:.1f} (overhead {a - d:.1f}); async, a task each {g:.1f} "
+            f"(overhead {g - d:.1f})")
         res[f"sync_overhead_us_per_request_{mode}"] = round(s - d, 1)
         res[f"async_overhead_us_per_request_{mode}"] = round(a - d, 1)
+        res[f"async_gather_overhead_us_per_request_{mode}"] = round(g - d, 1)
         res[f"direct_us_per_request_{mode}_run"] = round(d, 1)
     cancels = await cancel_to_free("ring", 50) + await cancel_to_free("zmq", 50)
     c50, c99 = percentiles(cancels)
