@@ -38,10 +38,9 @@ from __future__ import annotations
 
 import functools
 import operator
-import re
 import threading
 import typing
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final, Generic, TypeVar
 
 import msgspec
@@ -49,8 +48,9 @@ import numpy as np
 import torch
 
 from messages import _tensors as tz
-from messages.base import ABSTRACT_MESSAGE_TYPES, Message, Rid
-from messages.errors import DecodeError, EncodeError
+from messages._failures import FailureNamer, find_field, invalid, unencodable
+from messages.base import ABSTRACT_MESSAGE_TYPES, Message
+from messages.errors import EncodeError
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -93,7 +93,6 @@ class _Refused(Exception):
     """A check of our own failed (a bound, the frame count); the boundary converts it."""
 
 
-_PATH_TOKENS: Final = re.compile(r"\[(\d+|\"(?:[^\"\\]|\\.)*\"|\.\.\.)\]|\.(\w+)")
 
 
 def concrete_types(base: type[M]) -> tuple[type[M], ...]:
@@ -153,19 +152,7 @@ class Codec(Generic[M]):
         self.max_frames = max_frames
         self.max_message_bytes = max_message_bytes
         self.move_to_cpu = move_to_cpu
-        self._by_tag: dict[str, type[M]] = {
-            str(msgspec.inspect.type_info(t).tag): t  # type: ignore[attr-defined]
-            for t in self.types
-        }
-        # Where a rejected message's rid sits in its array (the tag is item 0).
-        self._rid_at: dict[str, int] = {
-            tag: t.__struct_fields__.index("rid") + 1
-            for tag, t in self._by_tag.items() if "rid" in t.__struct_fields__
-        }
-        # Failure naming (cold path): the type tree, inspected on the first
-        # failure rather than per failure, and (tag, msgspec path) -> name.
-        self._infos: dict[str, msgspec.inspect.StructType] | None = None
-        self._names: dict[tuple[str | None, str], str] = {}
+        self._namer = FailureNamer(self.types)  # the cold path: what failed, and where
         union = self.types[0] if len(self.types) == 1 else _union(self.types)
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(
@@ -199,9 +186,9 @@ class Codec(Generic[M]):
             state.pop("frames", None)
             failed = state.pop("failed", None)
             if failed is not None:  # the enc hook refused this object
-                field = _find_field(msg, lambda value: value is failed)
+                field = find_field(msg, lambda value: value is failed)
             else:  # msgpack itself refused a scalar (an int past 64 bits, a lone surrogate)
-                field = _find_field(msg, _unencodable)
+                field = find_field(msg, unencodable)
             raise EncodeError(type(msg).__name__, field, str(exc)) from exc
         extra: list[Frame] | None = state.pop("frames", None)
         out: list[Frame] = [header] if extra is None else [header, *extra]
@@ -264,7 +251,7 @@ class Codec(Generic[M]):
                     return self._single.decode(head)
             return self._decode_frames(frames)
         except Exception as exc:
-            raise self._failure(frames, exc) from exc
+            raise self._namer.failure(frames, exc) from exc
 
     def validate(self, msg: M, /) -> M:
         """Check ``msg`` as if it had crossed the wire, and return the checked copy.
@@ -287,7 +274,7 @@ class Codec(Generic[M]):
         try:
             return self.decode(self.encode(msg))
         except Exception as exc:
-            raise _invalid(msg, exc) from exc
+            raise invalid(msg, exc) from exc
 
     def _decode_frames(self, frames: Sequence[Frame]) -> M:
         """Decode several frames (or one past a bound); raises anything, the caller converts."""
@@ -370,168 +357,6 @@ class Codec(Generic[M]):
             return tz.to_numpy(dtype, shape, buf, off)
         return tz.to_torch(dtype, shape, buf, off, copy=copy)
 
-    # -- failure reporting (cold path) --------------------------------------
-
-    def _failure(self, frames: Sequence[Frame], exc: Exception) -> DecodeError:
-        """The DecodeError for ``exc``, naming what it can. Never raises.
-
-        Frame 0 is parsed once here, shallowly (its items as raw views), for
-        the tag and the rid; the field is named from the tag and msgspec's
-        path alone, so no value steers the walk and its result can be cached.
-        """
-        tag: str | None = None
-        rid: str | None = None
-        try:
-            reason = str(exc) or type(exc).__name__
-        except Exception:  # a str() that fails: still a DecodeError
-            reason = type(exc).__name__
-        try:
-            tag, rid, known = self._peek(frames)
-            if isinstance(exc, msgspec.ValidationError):
-                reason = self._name_field(tag if known else None, reason)
-        except Exception:  # naming is best effort: msgspec's text still says what is wrong
-            pass
-        return DecodeError(reason, rid=rid, message_type=tag)
-
-    def _peek(self, frames: Sequence[Frame]) -> tuple[str | None, str | None, bool]:
-        """(tag, rid, whether the tag is one of ours) of an undecodable message."""
-        try:
-            items = _PEEK.decode(frames[0])
-            tag = _TAG.decode(items[0])[:128]
-        except Exception:  # not a tagged array: nothing to read
-            return None, None, False
-        if tag not in self._by_tag:
-            return tag, None, False
-        i = self._rid_at.get(tag)
-        if i is None or i >= len(items):
-            return tag, None, True
-        try:
-            return tag, _RID.decode(items[i]), True
-        except Exception:  # a rid that is not a valid one is not an address
-            return tag, None, True
-
-    def _name_field(self, tag: str | None, reason: str) -> str:
-        """``Expected ... - at `$[3][2]``` -> ``sampling.top_p: Expected ...``."""
-        message, sep, where = reason.rpartition(" - at `")
-        if not sep:
-            return reason
-        key = (tag, where)
-        names = self._names
-        name = names.get(key)
-        if name is None:
-            if len(names) >= _MAX_NAMES:  # paths carry indices: bound what a sender can grow
-                names.clear()
-            name = names[key] = self._walk(tag, where.rstrip("`"))
-        return f"{name}: {message}" if name else reason
-
-    def _walk(self, tag: str | None, where: str) -> str:
-        """Name the field a msgspec path points at, from the types alone ("" if unsure)."""
-        if where.startswith("key` in `"):  # a dict key: name the dict
-            where = where[len("key` in `"):]
-        if not where.startswith("$"):
-            return ""
-        tokens = _PATH_TOKENS.findall(where, 1)
-        infos = self._infos
-        if infos is None:
-            infos = self._infos = {
-                str(info.tag): info
-                for info in msgspec.inspect.multi_type_info(self.types)
-                if isinstance(info, msgspec.inspect.StructType)
-            }
-        node: object = infos.get(tag) if tag is not None else None
-        if node is None:
-            return "message type" if tokens[:1] == [("0", "")] else ""
-        parts: list[str] = []
-        for index, attr in tokens:
-            node = _member(node, index)
-            if isinstance(node, msgspec.inspect.StructType):
-                name, node = _struct_step(node, index, attr)
-                if name is None:
-                    break
-                parts.append(("." if parts else "") + name)
-                continue
-            parts.append(f"[{index}]" if index else f".{attr}")
-            if isinstance(node, msgspec.inspect.DictType):
-                node = node.value_type
-            elif isinstance(node, msgspec.inspect.ListType | msgspec.inspect.VarTupleType
-                            | msgspec.inspect.SetType | msgspec.inspect.FrozenSetType):
-                node = node.item_type
-            elif isinstance(node, msgspec.inspect.TupleType) and index.isdigit():
-                i = int(index)
-                node = node.item_types[i] if i < len(node.item_types) else None
-            else:
-                node = None
-        return "".join(parts)
-
-
-#: Most cached (tag, path) -> name entries before the cache starts over.
-_MAX_NAMES: Final = 4096
-# The top-level items of frame 0 as raw views: enough for the tag and the rid,
-# without building (or copying) the rest of a message that failed.
-_PEEK: Final = msgspec.msgpack.Decoder(list[msgspec.Raw])
-_TAG: Final = msgspec.msgpack.Decoder(str)
-_RID: Final = msgspec.msgpack.Decoder(Rid)
-_ARRAY_LIKE: Final = (
-    msgspec.inspect.ListType, msgspec.inspect.VarTupleType, msgspec.inspect.TupleType,
-    msgspec.inspect.SetType, msgspec.inspect.FrozenSetType,
-)
-
-
-def _member(node: object, index: str) -> object:
-    """The member of a union that a path step can enter, or None if not exactly one.
-
-    Chosen by the step alone (``[3]`` enters an array, ``[...]`` a dict), not
-    by the value: two members of one kind (two tagged structs) are not
-    guessed between.
-    """
-    if not isinstance(node, msgspec.inspect.UnionType):
-        return node
-    fits: list[msgspec.inspect.Type]
-    if index.isdigit():
-        fits = [t for t in node.types if isinstance(t, _ARRAY_LIKE)
-                or (isinstance(t, msgspec.inspect.StructType) and t.array_like)]
-    elif index:
-        fits = [t for t in node.types if isinstance(t, msgspec.inspect.DictType)]
-    else:
-        fits = [t for t in node.types
-                if isinstance(t, msgspec.inspect.StructType) and not t.array_like]
-    return fits[0] if len(fits) == 1 else None
-
-
-def _struct_step(
-    info: msgspec.inspect.StructType, index: str, attr: str
-) -> tuple[str | None, object]:
-    """(field name, field type) of a path step into a struct; (None, None) if none."""
-    if attr:
-        field = next((f for f in info.fields if f.encode_name == attr), None)
-    elif index.isdigit():
-        pos = int(index) - (1 if info.tag is not None else 0)
-        if pos == -1:
-            return "message type", None
-        field = info.fields[pos] if pos < len(info.fields) else None
-    else:
-        field = None
-    return (field.name, field.type) if field is not None else (None, None)
-
-
-def _invalid(msg: object, exc: Exception) -> DecodeError:
-    """The DecodeError :meth:`Codec.validate` raises for ``msg``. Never raises."""
-    try:
-        if isinstance(exc, EncodeError):
-            reason = f"{exc.field}: {exc.reason}" if exc.field else exc.reason
-        elif isinstance(exc, DecodeError):
-            reason = exc.reason
-        else:
-            reason = str(exc) or type(exc).__name__
-    except Exception:  # a str() that fails: still a DecodeError
-        reason = type(exc).__name__
-    try:
-        rid = getattr(msg, "rid", None)
-    except Exception:  # a property that raises: no address
-        rid = None
-    return DecodeError(reason, rid=rid if isinstance(rid, str) else None,
-                       message_type=type(msg).__name__)
-
 
 def _array_field(tp: object) -> tuple[type, np.dtype[np.generic] | None]:
     """(class, numpy dtype or None) of an array field's annotation."""
@@ -549,44 +374,3 @@ def _array_field(tp: object) -> tuple[type, np.dtype[np.generic] | None]:
 
 def _union(types: Sequence[type[M]]) -> object:
     return functools.reduce(operator.or_, types)
-
-
-def _children(value: object, prefix: str) -> Iterator[tuple[str, object]]:
-    """(dotted path, child) of each field / item / entry (key, then value) of ``value``."""
-    if isinstance(value, msgspec.Struct):
-        for name in value.__struct_fields__:
-            yield (f"{prefix}.{name}" if prefix else name), getattr(value, name)
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            yield f"{prefix}[{i}]", item
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield f"{prefix}[{key!r}]", key
-            yield f"{prefix}[{key!r}]", item
-
-
-def _find_field(
-    msg: object, match: Callable[[object], bool], prefix: str = "", depth: int = 0
-) -> str:
-    """Dotted path of the first field of ``msg`` whose value ``match``es, or ``""``."""
-    if depth > 8:
-        return ""
-    for path, value in _children(msg, prefix):
-        if match(value):
-            return path
-        found = _find_field(value, match, path, depth + 1)
-        if found:
-            return found
-    return ""
-
-
-def _unencodable(value: object) -> bool:
-    """Whether msgpack cannot carry ``value``: an int past 64 bits or a non-UTF-8 str."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return not -(1 << 63) <= value < (1 << 64)
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return True
-    return False

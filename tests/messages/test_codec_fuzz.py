@@ -158,7 +158,7 @@ def test_naming_that_fails_falls_back_to_msgspec_text(monkeypatch: pytest.Monkey
     def broken(tag: str | None, reason: str) -> str:
         raise IndexError("naming bug")
 
-    monkeypatch.setattr(codec, "_name_field", broken)
+    monkeypatch.setattr(codec._namer, "name_field", broken)
     frame = msgspec.msgpack.encode(["RpcReqInput", "r1", "1bad", {}])
     with pytest.raises(DecodeError) as info:
         codec.decode([frame])
@@ -199,8 +199,8 @@ def test_unknown_tag_names_the_message_type() -> None:
 def test_field_name_cache_is_bounded() -> None:
     codec: Codec[Request] = Codec(Request)
     for i in range(10_000):  # a sender choosing a new path each time
-        codec._name_field("RpcReqInput", f"Expected `str` - at `$[3][{i}]`")
-    assert 0 < len(codec._names) <= 4096
+        codec._namer.name_field("RpcReqInput", f"Expected `str` - at `$[3][{i}]`")
+    assert 0 < len(codec._namer.names) <= 4096
 
 
 # -- validate(): the checks a decoded message gets, for messages by reference ---
