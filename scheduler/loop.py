@@ -211,7 +211,7 @@ class Scheduler(ControlMethods):
             assert isinstance(env, Envelope)
             msg = env.message
             if counts is not None:
-                key = (env.origin.inbox, type(msg).__name__)
+                key = (env.origin.inbox, type(msg))
                 counts[key] = counts.get(key, 0) + 1
             try:
                 lookup(type(msg))(msg, env.origin)
