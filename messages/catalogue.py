@@ -51,8 +51,12 @@ __all__ = [
 FinishReason = Literal["stop", "length", "abort"]
 #: Why a request was answered with :class:`ErrorOut`.
 ErrorCode = Literal[
-    "invalid_request", "decode_error", "unknown_method", "overloaded", "internal", "shutdown"
+    "invalid_request", "decode_error", "unknown_method", "overloaded", "internal", "shutdown",
+    "replica_lost",
 ]
+#: Which data-parallel replica serves a request: ``None`` lets the dispatcher
+#: balance it; a number pins it (tests, cache affinity). Ignored by a lone scheduler.
+DpRank = Annotated[int, msgspec.Meta(ge=0, le=1023)]
 #: What an rpc method may return: a flat mapping of scalars or scalar lists.
 RpcResult = dict[
     Annotated[str, msgspec.Meta(max_length=256)],
@@ -89,6 +93,7 @@ class TokenizedGenerateReqInput(Request):
     stream: bool = False
     return_logprob: bool = False
     input_embeds: torch.Tensor | None = None
+    dp_rank: DpRank | None = None
 
     def __post_init__(self) -> None:
         self.input_ids = packed_u32(self.input_ids, field="input_ids")
@@ -98,6 +103,7 @@ class TokenizedEmbeddingReqInput(Request):
     """Embed an already-tokenized text."""
 
     input_ids: TokenIds
+    dp_rank: DpRank | None = None
 
     def __post_init__(self) -> None:
         self.input_ids = packed_u32(self.input_ids, field="input_ids")

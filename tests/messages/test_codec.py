@@ -187,8 +187,8 @@ GOLDEN = {
     "generate": (
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
-        "97b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009608cb0000000000000000cb3ff000000000000000c0c0c2c2c0",
+        "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
+        "2c0100009608cb0000000000000000cb3ff000000000000000c0c0c2c2c0c0",
     ),
     "rpc": (
         RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
