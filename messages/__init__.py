@@ -41,12 +41,14 @@ from messages.codec import (
     concrete_types,
 )
 from messages.errors import BusError, CodecError, DecodeError, EncodeError
+from messages.rids import MAX_RID, RidColumn
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
     "DEFAULT_MAX_FRAMES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_BATCH",
+    "MAX_RID",
     "MAX_TEXT",
     "MAX_TOKENS",
     "AbortReq",
@@ -66,6 +68,7 @@ __all__ = [
     "PackedU32",
     "Request",
     "Rid",
+    "RidColumn",
     "RpcReqInput",
     "RpcReqOutput",
     "RpcResult",

@@ -13,8 +13,8 @@ while msgspec reads a packed ``bin`` in C, as a view of the frame.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from typing import Annotated, Literal
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 import numpy as np
@@ -23,6 +23,7 @@ import torch
 
 from messages.base import (
     MAX_BATCH,
+    MAX_TOKENS,
     Output,
     PackedU32,
     Request,
@@ -31,6 +32,7 @@ from messages.base import (
     TokenIds,
     packed_u32,
 )
+from messages.rids import MAX_RID, RidColumn
 
 __all__ = [
     "BatchEmbeddingOut",
@@ -62,6 +64,18 @@ RpcResult = dict[
     Annotated[str, msgspec.Meta(max_length=256)],
     Scalar | Annotated[list[Scalar], msgspec.Meta(max_length=1 << 16)],
 ]
+
+
+_MAX_PACKED_BYTES = 4 * MAX_TOKENS
+
+if TYPE_CHECKING:
+    # What a reader gets and a writer may pass: a column reads as a sequence
+    # of str, and __post_init__ packs any sequence of str into a column.
+    RidSeq = Sequence[str]
+else:
+    # What msgspec sees, which is what travels: one string (messages.rids).
+    # msgspec reads it natively, with no hook; __post_init__ wraps it.
+    RidSeq = Annotated[str, msgspec.Meta(max_length=(MAX_RID + 1) * MAX_BATCH)]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
@@ -140,9 +154,13 @@ class BatchTokenIDOut(Output):
     ``None`` while it still runs. The columnar layout keeps a 64-request
     batch to a handful of packed arrays instead of an object per request;
     the lengths are unsigned, so no slice can be negative.
+
+    ``rids`` may be given as any sequence of ``str``; it is kept as a
+    :class:`~messages.RidColumn` (it travels as one string, and a decoded
+    one makes its ``str`` objects only when first read).
     """
 
-    rids: Annotated[list[Rid], msgspec.Meta(max_length=MAX_BATCH)]
+    rids: RidSeq
     output_ids: TokenIds
     output_lens: PackedU32
     finished_reasons: Annotated[list[FinishReason | None], msgspec.Meta(max_length=MAX_BATCH)]
@@ -150,10 +168,28 @@ class BatchTokenIDOut(Output):
     hidden_states: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        # Once per decode step of the whole batch: the checks stay cheap.
-        self.output_ids = ids = packed_u32(self.output_ids, field="output_ids")
-        self.output_lens = lens = packed_u32(self.output_lens, field="output_lens")
-        n = len(self.rids)
+        # Once per decode step of the whole batch: the checks stay cheap, and
+        # the decode path (a str, two byte views) is tested first.
+        rids = self.rids
+        if type(rids) is str:  # the wire form: decoded, or given so
+            self.rids = rids = RidColumn.from_wire(rids)
+        elif type(rids) is not RidColumn:
+            self.rids = rids = RidColumn(rids)
+        ids = self.output_ids
+        if type(ids) is memoryview and ids.format == "B" and not ids.nbytes & 3 \
+                and ids.nbytes <= _MAX_PACKED_BYTES:  # packed_u32's decode path, inline
+            self.output_ids = ids = ids.cast("I")
+        else:
+            self.output_ids = ids = packed_u32(ids, field="output_ids")
+        lens = self.output_lens
+        if type(lens) is memoryview and lens.format == "B" and not lens.nbytes & 3 \
+                and lens.nbytes <= _MAX_PACKED_BYTES:
+            self.output_lens = lens = lens.cast("I")
+        else:
+            self.output_lens = lens = packed_u32(lens, field="output_lens")
+        n = len(rids)
+        if n > MAX_BATCH:
+            raise ValueError(f"{n} rids, more than {MAX_BATCH}")
         if len(lens) != n:
             raise ValueError(f"output_lens has {len(lens)} entries for {n} rids")
         if len(self.finished_reasons) != n:
@@ -169,7 +205,7 @@ class BatchTokenIDOut(Output):
     @classmethod
     def from_lists(
         cls,
-        rids: list[str],
+        rids: Sequence[str],
         new_ids: list[list[int]],
         finished_reasons: list[FinishReason | None],
         logprobs: list[list[float]] | None = None,

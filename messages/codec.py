@@ -10,6 +10,8 @@ A message becomes one msgpack *header* frame plus one frame per large array:
 Packed columns (token ids, lengths: :data:`~messages.PackedU32`) are
 memoryviews, which msgspec writes and reads natively as a msgpack ``bin``
 in frame 0: no Python call, and decoded as a read-only view of the frame.
+A batch's rids (:class:`~messages.RidColumn`) travel as one msgpack ``str``
+(the enc hook writes it; msgspec reads it natively; no per-rid object at decode).
 
 Ownership rules, for callers:
 
@@ -51,6 +53,7 @@ from messages import _tensors as tz
 from messages._failures import FailureNamer, find_field, invalid, unencodable
 from messages.base import ABSTRACT_MESSAGE_TYPES, Message
 from messages.errors import EncodeError
+from messages.rids import RidColumn
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -208,7 +211,9 @@ class Codec(Generic[M]):
         return EncodeError(type(msg).__name__, "", f"{size} bytes, more than "
                            f"max_message_bytes={self.max_message_bytes}")
 
-    def _enc_hook(self, obj: object) -> msgspec.msgpack.Ext | bytes:
+    def _enc_hook(self, obj: object) -> msgspec.msgpack.Ext | bytes | str:
+        if type(obj) is RidColumn:
+            return obj.wire
         try:
             if isinstance(obj, np.ndarray):
                 if obj.nbytes <= self.inline_threshold:
@@ -299,7 +304,7 @@ class Codec(Generic[M]):
         return msg
 
     def _dec_hook(self, tp: object, obj: object) -> object:
-        """Check (or, for a compact array, build) the value of an array field."""
+        """Check (or, for a compact array, build) the value of a field."""
         # Keyed by id: hashing a generic alias costs ~1 us. The value holds
         # tp, so the id cannot be reused while cached.
         field = self._fields.get(id(tp))

@@ -11,6 +11,7 @@ from messages import (
     Codec,
     DecodeError,
     Message,
+    RidColumn,
     RpcReqInput,
     SamplingParams,
     TokenizedGenerateReqInput,
@@ -98,3 +99,50 @@ def test_batch_columns_are_checked() -> None:
 def test_sampling_defaults() -> None:
     sp = SamplingParams()
     assert sp.stop_token_ids is None and sp.top_k == 0 and sp.top_p == 1.0
+
+
+# -- the rid column: one string on the wire, str objects on first read ---------
+
+def test_rid_column_round_trips_and_reads_like_a_list() -> None:
+    codec = Codec(BatchTokenIDOut)
+    out = BatchTokenIDOut.from_lists(["a", "bb", "c"], [[1], [2, 3], []], [None, "stop", None])
+    back = codec.decode(codec.encode(out))
+    assert isinstance(back.rids, RidColumn)
+    assert len(back.rids) == 3 and back.rids == ["a", "bb", "c"] and back.rids == out.rids
+    assert list(back.rids) == ["a", "bb", "c"] and back.rids[1] == "bb" and "c" in back.rids
+    assert back.rids[1:] == ["bb", "c"] and back.rids.tolist() == ["a", "bb", "c"]
+    assert [rid for rid, _, _ in back.items()] == ["a", "bb", "c"]
+
+
+def test_rid_column_picks_another_separator_when_a_rid_holds_nul() -> None:
+    codec = Codec(BatchTokenIDOut)
+    rids = ["a\x00b", "\x01", "c"]
+    out = BatchTokenIDOut.from_lists(rids, [[1], [2], [3]], [None, None, None])
+    assert out.rids.wire[0] not in "".join(rids)  # type: ignore[attr-defined]
+    assert codec.decode(codec.encode(out)).rids == rids
+
+
+def test_rid_column_empty_batch() -> None:
+    codec = Codec(BatchTokenIDOut)
+    out = BatchTokenIDOut.from_lists([], [], [])
+    back = codec.decode(codec.encode(out))
+    assert len(back.rids) == 0 and back.rids == [] and list(back.rids) == []
+
+
+@pytest.mark.parametrize("rids", [[""], ["x" * 257], [3]])
+def test_rid_column_refuses_a_bad_rid_at_build(rids: list[str]) -> None:
+    with pytest.raises(ValueError, match=r"rids\[0\]"):
+        RidColumn(rids)
+
+
+def test_rid_column_count_must_match_the_batch() -> None:
+    codec = Codec(BatchTokenIDOut)
+    good = codec.encode(BatchTokenIDOut.from_lists(["a", "b"], [[1], [2]], [None, None]))
+    bad = bytes(good[0]).replace(b"\xa4\x00a\x00b", b"\xa2\x00a", 1)
+    with pytest.raises(DecodeError, match="output_lens has 2 entries for 1 rids"):
+        codec.decode([bad])
+
+
+def test_rid_column_refuses_an_oversized_column() -> None:
+    with pytest.raises(ValueError, match="longer than 256"):
+        RidColumn.from_wire("\x00" + "x" * 300)

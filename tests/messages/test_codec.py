@@ -197,7 +197,8 @@ GOLDEN = {
     ),
     "batch": (
         BatchTokenIDOut.from_lists(["a", "b"], [[7], [9, 10]], [None, "stop"]),
-        "97af4261746368546f6b656e49444f757492a161a162c40c07000000090000000a000000c4080100"
+        # rids: one str, "\0a\0b" (messages.rids), since the rid column
+        "97af4261746368546f6b656e49444f7574a400610062c40c07000000090000000a000000c4080100"
         "00000200000092c0a473746f70c0c0",
     ),
 }
