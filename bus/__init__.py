@@ -4,6 +4,7 @@ Knows no concrete message type beyond ``messages``' base classes (the rpc
 client speaks ``RpcReqInput``/``RpcReqOutput``, the rpc protocol itself).
 """
 
+from bus.caller import RpcCaller
 from bus.channels import Inbox, PullInbox, PushOutbox, RingInbox, RpcServer, ZmqInbox
 from bus.curve import CurveAuthenticator, CurveKeys
 from bus.envelope import Envelope, Origin, Rejected
@@ -12,9 +13,14 @@ from bus.logsummary import LogSummary
 from bus.receiver import Receiver, ReceiverStats
 from bus.ring import Ring, RingStats, open_ring
 from bus.rpc import RpcClient
+from bus.shm.frames import DEFAULT_SHM_THRESHOLD
+from bus.shm.inbox import ShmInbox, ShmOutbox
+from bus.shm.ring import ShmReader, ShmRingStats, ShmWriter, open_shm_ring
+from bus.shm.segment import sweep_stale as sweep_shm
 from bus.sockets import SocketOptions, check_endpoint
 
 __all__ = [
+    "DEFAULT_SHM_THRESHOLD",
     "ChannelClosed",
     "ChannelError",
     "CurveAuthenticator",
@@ -33,12 +39,20 @@ __all__ = [
     "Ring",
     "RingInbox",
     "RingStats",
+    "RpcCaller",
     "RpcClient",
     "RpcServer",
     "RpcTimeout",
+    "ShmInbox",
+    "ShmOutbox",
+    "ShmReader",
+    "ShmRingStats",
+    "ShmWriter",
     "SocketOptions",
     "WouldBlock",
     "ZmqInbox",
     "check_endpoint",
     "open_ring",
+    "open_shm_ring",
+    "sweep_shm",
 ]

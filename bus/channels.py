@@ -5,6 +5,11 @@ Inboxes (drained by a :class:`~bus.receiver.Receiver`): :class:`RingInbox`,
 Outboxes: :class:`PushOutbox`, and :meth:`RpcServer.reply`. Each zmq end takes
 a :class:`~messages.Codec` and is a context manager; one left open warns.
 
+Between processes on one node (``ipc://``), a tensor frame of at least
+``shm_threshold`` bytes travels through shared memory and only a handle
+crosses the socket (:mod:`bus.shm.frames`); ``tcp://`` and ``inproc://``
+peers keep the socket path. ``shm=False`` on either end opts out.
+
 Sends use ``copy=False``: a tensor frame is handed to zmq as a view and zmq
 keeps a reference until its I/O thread has sent it, so the memory stays
 alive. The *contents* must not change meanwhile: do not write to a tensor
@@ -22,6 +27,7 @@ import zmq
 from bus.envelope import Envelope, Origin, Rejected
 from bus.errors import ChannelClosed, EndOfChannel, PeerGone, WouldBlock
 from bus.ring import Ring
+from bus.shm.frames import DEFAULT_SHM_THRESHOLD, MAGIC, FrameMapper, FramePool
 from bus.sockets import SocketOptions, make_socket
 from messages import Codec, DecodeError, Frame, Message
 
@@ -32,6 +38,14 @@ M_co = TypeVar("M_co", bound=Message, covariant=True)
 _DEFAULT_OPTIONS = SocketOptions()
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: an enum member costs a conversion per call
 _SNDMORE = int(zmq.SNDMORE)
+_MAGIC_LEN = len(MAGIC)
+
+
+def _local(endpoint: str, shm: bool | None) -> bool:
+    """Whether an end uses shared-memory frames: ``ipc://`` unless told (``tcp://``: never)."""
+    if shm is None:
+        return endpoint.startswith("ipc://")
+    return shm and not endpoint.startswith("tcp://")
 
 
 class Inbox(Protocol[M_co]):
@@ -199,6 +213,8 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
         # parts are never gathered into a list.
         self._max_parts = codec.max_frames + (1 if routed else 0)
         self._skipping = False  # inside an oversized message: discard to its end
+        #: Resolves shared-memory frame handles (``PullInbox`` on ``ipc://``); None: refused.
+        self.shm_frames: FrameMapper | None = None
 
     def pollable(self) -> zmq.Socket[bytes]:
         return self.socket
@@ -213,6 +229,7 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
             return out  # still inside an oversized message: go on next poll
         append = out.append
         max_parts = self._max_parts
+        mapper = self.shm_frames
         for _ in range(max_n):
             try:
                 # copy=False: a Frame says `.more` for free, where the socket's
@@ -244,6 +261,9 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
                     break
                 continue
             try:
+                if mapper is not None and len(frames) > 2 and \
+                        frames[0][:_MAGIC_LEN] == MAGIC:  # tensor frames in shared memory
+                    frames = mapper.resolve(frames)
                 append(Envelope(decode(frames), origin))
             except DecodeError as exc:
                 self.rejected += 1
@@ -281,28 +301,69 @@ def _context(ctx: zmq.Context[zmq.Socket[bytes]] | None) -> zmq.Context[zmq.Sock
 
 
 class PullInbox(ZmqInbox[M]):
-    """The work channel over PULL (binds by default: producers connect)."""
+    """The work channel over PULL (binds by default: producers connect).
+
+    ``shm`` (default: on for ``ipc://``, never for ``tcp://``): accept tensor
+    frames sent through shared memory by a local :class:`PushOutbox`; they
+    decode as read-only views of the sender's slab, released when the last
+    array or tensor made from them is collected. Off, such a message is
+    rejected like any undecodable one.
+    """
 
     def __init__(self, codec: Codec[M], endpoint: str, *, name: str = "work", bind: bool = True,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 options: SocketOptions = _DEFAULT_OPTIONS) -> None:
+                 options: SocketOptions = _DEFAULT_OPTIONS, shm: bool | None = None) -> None:
         sock = make_socket(_context(ctx), zmq.PULL, endpoint, bind=bind, options=options,
                            sending=False)
         super().__init__(sock, codec, name, routed=False)
         self.endpoint = endpoint
+        if _local(endpoint, shm):
+            self.shm_frames = FrameMapper()
 
 
 class PushOutbox(_ZmqEnd, Generic[M]):
-    """A sending end over PUSH (connects by default)."""
+    """A sending end over PUSH (connects by default).
+
+    ``shm`` (default: on for ``ipc://``, never for ``tcp://``): each tensor
+    frame of at least ``shm_threshold`` bytes is copied once into a
+    shared-memory slab this outbox owns, and only a handle crosses the
+    socket (the tensor may be reused as soon as ``send`` returns). The
+    receiving :class:`PullInbox` must accept them (its default on ``ipc://``).
+    ``shm=False`` keeps every byte on the socket. Slabs are unlinked at
+    :meth:`close`: close after the peer has read what matters.
+    """
 
     def __init__(self, codec: Codec[M], endpoint: str, *, name: str = "out", bind: bool = False,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 options: SocketOptions = _DEFAULT_OPTIONS) -> None:
+                 options: SocketOptions = _DEFAULT_OPTIONS, shm: bool | None = None,
+                 shm_threshold: int = DEFAULT_SHM_THRESHOLD) -> None:
         sock = make_socket(_context(ctx), zmq.PUSH, endpoint, bind=bind, options=options,
                            sending=True)
         super().__init__(sock, name)
         self.codec = codec
         self.endpoint = endpoint
+        #: The shared-memory slabs of large frames (None: every byte on the socket).
+        self.shm_frames = FramePool(threshold=shm_threshold) if _local(endpoint, shm) else None
+
+    def close(self) -> None:
+        """Close the socket and unlink the shared-memory slabs. Idempotent."""
+        super().close()
+        pool = getattr(self, "shm_frames", None)
+        if pool is not None:
+            pool.close()
+
+    def _send_message(self, msg: M, block: bool) -> None:
+        frames = self.codec.encode(msg)
+        pool = self.shm_frames
+        if pool is None or len(frames) < 2:
+            self._send(frames, block=block)
+            return
+        wire, used = pool.wrap(frames)
+        try:
+            self._send(wire, block=block)
+        except BaseException:
+            pool.cancel(used)  # nothing was queued: the slabs are free again
+            raise
 
     def send(self, msg: M, /) -> None:
         """Encode and send ``msg``; blocks at most the send timeout at the high-water mark.
@@ -312,7 +373,7 @@ class PushOutbox(_ZmqEnd, Generic[M]):
             WouldBlock: the peer is not reading.
             ChannelClosed: this outbox is closed.
         """
-        self._send(self.codec.encode(msg))
+        self._send_message(msg, True)
 
     def send_nowait(self, msg: M, /) -> None:
         """Encode and send ``msg`` if the peer can take it now; never blocks.
@@ -322,7 +383,7 @@ class PushOutbox(_ZmqEnd, Generic[M]):
             WouldBlock: the peer is not reading (nothing was sent: retry later).
             ChannelClosed: this outbox is closed.
         """
-        self._send(self.codec.encode(msg), block=False)
+        self._send_message(msg, False)
 
 
 class RpcServer(ZmqInbox[M]):

@@ -1,0 +1,223 @@
+"""Shared-memory segments and doorbells: files in ``/dev/shm`` named for their creator.
+
+Why files in ``/dev/shm`` and not :mod:`multiprocessing.shared_memory`: the
+latter registers every segment with a ``resource_tracker`` process that
+unlinks it (and warns) when *any* process that attached exits, and it has no
+way to say "this creator died, sweep its leftovers". A plain ``O_EXCL`` file,
+mode 0600, mapped with :mod:`mmap`, has neither problem.
+
+Every name starts ``tsb-<creator pid>-``. The creator unlinks its segments
+on close (and, failing that, at interpreter exit); after a crash (SIGKILL),
+the next process that creates a segment sweeps every ``tsb-<pid>-*`` whose
+creator is dead. Doorbells (FIFOs a parked reader or writer sleeps on) live
+beside the segments under the same names, so one sweep covers both. The
+directory is world-writable but sticky, ``mkfifo``/``O_EXCL`` refuse a name
+that exists, and every opener checks the file is ours (uid, type), so no
+other user can plant or swap one.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import stat
+import tempfile
+import threading
+import weakref
+
+__all__ = ["SHM_DIR", "Segment", "fence", "make_fifo", "open_fifo", "pid_alive", "sweep_stale"]
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_NAME = re.compile(r"tsb-(\d+)-[a-z]+-[0-9a-f]{12}(\.[a-z0-9]+)?")
+_swept = False
+_sweep_lock = threading.Lock()
+_fence_lock = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier (StoreLoad), from Python.
+
+    CPython's lock acquire/release are atomic read-modify-writes (``lock
+    cmpxchg`` on x86), which order every earlier store before every later
+    load. The park protocols need exactly that: "I parked" must be visible
+    before "is there data?" is read, or a wake-up can be lost.
+    """
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
+
+
+def new_name(kind: str) -> str:
+    """A fresh segment name for this process: ``tsb-<pid>-<kind>-<random>``."""
+    return f"tsb-{os.getpid()}-{kind}-{secrets.token_hex(6)}"
+
+
+def sweep_stale() -> list[str]:
+    """Unlink every ``tsb-*`` segment or doorbell whose creator is dead. Returns their names."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:  # pragma: no cover
+        return removed
+    uid = os.getuid()
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.lstat(path).st_uid != uid:
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _sweep_once() -> None:
+    global _swept
+    with _sweep_lock:
+        if not _swept:
+            _swept = True
+            sweep_stale()
+
+
+def _check_name(name: str) -> str:
+    if _NAME.fullmatch(name) is None:
+        raise ValueError(f"not a shared-memory segment name of ours: {name!r}")
+    return os.path.join(SHM_DIR, name)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class Segment:
+    """A mapping of one ``/dev/shm`` file. The creator owns it and unlinks it.
+
+    Use :meth:`create` or :meth:`attach`. ``buf`` is a writable memoryview of
+    the whole mapping. Mappings stay valid after the file is unlinked, so a
+    peer holding a view never faults.
+    """
+
+    def __init__(self, name: str, mm: mmap.mmap, *, owner: bool) -> None:
+        self.name = name
+        self.size = len(mm)
+        self.owner = owner
+        self._mm = mm
+        self.buf = memoryview(mm)
+        path = os.path.join(SHM_DIR, name)
+        # The creator unlinks at close, or at exit if nobody closed it.
+        self._unlink = weakref.finalize(self, _unlink_quietly, path) if owner else None
+
+    @property
+    def mmap(self) -> mmap.mmap:
+        """The underlying mapping."""
+        return self._mm
+
+    @classmethod
+    def create(cls, kind: str, size: int) -> Segment:
+        """Create and map a fresh segment of ``size`` bytes (zeroed).
+
+        The first creation in a process sweeps the leftovers of dead creators.
+
+        Raises:
+            OSError: no room in ``/dev/shm``.
+        """
+        _sweep_once()
+        name = new_name(kind)
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, *, min_size: int = 0) -> Segment:
+        """Map an existing segment by name.
+
+        Raises:
+            ValueError: the name is not one of ours, or the file is not a
+                regular file of this user at least ``min_size`` long.
+            FileNotFoundError: no such segment (its creator closed it).
+        """
+        path = _check_name(name)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise ValueError(f"segment {name!r} is not a regular file of this user")
+            if st.st_size < max(min_size, 1):
+                raise ValueError(f"segment {name!r} is {st.st_size} bytes, expected "
+                                 f">= {min_size}")
+            mm = mmap.mmap(fd, st.st_size)
+        finally:
+            os.close(fd)
+        return cls(name, mm, owner=False)
+
+    def unlink(self) -> None:
+        """Remove the name (the creator's job; mappings stay valid). Idempotent."""
+        if self._unlink is not None:
+            self._unlink()
+
+    def close(self) -> None:
+        """Unlink (if the creator) and unmap, unless views are still out (then the GC unmaps)."""
+        self.unlink()
+        self.buf.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a peer's view still uses it: unmapped when that dies
+            pass
+
+
+def make_fifo(segment: str, suffix: str) -> str:
+    """Create the doorbell ``<segment>.<suffix>`` (mode 0600) and return its name."""
+    name = f"{segment}.{suffix}"
+    path = _check_name(name)
+    os.mkfifo(path, 0o600)
+    return name
+
+
+def open_fifo(name: str) -> int:
+    """Open doorbell ``name`` read-write and non-blocking (never ENXIO, never EOF).
+
+    Raises:
+        ValueError: the file is not a FIFO of this user.
+        FileNotFoundError: no such doorbell.
+    """
+    path = _check_name(name)
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise ValueError(f"doorbell {name!r} is not a FIFO of this user")
+    return fd
