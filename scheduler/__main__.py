@@ -97,10 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     use_async=args.use_async)
     ep: str = args.endpoint
     if ep.startswith("tcp://"):
-        host, port = ep[6:].rsplit(":", 1)
-        p = int(port)
-        endpoints = Endpoints(f"tcp://{host}:{p}", f"tcp://{host}:{p + 1}",
-                              f"tcp://{host}:{p + 2}")
+        endpoints = Endpoints.parse(ep)
     else:
         try:
             endpoints = Endpoints.in_dir(private_dir(ep))

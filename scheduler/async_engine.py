@@ -32,6 +32,7 @@ import zmq
 
 from messages import FinishReason, Request, RpcReqOutput, SamplingParams, Scalar
 from scheduler.admission import Limits
+from scheduler.dp import Policy
 from scheduler.engine_core import EngineCore, Item
 from scheduler.errors import EngineClosed, EngineError
 from scheduler.handles import GenerateResult, StreamChunk
@@ -197,9 +198,10 @@ class AsyncEngine(EngineCore):
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0, tp_size: int = 1,
+                 dp_size: int = 1, dp_policy: Policy = "least_loaded",
                  limits: Limits | None = None, metrics: bool = True) -> None:
-        super().__init__(mode, model, max_batch=max_batch, tp_size=tp_size, limits=limits,
-                         metrics=metrics)
+        super().__init__(mode, model, max_batch=max_batch, tp_size=tp_size, dp_size=dp_size,
+                         dp_policy=dp_policy, limits=limits, metrics=metrics)
         self._start_timeout = start_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -251,8 +253,8 @@ class AsyncEngine(EngineCore):
         return AsyncRequest(rid, self._loop, self._cancel)
 
     async def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
-                       *, return_logprob: bool = False, rid: str | None = None
-                       ) -> GenerateResult:
+                       *, return_logprob: bool = False, rid: str | None = None,
+                       dp_rank: int | None = None) -> GenerateResult:
         """Generate and return the whole answer; cancelling the task aborts the request.
 
         Raises:
@@ -264,10 +266,12 @@ class AsyncEngine(EngineCore):
         """
         # An awaitable with no frame of its own, not the stream's async
         # generator: the hot path of many short requests.
-        return await self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid)
+        return await self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
+                                 dp_rank=dp_rank)
 
     def submit(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-               return_logprob: bool = False, rid: str | None = None) -> AsyncRequest:
+               return_logprob: bool = False, rid: str | None = None,
+               dp_rank: int | None = None) -> AsyncRequest:
         """Send a generate request now; ``await`` what it returns for the answer.
 
         Raises:
@@ -277,7 +281,7 @@ class AsyncEngine(EngineCore):
             ValueError: ``input_ids`` are not valid token ids.
         """
         return self._submit(self._generate_req(input_ids, sampling, False, return_logprob,
-                                               rid), self._request)
+                                               rid, dp_rank), self._request)
 
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                return_logprob: bool = False, rid: str | None = None

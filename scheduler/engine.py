@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from messages import RpcReqOutput, SamplingParams, Scalar
 from scheduler.admission import Limits
+from scheduler.dp import Policy
 from scheduler.engine_core import EngineCore
 from scheduler.handles import GenerateResult, RequestHandle, StreamChunk
 from scheduler.model import ModelConfig
@@ -50,6 +51,13 @@ class Engine(EngineCore):
             (:class:`~scheduler.Limits`): past them a request fails with
             :class:`~scheduler.Overloaded`.
         metrics: record the scheduler's Prometheus metrics (:meth:`metrics`).
+        dp_size: data-parallel replicas (``zmq`` mode): that many schedulers
+            (each of ``tp_size`` ranks) behind one dispatcher
+            (:mod:`scheduler.dp`). Requests go to the least-loaded live
+            replica (or the one ``dp_rank=`` pins), an abort to its owner,
+            an rpc to every replica (one merged reply). A replica that dies
+            fails only the requests it had started (``replica_lost``).
+        dp_policy: ``"least_loaded"`` (default) or ``"round_robin"``.
 
     Every request is validated as the wire would validate it before it is
     sent (:class:`~scheduler.InvalidRequest` at submit), in both modes: a
@@ -58,10 +66,10 @@ class Engine(EngineCore):
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0,
-                 tp_size: int = 1, limits: Limits | None = None,
-                 metrics: bool = True) -> None:
-        super().__init__(mode, model, max_batch=max_batch, tp_size=tp_size, limits=limits,
-                         metrics=metrics)
+                 tp_size: int = 1, dp_size: int = 1, dp_policy: Policy = "least_loaded",
+                 limits: Limits | None = None, metrics: bool = True) -> None:
+        super().__init__(mode, model, max_batch=max_batch, tp_size=tp_size, dp_size=dp_size,
+                         dp_policy=dp_policy, limits=limits, metrics=metrics)
         self._reader_stop = threading.Event()
         self._reader = threading.Thread(target=self._read_outputs, name="engine-reader",
                                         daemon=True)
@@ -76,8 +84,10 @@ class Engine(EngineCore):
 
     def submit(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                stream: bool = False, return_logprob: bool = False,
-               rid: str | None = None) -> RequestHandle:
+               rid: str | None = None, dp_rank: int | None = None) -> RequestHandle:
         """Send a generate request; returns its handle at once.
+
+        ``dp_rank`` pins the request to one data-parallel replica.
 
         Raises:
             EngineClosed: the engine is closed.
@@ -86,7 +96,7 @@ class Engine(EngineCore):
                 256 characters or not valid text, sampling out of range).
             ValueError: ``input_ids`` are not valid token ids.
         """
-        req = self._generate_req(input_ids, sampling, stream, return_logprob, rid)
+        req = self._generate_req(input_ids, sampling, stream, return_logprob, rid, dp_rank)
         return self._submit(req, RequestHandle)
 
     def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
@@ -106,10 +116,11 @@ class Engine(EngineCore):
         """Generate, yielding new tokens as each step produces them."""
         return iter(self.submit(input_ids, sampling, stream=True, return_logprob=return_logprob))
 
-    def embed(self, input_ids: npt.ArrayLike, *, timeout: float | None = None
-              ) -> npt.NDArray[np.float32]:
+    def embed(self, input_ids: npt.ArrayLike, *, timeout: float | None = None,
+              dp_rank: int | None = None) -> npt.NDArray[np.float32]:
         """Embed a tokenized text; returns a unit-norm float32 vector."""
-        return self._submit(self._embed_req(input_ids), RequestHandle).embedding(timeout)
+        return self._submit(self._embed_req(input_ids, dp_rank),
+                            RequestHandle).embedding(timeout)
 
     def abort(self, rid: str) -> None:
         """Abort a queued or running request; it ends with finish reason ``abort``.

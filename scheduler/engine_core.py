@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import shutil
 import tempfile
 import threading
@@ -55,6 +54,7 @@ from messages import (
     token_ids,
 )
 from scheduler.admission import Limits
+from scheduler.dp import Policy
 from scheduler.errors import (
     EngineClosed,
     EngineError,
@@ -65,8 +65,8 @@ from scheduler.errors import (
 )
 from scheduler.handles import StreamChunk
 from scheduler.model import ModelConfig
-from scheduler.tp import TPConfig
-from scheduler.wiring import Endpoints, serve_follower, serve_ring, serve_zmq
+from scheduler.processes import SchedulerProcesses, start_processes
+from scheduler.wiring import Endpoints, serve_ring
 
 __all__ = ["EngineCore", "Item", "Pending"]
 
@@ -105,13 +105,17 @@ class EngineCore:
     """
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
-                 *, max_batch: int = 64, tp_size: int = 1, limits: Limits | None = None,
+                 *, max_batch: int = 64, tp_size: int = 1, dp_size: int = 1,
+                 dp_policy: Policy = "least_loaded", limits: Limits | None = None,
                  metrics: bool = True) -> None:
         if mode not in ("ring", "zmq"):
             raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
         if tp_size < 1 or (tp_size > 1 and mode != "zmq"):
             raise ValueError("tp_size > 1 needs mode='zmq' (each rank is a process)")
+        if dp_size < 1 or (dp_size > 1 and mode != "zmq"):
+            raise ValueError("dp_size > 1 needs mode='zmq' (each replica is a process)")
         self.tp_size = tp_size
+        self.dp_size = dp_size
         self.mode = mode
         self.model = model or ModelConfig()
         self.limits = limits or Limits()
@@ -128,7 +132,8 @@ class EngineCore:
         self._closed = False
         self._gone: str | None = None
         self._thread: threading.Thread | None = None
-        self._procs: list[BaseProcess] = []
+        self._procs: list[BaseProcess] = []  # those whose death ends the engine
+        self._started = SchedulerProcesses()
         self._ingress: Ring[Request] | None = None
         self._egress: Ring[Output] | None = None
         self._work_out: PushOutbox[Request] | None = None
@@ -146,21 +151,11 @@ class EngineCore:
         else:
             out_inbox = PullInbox(Codec(Output), self.endpoints.out, name="out")
             self._work_out = PushOutbox(Codec(Request), self.endpoints.work, name="work")
-            ctx = multiprocessing.get_context("spawn")
-            tp = TPConfig(tp_size, f"{self._dir}/tp-init") if tp_size > 1 else None
-            self._procs.append(ctx.Process(
-                target=serve_zmq, args=(self.endpoints, self.model),
-                kwargs={"max_batch": max_batch, "tp": tp, "limits": self.limits,
-                        "metrics": metrics},
-                name="scheduler", daemon=True))
-            for rank in range(1, tp_size):
-                self._procs.append(ctx.Process(
-                    target=serve_follower, args=(rank, tp, self.model),
-                    kwargs={"max_batch": max_batch, "limits": self.limits},
-                    name=f"scheduler-rank{rank}",
-                    daemon=True))
-            for proc in self._procs:
-                proc.start()
+            self._started = start_processes(self.endpoints, self._dir, self.model,
+                                            max_batch=max_batch, tp_size=tp_size,
+                                            dp_size=dp_size, limits=self.limits,
+                                            metrics=metrics, dp_policy=dp_policy)
+            self._procs = self._started.essential
         self._out_inbox = out_inbox
         self._rpc = RpcClient(self.endpoints.rpc, name="rpc")
         self._outputs: Receiver[Output] = Receiver([out_inbox], budget=1024)
@@ -221,7 +216,7 @@ class EngineCore:
         if self._thread is not None:
             self._thread.join(timeout)
         deadline = time.monotonic() + timeout
-        for proc in self._procs:
+        for proc in self._started.all():
             if self._gone is not None:  # a rank died: the others may wait on it forever
                 proc.kill()
             proc.join(max(0.1, deadline - time.monotonic()))
@@ -284,16 +279,33 @@ class EngineCore:
         return checked
 
     def _generate_req(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
-                      stream: bool, return_logprob: bool, rid: str | None
-                      ) -> TokenizedGenerateReqInput:
+                      stream: bool, return_logprob: bool, rid: str | None,
+                      dp_rank: int | None = None) -> TokenizedGenerateReqInput:
+        rid = rid if rid is not None else self._new_rid()
         return TokenizedGenerateReqInput(
-            rid=rid if rid is not None else self._new_rid(),
-            input_ids=token_ids(input_ids, field="input_ids"),
-            sampling=sampling or SamplingParams(), stream=stream, return_logprob=return_logprob)
+            rid=rid, input_ids=token_ids(input_ids, field="input_ids"),
+            sampling=sampling or SamplingParams(), stream=stream, return_logprob=return_logprob,
+            dp_rank=self._check_dp_rank(rid, dp_rank))
 
-    def _embed_req(self, input_ids: npt.ArrayLike) -> TokenizedEmbeddingReqInput:
-        return TokenizedEmbeddingReqInput(rid=self._new_rid(),
-                                          input_ids=token_ids(input_ids, field="input_ids"))
+    def _embed_req(self, input_ids: npt.ArrayLike, dp_rank: int | None = None
+                   ) -> TokenizedEmbeddingReqInput:
+        rid = self._new_rid()
+        return TokenizedEmbeddingReqInput(rid=rid,
+                                          input_ids=token_ids(input_ids, field="input_ids"),
+                                          dp_rank=self._check_dp_rank(rid, dp_rank))
+
+    def _check_dp_rank(self, rid: str, dp_rank: int | None) -> int | None:
+        if dp_rank is not None and not 0 <= dp_rank < self.dp_size:
+            raise InvalidRequest(rid, f"dp_rank={dp_rank} is out of range: this engine has "
+                                      f"{self.dp_size} replica(s)")
+        return dp_rank
+
+    @property
+    def replica_pids(self) -> list[tuple[int, ...]]:
+        """The process ids of each data-parallel replica (every tp rank), when
+        ``dp_size > 1``: what a test or an operator kills to see a replica lost."""
+        return [tuple(p.pid for p in ranks if p.pid is not None)
+                for ranks in self._started.replicas]
 
     def _abort_req(self, rid: str) -> AbortReq:
         return self._validated(AbortReq(rid=rid))

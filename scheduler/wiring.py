@@ -47,16 +47,38 @@ _OPTIONS = SocketOptions()
 
 @dataclass(frozen=True, slots=True)
 class Endpoints:
-    """Where a scheduler listens (work, rpc) and where its outputs go (out)."""
+    """Where a scheduler listens (work, rpc) and where its outputs go (out).
+
+    ``server_binds_out``: the scheduler binds ``out`` and its one consumer
+    connects (``tcp://``: a server owns its ports, so a client on another
+    host can reach all three); otherwise the consumer binds ``out`` and the
+    scheduler connects (``ipc://`` in a directory both share).
+    """
 
     work: str
     rpc: str
     out: str
+    server_binds_out: bool = False
 
     @classmethod
     def in_dir(cls, directory: str) -> Endpoints:
         """``ipc://`` endpoints inside ``directory``."""
         return cls(f"ipc://{directory}/work", f"ipc://{directory}/rpc", f"ipc://{directory}/out")
+
+    @classmethod
+    def tcp(cls, host: str, port: int) -> Endpoints:
+        """``tcp://host:port`` (work), ``port + 1`` (rpc), ``port + 2`` (out), all bound
+        by the scheduler."""
+        return cls(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}",
+                   f"tcp://{host}:{port + 2}", server_binds_out=True)
+
+    @classmethod
+    def parse(cls, spec: str) -> Endpoints:
+        """A directory of ``ipc://`` endpoints, or a ``tcp://host:port`` base."""
+        if spec.startswith("tcp://"):
+            host, port = spec[6:].rsplit(":", 1)
+            return cls.tcp(host, int(port))
+        return cls.in_dir(spec)
 
 
 @contextlib.contextmanager
@@ -133,7 +155,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
     try:
         with PullInbox(codec, endpoints.work, options=options) as work, \
                 RpcServer(codec, endpoints.rpc, kind=rpc_kind, options=options) as rpc, \
-                PushOutbox(out_codec, endpoints.out, options=options) as out:
+                PushOutbox(out_codec, endpoints.out, options=options,
+                           bind=endpoints.server_binds_out) as out:
             router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
                                       max_backlog=limits.max_backlog)
             inboxes: list[Inbox[Request]] = [work, rpc]

@@ -1,0 +1,473 @@
+"""``Dispatcher``: N scheduler replicas behind one endpoint that looks like one scheduler.
+
+Upstream it has a scheduler's three channels (work PULL, rpc ROUTER,
+outputs PUSH), so a frontend, ``Engine`` included, cannot tell one
+scheduler from N. Downstream it holds each replica's channels
+(:class:`~scheduler.dp.replica.Replica`). One :class:`~bus.Receiver` drains
+all of them fairly and parks on one poll.
+
+* A request is routed by the dispatch table (:mod:`scheduler.dp.table`):
+  balanced by the ledger (:mod:`scheduler.dp.ledger`), to its owner, or
+  broadcast (:mod:`scheduler.dp.fanout`).
+* A replica's output is accepted only for a rid the ledger says that
+  replica (in its current generation) owns; anything else is stale, dropped
+  and counted. Terminal outputs release the ledger entry.
+* Outputs go upstream through the same reply router as a scheduler's
+  (:func:`router.scheduler_router`), with its backlog: a frontend that stops
+  reading pauses the replicas' output inboxes, then collapses its streams.
+* A lost replica (:mod:`scheduler.dp.replica`) fails the requests it had
+  started with ``ErrorOut(replica_lost)``, sends the ones it had not
+  started to a live replica, and completes pending broadcasts without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from bus import (
+    ChannelError,
+    Envelope,
+    Origin,
+    PullInbox,
+    PushOutbox,
+    Receiver,
+    Rejected,
+    RpcServer,
+    WouldBlock,
+)
+from bus.channels import Inbox
+from messages import (
+    AbortReq,
+    BatchEmbeddingOut,
+    BatchTokenIDOut,
+    ErrorCode,
+    ErrorOut,
+    Message,
+    Output,
+    Request,
+    RpcReqInput,
+    RpcReqOutput,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+    fit_text,
+)
+from router import RpcReplySink, TransportSink, scheduler_router
+from scheduler.backpressure import collapse
+from scheduler.dp.fanout import Fanout, merge_replies
+from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy
+from scheduler.dp.replica import Replica, ReplicaSpec
+from scheduler.dp.table import Balanced, Broadcast, Owner, dispatch_table
+
+__all__ = ["Dispatcher", "DispatcherStats"]
+
+log = logging.getLogger("scheduler.dp")
+
+#: The origin of every output the dispatcher sends upstream on the transport.
+_WORK = Origin("work")
+
+_Handler = Callable[[Message, Origin], None]
+
+
+class DispatcherStats(dict[str, int]):
+    """Counters of a dispatcher (a plain mapping, also reported over rpc)."""
+
+
+class Dispatcher:
+    """Dispatches one upstream endpoint's requests over ``replicas``.
+
+    Args:
+        work, rpc, out: the upstream channels (bound like a scheduler's).
+        replicas: where each replica serves.
+        policy: ``"least_loaded"`` (default) or ``"round_robin"``.
+        rpc_timeout: seconds a broadcast waits for every replica; those that
+            have not answered by then are named in the reply as timed out.
+        heartbeat_interval: seconds between two heartbeats to a replica.
+        heartbeat_timeout: a replica silent this long is lost. Local
+            replicas (with pids) are also lost the moment a process exits.
+        join_timeout: seconds :meth:`run` waits for every replica to answer
+            before it serves with those that did.
+        max_backlog: outputs kept for an upstream consumer not reading.
+    """
+
+    TICK = 0.02  # seconds between liveness checks when idle
+
+    def __init__(self, work: PullInbox[Request], rpc: RpcServer[Request],
+                 out: PushOutbox[Output], replicas: Sequence[ReplicaSpec], *,
+                 policy: Policy = "least_loaded", rpc_timeout: float = 30.0,
+                 heartbeat_interval: float = 0.2, heartbeat_timeout: float = 1.0,
+                 join_timeout: float = 60.0, max_backlog: int = 1024) -> None:
+        if not replicas:
+            raise ValueError("a dispatcher needs at least one replica")
+        self.table = dispatch_table(merge_replies)  # the totality check: at start-up
+        self.replicas = [Replica(i, spec) for i, spec in enumerate(replicas)]
+        self.ledger = Ledger(len(replicas), policy)
+        self.ledger.live = [False] * len(replicas)  # live once they answer
+        self.fanout = Fanout([r.name for r in self.replicas])
+        self.rpc_timeout = rpc_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.join_timeout = join_timeout
+        self.max_backlog = max_backlog
+        self.router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
+                                       max_backlog=max_backlog)
+        self.router.on_overflow = functools.partial(
+            collapse, abort=self._abort_stuck, dropped_rpc=self._dropped_rpc)
+        self._upstream: list[Inbox[Request]] = [work, rpc]
+        self.receiver: Receiver[Message] = Receiver([])
+        for rep in self.replicas:
+            self._watch(rep)
+        self.stats = DispatcherStats(
+            dispatched=0, redispatched=0, lost=0, joined=0, stale_outputs=0,
+            duplicate_rid=0, abort_unknown=0, rejected=0, replica_lost_errors=0)
+        self._stopping = False
+        self._stop_deadline = 0.0
+        self._serving = False
+        self._throttled = False
+        self._next_tick = 0.0
+        self._hb_seq = 0
+
+    # -- the loop ---------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until a ``shutdown`` rpc has been answered and the replicas are done."""
+        deadline = time.monotonic() + self.join_timeout
+        while not all(r.live for r in self.replicas) and time.monotonic() < deadline:
+            if not self.step():
+                self.receiver.wait(self.TICK)
+        self.serve_upstream()
+        while not self._done():
+            if not self.step():
+                self.receiver.wait(max(0.0, self._next_tick - time.monotonic()))
+        self._finish()
+
+    def serve_upstream(self) -> None:
+        """Start taking requests from upstream (after the replicas joined). Idempotent."""
+        if self._serving:
+            return
+        self._serving = True
+        missing = [r.name for r in self.replicas if not r.live]
+        if missing:
+            log.warning("serving without %s: not answering yet (they join when they do)",
+                        ", ".join(missing))
+        for inbox in self._upstream:
+            self.receiver.add(inbox)
+
+    def step(self) -> int:
+        """Handle what waits now, then the timers; returns how many messages were taken."""
+        if self.router.backlog:
+            self.router.flush()
+        envelopes = self.receiver.poll()
+        for env in envelopes:
+            if type(env) is Rejected:
+                self._on_rejected(env)
+                continue
+            assert isinstance(env, Envelope)
+            self._handlers[env.origin.inbox](env.message, env.origin)
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._tick(now)
+        return len(envelopes)
+
+    def close(self) -> None:
+        """Close every replica's channels (not the upstream ones: their owner does)."""
+        for rep in self.replicas:
+            rep.close()
+
+    # -- upstream requests ------------------------------------------------------
+
+    @functools.cached_property
+    def _handlers(self) -> dict[str, _Handler]:
+        table: dict[str, _Handler] = {i.name: self._on_request for i in self._upstream}
+        for rep in self.replicas:
+            table[rep.out.name] = functools.partial(self._on_output, rep)
+            table[rep.rpc.name] = functools.partial(self._on_replica_rpc, rep)
+        return table
+
+    def _on_request(self, msg: Message, origin: Origin) -> None:
+        assert isinstance(msg, Request)
+        route = self.table.lookup(type(msg))
+        if type(route) is Balanced:
+            assert isinstance(msg, TokenizedGenerateReqInput | TokenizedEmbeddingReqInput)
+            self._balanced(msg, origin)
+        elif type(route) is Owner:
+            self._to_owner(msg)
+        else:
+            assert isinstance(route, Broadcast) and isinstance(msg, RpcReqInput)
+            self._broadcast(msg, origin, route)
+
+    def _balanced(self, msg: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput,
+                  origin: Origin) -> None:
+        if msg.rid in self.ledger:  # answering would end the live one in its client's eyes
+            self.stats["duplicate_rid"] += 1
+            log.warning("request id %r is already in flight: the second one is dropped",
+                        msg.rid)
+            return
+        if self._stopping:
+            self._error(msg.rid, origin, "shutdown", "the dispatcher is shutting down")
+            return
+        self._dispatch(msg, origin, msg.dp_rank)
+
+    def _dispatch(self, msg: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput,
+                  origin: Origin, pin: int | None) -> None:
+        try:
+            i = self.ledger.pick(pin)
+        except NoLiveReplica as exc:
+            bad_pin = pin is not None and not 0 <= pin < len(self.replicas)
+            self._error(msg.rid, origin, "invalid_request" if bad_pin else "replica_lost",
+                        f"request {msg.rid!r}: {exc}")
+            return
+        rep = self.replicas[i]
+        try:
+            rep.work.send_nowait(msg)
+        except WouldBlock:
+            self._error(msg.rid, origin, "overloaded",
+                        f"request {msg.rid!r}: {rep.name} is not taking requests "
+                        "(its work queue is full)")
+            return
+        except ChannelError as exc:
+            self._error(msg.rid, origin, "replica_lost", f"request {msg.rid!r}: {rep.name}: "
+                        f"{exc}")
+            return
+        cost = len(msg.input_ids)
+        if isinstance(msg, TokenizedGenerateReqInput):
+            cost += msg.sampling.max_new_tokens
+        self.ledger.add(msg.rid, i, rep.generation, cost, msg, pinned=pin is not None)
+        self.stats["dispatched"] += 1
+
+    def _to_owner(self, msg: Request) -> None:
+        entry = self.ledger.get(msg.rid)
+        if entry is None:  # finished, unknown or never ours: harmless, counted
+            self.stats["abort_unknown"] += 1
+            return
+        entry.aborted = True
+        try:
+            self.replicas[entry.replica].work.send_nowait(msg)
+        except ChannelError as exc:
+            log.warning("abort of %r could not reach %s: %s", msg.rid,
+                        self.replicas[entry.replica].name, exc)
+
+    def _broadcast(self, call: RpcReqInput, origin: Origin, route: Broadcast) -> None:
+        if call.method == "shutdown" and not self._stopping:
+            self._stopping = True
+            self._stop_deadline = time.monotonic() + self.rpc_timeout
+        live = [i for i, r in enumerate(self.replicas) if r.live]
+        done = self.fanout.start(call, origin, time.monotonic() + self.rpc_timeout,
+                                 route.reduce, live, self._send_call)
+        if done is not None:
+            self.router.route(done, origin)
+
+    def _send_call(self, i: int, call: RpcReqInput) -> str | None:
+        try:
+            self.replicas[i].rpc.send_nowait(call)
+        except ChannelError as exc:
+            return f"not sent ({exc})"
+        return None
+
+    def _on_rejected(self, env: Rejected) -> None:
+        err, origin = env.error, env.origin
+        if origin.inbox not in {i.name for i in self._upstream}:
+            self.stats["stale_outputs"] += 1
+            log.error("undecodable message from %s: %s", origin.inbox, err)
+            return
+        self.stats["rejected"] += 1
+        if err.rid is None or err.rid in self.ledger:
+            log.warning("rejected on %s: %s", origin.inbox, err)
+            return
+        if err.message_type == RpcReqInput.__name__:
+            self.router.route(RpcReqOutput(rid=err.rid, success=False,
+                                           message=fit_text(str(err))), origin)
+        else:
+            self._error(err.rid, origin, "decode_error", str(err))
+
+    def _error(self, rid: str, origin: Origin, code: ErrorCode, message: str) -> None:
+        if code == "replica_lost":
+            self.stats["replica_lost_errors"] += 1
+        self.router.route(ErrorOut(rid=rid, code=code, message=fit_text(message)), origin)
+
+    # -- replica outputs --------------------------------------------------------
+
+    def _owned(self, rep: Replica, rid: str) -> bool:
+        entry = self.ledger.get(rid)
+        return (entry is not None and entry.replica == rep.index
+                and entry.generation == rep.generation)
+
+    def _on_output(self, rep: Replica, out: Message, origin: Origin) -> None:
+        ledger = self.ledger
+        if isinstance(out, BatchTokenIDOut):
+            keep = [self._owned(rep, rid) for rid in out.rids]
+            if not all(keep):
+                self.stats["stale_outputs"] += keep.count(False)
+                if not any(keep):
+                    return
+                out = _select(out, keep)
+            for rid, fin in zip(out.rids, out.finished_reasons, strict=True):
+                if fin is not None:
+                    ledger.finish(rid)
+                else:
+                    entry = ledger.get(rid)
+                    if entry is not None and not entry.started:
+                        entry.started, entry.request = True, None
+        elif isinstance(out, BatchEmbeddingOut):
+            if not all(self._owned(rep, rid) for rid in out.rids):
+                self.stats["stale_outputs"] += len(out.rids)
+                log.warning("embeddings from %s for requests it does not own: dropped",
+                            rep.name)
+                return
+            for rid in out.rids:
+                ledger.finish(rid)
+        elif isinstance(out, ErrorOut):
+            if not self._owned(rep, out.rid):
+                self.stats["stale_outputs"] += 1
+                return
+            ledger.finish(out.rid)
+        else:
+            self.stats["stale_outputs"] += 1
+            log.error("%s sent a %s on its output channel: dropped", rep.name,
+                      type(out).__name__)
+            return
+        self.router.route(out, _WORK)
+
+    def _on_replica_rpc(self, rep: Replica, reply: Message, origin: Origin) -> None:
+        if not isinstance(reply, RpcReqOutput):
+            return
+        now = time.monotonic()
+        rep.last_seen = now
+        if reply.rid.startswith("hb"):
+            load = reply.result or {}
+            running, queued = load.get("running", 0), load.get("queued", 0)
+            if isinstance(running, int) and isinstance(queued, int):
+                self.ledger.reported[rep.index] = running + queued
+            if not rep.live:
+                self._join(rep, now)
+            return
+        done = self.fanout.reply(reply)
+        if done is not None:
+            self.router.route(*done)
+
+    # -- liveness ---------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        self._next_tick = now + self.TICK
+        for rep in self.replicas:
+            if rep.live:
+                why = rep.process_exit()
+                if why is None and now - rep.last_seen > self.heartbeat_timeout:
+                    why = f"silent for {now - rep.last_seen:.2f} s (heartbeat timeout " \
+                          f"{self.heartbeat_timeout} s)"
+                if why is not None:
+                    self._lose(rep, why)
+            if now >= rep.next_beat:
+                rep.next_beat = now + self.heartbeat_interval
+                self._hb_seq += 1
+                try:  # a probe while not live: the first answer (re)joins it
+                    rep.rpc.send_nowait(RpcReqInput(rid=f"hb{self._hb_seq}", method="get_load"))
+                except ChannelError:
+                    pass  # not connected yet, or not reading: its silence tells
+        for done in self.fanout.expire(now):
+            self.router.route(*done)
+        self._throttle()
+
+    def _join(self, rep: Replica, now: float) -> None:
+        rep.live = True
+        rep.generation += 1
+        rep.last_seen = now
+        self.ledger.live[rep.index] = True
+        self.stats["joined"] += 1
+        log.info("%s %s (generation %d)", rep.name, "rejoined" if rep.joined else "joined",
+                 rep.generation)
+        rep.joined = True
+
+    def _lose(self, rep: Replica, why: str) -> None:
+        (log.info if self._stopping else log.warning)("%s lost: %s", rep.name, why)
+        rep.live = False
+        self.stats["lost"] += 1
+        if rep.process_exit() is not None:
+            rep.kill()  # its other ranks would wait for the dead one forever
+        for inbox in (rep.out, rep.rpc):
+            self.receiver.remove(inbox)
+        rep.reopen()  # this incarnation's channels, and all they hold, are gone
+        self._watch(rep)
+        for entry in self.ledger.lose(rep.index):
+            req = entry.request
+            if self._stopping:
+                self._error(entry.rid, _WORK, "shutdown",
+                            f"{rep.name} stopped before request {entry.rid!r} finished")
+            elif entry.started or entry.aborted or entry.pinned or req is None:
+                self._error(entry.rid, _WORK, "replica_lost",
+                            f"{rep.name} was lost ({why}) while serving request "
+                            f"{entry.rid!r}")
+            else:  # it never began there: run it elsewhere
+                self.stats["redispatched"] += 1
+                assert isinstance(req, TokenizedGenerateReqInput | TokenizedEmbeddingReqInput)
+                self._dispatch(req, _WORK, None)
+        for done in self.fanout.lose(rep.index, f"lost ({why})"):
+            self.router.route(*done)
+
+    def _watch(self, rep: Replica) -> None:
+        self.receiver.add(rep.out)
+        self.receiver.add(rep.rpc)
+
+    def _throttle(self) -> None:
+        """Pause the replicas' outputs while upstream is not reading (they back up
+        into each replica's own bounded backlog)."""
+        backlog = self.router.backlog
+        if not self._throttled and backlog >= self.max_backlog // 2:
+            self._throttled = True
+            for rep in self.replicas:
+                self.receiver.pause(rep.out.name)
+        elif self._throttled and backlog == 0:
+            self._throttled = False
+            for rep in self.replicas:
+                if rep.out.name in self.receiver.paused:
+                    self.receiver.resume(rep.out.name)
+
+    def _abort_stuck(self, rid: str) -> None:
+        entry = self.ledger.finish(rid)
+        if entry is not None:
+            try:
+                self.replicas[entry.replica].work.send_nowait(AbortReq(rid=rid))
+            except ChannelError:
+                pass  # the replica's own backlog will end it
+
+    def _dropped_rpc(self, reply: RpcReqOutput) -> None:
+        log.warning("rpc reply %r dropped: its caller is not reading", reply.rid)
+
+    # -- stopping ---------------------------------------------------------------
+
+    def _done(self) -> bool:
+        if not self._stopping or len(self.fanout):
+            return False
+        return not len(self.ledger) or time.monotonic() >= self._stop_deadline
+
+    def _finish(self) -> None:
+        for rep in self.replicas:
+            for entry in self.ledger.lose(rep.index):
+                self._error(entry.rid, _WORK, "shutdown",
+                            f"the dispatcher stopped before request {entry.rid!r} finished")
+        deadline = time.monotonic() + 1.0
+        while self.router.flush() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+
+def _select(out: BatchTokenIDOut, keep: list[bool]) -> BatchTokenIDOut:
+    """The rows of ``out`` marked in ``keep`` (a new batch; the rest were stale)."""
+    rids: list[str] = []
+    ids: list[list[int]] = []
+    fins: list[str | None] = []
+    lps: list[list[float]] | None = [] if out.logprobs is not None else None
+    flat = out.output_ids.tolist()
+    lp_flat = out.logprobs.tolist() if out.logprobs is not None else None
+    bounds = out.offsets()
+    for i, k in enumerate(keep):
+        if k:
+            a, b = bounds[i], bounds[i + 1]
+            rids.append(out.rids[i])
+            ids.append(flat[a:b])
+            fins.append(out.finished_reasons[i])
+            if lps is not None and lp_flat is not None:
+                lps.append(lp_flat[a:b])
+    return BatchTokenIDOut.from_lists(rids, ids, fins, lps)  # type: ignore[arg-type]

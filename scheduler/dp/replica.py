@@ -1,0 +1,138 @@
+"""One replica as the dispatcher sees it: its three channels, its liveness, its generation.
+
+A replica is an unchanged scheduler served by :func:`~scheduler.wiring.serve_zmq`,
+local or remote. The dispatcher holds, per replica, a PUSH to its work
+endpoint, a PULL for its outputs and an :class:`~bus.RpcCaller` to its rpc
+endpoint; every inbox is named after the replica, so the origin of each
+output says who sent it (never the payload).
+
+Death is seen two ways:
+
+* **process gone** (local replicas, when their pids are known): a
+  ``pidfd`` per process becomes readable the moment it exits, whoever its
+  parent is; checked every dispatcher tick, so within tens of milliseconds;
+* **silence**: a heartbeat (``get_load``, which also reports its load)
+  goes out every ``heartbeat_interval``; no reply for ``heartbeat_timeout``
+  means lost. This covers remote replicas and a local one that hangs.
+
+A lost replica's channels are closed (whatever they still hold from that
+incarnation is dropped) and reopened at once for the next one: a probe
+goes out every ``heartbeat_interval`` and the first answer makes the
+replica live again with ``generation + 1``. Entries of the ledger carry the
+generation they were dispatched under, so an output from an earlier
+incarnation is refused as stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+from dataclasses import dataclass, field
+
+import zmq
+
+from bus import PullInbox, PushOutbox, RpcCaller, SocketOptions
+from messages import Codec, Output, Request
+from scheduler.wiring import Endpoints
+
+__all__ = ["Replica", "ReplicaSpec"]
+
+log = logging.getLogger("scheduler.dp")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """Where a replica serves, and how to reach it.
+
+    Attributes:
+        endpoints: its work, rpc and out endpoints (``ipc://`` or ``tcp://``).
+        pids: its processes (every tensor-parallel rank), when local: their
+            exit is seen at once. Empty for a remote replica (heartbeat only).
+        options: socket options to reach it (CURVE: this dispatcher's keys
+            and the replica's ``curve_server_public``).
+    """
+
+    endpoints: Endpoints
+    pids: tuple[int, ...] = ()
+    options: SocketOptions = field(default_factory=SocketOptions)
+
+
+class Replica:
+    """The dispatcher's handle on replica ``index``."""
+
+    def __init__(self, index: int, spec: ReplicaSpec) -> None:
+        self.index = index
+        self.name = f"replica{index}"
+        self.spec = spec
+        self.generation = 0
+        self.live = False  # until its first heartbeat answers
+        self.joined = False  # has been live at least once
+        self.last_seen = 0.0  # monotonic time of its last rpc reply
+        self.joining_since = 0.0  # when the current (re)join attempt began
+        self.next_beat = 0.0
+        self.beats = 0  # heartbeats sent
+        self._pidfds: list[int] = []
+        for pid in spec.pids:
+            try:
+                self._pidfds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                self._pidfds.append(-1)  # already gone: reported on the first check
+        self.work: PushOutbox[Request]
+        self.out: PullInbox[Output]
+        self.rpc: RpcCaller
+        self._open()
+
+    def _open(self) -> None:
+        ep, opts = self.spec.endpoints, self.spec.options
+        self.work = PushOutbox(Codec(Request), ep.work, name=f"{self.name}.work", options=opts)
+        self.out = PullInbox(Codec(Output), ep.out, name=f"{self.name}.out", options=opts,
+                             bind=not ep.server_binds_out)
+        self.rpc = RpcCaller(ep.rpc, name=f"{self.name}.rpc", options=opts)
+
+    def reopen(self) -> None:
+        """Drop this incarnation's channels (and all they hold); open fresh ones."""
+        self._close_channels()
+        self._open()
+
+    def process_exit(self) -> str | None:
+        """Why the replica's processes say it is gone, or ``None`` (never blocks)."""
+        if not self._pidfds:
+            return None
+        if -1 in self._pidfds:
+            return "its process was gone at start-up"
+        ready, _, _ = select.select(self._pidfds, [], [], 0)
+        if not ready:
+            return None
+        pid = self.spec.pids[self._pidfds.index(ready[0])]
+        return f"its process {pid} exited"
+
+    @property
+    def local(self) -> bool:
+        """Whether its processes are known (and so can be watched and stopped)."""
+        return bool(self._pidfds)
+
+    def kill(self) -> None:
+        """SIGKILL every process of a local replica still running (a rank left alone
+        would wait for its dead peer forever)."""
+        for fd in self._pidfds:
+            if fd >= 0:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+
+    def _close_channels(self, linger: bool = False) -> None:
+        if not linger and not self.work.closed:
+            self.work.socket.setsockopt(zmq.LINGER, 0)  # a dead peer holds nothing back
+        self.work.close()
+        self.out.close()
+        self.rpc.close()
+
+    def close(self, linger: bool = True) -> None:
+        """Close its channels and pidfds. Idempotent."""
+        self._close_channels(linger)
+        for fd in self._pidfds:
+            if fd >= 0:
+                os.close(fd)
+        self._pidfds = []

@@ -1,0 +1,51 @@
+"""Running a dispatcher: its upstream channels around a :class:`Dispatcher`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zmq
+
+from bus import CurveAuthenticator, PullInbox, PushOutbox, RpcServer, SocketOptions
+from messages import Codec, Output, Request
+from scheduler.dp.dispatcher import Dispatcher
+from scheduler.dp.ledger import Policy
+from scheduler.dp.replica import ReplicaSpec
+from scheduler.wiring import Endpoints
+
+__all__ = ["serve_dispatch"]
+
+
+def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
+                   options: SocketOptions | None = None,
+                   curve_clients: Sequence[bytes] | None = None,
+                   policy: Policy = "least_loaded", rpc_timeout: float = 30.0,
+                   heartbeat_interval: float = 0.2, heartbeat_timeout: float = 1.0,
+                   join_timeout: float = 60.0, max_backlog: int = 1024) -> None:
+    """Serve ``endpoints`` like one scheduler, dispatching over ``replicas``, until a
+    ``shutdown`` rpc (which reaches every replica) has been answered.
+
+    ``options`` and ``curve_clients`` are for the upstream side, as in
+    :func:`~scheduler.wiring.serve_zmq`; each replica carries its own
+    options in its :class:`ReplicaSpec`. See :class:`Dispatcher` for the rest.
+    """
+    options = options or SocketOptions()
+    auth = CurveAuthenticator(zmq.Context.instance(), curve_clients) \
+        if curve_clients is not None else None
+    try:
+        with PullInbox(Codec(Request), endpoints.work, options=options) as work, \
+                RpcServer(Codec(Request), endpoints.rpc, options=options) as rpc, \
+                PushOutbox(Codec(Output), endpoints.out, options=options,
+                           bind=endpoints.server_binds_out) as out:
+            dispatcher = Dispatcher(work, rpc, out, replicas, policy=policy,
+                                    rpc_timeout=rpc_timeout,
+                                    heartbeat_interval=heartbeat_interval,
+                                    heartbeat_timeout=heartbeat_timeout,
+                                    join_timeout=join_timeout, max_backlog=max_backlog)
+            try:
+                dispatcher.run()
+            finally:
+                dispatcher.close()
+    finally:
+        if auth is not None:
+            auth.stop()

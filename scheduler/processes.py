@@ -1,0 +1,93 @@
+"""Starting the scheduler processes of ``zmq`` mode: one scheduler, or N replicas
+behind a dispatcher, each of ``tp_size`` ranks.
+
+The frontend always talks to one set of endpoints: the scheduler's, or the
+dispatcher's, which looks the same. Only the *essential* processes (those
+the frontend's channels reach) decide whether the engine is alive: a lost
+replica is the dispatcher's business, which fails or re-runs its requests
+and goes on with the others.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+
+from scheduler.admission import Limits
+from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
+from scheduler.model import ModelConfig
+from scheduler.tp import TPConfig
+from scheduler.wiring import Endpoints, serve_follower, serve_zmq
+
+__all__ = ["SchedulerProcesses", "start_processes"]
+
+#: A local replica's death is seen at once through its pids; silence means a
+#: hang, and a busy 2-core machine can starve a healthy one for a while.
+LOCAL_HEARTBEAT_TIMEOUT = 10.0
+
+
+@dataclass(slots=True)
+class SchedulerProcesses:
+    """What :func:`start_processes` started."""
+
+    essential: list[BaseProcess] = field(default_factory=list)
+    replicas: list[list[BaseProcess]] = field(default_factory=list)
+
+    def all(self) -> list[BaseProcess]:
+        """Every process, essential first."""
+        return [*self.essential, *(p for ranks in self.replicas for p in ranks)]
+
+
+def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelConfig, *,
+                     max_batch: int, tp_size: int, limits: Limits, metrics: bool,
+                     name: str) -> list[BaseProcess]:
+    """A scheduler of ``tp_size`` ranks serving ``endpoints``; rank 0 first."""
+    ctx = multiprocessing.get_context("spawn")
+    tp = TPConfig(tp_size, f"{directory}/tp-init") if tp_size > 1 else None
+    procs: list[BaseProcess] = [ctx.Process(target=serve_zmq, args=(endpoints, model),
+                         kwargs={"max_batch": max_batch, "tp": tp, "limits": limits,
+                                 "metrics": metrics},
+                         name=name, daemon=True)]
+    for rank in range(1, tp_size):
+        procs.append(ctx.Process(target=serve_follower, args=(rank, tp, model),
+                                 kwargs={"max_batch": max_batch, "limits": limits},
+                                 name=f"{name}-rank{rank}", daemon=True))
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,
+                    max_batch: int, tp_size: int = 1, dp_size: int = 1,
+                    limits: Limits | None = None, metrics: bool = True,
+                    dp_policy: Policy = "least_loaded") -> SchedulerProcesses:
+    """Start what serves ``endpoints``: a scheduler, or ``dp_size`` replicas and a dispatcher.
+
+    Replica ``i`` serves ``ipc://`` endpoints in ``directory/r<i>`` (0700).
+    """
+    limits = limits or Limits()
+    started = SchedulerProcesses()
+    if dp_size == 1:
+        started.essential = _start_scheduler(endpoints, directory, model, max_batch=max_batch,
+                                             tp_size=tp_size, limits=limits, metrics=metrics,
+                                             name="scheduler")
+        return started
+    specs: list[ReplicaSpec] = []
+    for i in range(dp_size):
+        sub = os.path.join(directory, f"r{i}")
+        os.mkdir(sub, 0o700)
+        ep = Endpoints.in_dir(sub)
+        ranks = _start_scheduler(ep, sub, model, max_batch=max_batch, tp_size=tp_size,
+                                 limits=limits, metrics=metrics, name=f"replica{i}")
+        started.replicas.append(ranks)
+        specs.append(ReplicaSpec(ep, tuple(p.pid for p in ranks if p.pid is not None)))
+    ctx = multiprocessing.get_context("spawn")
+    dispatcher = ctx.Process(target=serve_dispatch, args=(endpoints, specs),
+                             kwargs={"policy": dp_policy, "max_backlog": limits.max_backlog,
+                                     "heartbeat_timeout": LOCAL_HEARTBEAT_TIMEOUT},
+                             name="dispatcher", daemon=True)
+    dispatcher.start()
+    started.essential = [dispatcher]
+    return started
