@@ -40,8 +40,21 @@ from messages.codec import (
     Frame,
     concrete_types,
 )
-from messages.errors import BusError, CodecError, DecodeError, EncodeError
+from messages.errors import BusError, CodecError, DecodeError, EncodeError, ProtocolMismatch
 from messages.rids import MAX_RID, RidColumn
+from messages.schema import (
+    PROTOCOL_VERSION,
+    Difference,
+    FieldLayout,
+    TypeLayout,
+    catalogue_schema,
+    compare_layouts,
+    fingerprint,
+    layout_from_json,
+    layout_from_schema,
+    layout_to_json,
+    wire_layout,
+)
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -51,6 +64,7 @@ __all__ = [
     "MAX_RID",
     "MAX_TEXT",
     "MAX_TOKENS",
+    "PROTOCOL_VERSION",
     "AbortReq",
     "BatchEmbeddingOut",
     "BatchTokenIDOut",
@@ -58,14 +72,17 @@ __all__ = [
     "Codec",
     "CodecError",
     "DecodeError",
+    "Difference",
     "EncodeError",
     "ErrorCode",
     "ErrorOut",
+    "FieldLayout",
     "FinishReason",
     "Frame",
     "Message",
     "Output",
     "PackedU32",
+    "ProtocolMismatch",
     "Request",
     "Rid",
     "RidColumn",
@@ -77,8 +94,16 @@ __all__ = [
     "TokenIds",
     "TokenizedEmbeddingReqInput",
     "TokenizedGenerateReqInput",
+    "TypeLayout",
+    "catalogue_schema",
+    "compare_layouts",
     "concrete_types",
+    "fingerprint",
     "fit_text",
+    "layout_from_json",
+    "layout_from_schema",
+    "layout_to_json",
     "packed_u32",
     "token_ids",
+    "wire_layout",
 ]

@@ -1,7 +1,16 @@
-"""``python -m messages demo``: encode and decode a few messages, showing frames and timings."""
+"""``python -m messages``: ``demo``, ``schema`` and ``check OLD.json``.
+
+* ``demo``: encode and decode a few messages, showing frames and timings;
+* ``schema``: print the catalogue as JSON Schema (stdout), with its wire
+  layout and fingerprint; the fingerprint goes to stderr too;
+* ``check OLD.json``: compare a saved schema with the current catalogue, one
+  line per difference; exit status 1 if any is breaking (2: OLD.json
+  unreadable).
+"""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -17,6 +26,9 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
+from messages.schema import catalogue_schema, compare_layouts, layout_from_schema, wire_layout
+
+USAGE = "usage: python -m messages demo | schema | check OLD.json"
 
 
 def demo() -> None:
@@ -42,7 +54,45 @@ def demo() -> None:
         print(f"malformed frame -> {exc}")
 
 
+def schema() -> int:
+    """Print the catalogue's JSON Schema on stdout and its fingerprint on stderr."""
+    doc = catalogue_schema()
+    print(json.dumps(doc, indent=2))
+    print(f"fingerprint: {doc['x-fingerprint']}", file=sys.stderr)
+    return 0
+
+
+def check(path: str) -> int:
+    """Compare the schema saved at ``path`` with the current catalogue; 1 if breaking."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = layout_from_schema(json.load(f))
+    except (OSError, ValueError) as exc:
+        print(f"cannot read {path}: {exc}", file=sys.stderr)
+        return 2
+    diffs = compare_layouts(old, wire_layout())
+    for d in diffs:
+        print(d)
+    breaking = sum(d.breaking for d in diffs)
+    if not diffs:
+        print("no difference: the wire layout is the same")
+    else:
+        print(f"{len(diffs)} difference(s), {breaking} breaking")
+    return 1 if breaking else 0
+
+
+def main(argv: list[str]) -> int:
+    """Run the subcommand in ``argv``; return the exit status."""
+    if argv == ["demo"]:
+        demo()
+        return 0
+    if argv == ["schema"]:
+        return schema()
+    if len(argv) == 2 and argv[0] == "check":
+        return check(argv[1])
+    print(USAGE, file=sys.stderr)
+    return 2
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["demo"]:
-        sys.exit("usage: python -m messages demo")
-    demo()
+    sys.exit(main(sys.argv[1:]))

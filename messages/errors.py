@@ -7,6 +7,7 @@ serving engine can catch the library's failures in one place::
     ├── CodecError                 a message could not cross the wire
     │   ├── EncodeError            .message_type, .field, .reason
     │   └── DecodeError            .reason, .rid (when readable), .message_type
+    ├── ProtocolMismatch           .peer, .differences: the peers' layouts break
     ├── ChannelError               (bus)      .channel
     │   ├── WouldBlock             a _nowait call found the channel full/empty
     │   ├── ChannelClosed          *you* closed this end
@@ -25,7 +26,7 @@ text always names the channel, type or request id it concerns.
 
 from __future__ import annotations
 
-__all__ = ["BusError", "CodecError", "DecodeError", "EncodeError"]
+__all__ = ["BusError", "CodecError", "DecodeError", "EncodeError", "ProtocolMismatch"]
 
 
 class BusError(Exception):
@@ -81,3 +82,31 @@ class DecodeError(CodecError):
         if rid is not None:
             parts.append(f"(rid={rid!r})")
         super().__init__(" ".join(parts) + f": {reason}")
+
+
+class ProtocolMismatch(BusError):
+    """Two peers' wire layouts differ in a breaking way: refused before any request.
+
+    Raised by the ``hello`` handshake (:func:`scheduler.handshake.hello`),
+    unlike :class:`DecodeError`, which concerns one message: here *no*
+    message is sent, because the peers would mis-read each other's fields.
+    A compatible difference is logged, never raised.
+
+    Attributes:
+        peer: who the other side is (an endpoint, or ``"client"``).
+        differences: one line per breaking difference, each naming the type
+            and field (``"TokenizedGenerateReqInput.stream: field removed"``).
+        protocol_versions: (ours, theirs).
+    """
+
+    def __init__(self, peer: str, differences: list[str],
+                 protocol_versions: tuple[int, int] | None = None) -> None:
+        self.peer = peer
+        self.differences = list(differences)
+        self.protocol_versions = protocol_versions
+        head = f"wire protocol mismatch with {peer}"
+        if protocol_versions is not None and protocol_versions[0] != protocol_versions[1]:
+            head += f" (protocol version {protocol_versions[0]} here, {protocol_versions[1]} there)"
+        listed = "; ".join(self.differences[:20])
+        more = f"; and {len(self.differences) - 20} more" if len(self.differences) > 20 else ""
+        super().__init__(f"{head}: {listed}{more}" if listed else head)
