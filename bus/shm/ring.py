@@ -383,8 +383,14 @@ class ShmReader:
         if wfd >= 0:
             self._epoll.register(wfd, select.EPOLLIN)
         self._w[s + _PID] = os.getpid()
+        # Attach parked: a poll on fileno() may come before any drain, and
+        # records written before we attached must make the fd readable.
+        self._w[self._parked_w] = 1
         self._w[self._state_w] = _ATTACHED
         self._armed = True  # the doorbell may hold bytes: read it on the first drain
+        fence()
+        if self._w[self._cursor_w] != self._w[_WRITE_W]:
+            _ring(self._bell)
         self._closed = False
         self._gone: PeerGone | None = None
         self._records = self._bytes = self._signals = 0

@@ -1,0 +1,259 @@
+"""Same-node shared memory vs the socket path, cross-process, through the library's channels.
+
+Run: ``python -m benchmarks.shm``. Every figure comes from two processes on
+this machine, in one run, medians over repeats (compare ratios, not absolute
+numbers: the box is small and shared).
+
+* **Tensor frames**: a ``BatchEmbeddingOut`` of 64 MiB / 4 MiB / 1 MiB /
+  256 KiB sent ``PushOutbox -> PullInbox`` over ``ipc://``, with shared
+  memory (the default) and with ``shm=False`` (the socket path); the
+  receiver answers each with a small ack, and the figure is that round
+  trip. The *floor*: a bare handoff, one memcpy into a pre-mapped shared
+  segment and a tiny zmq message, the receiver taking a numpy view.
+* **Small messages** through ``ShmOutbox -> ShmInbox`` (a ``Receiver``
+  parked on the ring's fd): one-way latency p50/p99 (a send every 1 ms, so
+  the reader parks in between); reader CPU while idle and while receiving a
+  message every 200 µs.
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from bus import PullInbox, PushOutbox, Receiver, ShmInbox, ShmOutbox, ShmReader, ShmWriter
+from bus.envelope import Envelope
+from messages import AbortReq, BatchEmbeddingOut, Codec, Output, Request
+
+SIZES = {"tensor64m": 64 << 20, "tensor4m": 4 << 20, "tensor1m": 1 << 20,
+         "tensor256k": 256 << 10}
+REPEATS = {"tensor64m": 9, "tensor4m": 41, "tensor1m": 61, "tensor256k": 81}
+
+
+def _message(nbytes: int) -> BatchEmbeddingOut:
+    return BatchEmbeddingOut(rids=["a"], embeddings=torch.randn(1, nbytes // 4))
+
+
+def _echo(d: str, shm: bool) -> None:
+    """Receive tensors on d/data, ack each on d/ack, until an empty message."""
+    codec: Codec[Output] = Codec(Output)
+    inbox = PullInbox(codec, f"ipc://{d}/data", shm=shm)
+    ack = zmq.Context.instance().socket(zmq.PUSH)
+    ack.connect(f"ipc://{d}/ack")
+    recv = Receiver([inbox], budget=1)
+    while True:
+        recv.wait(None)
+        got = recv.poll()
+        while got:
+            env = got.pop()
+            assert isinstance(env, Envelope), env
+            msg = env.message
+            assert isinstance(msg, BatchEmbeddingOut)
+            n = msg.embeddings.numel()
+            del msg, env  # done with the tensor: its slab is released here
+            ack.send(b"k")
+            if n == 0:
+                ack.close(0)
+                inbox.close()
+                return
+
+
+def tensor_round_trips(shm: bool) -> dict[str, float]:
+    d = tempfile.mkdtemp()
+    ctx = zmq.Context.instance()
+    acks = ctx.socket(zmq.PULL)
+    acks.bind(f"ipc://{d}/ack")
+    codec: Codec[Output] = Codec(Output)
+    out = PushOutbox(codec, f"ipc://{d}/data", shm=shm)
+    proc = mp.get_context("spawn").Process(target=_echo, args=(d, shm))
+    proc.start()
+    res: dict[str, float] = {}
+    for key, size in SIZES.items():
+        msg = _message(size)
+        runs = []
+        for i in range(REPEATS[key] + 2):
+            t0 = time.perf_counter()
+            out.send(msg)
+            acks.recv()
+            if i >= 2:  # the first two map and fault the pages
+                runs.append((time.perf_counter() - t0) * 1e3)
+        res[key] = statistics.median(runs)
+    out.send(BatchEmbeddingOut(rids=[], embeddings=torch.zeros(0, 1)))
+    acks.recv()
+    proc.join(30)
+    out.close()
+    acks.close(0)
+    return res
+
+
+def _floor_echo(d: str, name: str, size: int) -> None:
+    fd = os.open(name, os.O_RDWR)
+    mm = mmap.mmap(fd, size)
+    os.close(fd)
+    ctx = zmq.Context.instance()
+    data, ack = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    data.connect(f"ipc://{d}/floor")
+    ack.connect(f"ipc://{d}/floorack")
+    while True:
+        n = int(data.recv())
+        view = np.frombuffer(mm, np.uint8, count=n)
+        del view
+        ack.send(b"k")
+        if n == 0:
+            break
+    data.close(0)
+    ack.close(0)
+
+
+def floor_round_trips() -> dict[str, float]:
+    """A bare handoff: memcpy into a mapped segment, a few bytes over zmq, a view."""
+    d = tempfile.mkdtemp()
+    size = max(SIZES.values())
+    name = f"/dev/shm/bench-floor-{os.getpid()}"
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size)
+    os.close(fd)
+    buf = np.frombuffer(mm, np.uint8)
+    ctx = zmq.Context.instance()
+    data, acks = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    data.bind(f"ipc://{d}/floor")
+    acks.bind(f"ipc://{d}/floorack")
+    proc = mp.get_context("spawn").Process(target=_floor_echo, args=(d, name, size))
+    proc.start()
+    res: dict[str, float] = {}
+    try:
+        for key, n in SIZES.items():
+            src = torch.randn(n // 4).view(torch.uint8).numpy()
+            runs = []
+            for i in range(REPEATS[key] + 2):
+                t0 = time.perf_counter()
+                buf[:n] = src
+                data.send(str(n).encode())
+                acks.recv()
+                if i >= 2:
+                    runs.append((time.perf_counter() - t0) * 1e3)
+            res[key] = statistics.median(runs)
+        data.send(b"0")
+        acks.recv()
+        proc.join(30)
+    finally:
+        del buf
+        mm.close()
+        os.unlink(name)
+        data.close(0)
+        acks.close(0)
+    return res
+
+
+def _small_reader(handle: str, path: str, ready: Any) -> None:
+    codec: Codec[Request] = Codec(Request)
+    inbox = ShmInbox(ShmReader.attach(handle, 0), codec)
+    recv = Receiver([inbox], budget=64)
+    ready.set()
+    lat: list[float] = []
+    cpu_idle = cpu_busy = 0.0
+    phase = "lat"
+    t_busy = c_busy = 0.0
+    done = False
+    t_idle = time.perf_counter()
+    c_idle = time.process_time()
+    while not done:
+        recv.wait(1.0)
+        now = time.perf_counter_ns()
+        for env in recv.poll():
+            assert isinstance(env, Envelope)
+            rid = env.message.rid
+            if rid.startswith("L"):
+                lat.append((now - int(rid[1:])) / 1e3)
+            elif rid == "idle-start":
+                t_idle, c_idle = time.perf_counter(), time.process_time()
+            elif rid == "idle-end":
+                cpu_idle = (time.process_time() - c_idle) / (time.perf_counter() - t_idle) * 100
+            elif rid == "busy-start":
+                phase = "busy"
+                t_busy, c_busy = time.perf_counter(), time.process_time()
+            elif rid == "busy-end":
+                cpu_busy = (time.process_time() - c_busy) / (time.perf_counter() - t_busy) * 100
+                done = True
+    del phase
+    with open(path, "w") as f:
+        json.dump({"lat": lat, "idle": cpu_idle, "busy": cpu_busy}, f)
+    inbox.close()
+
+
+def small_messages() -> dict[str, float]:
+    codec: Codec[Request] = Codec(Request)
+    writer = ShmWriter(1, 1 << 20, name="bench")
+    out = ShmOutbox(writer, codec)
+    path = f"{tempfile.mkdtemp()}/small.json"
+    busy_n = 5000
+    spawn = mp.get_context("spawn")
+    ready = spawn.Event()
+    proc = spawn.Process(target=_small_reader, args=(writer.handle, path, ready))
+    proc.start()
+    ready.wait(60)
+    for i in range(2000):
+        out.send(AbortReq(rid=f"L{time.perf_counter_ns()}"))
+        time.sleep(0.001 if i % 50 else 0.01)
+    out.send(AbortReq(rid="idle-start"))
+    time.sleep(3.0)
+    out.send(AbortReq(rid="idle-end"))
+    time.sleep(0.1)
+    out.send(AbortReq(rid="busy-start"))
+    msg = AbortReq(rid="busy")
+    next_at = time.perf_counter()
+    for _ in range(busy_n):  # one message every 200 us
+        next_at += 200e-6
+        left = next_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        out.send(msg)
+    out.send(AbortReq(rid="busy-end"))
+    proc.join(60)
+    out.close()
+    with open(path) as f:
+        got = json.load(f)
+    lat = sorted(got["lat"])
+    return {"small_p50_us": lat[len(lat) // 2], "small_p99_us": lat[int(len(lat) * 0.99)],
+            "idle_cpu_pct_reader": got["idle"], "busy_cpu_pct_reader": got["busy"]}
+
+
+def main() -> None:
+    zmq_ms = tensor_round_trips(shm=False)
+    shm_ms = tensor_round_trips(shm=True)
+    floor_ms = floor_round_trips()
+    out: dict[str, float] = {}
+    print("size        zmq ms    shm ms  floor ms", file=sys.stderr)
+    for key in SIZES:
+        print(f"{key:10s} {zmq_ms[key]:8.2f} {shm_ms[key]:8.2f} {floor_ms[key]:8.2f}",
+              file=sys.stderr)
+        out[f"{key}_zmq_ms"] = round(zmq_ms[key], 3)
+        out[f"{key}_shm_ms"] = round(shm_ms[key], 3)
+        out[f"{key}_floor_ms"] = round(floor_ms[key], 3)
+        out[f"ratio_{key}_shm_vs_zmq"] = round(zmq_ms[key] / shm_ms[key], 2)
+    out["ratio_tensor64m_shm_vs_floor"] = round(shm_ms["tensor64m"] / floor_ms["tensor64m"], 2)
+    small = small_messages()
+    print(f"small message one-way p50 {small['small_p50_us']:.1f} us, "
+          f"p99 {small['small_p99_us']:.1f} us; reader CPU idle "
+          f"{small['idle_cpu_pct_reader']:.2f}%, busy {small['busy_cpu_pct_reader']:.1f}%",
+          file=sys.stderr)
+    out.update({k: round(v, 2) for k, v in small.items()})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
