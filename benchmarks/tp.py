@@ -4,7 +4,9 @@ Run: ``python -m benchmarks.tp``. Two gloo ranks on this machine. For batches
 of 0..256 small generate requests, rank 0 broadcasts one poll's envelopes and
 rank 1 decodes them; the figure is rank 1's time per step (pack + transfer +
 unpack), median of repeated runs. The contrast broadcasts the same envelopes
-with ``broadcast_object_list`` (pickle). The last line is one JSON object.
+with ``broadcast_object_list`` (pickle); ``broadcast_shm_us_<n>`` sends them
+through the same-node shared-memory ring instead of gloo (the default when
+every rank is local). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -59,17 +61,21 @@ def _rank(rank: int, tp: TPConfig, out: Any) -> None:
         envs = _envelopes(n)
         # Our messages refuse pickle: the contrast pickles same-field twins.
         twins = [(pickled_twin(e.message), e.origin) for e in envs]  # type: ignore[arg-type]
-        recv = BroadcastReceiver(rank, _Fixed(envs) if rank == 0 else None,  # type: ignore[arg-type]
-                                 codec)
-        runs = []
-        for _ in range(3):
+        for transport in ("collective", "shm"):
+            recv = BroadcastReceiver(rank, _Fixed(envs) if rank == 0 else None,  # type: ignore[arg-type]
+                                     codec, transport=transport)
+            runs = []
+            for _ in range(3):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(STEPS):
+                    got = recv.poll()
+                runs.append((time.perf_counter() - t0) / STEPS * 1e6)
+                assert len(got) == n
             dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(STEPS):
-                got = recv.poll()
-            runs.append((time.perf_counter() - t0) / STEPS * 1e6)
-            assert len(got) == n
-        results[f"ours_{n}"] = statistics.median(runs)
+            recv.close()
+            results[f"{'ours' if transport == 'collective' else 'shm'}_{n}"] = \
+                statistics.median(runs)
         runs = []
         for _ in range(3):
             dist.barrier()
@@ -108,12 +114,14 @@ def main() -> None:
     for p in procs:
         p.join()
     out: dict[str, float] = {}
-    print("requests  ours us/step  pickle us/step  model decode step us", file=sys.stderr)
+    print("requests  gloo us/step  shm us/step  pickle us/step  model decode step us",
+          file=sys.stderr)
     for n in SIZES:
         step = step_time_us(n)
-        print(f"{n:8d}  {res[f'ours_{n}']:12.1f}  {res[f'pickle_{n}']:14.1f}  {step:12.1f}",
-              file=sys.stderr)
+        print(f"{n:8d}  {res[f'ours_{n}']:12.1f}  {res[f'shm_{n}']:11.1f}  "
+              f"{res[f'pickle_{n}']:14.1f}  {step:12.1f}", file=sys.stderr)
         out[f"broadcast_us_{n}"] = round(res[f"ours_{n}"], 1)
+        out[f"broadcast_shm_us_{n}"] = round(res[f"shm_{n}"], 1)
         out[f"broadcast_pickle_us_{n}"] = round(res[f"pickle_{n}"], 1)
         out[f"decode_step_us_{n}"] = round(step, 1)
     print(json.dumps(out))
