@@ -1,17 +1,21 @@
-"""Command line: ``python -m scheduler demo``, ``serve`` and ``top``."""
+"""Command line: ``python -m scheduler demo``, ``serve``, ``dispatch`` and ``top``."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import stat
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from bus import CurveKeys, SocketOptions
 from scheduler.admission import Limits
 from scheduler.demo import demo
+from scheduler.dp import ReplicaSpec, serve_dispatch
 from scheduler.model import ModelConfig
+from scheduler.processes import LOCAL_HEARTBEAT_TIMEOUT, start_replicas
 from scheduler.top import run_top
 from scheduler.wiring import Endpoints, serve_zmq
 
@@ -48,6 +52,65 @@ def private_dir(path: str) -> str:
     return os.path.abspath(path)
 
 
+def _add_upstream(p: argparse.ArgumentParser) -> None:
+    """The options of whatever serves clients: its endpoint, limits, CURVE."""
+    p.add_argument("--endpoint", required=True,
+                   help="a directory for ipc:// endpoints (work, rpc, out), or a tcp base "
+                        "like tcp://127.0.0.1:5550 (work=+0, rpc=+1, out=+2, all bound "
+                        "here; one output consumer connects)")
+    p.add_argument("--hwm", type=int, default=SocketOptions().hwm,
+                   help="zmq high-water mark per socket and direction (messages)")
+    p.add_argument("--max-backlog", type=int, default=Limits().max_backlog,
+                   help="outputs kept for a consumer that is not reading before its "
+                        "requests are aborted")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow binding tcp beyond loopback (use CURVE then)")
+    p.add_argument("--curve-keys", metavar="SECRET_FILE",
+                   help="this server's CURVE key pair (a zmq .key_secret file)")
+    p.add_argument("--curve-allow", metavar="PUBLIC_FILE", nargs="*", default=None,
+                   help="client public key files admitted (with --curve-keys)")
+    p.add_argument("--curve-out-server", metavar="PUBLIC_FILE",
+                   help="the output receiver's public key, when outputs connect to it")
+
+
+def _upstream(parser: argparse.ArgumentParser, args: argparse.Namespace
+              ) -> tuple[Endpoints, SocketOptions, list[bytes] | None]:
+    ep: str = args.endpoint
+    try:
+        endpoints = Endpoints.parse(ep if ep.startswith("tcp://") else private_dir(ep))
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
+    if (args.curve_allow is not None) != (keys is not None):
+        parser.error("--curve-keys and --curve-allow go together")
+    allowed = [CurveKeys.public_of(f) for f in args.curve_allow] if keys is not None else None
+    out_server = CurveKeys.public_of(args.curve_out_server) if args.curve_out_server else None
+    options = SocketOptions(hwm=args.hwm, allow_remote=args.allow_remote, curve_keys=keys,
+                            curve_server_public=out_server)
+    print(f"serving: work={endpoints.work} rpc={endpoints.rpc} out={endpoints.out}"
+          f"{' (CURVE)' if keys else ''}", file=sys.stderr)
+    return endpoints, options, allowed
+
+
+def _replica_specs(parser: argparse.ArgumentParser, args: argparse.Namespace
+                   ) -> list[ReplicaSpec]:
+    """``dispatch``'s replicas, each reached with this dispatcher's CURVE keys."""
+    keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
+    publics: list[str] = args.replica_key or []
+    if publics and keys is None:
+        parser.error("--replica-key needs --curve-keys (this dispatcher's own key pair)")
+    if len(publics) not in (0, 1, len(args.replica)):
+        parser.error("give one --replica-key for all replicas, or one per --replica")
+    specs = []
+    for i, spec in enumerate(args.replica):
+        public = CurveKeys.public_of(publics[min(i, len(publics) - 1)]) if publics else None
+        opts = SocketOptions(hwm=args.hwm, allow_remote=args.allow_remote,
+                             curve_keys=keys if public is not None else None,
+                             curve_server_public=public)
+        specs.append(ReplicaSpec(Endpoints.parse(spec), options=opts))
+    return specs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scheduler")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,31 +123,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="send the requests from concurrent asyncio tasks (AsyncEngine)")
     s = sub.add_parser("serve", help="run a scheduler for outside clients (zmq mode)")
     s.add_argument("--mode", choices=["zmq"], default="zmq")
-    s.add_argument("--endpoint", required=True,
-                   help="a directory for ipc:// endpoints (work, rpc, out), or a tcp base "
-                        "like tcp://127.0.0.1:5550 (work=+0, rpc=+1, out=+2)")
+    _add_upstream(s)
     s.add_argument("--max-batch", type=int, default=64)
-    s.add_argument("--hwm", type=int, default=SocketOptions().hwm,
-                   help="zmq high-water mark per socket and direction (messages)")
     s.add_argument("--max-queued-requests", type=int, default=Limits().max_queued_requests,
                    help="requests waiting beyond this are answered 'overloaded' at once")
     s.add_argument("--max-queued-tokens", type=int, default=Limits().max_queued_tokens,
                    help="tokens (prompt + max_new_tokens) waiting beyond this: 'overloaded'")
-    s.add_argument("--max-backlog", type=int, default=Limits().max_backlog,
-                   help="outputs kept for a consumer that is not reading before its "
-                        "requests are aborted")
-    s.add_argument("--allow-remote", action="store_true",
-                   help="allow binding tcp beyond loopback (use CURVE then)")
-    s.add_argument("--curve-keys", metavar="SECRET_FILE",
-                   help="this server's CURVE key pair (a zmq .key_secret file)")
-    s.add_argument("--curve-allow", metavar="PUBLIC_FILE", nargs="*", default=None,
-                   help="client public key files admitted (with --curve-keys)")
-    s.add_argument("--curve-out-server", metavar="PUBLIC_FILE",
-                   help="the output receiver's public key, to encrypt outputs too")
+    s.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas: that many local schedulers behind one "
+                        "dispatcher serving --endpoint")
+    s.add_argument("--dp-policy", choices=["least_loaded", "round_robin"],
+                   default="least_loaded")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics")
     s.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics endpoint binds (default: loopback)")
+    x = sub.add_parser("dispatch", help="serve one endpoint over scheduler replicas that "
+                                        "already run (data parallel)")
+    _add_upstream(x)
+    x.add_argument("--replica", action="append", required=True, metavar="ENDPOINT",
+                   help="a replica's ipc directory or tcp base (repeat per replica)")
+    x.add_argument("--replica-key", action="append", metavar="PUBLIC_FILE",
+                   help="a replica's CURVE public key (once for all, or once per replica)")
+    x.add_argument("--policy", choices=["least_loaded", "round_robin"],
+                   default="least_loaded")
+    x.add_argument("--heartbeat-timeout", type=float, default=1.0,
+                   help="seconds of silence after which a replica is lost")
+    x.add_argument("--rpc-timeout", type=float, default=30.0,
+                   help="seconds a broadcast rpc waits for every replica")
     t = sub.add_parser("top", help="a live view of a scheduler's metrics endpoint")
     t.add_argument("endpoint", help="PORT, HOST:PORT or the /metrics URL")
     t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
@@ -95,33 +161,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         return demo(args.mode, args.requests, args.max_new_tokens, args.seed,
                     use_async=args.use_async)
-    ep: str = args.endpoint
-    if ep.startswith("tcp://"):
-        endpoints = Endpoints.parse(ep)
-    else:
-        try:
-            endpoints = Endpoints.in_dir(private_dir(ep))
-        except OSError as exc:
-            parser.error(str(exc))
-    keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
-    if (args.curve_allow is not None) != (keys is not None):
-        parser.error("--curve-keys and --curve-allow go together")
-    allowed = [CurveKeys.public_of(f) for f in args.curve_allow] if keys is not None else None
-    out_server = CurveKeys.public_of(args.curve_out_server) if args.curve_out_server else None
-    options = SocketOptions(hwm=args.hwm, allow_remote=args.allow_remote, curve_keys=keys,
-                            curve_server_public=out_server)
-    print(f"serving: work={endpoints.work} rpc={endpoints.rpc} outputs->{endpoints.out}"
-          f"{' (CURVE)' if keys else ''}", file=sys.stderr)
+    if args.command == "dispatch":
+        specs = _replica_specs(parser, args)
+        endpoints, options, allowed = _upstream(parser, args)
+        serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
+                       policy=args.policy, heartbeat_timeout=args.heartbeat_timeout,
+                       rpc_timeout=args.rpc_timeout, max_backlog=args.max_backlog)
+        return 0
+    endpoints, options, allowed = _upstream(parser, args)
     try:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.dp > 1:
+        return _serve_dp(args, endpoints, options, allowed, limits)
     if args.metrics_port is not None:
         print(f"metrics: http://{args.metrics_host}:{args.metrics_port}/metrics",
               file=sys.stderr)
     serve_zmq(endpoints, ModelConfig(), max_batch=args.max_batch, options=options,
               curve_clients=allowed, limits=limits, metrics_port=args.metrics_port,
               metrics_host=args.metrics_host)
+    return 0
+
+
+def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOptions,
+              allowed: list[bytes] | None, limits: Limits) -> int:
+    """``serve --dp N``: N local replicas (private ipc) behind a dispatcher on ``endpoints``."""
+    directory = tempfile.mkdtemp(prefix="tsb-dp-")
+    procs, specs = start_replicas(directory, args.dp, ModelConfig(), max_batch=args.max_batch,
+                                  limits=limits)
+    try:
+        serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
+                       policy=args.dp_policy, max_backlog=limits.max_backlog,
+                       heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT)
+    finally:
+        for proc in (p for ranks in procs for p in ranks):
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        shutil.rmtree(directory, ignore_errors=True)
     return 0
 
 

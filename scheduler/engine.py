@@ -100,7 +100,8 @@ class Engine(EngineCore):
         return self._submit(req, RequestHandle)
 
     def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-                 return_logprob: bool = False, timeout: float | None = None) -> GenerateResult:
+                 return_logprob: bool = False, timeout: float | None = None,
+                 dp_rank: int | None = None) -> GenerateResult:
         """Generate and wait for the whole answer.
 
         Raises:
@@ -109,7 +110,8 @@ class Engine(EngineCore):
             InvalidRequest: refused before sending.
             SchedulerGone: the scheduler died meanwhile.
         """
-        return self.submit(input_ids, sampling, return_logprob=return_logprob).result(timeout)
+        return self.submit(input_ids, sampling, return_logprob=return_logprob,
+                           dp_rank=dp_rank).result(timeout)
 
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                return_logprob: bool = False) -> Iterator[StreamChunk]:

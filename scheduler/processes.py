@@ -21,7 +21,7 @@ from scheduler.model import ModelConfig
 from scheduler.tp import TPConfig
 from scheduler.wiring import Endpoints, serve_follower, serve_zmq
 
-__all__ = ["SchedulerProcesses", "start_processes"]
+__all__ = ["SchedulerProcesses", "start_processes", "start_replicas"]
 
 #: A local replica's death is seen at once through its pids; silence means a
 #: hang, and a busy 2-core machine can starve a healthy one for a while.
@@ -59,6 +59,26 @@ def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelConfig, *
     return procs
 
 
+def start_replicas(directory: str, n: int, model: ModelConfig, *, max_batch: int,
+                   tp_size: int = 1, limits: Limits | None = None, metrics: bool = True
+                   ) -> tuple[list[list[BaseProcess]], list[ReplicaSpec]]:
+    """Start ``n`` local replicas, replica ``i`` on ``ipc://`` endpoints in
+    ``directory/r<i>`` (made 0700); returns their processes and the specs a
+    dispatcher needs (pids included, so their exit is seen at once)."""
+    limits = limits or Limits()
+    procs: list[list[BaseProcess]] = []
+    specs: list[ReplicaSpec] = []
+    for i in range(n):
+        sub = os.path.join(directory, f"r{i}")
+        os.mkdir(sub, 0o700)
+        ep = Endpoints.in_dir(sub)
+        ranks = _start_scheduler(ep, sub, model, max_batch=max_batch, tp_size=tp_size,
+                                 limits=limits, metrics=metrics, name=f"replica{i}")
+        procs.append(ranks)
+        specs.append(ReplicaSpec(ep, tuple(p.pid for p in ranks if p.pid is not None)))
+    return procs, specs
+
+
 def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,
                     max_batch: int, tp_size: int = 1, dp_size: int = 1,
                     limits: Limits | None = None, metrics: bool = True,
@@ -74,15 +94,8 @@ def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,
                                              tp_size=tp_size, limits=limits, metrics=metrics,
                                              name="scheduler")
         return started
-    specs: list[ReplicaSpec] = []
-    for i in range(dp_size):
-        sub = os.path.join(directory, f"r{i}")
-        os.mkdir(sub, 0o700)
-        ep = Endpoints.in_dir(sub)
-        ranks = _start_scheduler(ep, sub, model, max_batch=max_batch, tp_size=tp_size,
-                                 limits=limits, metrics=metrics, name=f"replica{i}")
-        started.replicas.append(ranks)
-        specs.append(ReplicaSpec(ep, tuple(p.pid for p in ranks if p.pid is not None)))
+    started.replicas, specs = start_replicas(directory, dp_size, model, max_batch=max_batch,
+                                             tp_size=tp_size, limits=limits, metrics=metrics)
     ctx = multiprocessing.get_context("spawn")
     dispatcher = ctx.Process(target=serve_dispatch, args=(endpoints, specs),
                              kwargs={"policy": dp_policy, "max_backlog": limits.max_backlog,
