@@ -95,10 +95,10 @@ def _upstream(parser: argparse.ArgumentParser, args: argparse.Namespace
 def _replica_specs(parser: argparse.ArgumentParser, args: argparse.Namespace
                    ) -> list[ReplicaSpec]:
     """``dispatch``'s replicas, each reached with this dispatcher's CURVE keys."""
-    keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
+    keys = CurveKeys.load(args.replica_curve_keys) if args.replica_curve_keys else None
     publics: list[str] = args.replica_key or []
-    if publics and keys is None:
-        parser.error("--replica-key needs --curve-keys (this dispatcher's own key pair)")
+    if bool(publics) != (keys is not None):
+        parser.error("--replica-key and --replica-curve-keys go together")
     if len(publics) not in (0, 1, len(args.replica)):
         parser.error("give one --replica-key for all replicas, or one per --replica")
     specs = []
@@ -145,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a replica's ipc directory or tcp base (repeat per replica)")
     x.add_argument("--replica-key", action="append", metavar="PUBLIC_FILE",
                    help="a replica's CURVE public key (once for all, or once per replica)")
+    x.add_argument("--replica-curve-keys", metavar="SECRET_FILE",
+                   help="the key pair this dispatcher presents to CURVE replicas")
     x.add_argument("--policy", choices=["least_loaded", "round_robin"],
                    default="least_loaded")
     x.add_argument("--heartbeat-timeout", type=float, default=1.0,

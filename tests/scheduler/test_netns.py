@@ -94,3 +94,66 @@ def test_curve_across_two_hosts(hosts: tuple[str, str], tmp_path: Path) -> None:
         if server.poll() is None:
             server.kill()
             server.wait(30)
+
+
+_DP_CLIENT = """
+import sys
+from bus import PullInbox, PushOutbox, RpcClient
+from messages import BatchTokenIDOut, Codec, Output, Request, SamplingParams
+from messages import TokenizedGenerateReqInput
+d = sys.argv[1]
+with RpcClient(f"ipc://{d}/rpc") as rpc, PullInbox(Codec(Output), f"ipc://{d}/out") as out, \\
+        PushOutbox(Codec(Request), f"ipc://{d}/work") as work:
+    load = rpc.call("get_load", timeout=60)
+    print("load", load.success, load.result["replicas"])
+    for rank in (0, 1):
+        work.send(TokenizedGenerateReqInput(rid=f"g{rank}", input_ids=[1, 2, 3], dp_rank=rank,
+                                            sampling=SamplingParams(max_new_tokens=2)))
+    done = set()
+    while len(done) < 2 and out.socket.poll(30_000):
+        for env in out.drain(16):
+            msg = env.message
+            if isinstance(msg, BatchTokenIDOut):
+                done |= {r for r, f in zip(msg.rids, msg.finished_reasons) if f}
+            else:
+                print("unexpected", msg)
+    print("finished", sorted(done))
+    print("shutdown", rpc.call("shutdown", timeout=60).success)
+"""
+
+
+def test_dispatcher_over_replicas_on_another_host_with_curve(
+        hosts: tuple[str, str], tmp_path: Path) -> None:
+    a, b = hosts
+    server_public, server_secret = CurveKeys.create_files(tmp_path, "replica")
+    disp_public, disp_secret = CurveKeys.create_files(tmp_path, "dispatcher")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    replicas = [subprocess.Popen(
+        ["ip", "netns", "exec", a, sys.executable, "-m", "scheduler", "serve",
+         "--endpoint", f"tcp://{SERVER_IP}:{port}", "--allow-remote",
+         "--curve-keys", server_secret, "--curve-allow", disp_public],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) for port in (5550, 5560)]
+    front = tmp_path / "front"
+    front.mkdir(mode=0o700)
+    dispatcher = subprocess.Popen(
+        ["ip", "netns", "exec", b, sys.executable, "-m", "scheduler", "dispatch",
+         "--endpoint", str(front), "--replica", f"tcp://{SERVER_IP}:5550",
+         "--replica", f"tcp://{SERVER_IP}:5560", "--replica-key", server_public,
+         "--replica-curve-keys", disp_secret, "--heartbeat-timeout", "3"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out = subprocess.run(["ip", "netns", "exec", b, sys.executable, "-c", _DP_CLIENT,
+                              str(front)], capture_output=True, text=True, timeout=180, env=env)
+        assert out.stdout.split("\n")[:3] == [
+            "load True ['replica0', 'replica1']", "finished ['g0', 'g1']", "shutdown True"], \
+            out.stdout + out.stderr
+        dispatcher.wait(60)
+        for proc in replicas:  # the shutdown reached every replica
+            proc.wait(60)
+    finally:
+        for proc in (*replicas, dispatcher):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        if dispatcher.stderr is not None:
+            dispatcher.stderr.close()
