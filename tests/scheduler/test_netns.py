@@ -148,12 +148,15 @@ def test_dispatcher_over_replicas_on_another_host_with_curve(
             "load True ['replica0', 'replica1']", "finished ['g0', 'g1']", "shutdown True"], \
             out.stdout + out.stderr
         dispatcher.wait(60)
-        for proc in replicas:  # the shutdown reached every replica
-            proc.wait(60)
+        for replica in replicas:  # the shutdown reached every replica
+            replica.wait(60)
     finally:
-        for proc in (*replicas, dispatcher):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+        for replica in replicas:
+            if replica.poll() is None:
+                replica.kill()
+                replica.wait(30)
+        if dispatcher.poll() is None:
+            dispatcher.kill()
+            dispatcher.wait(30)
         if dispatcher.stderr is not None:
             dispatcher.stderr.close()
