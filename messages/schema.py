@@ -47,7 +47,9 @@ __all__ = [
     "Layout",
     "TypeLayout",
     "catalogue_schema",
+    "catalogue_types",
     "compare_layouts",
+    "compare_peers",
     "fingerprint",
     "layout_from_json",
     "layout_from_schema",
@@ -111,13 +113,23 @@ class Difference(msgspec.Struct, frozen=True):
 
 # -- the layout ----------------------------------------------------------------
 
+def catalogue_types() -> tuple[type[Message], ...]:
+    """Every concrete message the ``messages`` package defines (the published catalogue).
+
+    Subclasses defined elsewhere (a test's, an application's) are not part
+    of the wire contract, whenever they were imported.
+    """
+    return tuple(t for t in concrete_types(Message)
+                 if t.__module__.split(".", 1)[0] == "messages")
+
+
 def wire_layout(types: Iterable[type[Message]] | None = None) -> Layout:
-    """The wire layout of ``types`` (default: every concrete message) and their nested structs.
+    """The wire layout of ``types`` (default: :func:`catalogue_types`) and their nested structs.
 
     Raises:
         TypeError: a field has a type this function cannot describe.
     """
-    roots = tuple(types) if types is not None else concrete_types(Message)
+    roots = tuple(types) if types is not None else catalogue_types()
     out: Layout = {}
     for info in msgspec.inspect.multi_type_info(roots):
         assert isinstance(info, msgspec.inspect.StructType)
@@ -255,7 +267,7 @@ def catalogue_schema(types: Sequence[type[Message]] | None = None) -> dict[str, 
     ``x-fingerprint`` and ``x-layout`` carry what ``check`` and ``hello``
     compare.
     """
-    roots = tuple(types) if types is not None else concrete_types(Message)
+    roots = tuple(types) if types is not None else catalogue_types()
     refs, defs = msgspec.json.schema_components(
         roots, schema_hook=_schema_hook, ref_template="#/$defs/{name}")
     layout = wire_layout(roots)
@@ -293,6 +305,28 @@ def compare_layouts(old: Mapping[str, TypeLayout],
         else:
             diffs.extend(_compare_type(name, a, b))
     return diffs
+
+
+def compare_peers(theirs: Mapping[str, TypeLayout],
+                  ours: Mapping[str, TypeLayout]) -> list[Difference]:
+    """The differences between two live peers' layouts, where neither is "the old one".
+
+    As :func:`compare_layouts` (``theirs`` read as old, ``ours`` as new),
+    except that an optional field at the end of a type that only *their*
+    side has is compatible, as it is when only ours has it: whichever peer
+    is ahead, the other ignores the trailing item or fills in its default.
+    Pure, like :func:`compare_layouts`; the ``hello`` handshake uses it.
+    """
+    ahead = {(d.type, d.field): d for d in compare_layouts(ours, theirs)
+             if d.change == "field_added" and not d.breaking}
+    out: list[Difference] = []
+    for d in compare_layouts(theirs, ours):
+        extra = ahead.get((d.type, d.field))
+        if d.change == "field_removed" and extra is not None:
+            d = Difference(d.type, d.field, "field_added", False,
+                           f"{extra.detail} on the peer's side only")
+        out.append(d)
+    return out
 
 
 def _compare_type(name: str, a: TypeLayout, b: TypeLayout) -> list[Difference]:

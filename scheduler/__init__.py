@@ -12,6 +12,7 @@ from scheduler.errors import (
     SchedulerGone,
 )
 from scheduler.handles import GenerateResult, RequestHandle, StreamChunk
+from scheduler.handshake import HelloReply, hello
 from scheduler.loop import Scheduler, SchedulerStats
 from scheduler.model import ModelConfig, StubLM, TinyLM, build_model
 from scheduler.rpc_methods import RpcMethods
@@ -25,6 +26,7 @@ __all__ = [
     "EngineClosed",
     "EngineError",
     "GenerateResult",
+    "HelloReply",
     "InvalidRequest",
     "Limits",
     "ModelConfig",
@@ -39,6 +41,7 @@ __all__ = [
     "StubLM",
     "TinyLM",
     "build_model",
+    "hello",
     "serve_ring",
     "serve_zmq",
 ]

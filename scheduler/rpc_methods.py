@@ -17,6 +17,7 @@ from messages import (
     Scalar,
     fit_text,
 )
+from scheduler.handshake import HELLO_METHOD, answer_hello
 
 __all__ = ["RpcMethod", "RpcMethods"]
 
@@ -35,11 +36,14 @@ class RpcMethods:
     raises, or a result that cannot cross the wire all answer
     ``success=False`` with a message saying which; the caller's loop goes on.
     Every message is cut to fit the wire (:func:`messages.fit_text`), since it
-    may quote user input such as a path.
+    may quote user input such as a path. ``hello`` (the wire handshake,
+    :mod:`scheduler.handshake`) is registered from the start.
     """
 
     def __init__(self) -> None:
         self._methods: dict[str, RpcMethod] = {}
+        # Every rpc server speaks the handshake: it is the wire's, not a model's.
+        self.register(HELLO_METHOD, answer_hello)
 
     def register(self, name: str, fn: RpcMethod) -> None:
         """Expose ``fn`` as rpc method ``name``.

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from messages import Message, concrete_types
+from messages import Message, catalogue_types, concrete_types
 from messages.__main__ import main
 from messages.schema import (
     FieldLayout,
@@ -39,7 +39,7 @@ def test_schema_is_msgspec_json_schema_with_layout_and_fingerprint() -> None:
     doc = catalogue_schema()
     defs = doc["$defs"]
     assert isinstance(defs, dict)
-    names = {t.__name__ for t in concrete_types(Message)}
+    names = {t.__name__ for t in catalogue_types()}
     assert names <= defs.keys()
     assert {r["$ref"].rsplit("/", 1)[1] for r in doc["anyOf"]} == names  # type: ignore[attr-defined]
     gen = defs["TokenizedGenerateReqInput"]
@@ -48,6 +48,14 @@ def test_schema_is_msgspec_json_schema_with_layout_and_fingerprint() -> None:
     assert "ext 3" in json.dumps(gen)  # the tensor hook described input_embeds
     assert doc["x-fingerprint"] == fingerprint(wire_layout())
     assert layout_from_schema(json.loads(json.dumps(doc))) == wire_layout()
+
+
+def test_catalogue_is_the_messages_package_only() -> None:
+    class Local(Message):  # a test's own message is no part of the wire contract
+        x: int
+
+    assert Local in concrete_types(Message) and Local not in catalogue_types()
+    assert "Local" not in wire_layout()
 
 
 def test_layout_names_tags_fields_in_order_and_types() -> None:
