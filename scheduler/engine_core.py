@@ -64,6 +64,7 @@ from scheduler.errors import (
     SchedulerGone,
 )
 from scheduler.handles import StreamChunk
+from scheduler.metrics import label_replicas
 from scheduler.model import ModelConfig
 from scheduler.processes import SchedulerProcesses, start_processes
 from scheduler.wiring import Endpoints, serve_ring
@@ -191,17 +192,33 @@ class EngineCore:
         """The scheduler's Prometheus metrics, in the text exposition format (blocks).
 
         Read over rpc, so it is consistent with the scheduler's own step (in
-        either mode) and parses with ``prometheus_client.parser``.
+        either mode) and parses with ``prometheus_client.parser``. With
+        ``dp_size > 1``, every sample carries a ``replica`` label (replicas
+        that did not answer are left out).
 
         Raises:
             RequestFailed: the engine was built with ``metrics=False``.
             EngineClosed, SchedulerGone, RpcTimeout: as :meth:`_call_rpc`.
         """
         reply = self._call_rpc("metrics", timeout=timeout)
-        if not reply.success or reply.result is None:
+        result = reply.result or {}
+
+        def text(key: str) -> str | None:
+            pieces = result.get(key)
+            return "".join(str(p) for p in pieces) if isinstance(pieces, list) else None
+
+        if self.dp_size == 1:
+            whole = text("text")
+            if not reply.success or whole is None:
+                raise RequestFailed(reply.rid, "metrics", reply.message)
+            return whole
+        # Data parallel: each replica that answered, labelled (one lost must not
+        # blind the dashboard to the others).
+        parts = {f"replica{i}": text(f"replica{i}.text") for i in range(self.dp_size)}
+        answered = {name: t for name, t in parts.items() if t is not None}
+        if not answered:
             raise RequestFailed(reply.rid, "metrics", reply.message)
-        pieces = reply.result.get("text")
-        return "".join(str(p) for p in pieces) if isinstance(pieces, list) else ""
+        return label_replicas(answered)
 
     def _shutdown(self, timeout: float, stop_reading: Callable[[], None]) -> None:
         """Finish every accepted request with a terminal answer, then stop (once)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -31,6 +31,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from messages import DecodeError
@@ -252,3 +253,34 @@ def chunks(text: str, size: int = 60_000) -> list[str]:
     """``text`` in pieces of at most ``size`` characters (an rpc string holds 64 KiB)."""
     return [text[i : i + size] for i in range(0, len(text), size)] or [""]
 
+
+
+class _Families:
+    """A collector over families already built (a merged exposition)."""
+
+    def __init__(self, families: Sequence[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def label_replicas(texts: Mapping[str, str]) -> str:
+    """One exposition from several schedulers', each sample labelled ``replica``.
+
+    What ``Engine.metrics()`` returns with ``dp_size > 1``: the same families
+    as one scheduler's, so a dashboard sums or splits by that label.
+    """
+    families: dict[str, Metric] = {}
+    for replica, text in texts.items():
+        for fam in text_string_to_metric_families(text):
+            merged = families.get(fam.name)
+            if merged is None:
+                merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type,
+                                                     fam.unit)
+            for s in fam.samples:
+                merged.add_sample(s.name, {**s.labels, "replica": replica}, s.value,
+                                  s.timestamp, s.exemplar)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return exposition(registry)

@@ -328,3 +328,10 @@ def test_dispatch_over_running_replicas_and_a_restarted_one_rejoins(tmp_path: Pa
 def test_abort_of_unknown_rid_is_harmless_over_the_wire(dp_engine: Engine) -> None:
     dp_engine._send(AbortReq(rid="never-was"))
     assert dp_engine.generate([7], SamplingParams(max_new_tokens=1)).token_ids
+
+
+def test_metrics_label_each_replica(dp_engine: Engine) -> None:
+    text = dp_engine.metrics()
+    steps = {s.labels["replica"]: s.value for fam in text_string_to_metric_families(text)
+             for s in fam.samples if s.name == "tsb_steps_total"}
+    assert set(steps) == {"replica0", "replica1"} and all(v > 0 for v in steps.values())
