@@ -8,6 +8,9 @@ Run: ``python -m benchmarks.e2e``. The last line is one JSON object.
   feeds the very same scheduler by direct calls, with no bus at all. The
   difference per request is what the bus, router and engine add.
 * Rpc latency p50/p99, idle and while 1000 generate requests flood the work channel.
+* Hello: the wire handshake (:func:`scheduler.hello`) against the idle
+  scheduler, p50/p99 (``hello_ms_p50``), and the first one of a process
+  (``hello_first_ms``: it computes this side's layout once).
 * Metrics overhead: the stub-model Engine in zmq mode with metrics against
   without (9 back-to-back pairs, order alternating; the median of the
   paired differences), and the same scheduler driven in-process
@@ -25,10 +28,10 @@ from collections.abc import Sequence
 from typing import Literal
 
 from benchmarks._timing import percentiles
-from bus import Envelope, Origin, Receiver, Rejected
+from bus import Envelope, Origin, Receiver, Rejected, RpcClient
 from messages import Output, Request, SamplingParams, TokenizedGenerateReqInput, token_ids
 from router import CallbackSink, scheduler_router
-from scheduler import Engine, ModelConfig, Scheduler, StubLM
+from scheduler import Engine, ModelConfig, Scheduler, StubLM, hello
 
 Mode = Literal["ring", "zmq"]
 WORK = Origin("work")
@@ -128,6 +131,21 @@ def rpc_latency(mode: Mode, samples: int) -> tuple[list[float], list[float]]:
     return idle, flood
 
 
+def hello_latency(samples: int) -> tuple[float, list[float]]:
+    """(first hello of this process, then each of ``samples`` more), in ms, over zmq."""
+    with Engine("zmq", ModelConfig()) as engine, RpcClient(engine.endpoints.rpc) as client:
+        engine.collective_rpc("get_load")  # connected and serving
+        t0 = time.perf_counter()
+        hello(client, 30)
+        first = (time.perf_counter() - t0) * 1e3
+        times = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            hello(client, 30)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return first, times
+
+
 def main() -> None:
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     res: dict[str, float] = {}
@@ -153,6 +171,12 @@ def main() -> None:
             f"rpc_flood_p50_us_{mode}": round(f50, 1),
             f"rpc_flood_p99_us_{mode}": round(f99, 1),
         })
+    first, hellos = hello_latency(300)
+    h50, h99 = percentiles(hellos)
+    say(f"hello (wire handshake, zmq): first {first:.2f} ms, then p50 {h50:.3f} / "
+        f"p99 {h99:.3f} ms")
+    res.update({"hello_first_ms": round(first, 3), "hello_ms_p50": round(h50, 3),
+                "hello_ms_p99": round(h99, 3)})
     with_m, without_m = [], []
     for i in range(9):  # pairs, alternating which goes first: drift hits both alike
         first, second = (False, True) if i % 2 == 0 else (True, False)

@@ -17,7 +17,7 @@ from messages import (
     Scalar,
     fit_text,
 )
-from scheduler.handshake import HELLO_METHOD, answer_hello
+from scheduler.handshake import HELLO_METHOD, answer_hello, local_protocol
 
 __all__ = ["RpcMethod", "RpcMethods"]
 
@@ -44,6 +44,7 @@ class RpcMethods:
         self._methods: dict[str, RpcMethod] = {}
         # Every rpc server speaks the handshake: it is the wire's, not a model's.
         self.register(HELLO_METHOD, answer_hello)
+        local_protocol()  # once per process, at start-up: the first hello stays cheap
 
     def register(self, name: str, fn: RpcMethod) -> None:
         """Expose ``fn`` as rpc method ``name``.
