@@ -223,7 +223,7 @@ class AsyncEngine(EngineCore):
         self._reading = True
         self._watchdog = loop.create_task(self._watch())
         try:
-            await self.collective_rpc("get_load", timeout=self._start_timeout)
+            await loop.run_in_executor(None, self._handshake, self._start_timeout)
         except BaseException:
             await self.close()
             raise

@@ -42,7 +42,9 @@ class Engine(EngineCore):
             (scheduler in its own process; everything over zmq ``ipc://``).
         model: the model's shape and seed.
         max_batch: most requests decoding at once.
-        start_timeout: seconds to wait for the scheduler to answer its first rpc.
+        start_timeout: seconds to wait for the scheduler to answer ``hello``,
+            its first rpc (which also checks that it reads our wire layout:
+            :class:`~messages.ProtocolMismatch` otherwise).
         tp_size: tensor-parallel ranks (``zmq`` mode): that many scheduler
             processes joined by ``torch.distributed``; rank 0 owns the
             channels and broadcasts every poll, outputs leave from rank 0,
@@ -75,7 +77,7 @@ class Engine(EngineCore):
                                         daemon=True)
         self._reader.start()
         try:
-            self.collective_rpc("get_load", timeout=start_timeout)
+            self._handshake(start_timeout)
         except BaseException:
             self.close()
             raise

@@ -64,6 +64,7 @@ from scheduler.errors import (
     SchedulerGone,
 )
 from scheduler.handles import StreamChunk
+from scheduler.handshake import hello
 from scheduler.metrics import label_replicas
 from scheduler.model import ModelConfig
 from scheduler.processes import SchedulerProcesses, start_processes
@@ -187,6 +188,21 @@ class EngineCore:
             return self._rpc.call(method, timeout=timeout, alive=self._alive, **params)
         except PeerGone as exc:
             raise SchedulerGone(f"rpc {method!r}: {self._gone or exc}") from exc
+
+    def _handshake(self, timeout: float) -> None:
+        """Wait for the scheduler to answer ``hello`` (blocks): it is up, and it reads
+        our wire layout (a breaking difference raises before any request is sent).
+
+        Raises:
+            ProtocolMismatch: the scheduler refused our layout (names each
+                breaking type and field).
+            RpcTimeout: no answer within ``timeout``.
+            SchedulerGone: it died while starting.
+        """
+        try:
+            hello(self._rpc, timeout, alive=self._alive)
+        except PeerGone as exc:
+            raise SchedulerGone(f"hello: {self._gone or exc}") from exc
 
     def _read_metrics(self, timeout: float = 30.0) -> str:
         """The scheduler's Prometheus metrics, in the text exposition format (blocks).
