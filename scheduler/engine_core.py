@@ -35,6 +35,7 @@ from bus import (
     Ring,
     RingInbox,
     RpcClient,
+    sweep_shm,
 )
 from bus.channels import Inbox
 from messages import (
@@ -249,13 +250,18 @@ class EngineCore:
         if self._thread is not None:
             self._thread.join(timeout)
         deadline = time.monotonic() + timeout
+        killed = False
         for proc in self._started.all():
             if self._gone is not None:  # a rank died: the others may wait on it forever
                 proc.kill()
+                killed = True
             proc.join(max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+                killed = True
+        if killed:  # a killed process left its shared-memory segments: unlink them now
+            sweep_shm()
         stop_reading()
         self._fail_all(EngineClosed("the engine closed before the request finished"))
         self._rpc.close()

@@ -152,6 +152,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
         init_ranks(0, tp)
     auth = CurveAuthenticator(zmq.Context.instance(), curve_clients) \
         if curve_clients is not None else None
+    broadcast: BroadcastReceiver | None = None
     try:
         with PullInbox(codec, endpoints.work, options=options) as work, \
                 RpcServer(codec, endpoints.rpc, kind=rpc_kind, options=options) as rpc, \
@@ -173,6 +174,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
             with _metrics_http(sched, metrics_host, metrics_port):
                 sched.run()
     finally:
+        if broadcast is not None:
+            broadcast.close()  # rank 0 unlinks the shared-memory ring
         if auth is not None:
             auth.stop()
         if tp is not None:
@@ -183,11 +186,14 @@ def serve_follower(rank: int, tp: TPConfig, model: ModelConfig, *, max_batch: in
                    limits: Limits | None = None) -> None:
     """Run tensor-parallel rank ``rank`` (> 0): same requests as rank 0, no sockets."""
     init_ranks(rank, tp)
+    broadcast: BroadcastReceiver | None = None
     try:
-        codec: Codec[Request] = Codec(Request)
-        Scheduler(BroadcastReceiver(rank, None, codec), null_router(), build_model(model),
+        broadcast = BroadcastReceiver(rank, None, Codec(Request))
+        Scheduler(broadcast, null_router(), build_model(model),
                   max_batch=max_batch, rank=rank, world_size=tp.world_size, limits=limits,
                   metrics=False,
                   rpc_reduce=rpc_reducer(rank, tp.world_size)).run()
     finally:
+        if broadcast is not None:
+            broadcast.close()
         dist.destroy_process_group()
