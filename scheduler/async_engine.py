@@ -10,6 +10,11 @@ or :meth:`AsyncEngine.embed`, or leaving :meth:`AsyncEngine.stream` early
 (``break``, ``aclose()``, garbage collection), forgets the request's handle
 and sends ``AbortReq`` for it, so the scheduler frees its slot.
 
+Sending never blocks the loop: a work channel that is full (a scheduler
+not reading) makes :meth:`AsyncEngine.submit` raise
+:class:`~scheduler.Overloaded` at once, and an abort that finds it full
+waits in order and goes out as soon as there is room (it is never dropped).
+
 Buffering policy: each request buffers what its consumer has not taken yet.
 Past :attr:`AsyncHandle.max_buffered` items, a new token chunk is merged
 into the last buffered one instead of queued: a slow consumer of one stream
@@ -30,11 +35,11 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from messages import FinishReason, Request, RpcReqOutput, SamplingParams, Scalar
+from messages import AbortReq, FinishReason, Request, RpcReqOutput, SamplingParams, Scalar
 from scheduler.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine_core import EngineCore, Item
-from scheduler.errors import EngineClosed, EngineError
+from scheduler.errors import EngineClosed, EngineError, Overloaded
 from scheduler.handles import GenerateResult, StreamChunk
 from scheduler.model import ModelConfig
 
@@ -42,6 +47,8 @@ __all__ = ["AsyncEngine", "AsyncHandle", "AsyncRequest"]
 
 #: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._send``).
 _READ_EVERY = 32
+#: Seconds between two tries to send aborts a full work channel refused.
+_RETRY_S = 0.005
 
 
 class _Merged:
@@ -210,6 +217,7 @@ class AsyncEngine(EngineCore):
         self._zmq_out = pollable if isinstance(pollable, zmq.Socket) else None
         self._reading = False  # the loop's reader is registered
         self._sent_unread = 0  # sends since outputs were last read
+        self._unsent_aborts: deque[AbortReq] = deque()  # waiting for room on the channel
 
     async def start(self) -> Self:
         """Start reading outputs on the running loop; wait for the scheduler to answer.
@@ -276,6 +284,7 @@ class AsyncEngine(EngineCore):
 
         Raises:
             InvalidRequest: refused before sending.
+            Overloaded: the scheduler's work channel is full (nothing was sent).
             EngineClosed: the engine is closed (or not started).
             SchedulerGone: the scheduler died.
             ValueError: ``input_ids`` are not valid token ids.
@@ -337,7 +346,7 @@ class AsyncEngine(EngineCore):
             InvalidRequest: ``rid`` is not a valid request id.
             EngineClosed, SchedulerGone: as :meth:`generate`.
         """
-        self._send(self._abort_req(rid))
+        self._send_abort(self._abort_req(rid))
 
     def _cancel(self, rid: str) -> None:
         """The caller left: forget its handle and abort the request, best effort."""
@@ -345,9 +354,36 @@ class AsyncEngine(EngineCore):
         if self.closed or self._gone is not None:
             return
         try:
-            self._send(self._abort_req(rid))
+            self._send_abort(self._abort_req(rid))
         except EngineError:
             pass  # closing or gone: nothing left to free
+
+    def _send_abort(self, req: AbortReq) -> None:
+        """Send an abort now, or as soon as the work channel has room: never lost,
+        never blocking the loop."""
+        if self._unsent_aborts:  # keep order behind those already waiting
+            self._unsent_aborts.append(req)
+            return
+        try:
+            self._send(req)
+        except Overloaded:
+            self._unsent_aborts.append(req)
+            assert self._loop is not None
+            self._loop.call_later(_RETRY_S, self._retry_aborts)
+
+    def _retry_aborts(self) -> None:
+        waiting = self._unsent_aborts
+        while waiting and not self.closed and self._gone is None:
+            try:
+                self._send(waiting[0])
+            except Overloaded:
+                assert self._loop is not None
+                self._loop.call_later(_RETRY_S, self._retry_aborts)
+                return
+            except EngineError:
+                break
+            waiting.popleft()
+        waiting.clear()
 
     # -- rpc --------------------------------------------------------------------
 
@@ -397,8 +433,9 @@ class AsyncEngine(EngineCore):
         self._reading = False
         self.read_outputs()  # what arrived last
 
-    def _send(self, req: Request) -> None:
-        super()._send(req)
+    def _send(self, req: Request, *, block: bool = False) -> None:
+        # Never blocks the loop: a full work channel is Overloaded at once.
+        super()._send(req, block=False)
         # A burst of submits runs in one loop iteration, before the loop polls
         # again: read outputs every so often meanwhile, so delivery overlaps
         # the burst as the threaded face's reader does (one non-blocking poll

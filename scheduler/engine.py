@@ -96,6 +96,8 @@ class Engine(EngineCore):
             SchedulerGone: the scheduler died.
             InvalidRequest: the request breaks the wire's rules (a rid over
                 256 characters or not valid text, sampling out of range).
+            Overloaded: the scheduler's work channel stayed full for the
+                channel's send timeout (nothing was sent).
             ValueError: ``input_ids`` are not valid token ids.
         """
         req = self._generate_req(input_ids, sampling, stream, return_logprob, rid, dp_rank)

@@ -35,6 +35,7 @@ from bus import (
     Ring,
     RingInbox,
     RpcClient,
+    WouldBlock,
     sweep_shm,
 )
 from bus.channels import Inbox
@@ -372,20 +373,36 @@ class EngineCore:
             raise
         return handle
 
-    def _send(self, req: Request) -> None:
+    def _send(self, req: Request, *, block: bool = True) -> None:
+        """Send ``req`` to the scheduler; with ``block=False`` never wait for room.
+
+        Raises:
+            Overloaded: the scheduler's work channel stayed full (at once
+                with ``block=False``; after the channel's send timeout otherwise).
+            EngineClosed, SchedulerGone: as the public calls.
+        """
         if self._closed:
             raise EngineClosed("the engine is closed")
         if self._gone is not None:
             raise SchedulerGone(self._gone)
-        if self._ingress is not None:
-            try:
-                self._ingress.put(req, timeout=30.0)
-            except ChannelClosed as exc:
-                raise EngineClosed("the engine is closed") from exc
-            return
-        assert self._work_out is not None
-        with self._send_lock:  # a zmq socket is not thread-safe
-            self._work_out.send(req)
+        try:
+            if self._ingress is not None:
+                if block:
+                    self._ingress.put(req, timeout=30.0)
+                else:
+                    self._ingress.put_nowait(req)
+                return
+            assert self._work_out is not None
+            with self._send_lock:  # a zmq socket is not thread-safe
+                if block:
+                    self._work_out.send(req)
+                else:
+                    self._work_out.send_nowait(req)
+        except ChannelClosed as exc:
+            raise EngineClosed("the engine is closed") from exc
+        except WouldBlock as exc:
+            raise Overloaded(req.rid, "overloaded", f"the scheduler is not taking requests "
+                                                    f"(its work channel is full): {exc}") from exc
 
     def _forget(self, rid: str) -> None:
         """The caller left: ignore the request's outputs, but keep its rid taken.

@@ -13,8 +13,16 @@ from typing import Literal
 import pytest
 import pytest_asyncio
 
+from bus import WouldBlock
 from messages import SamplingParams
-from scheduler import AsyncEngine, EngineClosed, ModelConfig, SchedulerGone, StreamChunk
+from scheduler import (
+    AsyncEngine,
+    EngineClosed,
+    ModelConfig,
+    Overloaded,
+    SchedulerGone,
+    StreamChunk,
+)
 from scheduler.async_engine import AsyncHandle
 
 SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
@@ -237,3 +245,36 @@ def test_chunks_are_merged_past_the_bound() -> None:
         assert tokens == [*range(AsyncHandle.max_buffered + 10), 999]
     finally:
         loop.close()
+
+
+@pytest.mark.asyncio
+async def test_a_full_work_channel_never_blocks_the_loop(
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.stream([1, 2], SamplingParams(max_new_tokens=100_000)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    # The work channel is full (a scheduler that stopped reading): simulate it.
+    channel = engine._ingress if engine._ingress is not None else engine._work_out
+    assert channel is not None
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise WouldBlock("work", "full")
+
+    monkeypatch.setattr(channel, "put_nowait" if engine.mode == "ring" else "send_nowait", full)
+    t0 = time.monotonic()
+    with pytest.raises(Overloaded, match="work channel is full"):
+        engine.submit([3, 4])  # refused at once, not after a send timeout
+    assert time.monotonic() - t0 < 0.5
+    assert engine.pending == 1  # the refused request left nothing behind
+    task.cancel()  # its abort cannot be sent now: it waits, in order, for room
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(engine._unsent_aborts) == 1
+    monkeypatch.undo()  # room again: the abort goes out and the slot frees
+    await _until_idle(engine)
+    assert not engine._unsent_aborts
