@@ -157,7 +157,8 @@ class BatchTokenIDOut(Output):
 
     ``rids`` may be given as any sequence of ``str``; it is kept as a
     :class:`~messages.RidColumn` (it travels as one string, and a decoded
-    one makes its ``str`` objects only when first read).
+    one makes its ``str`` objects only when first read). A plain ``str``
+    given as ``rids`` is read as that wire form, not as a list of letters.
     """
 
     rids: RidSeq
