@@ -5,6 +5,8 @@ import math
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from messages import (
     BatchTokenIDOut,
@@ -146,3 +148,10 @@ def test_rid_column_count_must_match_the_batch() -> None:
 def test_rid_column_refuses_an_oversized_column() -> None:
     with pytest.raises(ValueError, match="longer than 256"):
         RidColumn.from_wire("\x00" + "x" * 300)
+
+
+@given(st.lists(st.text(min_size=1, max_size=20), max_size=40))
+def test_rid_column_round_trips_any_rids(rids: list[str]) -> None:
+    column = RidColumn(rids)
+    back = RidColumn.from_wire(column.wire)
+    assert back == rids and len(back) == len(rids) and list(back) == rids
