@@ -82,14 +82,17 @@ def start_replicas(directory: str, n: int, model: ModelConfig, *, max_batch: int
 def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,
                     max_batch: int, tp_size: int = 1, dp_size: int = 1,
                     limits: Limits | None = None, metrics: bool = True,
-                    dp_policy: Policy = "least_loaded") -> SchedulerProcesses:
+                    dp_policy: Policy = "least_loaded",
+                    dispatch: bool | None = None) -> SchedulerProcesses:
     """Start what serves ``endpoints``: a scheduler, or ``dp_size`` replicas and a dispatcher.
 
     Replica ``i`` serves ``ipc://`` endpoints in ``directory/r<i>`` (0700).
+    ``dispatch``: put a dispatcher in front even of one replica (default:
+    only when ``dp_size > 1``); what ``benchmarks/dp`` measures the hop with.
     """
     limits = limits or Limits()
     started = SchedulerProcesses()
-    if dp_size == 1:
+    if not (dp_size > 1 if dispatch is None else dispatch):
         started.essential = _start_scheduler(endpoints, directory, model, max_batch=max_batch,
                                              tp_size=tp_size, limits=limits, metrics=metrics,
                                              name="scheduler")

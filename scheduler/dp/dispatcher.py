@@ -27,6 +27,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from bus import (
     ChannelError,
     Envelope,
@@ -59,7 +61,14 @@ from scheduler.backpressure import collapse
 from scheduler.dp.fanout import Fanout, merge_replies
 from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy
 from scheduler.dp.replica import Replica, ReplicaSpec
-from scheduler.dp.table import Balanced, Broadcast, Owner, dispatch_table
+from scheduler.dp.table import (
+    Balanced,
+    Broadcast,
+    Owner,
+    Reducer,
+    ReplicaReply,
+    dispatch_table,
+)
 
 __all__ = ["Dispatcher", "DispatcherStats"]
 
@@ -254,10 +263,32 @@ class Dispatcher:
             self._stopping = True
             self._stop_deadline = time.monotonic() + self.rpc_timeout
         live = [i for i, r in enumerate(self.replicas) if r.live]
+        reduce = route.reduce
+        if call.method == "get_load":  # the dispatcher's own view of each replica, beside
+            reduce = functools.partial(self._with_ledger, route.reduce)
         done = self.fanout.start(call, origin, time.monotonic() + self.rpc_timeout,
-                                 route.reduce, live, self._send_call)
+                                 reduce, live, self._send_call)
         if done is not None:
             self.router.route(done, origin)
+
+    def _with_ledger(self, reduce: Reducer, call: RpcReqInput,
+                     replies: Sequence[ReplicaReply]) -> RpcReqOutput:
+        """``get_load`` merged, plus what the dispatcher knows per replica and of itself."""
+        merged = reduce(call, replies)
+        result = dict(merged.result or {})
+        ledger = self.ledger
+        for rep in self.replicas:
+            i = rep.index
+            result[f"{rep.name}.live"] = rep.live
+            result[f"{rep.name}.generation"] = rep.generation
+            result[f"{rep.name}.in_flight"] = ledger.requests[i]
+            result[f"{rep.name}.in_flight_tokens"] = ledger.tokens[i]
+            result[f"{rep.name}.dispatched"] = ledger.dispatched[i]
+            result[f"{rep.name}.dispatched_tokens"] = ledger.dispatched_tokens[i]
+        for key, n in self.stats.items():
+            result[f"dispatcher.{key}"] = n
+        result["dispatcher.late_rpc_replies"] = self.fanout.late
+        return msgspec.structs.replace(merged, result=result)
 
     def _send_call(self, i: int, call: RpcReqInput) -> str | None:
         try:

@@ -68,6 +68,8 @@ class Ledger:
         self.requests = [0] * n
         self.tokens = [0] * n
         self.reported = [0] * n  # running + queued, from the replica's last get_load
+        self.dispatched = [0] * n  # requests ever dispatched to each
+        self.dispatched_tokens = [0] * n  # and their tokens (prompt + max_new_tokens)
         self._entries: dict[str, Entry] = {}
         self._next = 0  # rotation: the round-robin cursor and the tie-break's start
 
@@ -133,6 +135,8 @@ class Ledger:
         self._entries[rid] = entry
         self.requests[replica] += 1
         self.tokens[replica] += cost
+        self.dispatched[replica] += 1
+        self.dispatched_tokens[replica] += cost
         return entry
 
     def finish(self, rid: str) -> Entry | None:

@@ -27,7 +27,7 @@ from messages import (
 )
 from router import NoSinkError, TypeTable
 
-__all__ = ["Balanced", "Broadcast", "Owner", "ReplicaReply", "Route", "dispatch_table"]
+__all__ = ["Balanced", "Broadcast", "Owner", "Reducer", "ReplicaReply", "Route", "dispatch_table"]
 
 
 @dataclass(frozen=True, slots=True)
