@@ -31,11 +31,11 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from unittest import mock
 
 from benchmarks._timing import percentiles
 from messages import SamplingParams, token_ids
-from scheduler import Engine, ModelConfig, RequestFailed, engine_core
+from scheduler import Engine, ModelConfig, RequestFailed, engine_core, processes
 
 STUB = ModelConfig(kind="stub")
 PROMPT = token_ids(range(1, 33))
@@ -53,15 +53,10 @@ def _round(engine: Engine, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-@contextlib.contextmanager
-def _dispatched() -> Iterator[None]:
+def _dispatched() -> contextlib.AbstractContextManager[object]:
     """Engines built inside put a dispatcher in front even of one replica."""
-    saved = engine_core.start_processes
-    engine_core.start_processes = functools.partial(saved, dispatch=True)
-    try:
-        yield
-    finally:
-        engine_core.start_processes = saved
+    return mock.patch.object(engine_core, "start_processes",
+                             functools.partial(processes.start_processes, dispatch=True))
 
 
 def overhead(rounds: int, n: int) -> tuple[float, float, float]:
