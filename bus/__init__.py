@@ -8,7 +8,15 @@ from bus.caller import RpcCaller
 from bus.channels import Inbox, PullInbox, PushOutbox, RingInbox, RpcServer, ZmqInbox
 from bus.curve import CurveAuthenticator, CurveKeys
 from bus.envelope import Envelope, Origin, Rejected
-from bus.errors import ChannelClosed, ChannelError, EndOfChannel, PeerGone, RpcTimeout, WouldBlock
+from bus.errors import (
+    ChannelClosed,
+    ChannelError,
+    EndOfChannel,
+    EndpointInUse,
+    PeerGone,
+    RpcTimeout,
+    WouldBlock,
+)
 from bus.logsummary import LogSummary
 from bus.receiver import Receiver, ReceiverStats
 from bus.ring import Ring, RingStats, open_ring
@@ -26,6 +34,7 @@ __all__ = [
     "CurveAuthenticator",
     "CurveKeys",
     "EndOfChannel",
+    "EndpointInUse",
     "Envelope",
     "Inbox",
     "LogSummary",

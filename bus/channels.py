@@ -229,7 +229,7 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
         out: list[Envelope[M] | Rejected] = []
         if self._skipping and not self._discard():
             return out  # still inside an oversized message: go on next poll
-        if not self.socket.getsockopt(_EVENTS) & _POLLIN:
+        if not self.socket.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
             # Nothing waits: one getsockopt, where a failed recv raises and
             # builds zmq.Again (3x dearer). A loop drains every inbox every
             # step, and most of them (rpc above all) are empty most steps.

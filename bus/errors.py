@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from messages.errors import BusError
 
-__all__ = ["ChannelClosed", "ChannelError", "EndOfChannel", "PeerGone", "RpcTimeout", "WouldBlock"]
+__all__ = [
+    "ChannelClosed",
+    "ChannelError",
+    "EndOfChannel",
+    "EndpointInUse",
+    "PeerGone",
+    "RpcTimeout",
+    "WouldBlock",
+]
 
 
 class ChannelError(BusError):
@@ -34,6 +42,15 @@ class ChannelClosed(ChannelError):
 
 class PeerGone(ChannelError):
     """The other end is gone: a dead process, a closed ring consumer."""
+
+
+class EndpointInUse(ChannelError):
+    """A live process already listens on this ``ipc://`` endpoint.
+
+    zmq would silently take the path over, and the other listener would stop
+    receiving without a word (two schedulers in one directory, two
+    dispatchers over one replica): refused instead.
+    """
 
 
 class EndOfChannel(ChannelError):

@@ -30,14 +30,17 @@ Defaults, and why:
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
 import zmq
 
 from bus.curve import CurveKeys
+from bus.errors import EndpointInUse
 from messages import DEFAULT_MAX_MESSAGE_BYTES
 
-__all__ = ["SocketOptions", "check_endpoint", "make_socket"]
+__all__ = ["SocketOptions", "check_endpoint", "make_socket", "refuse_live_ipc"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,8 @@ def make_socket(
 ) -> zmq.Socket[bytes]:
     """Create, configure and bind/connect one socket."""
     check_endpoint(endpoint, bind=bind, allow_remote=options.allow_remote)
+    if bind and endpoint.startswith("ipc://"):
+        refuse_live_ipc(endpoint)
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.SNDHWM, options.hwm)
@@ -104,6 +109,30 @@ def make_socket(
         sock.close(0)
         raise
     return sock
+
+
+def refuse_live_ipc(endpoint: str) -> None:
+    """Raise if a live process listens on ``endpoint`` (an ``ipc://`` path).
+
+    Binding unlinks and replaces the path: the listener already there would
+    stop receiving, silently. A stale file (its listener died) is fine.
+
+    Raises:
+        EndpointInUse: something accepts connections there.
+    """
+    path = endpoint[len("ipc://"):]
+    if path.startswith("@") or not os.path.exists(path):
+        return  # abstract namespace (refused by zmq itself when taken), or free
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:  # refused, not a socket, gone meanwhile: nobody listens
+        return
+    finally:
+        probe.close()
+    raise EndpointInUse(endpoint, "another live process listens here; binding would take "
+                                  "its traffic away from it silently")
 
 
 def _apply_curve(sock: zmq.Socket[bytes], *, bind: bool, options: SocketOptions) -> None:
