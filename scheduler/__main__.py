@@ -149,8 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the key pair this dispatcher presents to CURVE replicas")
     x.add_argument("--policy", choices=["least_loaded", "round_robin"],
                    default="least_loaded")
-    x.add_argument("--heartbeat-timeout", type=float, default=1.0,
-                   help="seconds of silence after which a replica is lost")
+    x.add_argument("--heartbeat-timeout", type=float, default=2.0,
+                   help="seconds of silence after which a replica is lost (a replica "
+                        "answers between steps: keep it above the longest step)")
     x.add_argument("--rpc-timeout", type=float, default=30.0,
                    help="seconds a broadcast rpc waits for every replica")
     t = sub.add_parser("top", help="a live view of a scheduler's metrics endpoint")

@@ -9,6 +9,7 @@ in bounded time: checkpoints read regular files of bounded size only
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from pathlib import Path
 
@@ -85,11 +86,13 @@ class ControlMethods:
         return {"text": list(chunks(exposition(self.registry)))}
 
     def get_load(self) -> RpcResult:
-        """Running and queued requests, and the recent token rate."""
+        """Running and queued requests, the recent token rate, and this process's pid
+        (which incarnation answers: a dispatcher tells a restart from a return)."""
         now = time.monotonic()
         if now - self._rate_t0 >= 1.0:
             self._rate = self._rate_tokens / (now - self._rate_t0)
             self._rate_t0, self._rate_tokens = now, 0
         running, queued = self._queue_sizes()
         return {"running": running, "queued": queued,
-                "tokens_per_s": round(self._rate, 1), "steps": self._steps}
+                "tokens_per_s": round(self._rate, 1), "steps": self._steps,
+                "pid": os.getpid()}

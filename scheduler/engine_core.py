@@ -82,6 +82,9 @@ Item = StreamChunk | npt.NDArray[np.float32] | EngineError
 
 log = logging.getLogger("scheduler.engine")
 
+#: Seconds a data-parallel replica gets to exit after its dispatcher did.
+_REPLICA_GRACE = 2.0
+
 
 class Pending(Protocol):
     """A request's handle as the core sees it: something to hand outputs to."""
@@ -252,11 +255,15 @@ class EngineCore:
             self._thread.join(timeout)
         deadline = time.monotonic() + timeout
         killed = False
+        essential = set(self._procs)
         for proc in self._started.all():
             if self._gone is not None:  # a rank died: the others may wait on it forever
                 proc.kill()
                 killed = True
-            proc.join(max(0.1, deadline - time.monotonic()))
+            # A replica the dispatcher could not shut down (lost, stopped) gets a
+            # short grace once the dispatcher is gone, not the whole timeout.
+            left = deadline - time.monotonic()
+            proc.join(max(0.1, left if proc in essential else min(left, _REPLICA_GRACE)))
             if proc.is_alive():
                 proc.kill()
                 proc.join()

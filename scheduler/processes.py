@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
@@ -24,8 +27,9 @@ from scheduler.wiring import Endpoints, serve_follower, serve_zmq
 __all__ = ["SchedulerProcesses", "start_processes", "start_replicas"]
 
 #: A local replica's death is seen at once through its pids; silence means a
-#: hang, and a busy 2-core machine can starve a healthy one for a while.
-LOCAL_HEARTBEAT_TIMEOUT = 10.0
+#: hang (or a stopped process), and a busy 2-core machine can starve a
+#: healthy one for a second or so.
+LOCAL_HEARTBEAT_TIMEOUT = 3.0
 
 
 @dataclass(slots=True)
@@ -40,18 +44,46 @@ class SchedulerProcesses:
         return [*self.essential, *(p for ranks in self.replicas for p in ranks)]
 
 
+def _watch_parent(parent: int) -> None:
+    """Exit as soon as ``parent`` does.
+
+    A parent that is SIGKILLed runs no clean-up, and its children would go on
+    serving endpoints nobody owns. A pidfd of the parent becomes readable
+    when it exits, whoever reaps it (unlike ``PR_SET_PDEATHSIG``, which fires
+    when the *thread* that started the child ends); a thread parked on it
+    costs nothing until then.
+    """
+    try:
+        fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        os._exit(1)
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=wait, name="parent-watch", daemon=True).start()
+
+
+def _child(parent: int, target: Callable[..., None], *args: object, **kwargs: object) -> None:
+    """A spawned process's body: watch the parent, then run ``target``."""
+    _watch_parent(parent)
+    target(*args, **kwargs)
+
+
 def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelConfig, *,
                      max_batch: int, tp_size: int, limits: Limits, metrics: bool,
                      name: str) -> list[BaseProcess]:
     """A scheduler of ``tp_size`` ranks serving ``endpoints``; rank 0 first."""
     ctx = multiprocessing.get_context("spawn")
     tp = TPConfig(tp_size, f"{directory}/tp-init") if tp_size > 1 else None
-    procs: list[BaseProcess] = [ctx.Process(target=serve_zmq, args=(endpoints, model),
+    me = os.getpid()
+    procs: list[BaseProcess] = [ctx.Process(target=_child, args=(me, serve_zmq, endpoints, model),
                          kwargs={"max_batch": max_batch, "tp": tp, "limits": limits,
                                  "metrics": metrics},
                          name=name, daemon=True)]
     for rank in range(1, tp_size):
-        procs.append(ctx.Process(target=serve_follower, args=(rank, tp, model),
+        procs.append(ctx.Process(target=_child, args=(me, serve_follower, rank, tp, model),
                                  kwargs={"max_batch": max_batch, "limits": limits},
                                  name=f"{name}-rank{rank}", daemon=True))
     for proc in procs:
@@ -100,7 +132,7 @@ def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,
     started.replicas, specs = start_replicas(directory, dp_size, model, max_batch=max_batch,
                                              tp_size=tp_size, limits=limits, metrics=metrics)
     ctx = multiprocessing.get_context("spawn")
-    dispatcher = ctx.Process(target=serve_dispatch, args=(endpoints, specs),
+    dispatcher = ctx.Process(target=_child, args=(os.getpid(), serve_dispatch, endpoints, specs),
                              kwargs={"policy": dp_policy, "max_backlog": limits.max_backlog,
                                      "heartbeat_timeout": LOCAL_HEARTBEAT_TIMEOUT},
                              name="dispatcher", daemon=True)

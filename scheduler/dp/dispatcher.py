@@ -106,7 +106,7 @@ class Dispatcher:
     def __init__(self, work: PullInbox[Request], rpc: RpcServer[Request],
                  out: PushOutbox[Output], replicas: Sequence[ReplicaSpec], *,
                  policy: Policy = "least_loaded", rpc_timeout: float = 30.0,
-                 heartbeat_interval: float = 0.2, heartbeat_timeout: float = 1.0,
+                 heartbeat_interval: float = 0.2, heartbeat_timeout: float = 2.0,
                  join_timeout: float = 60.0, max_backlog: int = 1024) -> None:
         if not replicas:
             raise ValueError("a dispatcher needs at least one replica")
@@ -220,13 +220,23 @@ class Dispatcher:
         self._dispatch(msg, origin, msg.dp_rank)
 
     def _dispatch(self, msg: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput,
-                  origin: Origin, pin: int | None) -> None:
+                  origin: Origin, pin: int | None, lost: str = "") -> None:
+        """Send ``msg`` to a replica (``lost``: why it is being sent again, for errors)."""
+        rid = msg.rid
+        # A replica still running an orphan of this rid would drop it as a duplicate.
+        busy = [r.index for r in self.replicas if r.orphans and rid in r.orphans]
         try:
-            i = self.ledger.pick(pin)
+            i = self.ledger.pick(pin, busy)
         except NoLiveReplica as exc:
-            bad_pin = pin is not None and not 0 <= pin < len(self.replicas)
-            self._error(msg.rid, origin, "invalid_request" if bad_pin else "replica_lost",
-                        f"request {msg.rid!r}: {exc}")
+            code: ErrorCode = "replica_lost"
+            why = str(exc)
+            if pin is not None and not 0 <= pin < len(self.replicas):
+                code = "invalid_request"
+            elif (pin in busy and self.replicas[pin].live) if pin is not None else \
+                    any(r.live for r in self.replicas):  # every live one is busy with it
+                code = "overloaded"  # the orphan ends soon: a retry will go through
+                why = f"replica {busy[0]} is still ending an earlier request with this id"
+            self._error(rid, origin, code, f"request {rid!r}: {why}{lost}")
             return
         rep = self.replicas[i]
         try:
@@ -243,7 +253,8 @@ class Dispatcher:
         cost = len(msg.input_ids)
         if isinstance(msg, TokenizedGenerateReqInput):
             cost += msg.sampling.max_new_tokens
-        self.ledger.add(msg.rid, i, rep.generation, cost, msg, pinned=pin is not None)
+        self.ledger.add(msg.rid, i, rep.generation, cost, msg, pinned=pin is not None,
+                        at=time.monotonic())
         self.stats["dispatched"] += 1
 
     def _to_owner(self, msg: Request) -> None:
@@ -330,7 +341,7 @@ class Dispatcher:
         if isinstance(out, BatchTokenIDOut):
             keep = [self._owned(rep, rid) for rid in out.rids]
             if not all(keep):
-                self.stats["stale_outputs"] += keep.count(False)
+                self._stale(rep, out.rids, out.finished_reasons, keep)
                 if not any(keep):
                     return
                 out = _select(out, keep)
@@ -342,16 +353,19 @@ class Dispatcher:
                     if entry is not None and not entry.started:
                         entry.started, entry.request = True, None
         elif isinstance(out, BatchEmbeddingOut):
-            if not all(self._owned(rep, rid) for rid in out.rids):
-                self.stats["stale_outputs"] += len(out.rids)
-                log.warning("embeddings from %s for requests it does not own: dropped",
-                            rep.name)
-                return
+            keep = [self._owned(rep, rid) for rid in out.rids]
+            if not all(keep):
+                self._stale(rep, out.rids, ["stop"] * len(keep), keep)
+                if not any(keep):
+                    return
+                rows = [i for i, k in enumerate(keep) if k]
+                out = BatchEmbeddingOut(rids=[out.rids[i] for i in rows],
+                                        embeddings=out.embeddings[rows])
             for rid in out.rids:
                 ledger.finish(rid)
         elif isinstance(out, ErrorOut):
             if not self._owned(rep, out.rid):
-                self.stats["stale_outputs"] += 1
+                self._stale(rep, [out.rid], ["error"], [False])
                 return
             ledger.finish(out.rid)
         else:
@@ -361,6 +375,15 @@ class Dispatcher:
             return
         self.router.route(out, _WORK)
 
+    def _stale(self, rep: Replica, rids: Sequence[str], ends: Sequence[str | None],
+               keep: Sequence[bool]) -> None:
+        """Count outputs for rids ``rep`` does not own now; an orphan that ended is done."""
+        for rid, end, k in zip(rids, ends, keep, strict=True):
+            if not k:
+                self.stats["stale_outputs"] += 1
+                if end is not None:
+                    rep.orphans.discard(rid)
+
     def _on_replica_rpc(self, rep: Replica, reply: Message, origin: Origin) -> None:
         if not isinstance(reply, RpcReqOutput):
             return
@@ -368,15 +391,37 @@ class Dispatcher:
         rep.last_seen = now
         if reply.rid.startswith("hb"):
             load = reply.result or {}
-            running, queued = load.get("running", 0), load.get("queued", 0)
+            running, queued, pid = load.get("running"), load.get("queued"), load.get("pid")
+            if not rep.live:
+                self._join(rep, now, pid if isinstance(pid, int) else None)
             if isinstance(running, int) and isinstance(queued, int):
                 self.ledger.reported[rep.index] = running + queued
-            if not rep.live:
-                self._join(rep, now)
+                self._account(rep, running + queued, now)
             return
-        done = self.fanout.reply(reply)
+        done = self.fanout.reply(reply, rep.index)
         if done is not None:
             self.router.route(*done)
+
+    def _account(self, rep: Replica, reported: int, now: float) -> None:
+        """Lose a replica that answers heartbeats but whose outputs never reach us.
+
+        It reports fewer requests than we have had in flight on it for longer
+        than the heartbeat timeout (they must have arrived by now), and goes on
+        doing so for another timeout: it finished them, or never saw them, and
+        their outputs went elsewhere (a second consumer on its output
+        endpoint) or nowhere. Not while its outputs are paused here: those it
+        finished wait in its own backlog, legitimately unaccounted.
+        """
+        old = self.ledger.older(rep.index, now - self.heartbeat_timeout)
+        if reported >= old or self._throttled:
+            rep.unaccounted_since = None
+        elif rep.unaccounted_since is None:
+            rep.unaccounted_since = now
+        elif now - rep.unaccounted_since > self.heartbeat_timeout:
+            self._lose(rep, f"it reports {reported} requests, but {old} of ours have been in "
+                            f"flight there for over {self.heartbeat_timeout} s: its outputs "
+                            "do not reach this dispatcher (another consumer on its output "
+                            "endpoint?)")
 
     # -- liveness ---------------------------------------------------------------
 
@@ -401,7 +446,16 @@ class Dispatcher:
             self.router.route(*done)
         self._throttle()
 
-    def _join(self, rep: Replica, now: float) -> None:
+    def _join(self, rep: Replica, now: float, pid: int | None) -> None:
+        if rep.orphans and pid is not None and pid != rep.pid:
+            rep.orphans.clear()  # a new process: the old one's requests died with it
+        for rid in sorted(rep.orphans):  # the same process, back: end what it still runs
+            try:
+                rep.work.send_nowait(AbortReq(rid=rid))
+            except ChannelError as exc:
+                log.warning("abort of orphan %r on %s not sent: %s", rid, rep.name, exc)
+        rep.pid = pid
+        rep.unaccounted_since = None
         rep.live = True
         rep.generation += 1
         rep.last_seen = now
@@ -415,13 +469,16 @@ class Dispatcher:
         (log.info if self._stopping else log.warning)("%s lost: %s", rep.name, why)
         rep.live = False
         self.stats["lost"] += 1
-        if rep.process_exit() is not None:
-            rep.kill()  # its other ranks would wait for the dead one forever
+        dead = rep.process_exit() is not None
+        if dead:
+            rep.bury()
         for inbox in (rep.out, rep.rpc):
             self.receiver.remove(inbox)
-        rep.reopen()  # this incarnation's channels, and all they hold, are gone
+        rep.reopen()  # this incarnation's connections, and all they hold, are gone
         self._watch(rep)
         for entry in self.ledger.lose(rep.index):
+            if not dead:  # silent, maybe alive: it may still run this one
+                rep.orphans.add(entry.rid)
             req = entry.request
             if self._stopping:
                 self._error(entry.rid, _WORK, "shutdown",
@@ -433,7 +490,8 @@ class Dispatcher:
             else:  # it never began there: run it elsewhere
                 self.stats["redispatched"] += 1
                 assert isinstance(req, TokenizedGenerateReqInput | TokenizedEmbeddingReqInput)
-                self._dispatch(req, _WORK, None)
+                self._dispatch(req, _WORK, None,
+                               f" ({rep.name}, which had it, was lost: {why})")
         for done in self.fanout.lose(rep.index, f"lost ({why})"):
             self.router.route(*done)
 

@@ -22,8 +22,10 @@ from scheduler.dp.table import Reducer, ReplicaReply
 
 __all__ = ["Fanout", "PendingCall", "merge_replies"]
 
-#: Methods whose numeric results add up across replicas (the whole's load).
-SUMMED = frozenset({"get_load"})
+#: Per method, the keys whose values add up across replicas (the whole's load).
+SUMMED: dict[str, frozenset[str]] = {
+    "get_load": frozenset({"running", "queued", "tokens_per_s", "steps"}),
+}
 
 
 @dataclass(slots=True)
@@ -75,12 +77,19 @@ class Fanout:
         self._calls[key] = pending
         return self._complete(key)
 
-    def reply(self, reply: RpcReqOutput) -> tuple[RpcReqOutput, Origin] | None:
-        """Take one replica's reply; the merged one and its origin if that was the last."""
-        hit = self._by_rid.pop(reply.rid, None)
-        if hit is None:
+    def reply(self, reply: RpcReqOutput, sender: int) -> tuple[RpcReqOutput, Origin] | None:
+        """Take replica ``sender``'s reply; the merged one and its origin if it was the last.
+
+        A reply matches only the call sent to ``sender`` under that rid: one
+        that answers another replica's rid (a confused or hostile replica)
+        is dropped and counted with the late ones, never taken as that
+        replica's answer.
+        """
+        hit = self._by_rid.get(reply.rid)
+        if hit is None or hit[1] != sender:
             self.late += 1
             return None
+        del self._by_rid[reply.rid]
         key, i = hit
         pending = self._calls[key]
         del pending.waiting[i]
@@ -130,14 +139,15 @@ def merge_replies(call: RpcReqInput, replies: Sequence[ReplicaReply]) -> RpcReqO
     * ``success`` only if every replica answered with success (a replica that
       was not live counts as a failure: the call did not reach it);
     * ``message`` names each replica that failed, timed out or was lost, and why;
-    * ``result`` holds each replica's result under ``"<replica>.<key>"``, the
-      list of ``replicas`` and of ``failed`` ones, and, at the top level,
-      every key on which all answering replicas agree, so a caller of a
-      method whose answer is the same everywhere reads it as from one
-      scheduler. For ``get_load`` the numeric keys are summed instead: the
-      load of the whole.
+    * ``result`` holds each replica's result under ``"<replica>.<key>"``, and
+      the dispatcher's ``replicas`` and ``failed`` lists (never overwritten
+      by a replica's keys). Only when *every* replica succeeded does it also
+      hold, at the top level, each key on which all of them agree (so a
+      method whose answer is the same everywhere reads as from one
+      scheduler), or for ``get_load``'s counts their sum: never
+      the answer of the replicas that happened to answer as everyone's.
     """
-    result: RpcResult = {"replicas": [r.replica for r in replies]}
+    result: RpcResult = {}
     failed: list[str] = []
     reasons: list[str] = []
     answers: list[RpcResult] = []
@@ -146,19 +156,22 @@ def merge_replies(call: RpcReqInput, replies: Sequence[ReplicaReply]) -> RpcReqO
             failed.append(r.replica)
             why = r.failure if r.reply is None else (r.reply.message or "failed")
             reasons.append(f"{r.replica}: {why}")
+        else:
+            answers.append(r.reply.result or {})
         if r.reply is not None and r.reply.result is not None:
-            answers.append(r.reply.result)
             for k, v in r.reply.result.items():
                 result[fit_text(f"{r.replica}.{k}", 256)] = v
-    result["failed"] = list[Scalar](failed)
-    if answers:
+    if answers and not failed:
+        summed = SUMMED.get(call.method, frozenset())
         for k in answers[0]:
             values = [a.get(k) for a in answers]
-            if call.method in SUMMED and all(isinstance(v, int | float) and
-                                             not isinstance(v, bool) for v in values):
+            if k in summed and all(isinstance(v, int | float) and not isinstance(v, bool)
+                                   for v in values):
                 result[k] = sum(v for v in values if isinstance(v, int | float))
             elif all(v == values[0] for v in values) and values[0] is not None:
                 result[k] = values[0]
+    result["replicas"] = [r.replica for r in replies]
+    result["failed"] = list[Scalar](failed)
     message = "" if not failed else fit_text(
         f"rpc {call.method!r} failed on {len(failed)} of {len(replies)} replicas: "
         + "; ".join(reasons))

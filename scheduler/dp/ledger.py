@@ -18,7 +18,7 @@ Pure bookkeeping, no sockets, so its rules are tested as properties:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,6 +52,7 @@ class Entry:
     pinned: bool = False
     started: bool = False
     aborted: bool = False
+    at: float = 0.0  # when it was dispatched (monotonic)
 
 
 class Ledger:
@@ -92,11 +93,12 @@ class Ledger:
         extra = max(0, self.reported[replica] - self.requests[replica])
         return self.tokens[replica] + extra * REPORTED_REQUEST_TOKENS
 
-    def pick(self, pin: int | None = None) -> int:
-        """The replica for a new request.
+    def pick(self, pin: int | None = None, exclude: Container[int] = ()) -> int:
+        """The replica for a new request, never one in ``exclude``.
 
         Raises:
-            NoLiveReplica: ``pin`` is out of range or not live, or none is live.
+            NoLiveReplica: ``pin`` is out of range, not live or excluded, or
+                no replica is live and not excluded.
         """
         if pin is not None:
             if not 0 <= pin < self.n:
@@ -104,12 +106,15 @@ class Ledger:
                                     "replicas")
             if not self.live[pin]:
                 raise NoLiveReplica(f"dp_rank={pin} pins replica {pin}, which is not live")
+            if pin in exclude:
+                raise NoLiveReplica(f"dp_rank={pin} pins replica {pin}, which cannot take "
+                                    "this request now")
             return pin
         n, start = self.n, self._next
         best, best_score = -1, 0
         for k in range(n):
             i = (start + k) % n
-            if not self.live[i]:
+            if not self.live[i] or i in exclude:
                 continue
             if self.policy == "round_robin":
                 best = i
@@ -123,15 +128,15 @@ class Ledger:
         return best
 
     def add(self, rid: str, replica: int, generation: int, cost: int,
-            request: Request | None, *, pinned: bool = False) -> Entry:
-        """Record ``rid`` as dispatched to ``replica``.
+            request: Request | None, *, pinned: bool = False, at: float = 0.0) -> Entry:
+        """Record ``rid`` as dispatched to ``replica`` (at monotonic time ``at``).
 
         Raises:
             KeyError: ``rid`` is already in flight.
         """
         if rid in self._entries:
             raise KeyError(rid)
-        entry = Entry(rid, replica, generation, cost, request, pinned)
+        entry = Entry(rid, replica, generation, cost, request, pinned, at=at)
         self._entries[rid] = entry
         self.requests[replica] += 1
         self.tokens[replica] += cost
@@ -146,6 +151,10 @@ class Ledger:
             self.requests[entry.replica] -= 1
             self.tokens[entry.replica] -= entry.cost
         return entry
+
+    def older(self, replica: int, before: float) -> int:
+        """How many of ``replica``'s requests were dispatched before ``before``."""
+        return sum(1 for e in self._entries.values() if e.replica == replica and e.at < before)
 
     def lose(self, replica: int) -> list[Entry]:
         """Mark ``replica`` not live and hand back every entry it held (removed)."""

@@ -15,8 +15,8 @@ Death is seen two ways:
   goes out every ``heartbeat_interval``; no reply for ``heartbeat_timeout``
   means lost. This covers remote replicas and a local one that hangs.
 
-A lost replica's channels are closed (whatever they still hold from that
-incarnation is dropped) and reopened at once for the next one: a probe
+A lost replica's connections are closed (whatever they still hold from
+that incarnation is dropped) and reopened at once for the next one: a probe
 goes out every ``heartbeat_interval`` and the first answer makes the
 replica live again with ``generation + 1``. Entries of the ledger carry the
 generation they were dispatched under, so an output from an earlier
@@ -71,9 +71,13 @@ class Replica:
         self.live = False  # until its first heartbeat answers
         self.joined = False  # has been live at least once
         self.last_seen = 0.0  # monotonic time of its last rpc reply
-        self.joining_since = 0.0  # when the current (re)join attempt began
         self.next_beat = 0.0
-        self.beats = 0  # heartbeats sent
+        self.pid: int | None = None  # the pid its heartbeat reports (which incarnation)
+        #: Rids lost to this replica's silence: it may still be running them. They
+        #: are aborted when it returns, their outputs are stale, and a new request
+        #: under one of these rids goes elsewhere (here it would be a duplicate).
+        self.orphans: set[str] = set()
+        self.unaccounted_since: float | None = None  # see Dispatcher._account
         self._pidfds: list[int] = []
         for pid in spec.pids:
             try:
@@ -85,17 +89,25 @@ class Replica:
         self.rpc: RpcCaller
         self._open()
 
-    def _open(self) -> None:
+    def _open(self, out: bool = True) -> None:
         ep, opts = self.spec.endpoints, self.spec.options
         self.work = PushOutbox(Codec(Request), ep.work, name=f"{self.name}.work", options=opts)
-        self.out = PullInbox(Codec(Output), ep.out, name=f"{self.name}.out", options=opts,
-                             bind=not ep.server_binds_out)
+        if out:
+            self.out = PullInbox(Codec(Output), ep.out, name=f"{self.name}.out", options=opts,
+                                 bind=not ep.server_binds_out)
         self.rpc = RpcCaller(ep.rpc, name=f"{self.name}.rpc", options=opts)
 
     def reopen(self) -> None:
-        """Drop this incarnation's channels (and all they hold); open fresh ones."""
-        self._close_channels()
-        self._open()
+        """Drop this incarnation's connections (and all they hold); open fresh ones.
+
+        An output endpoint this dispatcher *binds* (``ipc://``) stays: closing
+        a listener is asynchronous, so binding the path again at once could
+        find the old one still there, and the next incarnation connects to it
+        anyway. What the old one left in it is stale by the ledger's rules.
+        """
+        rebind = self.spec.endpoints.server_binds_out
+        self._close_channels(out=rebind)
+        self._open(out=rebind)
 
     def process_exit(self) -> str | None:
         """Why the replica's processes say it is gone, or ``None`` (never blocks)."""
@@ -106,27 +118,31 @@ class Replica:
         ready, _, _ = select.select(self._pidfds, [], [], 0)
         if not ready:
             return None
-        pid = self.spec.pids[self._pidfds.index(ready[0])]
-        return f"its process {pid} exited"
+        return f"its process {self.spec.pids[self._pidfds.index(ready[0])]} exited"
 
     @property
     def local(self) -> bool:
         """Whether its processes are known (and so can be watched and stopped)."""
         return bool(self._pidfds)
 
-    def kill(self) -> None:
-        """SIGKILL every process of a local replica still running (a rank left alone
-        would wait for its dead peer forever)."""
+    def bury(self) -> None:
+        """Its processes exited: SIGKILL the ranks still running (a rank left alone
+        would wait for its dead peer forever), and stop watching those pids. A
+        replica restarted in their place is watched by its heartbeat."""
         for fd in self._pidfds:
             if fd >= 0:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
+                os.close(fd)
+        self._pidfds = []
+        self.orphans.clear()  # whatever it was running died with it
 
-    def _close_channels(self, linger: bool = False) -> None:
+    def _close_channels(self, linger: bool = False, out: bool = True) -> None:
         if not linger and not self.work.closed:
             self.work.socket.setsockopt(zmq.LINGER, 0)  # a dead peer holds nothing back
         self.work.close()
-        self.out.close()
+        if out:
+            self.out.close()
         self.rpc.close()
 
     def close(self, linger: bool = True) -> None:

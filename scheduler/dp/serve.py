@@ -20,7 +20,7 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
                    options: SocketOptions | None = None,
                    curve_clients: Sequence[bytes] | None = None,
                    policy: Policy = "least_loaded", rpc_timeout: float = 30.0,
-                   heartbeat_interval: float = 0.2, heartbeat_timeout: float = 1.0,
+                   heartbeat_interval: float = 0.2, heartbeat_timeout: float = 2.0,
                    join_timeout: float = 60.0, max_backlog: int = 1024) -> None:
     """Serve ``endpoints`` like one scheduler, dispatching over ``replicas``, until a
     ``shutdown`` rpc (which reaches every replica) has been answered.
