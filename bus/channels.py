@@ -30,6 +30,7 @@ from bus.ring import Ring
 from bus.shm.frames import DEFAULT_SHM_THRESHOLD, MAGIC, FrameMapper, FramePool
 from bus.sockets import SocketOptions, make_socket
 from messages import Codec, DecodeError, Frame, Message
+from messages.burst import MAX_BURST, is_burst
 
 __all__ = ["Inbox", "PullInbox", "PushOutbox", "RingInbox", "RpcServer", "ZmqInbox"]
 
@@ -224,7 +225,7 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
     def drain(self, max_n: int) -> list[Envelope[M] | Rejected]:
         if self._closed:
             raise EndOfChannel(self._name, "closed")
-        recv, decode = self.socket.recv, self.codec.decode
+        recv, decode = self.socket.recv, self.codec.decode_any
         origin, routed, name = self._origin, self._routed, self._name
         out: list[Envelope[M] | Rejected] = []
         if self._skipping and not self._discard():
@@ -237,7 +238,7 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
         append = out.append
         max_parts = self._max_parts
         mapper = self.shm_frames
-        for _ in range(max_n):
+        while len(out) < max_n:  # a burst counts as the messages it holds
             try:
                 # copy=False: a Frame says `.more` for free, where the socket's
                 # RCVMORE option costs a getsockopt per message.
@@ -271,11 +272,29 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
                 if mapper is not None and len(frames) > 2 and \
                         frames[0][:_MAGIC_LEN] == MAGIC:  # tensor frames in shared memory
                     frames = mapper.resolve(frames)
-                append(Envelope(decode(frames), origin))
+                got = decode(frames)
             except DecodeError as exc:
-                self.rejected += 1
-                append(Rejected(exc, origin))
+                if is_burst(frames[0]):
+                    self._burst_members(frames, origin, out)
+                else:
+                    self.rejected += 1
+                    append(Rejected(exc, origin))
+                continue
+            if type(got) is list:  # a burst: its members, in order
+                out.extend([Envelope(m, origin) for m in got])
+            else:
+                append(Envelope(got, origin))  # type: ignore[arg-type]
         return out
+
+    def _burst_members(self, frames: Sequence[Frame], origin: Origin,
+                       out: list[Envelope[M] | Rejected]) -> None:
+        """A burst that failed to decode: each member alone, where its layout allows."""
+        for member in self.codec.decode_members(frames):
+            if isinstance(member, DecodeError):
+                self.rejected += 1
+                out.append(Rejected(member, origin))
+            else:
+                out.append(Envelope(member, origin))
 
     def _oversized(self, frames: Sequence[Frame]) -> DecodeError:
         """The error for a message with too many parts, with its rid when the header has one."""
@@ -360,7 +379,9 @@ class PushOutbox(_ZmqEnd, Generic[M]):
             pool.close()
 
     def _send_message(self, msg: M, block: bool) -> None:
-        frames = self.codec.encode(msg)
+        self._send_frames(self.codec.encode(msg), block)
+
+    def _send_frames(self, frames: list[Frame], block: bool) -> None:
         pool = self.shm_frames
         if pool is None or len(frames) < 2:
             self._send(frames, block=block)
@@ -381,6 +402,44 @@ class PushOutbox(_ZmqEnd, Generic[M]):
             ChannelClosed: this outbox is closed.
         """
         self._send_message(msg, True)
+
+    def send_many(self, msgs: Sequence[M], /) -> None:
+        """Send ``msgs``, in order, as bursts: one zmq message and one msgspec call
+        per up to ``MAX_BURST`` of them (one message travels as itself).
+
+        Blocks at most the send timeout per burst at the high-water mark.
+
+        Raises:
+            EncodeError: a message cannot be encoded (those before its burst were sent).
+            WouldBlock: the peer is not reading (those before this burst were sent).
+            ChannelClosed: this outbox is closed.
+        """
+        self._send_bursts(msgs, block=True)
+
+    def send_many_nowait(self, msgs: Sequence[M], /) -> int:
+        """Send as many of ``msgs`` as the peer takes now, in order, as bursts; never blocks.
+
+        Returns how many were sent (fewer than ``len(msgs)`` when the peer
+        stopped taking them: send the rest later).
+
+        Raises:
+            EncodeError: a message cannot be encoded (those before its burst were sent).
+            ChannelClosed: this outbox is closed.
+        """
+        return self._send_bursts(msgs, block=False)
+
+    def _send_bursts(self, msgs: Sequence[M], *, block: bool) -> int:
+        encode_many, sent = self.codec.encode_many, 0
+        while sent < len(msgs):
+            chunk = msgs[sent:sent + MAX_BURST]
+            try:
+                self._send_frames(encode_many(chunk), block)
+            except WouldBlock:
+                if block:
+                    raise
+                return sent
+            sent += len(chunk)
+        return sent
 
     def send_nowait(self, msg: M, /) -> None:
         """Encode and send ``msg`` if the peer can take it now; never blocks.

@@ -143,8 +143,10 @@ class Receiver(Generic[M]):
                     ended.append(inbox)
                     continue
                 out.extend(got)
-                remaining -= len(got)
-                if len(got) == take:
+                # A burst can hand over more than was asked: that is fine, the
+                # budget just runs out sooner.
+                remaining = max(0, remaining - len(got))
+                if len(got) >= take:
                     more.append(inbox)  # it may hold more
                 if not remaining:
                     break

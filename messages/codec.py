@@ -52,7 +52,8 @@ import torch
 from messages import _tensors as tz
 from messages._failures import FailureNamer, find_field, invalid, unencodable
 from messages.base import ABSTRACT_MESSAGE_TYPES, Message
-from messages.errors import EncodeError
+from messages.burst import MAX_BURST, burst_type, split
+from messages.errors import DecodeError, EncodeError
 from messages.rids import RidColumn
 
 __all__ = [
@@ -77,6 +78,7 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = 1 << 30
 Frame = bytes | bytearray | memoryview
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 class _Bad:
@@ -167,6 +169,13 @@ class Codec(Generic[M]):
         self._single: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(
             union, ext_hook=self._ext_hook_single, dec_hook=self._dec_hook
         )
+        # Bursts (messages.burst): the same union, or a burst of it, in one call.
+        self._burst = burst_type(union)
+        either = union | self._burst
+        self._decoder_any: msgspec.msgpack.Decoder[object] = msgspec.msgpack.Decoder(
+            either, ext_hook=self._ext_hook, dec_hook=self._dec_hook)
+        self._single_any: msgspec.msgpack.Decoder[object] = msgspec.msgpack.Decoder(
+            either, ext_hook=self._ext_hook_single, dec_hook=self._dec_hook)
         self._state = threading.local()  # per thread: the frames an encode sets aside
         # A multi-frame decode's state, guarded by the lock.
         self._lock = threading.Lock()
@@ -206,6 +215,30 @@ class Codec(Generic[M]):
         if size > self.max_message_bytes:
             raise self._too_big(msg, size)
         return out
+
+    def encode_many(self, msgs: Sequence[M], /) -> list[Frame]:
+        """Return the frames of one burst of ``msgs``, encoded in one msgspec call.
+
+        One message encodes as itself (a peer that knows no bursts reads
+        it). The frames of the members' large arrays follow frame 0 in
+        order, numbered across the burst.
+
+        Raises:
+            EncodeError: a member cannot be encoded (naming it and its field),
+                or the burst exceeds ``max_frames`` / ``max_message_bytes``
+                (send fewer at a time).
+            ValueError: no messages, or more than ``MAX_BURST``.
+        """
+        if len(msgs) == 1:
+            return self.encode(msgs[0])
+        if not msgs or len(msgs) > MAX_BURST:
+            raise ValueError(f"a burst holds 1 to {MAX_BURST} messages, not {len(msgs)}")
+        try:
+            return self.encode(self._burst(list(msgs)))  # type: ignore[arg-type]
+        except EncodeError:
+            for msg in msgs:  # the cold path: name the member that cannot be encoded
+                self.encode(msg)
+            raise
 
     def _too_big(self, msg: M, size: int) -> EncodeError:
         return EncodeError(type(msg).__name__, "", f"{size} bytes, more than "
@@ -254,9 +287,65 @@ class Codec(Generic[M]):
                 head = frames[0]
                 if len(head) <= self.max_message_bytes:
                     return self._single.decode(head)
-            return self._decode_frames(frames)
+            return self._decode_frames(frames, self._decoder)
         except Exception as exc:
             raise self._namer.failure(frames, exc) from exc
+
+    def decode_any(self, frames: Sequence[Frame], /) -> M | list[M]:
+        """Decode one message, or a burst of them (as a list, in order), in one call.
+
+        Raises:
+            DecodeError: as :meth:`decode`. For a burst, :meth:`decode_members`
+                then tells which members are at fault.
+        """
+        try:
+            if len(frames) == 1:
+                head = frames[0]
+                if len(head) <= self.max_message_bytes:
+                    got = self._single_any.decode(head)
+                else:
+                    got = self._decode_frames(frames, self._decoder_any)
+            else:
+                got = self._decode_frames(frames, self._decoder_any)
+        except Exception as exc:
+            raise self._namer.failure(frames, exc) from exc
+        if type(got) is self._burst:
+            return got.items  # type: ignore[attr-defined,no-any-return]
+        return got  # type: ignore[return-value]
+
+    def decode_members(self, frames: Sequence[Frame], /) -> list[M | DecodeError]:
+        """A burst that failed to decode, member by member (the cold path).
+
+        With no tensor frames, each member decodes alone: the good ones are
+        returned, each bad one is its own :class:`DecodeError` (with its rid
+        when readable). With tensor frames the members cannot be decoded
+        apart (the numbering is the burst's): each is an error naming the
+        burst's fault, still with its own rid. A burst whose outline does
+        not even read is one error.
+        """
+        try:
+            raws = split(frames[0])
+        except Exception as exc:
+            return [self._namer.failure(frames, exc)]
+        if len(frames) == 1:
+            out: list[M | DecodeError] = []
+            for raw in raws:
+                try:
+                    out.append(self.decode([raw]))
+                except DecodeError as exc:
+                    out.append(exc)
+            return out
+        try:
+            self._decode_frames(frames, self._decoder_any)
+            why = "decode failed"
+        except Exception as exc:
+            why = self._namer.failure(frames, exc).reason
+        errors: list[M | DecodeError] = []
+        for raw in raws:
+            tag, rid, _ = self._namer.peek([raw])
+            errors.append(DecodeError(f"in a burst with tensor frames that failed to decode "
+                                      f"({why})", rid=rid, message_type=tag))
+        return errors
 
     def validate(self, msg: M, /) -> M:
         """Check ``msg`` as if it had crossed the wire, and return the checked copy.
@@ -281,7 +370,7 @@ class Codec(Generic[M]):
         except Exception as exc:
             raise invalid(msg, exc) from exc
 
-    def _decode_frames(self, frames: Sequence[Frame]) -> M:
+    def _decode_frames(self, frames: Sequence[Frame], decoder: msgspec.msgpack.Decoder[T]) -> T:
         """Decode several frames (or one past a bound); raises anything, the caller converts."""
         n = len(frames)
         if n == 0:
@@ -295,7 +384,7 @@ class Codec(Generic[M]):
             self._in = frames
             self._used = 0
             try:
-                msg = self._decoder.decode(frames[0])
+                msg = decoder.decode(frames[0])
                 used = self._used
             finally:
                 self._in = ()
