@@ -22,12 +22,13 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Generic, Literal, Protocol, Self, TypeVar
 
+import torch
 import zmq
 
 from bus.envelope import Envelope, Origin, Rejected
 from bus.errors import ChannelClosed, EndOfChannel, PeerGone, WouldBlock
 from bus.ring import Ring
-from bus.shm.frames import DEFAULT_SHM_THRESHOLD, MAGIC, FrameMapper, FramePool
+from bus.shm.frames import DEFAULT_SHM_THRESHOLD, MAGIC, FrameMapper, FramePool, empty_tensor
 from bus.sockets import SocketOptions, make_socket
 from messages import Codec, DecodeError, Frame, Message
 from messages.burst import MAX_BURST, is_burst
@@ -377,6 +378,23 @@ class PushOutbox(_ZmqEnd, Generic[M]):
         pool = getattr(self, "shm_frames", None)
         if pool is not None:
             pool.close()
+
+    def empty(self, shape: Sequence[int], /, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialized tensor to fill and then send with no copy (shared memory).
+
+        On the shared-memory path, the tensor is built in one of this
+        outbox's slabs, so a message carrying it crosses as a handle only:
+        no memcpy at all. Do not write to it once sent: the receiver views
+        the same memory. Reading it stays safe, since the slab is reused
+        only after the receiver released it *and* your last reference is
+        gone; a second send while the first is still held is copied.
+        Elsewhere (``shm`` off, ``tcp://``, a full pool, below
+        ``shm_threshold``) it is an ordinary ``torch.empty``.
+
+        Raises:
+            ValueError: a negative dimension.
+        """
+        return empty_tensor(self.shm_frames, shape, dtype)
 
     def _send_message(self, msg: M, block: bool) -> None:
         self._send_frames(self.codec.encode(msg), block)

@@ -7,8 +7,16 @@ segment, reused) and sends a small handle in its place; the receiver
 the codec a read-only view of it: one memcpy in all, none on receipt.
 
 On the wire, a message that carries handles gains a first frame,
-``MAGIC + msgpack [[index, slab, generation, nbytes], ...]``, and each
-replaced frame is empty. A codec header never starts with ``MAGIC``'s zero
+``MAGIC + msgpack [[index, slab, generation, nbytes, offset], ...]``, and
+each replaced frame is empty.
+
+*Lent slabs* (:meth:`FramePool.empty`): a producer may build a tensor
+directly in a slab; when a frame of a message lies inside a slab lent this
+way, the handle points at it and nothing is copied (the send is a handle
+only). A lent slab is reused only once the receiver released it *and* the
+producer's last reference to the tensor is gone; it is sent by handle only
+while no earlier send of it is still held by a receiver (otherwise it is
+copied like any frame). A codec header never starts with ``MAGIC``'s zero
 byte (it is a msgpack array), so the two cannot be confused.
 
 Lifetime (each word of a slab's header has one writer at a time, so no
@@ -32,19 +40,22 @@ goes over the socket as before: the shared-memory path never blocks a send.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 
 from bus.shm.segment import Segment, fence, pid_alive
 from messages import DecodeError, Frame
 
-__all__ = ["DEFAULT_SHM_THRESHOLD", "MAGIC", "FrameMapper", "FramePool"]
+__all__ = ["DEFAULT_SHM_THRESHOLD", "MAGIC", "FrameMapper", "FramePool", "empty_tensor"]
 
 #: Frames at least this large go through shared memory. Measured with
 #: ``python -m benchmarks.shm`` on a 2-core box: at 1 MiB the handle path
@@ -63,6 +74,7 @@ class _Handle(msgspec.Struct, array_like=True, frozen=True):
     slab: str
     gen: int
     nbytes: int
+    offset: int = 0  # bytes into the slab's data (a lent slab's sliced view)
 
 
 _HANDLES_DEC = msgspec.msgpack.Decoder(list[_Handle])
@@ -75,15 +87,22 @@ class _Slab:
         self.words = self.seg.buf[:64].cast("Q")
         self.data = self.seg.buf[_HEADER:]
         self.sent_at = 0.0
+        self.lent = False  # a producer holds a tensor in it (FramePool.empty)
+        probe = np.frombuffer(self.seg.mmap, np.uint8, count=1, offset=_HEADER)
+        self.address: int = probe.ctypes.data  # where the data starts in this process
+        del probe
         self.words[_SIZE_W] = size
         self.words[_MAGIC_W] = _SLAB_MAGIC
 
     def free(self) -> bool:
+        """No receiver holds it (every send released). A lent slab may still be free."""
         w = self.words
         return w[_SENT_W] == w[_RELEASED_W]
 
     def take_back(self, unclaimed_timeout: float, now: float) -> bool:
         """Free a slab pinned by a dead claimer, or never claimed for too long."""
+        if self.lent:  # the producer still writes or reads it: never reused under it
+            return False
         w = self.words
         pid = w[_CLAIM_W]
         if pid:
@@ -135,6 +154,8 @@ class FramePool:
         self._classes: dict[int, list[_Slab]] = {}
         self._bytes = 0
         self.fallbacks = 0  # frames sent over the socket because the pool was full
+        self.lent_sends = 0  # frames sent by handle from a lent slab (no copy)
+        self._lent: dict[int, _Slab] = {}  # data address -> slab lent by empty()
         self._closed = False
 
     @property
@@ -146,7 +167,7 @@ class FramePool:
         size = _size_class(n, self._floor)
         slabs = self._classes.setdefault(size, [])
         for slab in slabs:
-            if slab.free():
+            if not slab.lent and slab.free():
                 return slab
         if self._bytes + size <= self.max_bytes:
             try:
@@ -165,6 +186,9 @@ class FramePool:
     def wrap(self, frames: Sequence[Frame]) -> tuple[Sequence[Frame], list[_Slab]]:
         """Move each large frame (not the header) into a slab; returns the frames to send.
 
+        A frame that lies in a slab lent by :meth:`empty` is not copied: its
+        handle points into that slab.
+
         When nothing is large, or the pool is full, ``frames`` come back as they were.
         """
         if self._closed:
@@ -173,22 +197,30 @@ class FramePool:
         used: list[_Slab] = []
         out: list[Frame] | None = None
         threshold = self.threshold
+        lent = self._lent
         for i in range(1, len(frames)):
             f = frames[i]
             n = memoryview(f).nbytes
             if n < threshold:
                 continue
-            slab = self._slab(n)
-            if slab is None:
-                self.fallbacks += 1
-                continue
+            found = self._lent_slab(f, n) if lent else None
+            if found is not None:  # built in a lent slab: a handle, no copy
+                slab, offset = found
+                self.lent_sends += 1
+            else:
+                got = self._slab(n)
+                if got is None:
+                    self.fallbacks += 1
+                    continue
+                slab, offset = got, 0
             w = slab.words
             w[_CLAIM_W] = 0
             gen = w[_SENT_W] + 1
             w[_SENT_W] = gen
-            slab.data[:n] = memoryview(f).cast("B")  # the one copy
+            if found is None:
+                slab.data[:n] = memoryview(f).cast("B")  # the one copy
             slab.sent_at = time.monotonic()
-            handles.append(_Handle(i, slab.seg.name, gen, n))
+            handles.append(_Handle(i, slab.seg.name, gen, n, offset))
             used.append(slab)
             if out is None:
                 out = list(frames)
@@ -196,6 +228,40 @@ class FramePool:
         if out is None:
             return frames, used
         return [MAGIC + _HANDLES_ENC.encode(handles), *out], used
+
+    def empty(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+        """A writable, page-aligned ``uint8`` array of ``nbytes`` in a slab lent to the caller.
+
+        A frame that lies inside it is later sent by handle, with no copy
+        (:meth:`wrap`). The slab comes back to the pool once the array and
+        every view of it (a tensor made from it included) are collected and
+        the receiver released what was sent. ``None`` when the pool is
+        closed or full, or ``nbytes`` is below the threshold: the caller
+        then allocates ordinary memory (which the send copies as usual).
+        """
+        if self._closed or nbytes < self.threshold:
+            return None
+        slab = self._slab(nbytes)
+        if slab is None:
+            return None
+        slab.lent = True
+        self._lent[slab.address] = slab
+        arr = np.frombuffer(slab.seg.mmap, np.uint8, count=nbytes, offset=_HEADER)
+        weakref.finalize(arr, _give_back, self._lent, slab)
+        return arr
+
+    def _lent_slab(self, f: Frame, n: int) -> tuple[_Slab, int] | None:
+        """The lent slab frame ``f`` lies in, free to send by handle, and its offset there."""
+        try:
+            addr = np.frombuffer(f, np.uint8).ctypes.data
+        except (TypeError, ValueError):  # pragma: no cover - not a plain buffer
+            return None
+        for base, slab in self._lent.items():
+            if base <= addr and addr + n <= base + slab.size:
+                # An earlier send still held by a receiver: copy this one instead
+                # (one claimer per generation).
+                return (slab, addr - base) if slab.free() else None
+        return None
 
     def cancel(self, used: Sequence[_Slab]) -> None:
         """Free the slabs of a message that was not sent after all."""
@@ -211,7 +277,35 @@ class FramePool:
             for slab in slabs:
                 slab.close()
         self._classes.clear()
+        self._lent.clear()
         self._bytes = 0
+
+
+def empty_tensor(pool: FramePool | None, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized, writable CPU tensor, in a slab of ``pool`` when it can be.
+
+    In a slab (``pool`` open, not full, the tensor at least its threshold),
+    sending the tensor through the pool's outbox carries a handle only; else
+    an ordinary ``torch.empty`` (the send copies it, as any tensor).
+
+    Raises:
+        ValueError: a negative dimension.
+    """
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"negative dimension in shape {dims}")
+    nbytes = math.prod(dims) * torch.empty(0, dtype=dtype).element_size()
+    arr = pool.empty(nbytes) if pool is not None else None
+    if arr is None:
+        return torch.empty(dims, dtype=dtype)
+    # uint8 first: every dtype (bfloat16, float8) views it; the tensor keeps arr alive.
+    return torch.from_numpy(arr).view(dtype).reshape(dims)
+
+
+def _give_back(lent: dict[int, _Slab], slab: _Slab) -> None:
+    """The producer's last view of a lent slab is gone: the pool may reuse it."""
+    slab.lent = False
+    lent.pop(slab.address, None)
 
 
 def _release(words: memoryview, gen: int) -> None:
@@ -271,8 +365,8 @@ class FrameMapper:
 
     def _view(self, h: _Handle) -> memoryview:
         seg, words = self._mapping(h.slab)
-        if not 0 <= h.nbytes <= words[_SIZE_W]:
-            raise DecodeError(f"shared-memory handle of {h.nbytes} bytes for a "
+        if not (0 <= h.nbytes and 0 <= h.offset and h.offset + h.nbytes <= words[_SIZE_W]):
+            raise DecodeError(f"shared-memory handle of {h.nbytes} bytes at {h.offset} for a "
                               f"{words[_SIZE_W]}-byte slab")
         words[_CLAIM_W] = self._pid
         fence()
@@ -280,7 +374,7 @@ class FrameMapper:
             words[_CLAIM_W] = 0
             raise DecodeError(f"shared-memory slab {h.slab!r} was reclaimed before this "
                               "frame was read")
-        arr = np.frombuffer(seg.mmap, np.uint8, count=h.nbytes, offset=_HEADER)
+        arr = np.frombuffer(seg.mmap, np.uint8, count=h.nbytes, offset=_HEADER + h.offset)
         arr.flags.writeable = False
         weakref.finalize(arr, _release, words, h.gen)
         return arr.data  # a memoryview whose .obj is arr: the finalizer fires when all die

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -29,8 +30,9 @@ from bus import (
     WouldBlock,
     sweep_shm,
 )
+from bus.shm.frames import MAGIC
 from bus.shm.segment import SHM_DIR
-from messages import AbortReq, BatchEmbeddingOut, Codec, Output, Request
+from messages import AbortReq, BatchEmbeddingOut, Codec, DecodeError, Output, Request
 from messages._tensors import DTYPE_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,6 +150,95 @@ def test_tcp_peers_keep_the_socket_path_and_the_opt_out(tmp_path: Path) -> None:
         assert out.shm_frames is None
     with PushOutbox(codec, "tcp://127.0.0.1:9", shm=True) as out:
         assert out.shm_frames is None  # never across hosts
+
+
+# -- tensors built in a slab (PushOutbox.empty) --------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.bool])
+def test_a_tensor_built_in_a_slab_is_sent_as_a_handle_only(
+        pair: tuple[PushOutbox[Output], PullInbox[Output]], dtype: torch.dtype) -> None:
+    out, inbox = pair
+    pool = out.shm_frames
+    assert pool is not None
+    t = out.empty((3, 4096), dtype=dtype)
+    assert t.shape == (3, 4096) and t.dtype == dtype and pool.bytes_held > 0
+    src = torch.arange(3 * 4096, dtype=torch.float64).reshape(3, 4096).to(dtype)
+    t.copy_(src)
+    out.send(BatchEmbeddingOut(rids=["a", "b", "c"], embeddings=t))
+    assert pool.lent_sends == 1 and pool.fallbacks == 0
+    msg = _receive(inbox).message
+    assert isinstance(msg, BatchEmbeddingOut)
+    assert msg.embeddings.dtype == dtype
+    assert msg.embeddings.view(torch.uint8).equal(src.view(torch.uint8))
+
+
+def test_a_lent_slab_comes_back_only_when_the_receiver_and_the_producer_let_go(
+        pair: tuple[PushOutbox[Output], PullInbox[Output]]) -> None:
+    out, inbox = pair
+    pool = out.shm_frames
+    assert pool is not None
+    t = out.empty((1, 1 << 16))
+    t.fill_(1.0)
+    out.send(BatchEmbeddingOut(rids=["a"], embeddings=t))
+    held = _receive(inbox)
+    del held
+    gc.collect()  # the receiver released it, the producer still holds t
+    u = out.empty((1, 1 << 16))
+    assert pool.bytes_held == 2 * (1 << 18)  # not t's slab: t still views it
+    assert float(t[0, 0]) == 1.0
+    del t, u
+    gc.collect()
+    v = out.empty((1, 1 << 16))
+    assert pool.bytes_held == 2 * (1 << 18)  # both came back: one reused
+    del v
+
+
+def test_a_lent_slab_sent_again_while_held_is_copied(
+        pair: tuple[PushOutbox[Output], PullInbox[Output]]) -> None:
+    out, inbox = pair
+    pool = out.shm_frames
+    assert pool is not None
+    t = out.empty((2, 1 << 15))
+    t.fill_(5.0)
+    out.send(BatchEmbeddingOut(rids=["a", "b"], embeddings=t))
+    first = _receive(inbox)
+    out.send(BatchEmbeddingOut(rids=["a", "b"], embeddings=t))  # first still holds a view
+    assert pool.lent_sends == 1
+    second = _receive(inbox).message
+    assert isinstance(second, BatchEmbeddingOut) and second.embeddings.equal(t)
+    del first, second
+    gc.collect()
+    out.send(BatchEmbeddingOut(rids=["b"], embeddings=t[1:]))  # released: a handle again
+    assert pool.lent_sends == 2
+    msg = _receive(inbox).message
+    assert isinstance(msg, BatchEmbeddingOut) and msg.embeddings.equal(t[1:])
+
+
+def test_empty_is_an_ordinary_tensor_off_the_shared_memory_path(tmp_path: Path) -> None:
+    codec: Codec[Output] = Codec(Output)
+    with PushOutbox(codec, f"ipc://{tmp_path}/x", shm=False) as out:
+        assert out.empty((4, 4)).shape == (4, 4)
+        with pytest.raises(ValueError, match="negative"):
+            out.empty((-1, 4))
+    with PushOutbox(codec, f"ipc://{tmp_path}/y", shm_threshold=1 << 20) as out:
+        assert out.shm_frames is not None
+        small = out.empty((16,))  # below the threshold: the socket is cheaper
+        out.shm_frames.max_bytes = 0
+        full = out.empty((1 << 20,))  # the pool is full
+        assert out.shm_frames.bytes_held == 0 and small.numel() == 16 and full.numel() == 1 << 20
+
+
+def test_a_handle_outside_its_slab_is_rejected(
+        pair: tuple[PushOutbox[Output], PullInbox[Output]]) -> None:
+    out, inbox = pair
+    assert out.shm_frames is not None and inbox.shm_frames is not None
+    frames = out.codec.encode(BatchEmbeddingOut(rids=["a"], embeddings=torch.ones(1, 1 << 16)))
+    wire, _ = out.shm_frames.wrap(frames)
+    h = msgspec.msgpack.decode(bytes(wire[0])[len(MAGIC):])
+    h[0][4] = 1 << 18  # offset + nbytes past the slab's end
+    with pytest.raises(DecodeError, match="bytes at"):
+        inbox.shm_frames.resolve([MAGIC + msgspec.msgpack.encode(h), *wire[1:]])
+    out.shm_frames.cancel(_)
 
 
 # -- the ring -----------------------------------------------------------------
