@@ -31,7 +31,7 @@ from bus.ring import Ring
 from bus.shm.frames import DEFAULT_SHM_THRESHOLD, MAGIC, FrameMapper, FramePool, empty_tensor
 from bus.sockets import SocketOptions, make_socket
 from messages import Codec, DecodeError, Frame, Message
-from messages.burst import MAX_BURST, is_burst
+from messages.burst import SEND_BURST, is_burst
 
 __all__ = ["Inbox", "PullInbox", "PushOutbox", "RingInbox", "RpcServer", "ZmqInbox"]
 
@@ -423,7 +423,7 @@ class PushOutbox(_ZmqEnd, Generic[M]):
 
     def send_many(self, msgs: Sequence[M], /) -> None:
         """Send ``msgs``, in order, as bursts: one zmq message and one msgspec call
-        per up to ``MAX_BURST`` of them (one message travels as itself).
+        per up to ``SEND_BURST`` of them (one message travels as itself).
 
         Blocks at most the send timeout per burst at the high-water mark.
 
@@ -449,7 +449,7 @@ class PushOutbox(_ZmqEnd, Generic[M]):
     def _send_bursts(self, msgs: Sequence[M], *, block: bool) -> int:
         encode_many, sent = self.codec.encode_many, 0
         while sent < len(msgs):
-            chunk = msgs[sent:sent + MAX_BURST]
+            chunk = msgs[sent:sent + SEND_BURST]
             try:
                 self._send_frames(encode_many(chunk), block)
             except WouldBlock:

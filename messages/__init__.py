@@ -32,6 +32,7 @@ from messages.catalogue import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from messages.burst import MAX_BURST, SEND_BURST
 from messages.codec import (
     DEFAULT_INLINE_THRESHOLD,
     DEFAULT_MAX_FRAMES,
@@ -63,6 +64,7 @@ __all__ = [
     "DEFAULT_MAX_FRAMES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_BATCH",
+    "MAX_BURST",
     "MAX_RID",
     "MAX_TEXT",
     "MAX_TOKENS",
@@ -91,6 +93,7 @@ __all__ = [
     "RpcReqInput",
     "RpcReqOutput",
     "RpcResult",
+    "SEND_BURST",
     "SamplingParams",
     "Scalar",
     "TokenIds",

@@ -24,12 +24,16 @@ from typing import Annotated, Final
 
 import msgspec
 
-__all__ = ["BURST_TAG", "MAX_BURST", "burst_type", "is_burst", "split"]
+__all__ = ["BURST_TAG", "MAX_BURST", "SEND_BURST", "burst_type", "is_burst", "split"]
 
 #: The tag of a burst on the wire.
 BURST_TAG: Final = "Burst"
-#: Most messages in one burst (a sender splits longer runs).
+#: Most messages in one burst (a receiver refuses more).
 MAX_BURST: Final = 1024
+#: Messages a sender puts in one burst: large enough to amortize the
+#: per-message work, small enough that the receiver decodes one burst while
+#: the next is encoded (measured: ``BENCH_BURST`` in ``python -m benchmarks.bus``).
+SEND_BURST: Final = 256
 #: The first bytes of every burst's frame 0: a 2-array, then the tag "Burst".
 _PREFIX: Final = b"\x92\xa5Burst"
 
