@@ -12,7 +12,9 @@ finds out once, at construction, by gathering a node id), the poll travels
 through a shared-memory ring instead (:class:`~bus.ShmWriter`, one reader
 per other rank, parked on an fd: no spin): one memcpy in, one out, no
 collective per step. A poll too large for the ring, and every step on
-ranks spread over several nodes, use the broadcast. The model's own
+ranks spread over several nodes, use the broadcast. Either way a poll is
+its outline (origins, rejections) and its messages encoded as bursts: one
+msgspec call per ``MAX_BURST`` messages on each side, not one per message. The model's own
 collectives are untouched.
 """
 
@@ -20,10 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import socket
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from functools import partial
+from operator import itemgetter
+from typing import Literal, cast
 
 import msgspec
 import torch
@@ -31,8 +36,10 @@ import torch.distributed as dist
 
 from bus import Envelope, Origin, Receiver, Rejected, ShmReader, ShmWriter
 from messages import (
+    MAX_BURST,
     Codec,
     DecodeError,
+    Frame,
     Message,
     Output,
     Request,
@@ -61,25 +68,43 @@ def init_ranks(rank: int, tp: TPConfig) -> None:
                             world_size=tp.world_size, timeout=timedelta(seconds=tp.timeout_s))
 
 
-class _Item(msgspec.Struct, array_like=True):
-    """One envelope of a broadcast poll: its origin and frame sizes (or its rejection)."""
+class _Refusal(msgspec.Struct, array_like=True, gc=False):
+    """An envelope of the poll that rank 0 could not decode: its place and its error."""
 
-    inbox: str
-    identity: bytes | None
-    sizes: list[int]
-    reason: str | None = None
-    rid: str | None = None
-    message_type: str | None = None
+    position: int
+    reason: str
+    rid: str | None
+    message_type: str | None
+
+
+class _Outline(msgspec.Struct, array_like=True, gc=False):
+    """One poll, less its messages' bytes: every envelope's origin, the rejections, the bursts.
+
+    The accepted messages travel as bursts (``Codec.encode_many``, up to
+    ``MAX_BURST`` each: one msgspec call per burst either way), in order;
+    ``bursts`` holds each burst's frame sizes. ``where`` is one uint32 per
+    envelope (rejections included): its index in ``origins``.
+    """
+
+    origins: list[tuple[str, bytes | None]]
+    where: bytes
+    refused: list[_Refusal]
+    bursts: list[list[int]]
 
 
 _HEAD = msgspec.msgpack.Encoder()
 _FIRST = 8192  # bytes of the first broadcast of every step: length + a small poll
-_ITEMS = msgspec.msgpack.Decoder(list[_Item])
+_OUTLINE = msgspec.msgpack.Decoder(_Outline)
 _INTERNAL = Origin("internal")  # requests rank 0 decided on, not received
 _SHM_RING_BYTES = 64 << 20  # a poll of up to 32 MiB goes through shared memory
 _SHM_SEND_TIMEOUT = 60.0  # rank 0 waits this long for a follower that stopped reading
 _VIA_SHM, _VIA_COLLECTIVE = b"S", b"G"
 _NAME_BYTES = 256
+_ORIGIN_OF = itemgetter(1)  # Envelope and Rejected alike: (message or error, origin)
+_MESSAGE_OF = itemgetter(0)
+# Envelope(m, o) without the named tuple's Python __new__: a poll builds hundreds.
+_ENVELOPE: Callable[[tuple[Request, Origin]], Envelope[Request]] = partial(
+    tuple.__new__, Envelope)
 
 
 def _node_id() -> int:
@@ -214,9 +239,10 @@ class BroadcastReceiver:
             if not envelopes:
                 self._writer.send([_VIA_SHM], timeout=_SHM_SEND_TIMEOUT)
                 return envelopes
-            packed = self._pack(envelopes, pad=False)
-            if len(packed) + 64 < _SHM_RING_BYTES // 2:
-                self._writer.send([_VIA_SHM, packed], timeout=_SHM_SEND_TIMEOUT)
+            parts = _pack_poll(self.codec, envelopes)
+            if sum(memoryview(f).nbytes for f in parts) + 8 * len(parts) + 64 \
+                    < _SHM_RING_BYTES // 2:
+                self._writer.send([_VIA_SHM, *parts], timeout=_SHM_SEND_TIMEOUT)
                 return envelopes
             self._writer.send([_VIA_COLLECTIVE], timeout=_SHM_SEND_TIMEOUT)
             wire = torch.frombuffer(self._pack(envelopes), dtype=torch.uint8)
@@ -229,8 +255,7 @@ class BroadcastReceiver:
         if frames[0] == _VIA_SHM:
             if len(frames) == 1:
                 return []
-            data = frames[1]
-            return self._unpack(data[8 : 8 + int.from_bytes(data[:8], "little")])
+            return _unpack_poll(self.codec, frames[1], frames[2:])
         head = torch.empty(_FIRST, dtype=torch.uint8)
         dist.broadcast(head, src=0)
         n = int.from_bytes(head[:8].numpy().tobytes(), "little")
@@ -259,24 +284,11 @@ class BroadcastReceiver:
 
     def _pack(self, envelopes: Sequence[Envelope[Request] | Rejected], *,
               pad: bool = True) -> bytearray:
-        """One buffer: payload length, item index, frames; padded to the first broadcast."""
-        items: list[_Item] = []
-        frames: list[bytes | bytearray | memoryview] = []
-        for env in envelopes:
-            if isinstance(env, Envelope):
-                fs = self.codec.encode(env.message)
-                items.append(_Item(env.origin.inbox, env.origin.identity,
-                                   [memoryview(f).nbytes for f in fs]))
-                frames.extend(fs)
-            else:
-                err = env.error
-                items.append(_Item(env.origin.inbox, env.origin.identity, [], err.reason,
-                                   err.rid, err.message_type))
-        head = _HEAD.encode(items)
+        """One buffer: payload length, outline length, outline, burst frames; padded."""
+        parts = _pack_poll(self.codec, envelopes)
         buf = bytearray(8)
-        buf += len(head).to_bytes(8, "little")
-        buf += head
-        for f in frames:
+        buf += memoryview(parts[0]).nbytes.to_bytes(8, "little")
+        for f in parts:
             buf += f
         buf[:8] = (len(buf) - 8).to_bytes(8, "little")
         if pad and len(buf) < _FIRST:
@@ -285,21 +297,100 @@ class BroadcastReceiver:
 
     def _unpack(self, data: memoryview) -> list[Envelope[Request] | Rejected]:
         n = int.from_bytes(data[:8], "little")
-        items = _ITEMS.decode(data[8 : 8 + n])
-        pos = 8 + n
-        out: list[Envelope[Request] | Rejected] = []
-        for it in items:
-            origin = Origin(it.inbox, it.identity)
-            if it.reason is not None:
-                out.append(Rejected(DecodeError(it.reason, rid=it.rid,
-                                                message_type=it.message_type), origin))
-                continue
-            frames = []
-            for size in it.sizes:
-                frames.append(data[pos : pos + size])
-                pos += size
-            out.append(Envelope(self.codec.decode(frames), origin))
-        return out
+        outline = data[8 : 8 + n]
+        return _unpack_poll(self.codec, outline, _slices(data, 8 + n, outline))
+
+
+def _pack_poll(codec: Codec[Request],
+               envelopes: Sequence[Envelope[Request] | Rejected]) -> list[Frame]:
+    """The frames of one poll: its :class:`_Outline`, then every burst's frames, in order.
+
+    The accepted messages are encoded as bursts (one msgspec call per
+    ``MAX_BURST``), not one by one: per-message Python work is what a
+    256-request poll costs.
+    """
+    # Origins by identity (the common case: every envelope of an inbox shares one
+    # object); map and comprehensions keep the per-envelope work in C.
+    origins = list(map(_ORIGIN_OF, envelopes))
+    table: dict[int, int] = {}
+    uniq: list[Origin] = []
+    for o in origins:
+        if id(o) not in table:
+            table[id(o)] = len(uniq)
+            uniq.append(o)
+    where = array("I", map(table.__getitem__, map(id, origins)))
+    refused = [_Refusal(pos, env.error.reason, env.error.rid, env.error.message_type)
+               for pos, env in enumerate(envelopes) if type(env) is Rejected]
+    msgs: list[Request] = ([env.message for env in envelopes if isinstance(env, Envelope)]
+                           if refused else list(map(_MESSAGE_OF, envelopes)))
+    frames: list[Frame] = []
+    bursts: list[list[int]] = []
+    for at in range(0, len(msgs), MAX_BURST):
+        fs = codec.encode_many(msgs[at : at + MAX_BURST])
+        bursts.append([memoryview(f).nbytes for f in fs])
+        frames.extend(fs)
+    outline = _Outline([(o.inbox, o.identity) for o in uniq], where.tobytes(), refused, bursts)
+    return [_HEAD.encode(outline), *frames]
+
+
+def _slices(data: memoryview, pos: int, outline: Frame) -> list[memoryview]:
+    """The burst frames that follow an outline in one buffer (their sizes are in it)."""
+    frames = []
+    for size in (n for sizes in _OUTLINE.decode(outline).bursts for n in sizes):
+        frames.append(data[pos : pos + size])
+        pos += size
+    return frames
+
+
+def _unpack_poll(codec: Codec[Request], outline: Frame,
+                 frames: Sequence[Frame]) -> list[Envelope[Request] | Rejected]:
+    """Rebuild a poll from :func:`_pack_poll`'s outline and burst frames.
+
+    A burst that fails to decode here (it decoded on rank 0, so only a bug
+    or a corrupted transfer can do that) becomes rejections, member by
+    member where the codec can tell them apart, so every rank still sees
+    the same number of envelopes in the same order.
+    """
+    plan = _OUTLINE.decode(outline)
+    origins = [Origin(inbox, identity) for inbox, identity in plan.origins]
+    where = array("I")
+    where.frombytes(plan.where)
+    msgs: list[Request | DecodeError] = []
+    failed = False
+    at = 0
+    for sizes in plan.bursts:
+        fs = frames[at : at + len(sizes)]
+        at += len(sizes)
+        expect = min(MAX_BURST, len(where) - len(plan.refused) - len(msgs))
+        try:
+            got = codec.decode_any(fs)
+        except DecodeError as exc:
+            members = codec.decode_members(fs) if expect > 1 else [exc]
+            if len(members) != expect:  # not even the outline read: the burst's error, each
+                members = [exc] * expect
+            msgs.extend(members)
+            failed = True
+            continue
+        if isinstance(got, list):
+            msgs.extend(got)
+        else:
+            msgs.append(got)
+    if not plan.refused and not failed and len(msgs) == len(where):
+        ok = cast(list[Request], msgs)  # no DecodeError among them: checked just above
+        return list(map(_ENVELOPE, zip(ok, map(origins.__getitem__, where), strict=True)))
+    refused = {r.position: r for r in plan.refused}
+    out: list[Envelope[Request] | Rejected] = []
+    it = iter(msgs)
+    for pos, k in enumerate(where):
+        r = refused.get(pos)
+        if r is not None:
+            out.append(Rejected(DecodeError(r.reason, rid=r.rid, message_type=r.message_type),
+                                origins[k]))
+            continue
+        m = next(it)
+        out.append(Rejected(m, origins[k]) if isinstance(m, DecodeError)
+                   else Envelope(m, origins[k]))
+    return out
 
 
 def rpc_reducer(rank: int, world_size: int) -> Callable[[RpcReqOutput], RpcReqOutput | None]:
