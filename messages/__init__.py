@@ -18,6 +18,7 @@ from messages.base import (
     packed_u32,
     token_ids,
 )
+from messages.burst import MAX_BURST, SEND_BURST
 from messages.catalogue import (
     AbortReq,
     BatchEmbeddingOut,
@@ -32,7 +33,6 @@ from messages.catalogue import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from messages.burst import MAX_BURST, SEND_BURST
 from messages.codec import (
     DEFAULT_INLINE_THRESHOLD,
     DEFAULT_MAX_FRAMES,

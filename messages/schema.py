@@ -59,7 +59,8 @@ __all__ = [
 
 #: The framing's version: frames, extension codes, tensor descriptor. The
 #: catalogue's own changes are told by the fingerprint, not by this number.
-PROTOCOL_VERSION: Final = 1
+#: 2: several messages may travel as one burst (``messages.burst``).
+PROTOCOL_VERSION: Final = 2
 
 #: What changed between two layouts.
 Change = Literal[

@@ -7,8 +7,9 @@ specific than ``Output``. That is the whole fix for the seed's misrouted reply.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -27,7 +28,12 @@ log = logging.getLogger("router")
 
 
 class Sink(Protocol[O_contra]):
-    """Where routed outputs go. ``send`` may raise; the router isolates the failure."""
+    """Where routed outputs go. ``send`` may raise; the router isolates the failure.
+
+    A sink may also offer ``send_many(outputs, origin) -> int``: deliver
+    several at once, in order, returning how many it took before it would
+    block (see :meth:`Router.batching`).
+    """
 
     def send(self, output: O_contra, origin: Origin, /) -> None:
         """Deliver ``output``, which answers a request that came from ``origin``."""
@@ -94,6 +100,7 @@ class Router(Generic[O]):
         self._failures_log = LogSummary(log, "sink failures", level=logging.ERROR)
         self._ok: dict[type, int] = {}  # per output type, for metrics
         self._bad: dict[type, int] = {}
+        self._held: list[tuple[Sink[O], O, Origin]] | None = None  # see batching()
 
     def register(self, output_type: type[T], sink: Sink[T]) -> None:
         """Send outputs of ``output_type`` (and its subclasses) to ``sink``.
@@ -159,6 +166,42 @@ class Router(Generic[O]):
         sink = self._hits.get(type(output))
         if sink is None:
             sink = self._table.lookup(type(output))
+        if self._held is not None:
+            self._held.append((sink, output, origin))
+            return True
+        return self._deliver(sink, output, origin)
+
+    @contextlib.contextmanager
+    def batching(self) -> Iterator[None]:
+        """Hold what is routed inside the block; at its end, send each run of
+        outputs bound for one (sink, origin) in one ``send_many`` where the sink
+        has it: a scheduler step's outputs leave as one burst, one zmq message.
+
+        Order per (sink, origin) is kept, and so are the backlog rules: what
+        a sink does not take waits in its backlog. Nested blocks send at the
+        outermost one's end. A failure is reported per output, as in
+        :meth:`route` (which returns ``True`` inside a block: its outcome is
+        not known yet).
+        """
+        if self._held is not None:
+            yield
+            return
+        held: list[tuple[Sink[O], O, Origin]] = []
+        self._held = held
+        try:
+            yield
+        finally:
+            self._held = None
+            i = 0
+            while i < len(held):
+                sink, _, origin = held[i]
+                j = i + 1
+                while j < len(held) and held[j][0] is sink and held[j][2] == origin:
+                    j += 1
+                self._deliver_run(sink, [o for _, o, _ in held[i:j]], origin)
+                i = j
+
+    def _deliver(self, sink: Sink[O], output: O, origin: Origin) -> bool:
         backlog = self._backlog
         if backlog and backlog.holds(sink, origin):  # keep order behind what waits
             self._queue(sink, output, origin)
@@ -175,6 +218,26 @@ class Router(Generic[O]):
         kind = type(output)
         self._ok[kind] = self._ok.get(kind, 0) + 1
         return True
+
+    def _deliver_run(self, sink: Sink[O], run: list[O], origin: Origin) -> None:
+        many: Callable[[Sequence[O], Origin], int] | None = getattr(sink, "send_many", None)
+        if many is None or len(run) == 1 or (self._backlog and
+                                            self._backlog.holds(sink, origin)):
+            for output in run:
+                self._deliver(sink, output, origin)
+            return
+        try:
+            n = many(run, origin)
+        except Exception:  # one of them cannot be sent: each alone, so it fails alone
+            for output in run:
+                self._deliver(sink, output, origin)
+            return
+        self._routed += n
+        for output in run[:n]:
+            kind = type(output)
+            self._ok[kind] = self._ok.get(kind, 0) + 1
+        for output in run[n:]:  # the consumer stopped taking them: they wait, in order
+            self._queue(sink, output, origin)
 
     def flush(self) -> int:
         """Retry every waiting output, oldest first per queue; returns how many still wait.

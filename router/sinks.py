@@ -7,7 +7,7 @@ backlog (:mod:`router.backlog`) instead of stalling the scheduler loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from bus import Origin, PushOutbox, Ring, RpcServer
@@ -49,6 +49,10 @@ class TransportSink(Generic[O]):
 
     def send(self, output: O, origin: Origin, /) -> None:
         self.outbox.send_nowait(output)
+
+    def send_many(self, outputs: Sequence[O], origin: Origin, /) -> int:
+        """Send ``outputs`` as bursts; returns how many the consumer took now."""
+        return self.outbox.send_many_nowait(outputs)
 
 
 class RingSink(Generic[O]):

@@ -183,7 +183,8 @@ class Scheduler(ControlMethods):
         """Serve until :meth:`request_shutdown`; then answer everything left and return."""
         try:
             while not self._stopping:
-                received = self.step()
+                with self.router.batching():  # a step's outputs leave as one burst
+                    received = self.step()
                 if not received and not self.busy and not self._stopping:
                     # Outputs waiting for a consumer are retried every few ms;
                     # otherwise park until any inbox wakes us.

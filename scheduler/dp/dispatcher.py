@@ -148,7 +148,9 @@ class Dispatcher:
                 self.receiver.wait(self.TICK)
         self.serve_upstream()
         while not self._done():
-            if not self.step():
+            with self.router.batching():  # what one step forwards leaves as one burst
+                took = self.step()
+            if not took:
                 self.receiver.wait(max(0.0, self._next_tick - time.monotonic()))
         self._finish()
 

@@ -425,8 +425,8 @@ def test_a_silent_replica_that_returns_leaks_no_old_output(tmp_path: Path) -> No
         assert rpc.call("get_load", timeout=60).success
         slow = SamplingParams(max_new_tokens=100_000)
         for n in range(4):
-            work.send(TokenizedGenerateReqInput(rid=f"s{n}", input_ids=token_ids([1, 2]), sampling=slow,
-                                                stream=True, dp_rank=0))
+            work.send(TokenizedGenerateReqInput(rid=f"s{n}", input_ids=token_ids([1, 2]),
+                                                sampling=slow, stream=True, dp_rank=0))
         seen: dict[str, list[Output]] = {}
         _collect(out, lambda s: all(f"s{n}" in s for n in range(4)), seen)
         os.kill(replicas[0].pid, signal.SIGSTOP)  # silent, not dead

@@ -76,13 +76,14 @@ class Served:
             assert time.monotonic() < deadline, f"unanswered: {rids - set(done)}"
             if not self.out.poll(100):
                 continue
-            msg = codec.decode(self.out.recv_multipart())
-            if isinstance(msg, ErrorOut):
-                done[msg.rid] = msg.code
-            elif isinstance(msg, BatchTokenIDOut):
-                for rid, _, fin in msg.items():
-                    if fin is not None:
-                        done[rid] = fin
+            got = codec.decode_any(self.out.recv_multipart())  # one output, or a burst
+            for msg in got if isinstance(got, list) else [got]:
+                if isinstance(msg, ErrorOut):
+                    done[msg.rid] = msg.code
+                elif isinstance(msg, BatchTokenIDOut):
+                    for rid, _, fin in msg.items():
+                        if fin is not None:
+                            done[rid] = fin
         return done
 
     def close(self) -> None:
