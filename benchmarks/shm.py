@@ -189,7 +189,7 @@ def tensor_round_trips() -> dict[str, dict[str, float]]:
         for key, size in SIZES.items():
             src = _message(size).embeddings
             runs: dict[str, list[float]] = {m: [] for m in ends}
-            for m, end in ends.items():  # the first two map and fault the pages
+            for end in ends.values():  # the first two map and fault the pages
                 end.trip(src)
                 end.trip(src)
             while len(runs["zmq"]) < REPEATS[key]:
