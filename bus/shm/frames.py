@@ -257,7 +257,7 @@ class FramePool:
             addr = np.frombuffer(f, np.uint8).ctypes.data
         except (TypeError, ValueError):  # pragma: no cover - not a plain buffer
             return None
-        for base, slab in self._lent.items():
+        for base, slab in tuple(self._lent.items()):  # a finalizer may shrink it
             if base <= addr and addr + n <= base + slab.size:
                 # An earlier send still held by a receiver: copy this one instead
                 # (one claimer per generation).
@@ -295,7 +295,7 @@ def empty_tensor(pool: FramePool | None, shape: Sequence[int], dtype: torch.dtyp
     dims = tuple(int(d) for d in shape)
     if any(d < 0 for d in dims):
         raise ValueError(f"negative dimension in shape {dims}")
-    nbytes = math.prod(dims) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(dims) * dtype.itemsize
     arr = pool.empty(nbytes) if pool is not None else None
     if arr is None:
         return torch.empty(dims, dtype=dtype)
