@@ -10,10 +10,13 @@ or :meth:`AsyncEngine.embed`, or leaving :meth:`AsyncEngine.stream` early
 (``break``, ``aclose()``, garbage collection), forgets the request's handle
 and sends ``AbortReq`` for it, so the scheduler frees its slot.
 
-Sending never blocks the loop: a work channel that is full (a scheduler
-not reading) makes :meth:`AsyncEngine.submit` raise
-:class:`~scheduler.Overloaded` at once, and an abort that finds it full
-waits in order and goes out as soon as there is room (it is never dropped).
+Sending never blocks the loop. Over zmq, the requests submitted in one
+turn of the loop leave at its end as one burst (one zmq message, one
+msgspec call: ``messages.burst``); a lone request leaves as soon as its task
+awaits. A work channel that is full (a scheduler not reading) fails them
+with :class:`~scheduler.Overloaded` (at submit on the ring, when awaited
+over zmq), and an abort that finds it full waits in order and goes out as
+soon as there is room (it is never dropped).
 
 Buffering policy: each request buffers what its consumer has not taken yet.
 Past :attr:`AsyncHandle.max_buffered` items, a new token chunk is merged
@@ -35,7 +38,15 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from messages import AbortReq, FinishReason, Request, RpcReqOutput, SamplingParams, Scalar
+from messages import (
+    SEND_BURST,
+    AbortReq,
+    FinishReason,
+    Request,
+    RpcReqOutput,
+    SamplingParams,
+    Scalar,
+)
 from scheduler.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine_core import EngineCore, Item
@@ -218,6 +229,7 @@ class AsyncEngine(EngineCore):
         self._reading = False  # the loop's reader is registered
         self._sent_unread = 0  # sends since outputs were last read
         self._unsent_aborts: deque[AbortReq] = deque()  # waiting for room on the channel
+        self._outq: list[Request] = []  # sent in this turn of the loop: one burst at its end
 
     async def start(self) -> Self:
         """Start reading outputs on the running loop; wait for the scheduler to answer.
@@ -284,7 +296,8 @@ class AsyncEngine(EngineCore):
 
         Raises:
             InvalidRequest: refused before sending.
-            Overloaded: the scheduler's work channel is full (nothing was sent).
+            Overloaded: the scheduler's work channel is full (nothing was sent;
+                over zmq this surfaces when the request is awaited).
             EngineClosed: the engine is closed (or not started).
             SchedulerGone: the scheduler died.
             ValueError: ``input_ids`` are not valid token ids.
@@ -367,7 +380,11 @@ class AsyncEngine(EngineCore):
         try:
             self._send(req)
         except Overloaded:
-            self._unsent_aborts.append(req)
+            self._queue_abort(req)
+
+    def _queue_abort(self, req: AbortReq) -> None:
+        self._unsent_aborts.append(req)
+        if len(self._unsent_aborts) == 1:
             assert self._loop is not None
             self._loop.call_later(_RETRY_S, self._retry_aborts)
 
@@ -375,7 +392,7 @@ class AsyncEngine(EngineCore):
         waiting = self._unsent_aborts
         while waiting and not self.closed and self._gone is None:
             try:
-                self._send(waiting[0])
+                EngineCore._send(self, waiting[0], block=False)  # now, not at the turn's end
             except Overloaded:
                 assert self._loop is not None
                 self._loop.call_later(_RETRY_S, self._retry_aborts)
@@ -416,6 +433,7 @@ class AsyncEngine(EngineCore):
             return
         if self._watchdog is not None:
             self._watchdog.cancel()
+        self._flush_sends()  # what this turn submitted goes before the shutdown
         loop = asyncio.get_running_loop()
         # The shutdown rpc and joins block: run them off the loop, which keeps
         # delivering the terminal answers meanwhile.
@@ -434,13 +452,49 @@ class AsyncEngine(EngineCore):
         self.read_outputs()  # what arrived last
 
     def _send(self, req: Request, *, block: bool = False) -> None:
-        # Never blocks the loop: a full work channel is Overloaded at once.
-        super()._send(req, block=False)
+        # Never blocks the loop. Over zmq, what is sent in one turn of the loop
+        # leaves as one burst at its end (the lone request of an idle frontend
+        # leaves as soon as its task awaits); on the ring, one put each.
+        if self._work_out is None or self._loop is None:
+            super()._send(req, block=False)  # a full work channel: Overloaded at once
+            self._after_sends(1)
+            return
+        self._check_open()
+        queue = self._outq
+        queue.append(req)
+        if len(queue) == 1:
+            self._loop.call_soon(self._flush_sends)
+        elif len(queue) >= SEND_BURST:
+            self._flush_sends()
+
+    def _flush_sends(self) -> None:
+        """Send what this turn of the loop submitted, as bursts; what the channel
+        does not take fails with Overloaded (an abort waits for room instead)."""
+        queue, self._outq = self._outq, []
+        if not queue:
+            return
+        assert self._work_out is not None
+        error: EngineError | None = None
+        try:
+            with self._send_lock:
+                sent = self._work_out.send_many_nowait(queue)
+        except Exception as exc:  # closed under us: nothing more will be sent
+            sent, error = 0, EngineClosed(f"the engine closed before sending: {exc}")
+        for req in queue[sent:]:
+            if isinstance(req, AbortReq) and error is None:
+                self._queue_abort(req)
+            else:
+                self._put(req.rid, error or Overloaded(
+                    req.rid, "overloaded", "the scheduler is not taking requests (its work "
+                                           "channel is full)"), final=True)
+        self._after_sends(sent)
+
+    def _after_sends(self, n: int) -> None:
         # A burst of submits runs in one loop iteration, before the loop polls
         # again: read outputs every so often meanwhile, so delivery overlaps
         # the burst as the threaded face's reader does (one non-blocking poll
         # per _READ_EVERY sends).
-        self._sent_unread += 1
+        self._sent_unread += n
         if self._sent_unread >= _READ_EVERY and self._reading:
             self._on_readable()
 

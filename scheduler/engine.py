@@ -17,7 +17,7 @@ face of the same core.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Literal, Self
 
 import numpy as np
@@ -102,6 +102,25 @@ class Engine(EngineCore):
         """
         req = self._generate_req(input_ids, sampling, stream, return_logprob, rid, dp_rank)
         return self._submit(req, RequestHandle)
+
+    def submit_many(self, inputs: Sequence[npt.ArrayLike],
+                    sampling: SamplingParams | None = None, *, stream: bool = False,
+                    return_logprob: bool = False) -> list[RequestHandle]:
+        """Send several generate requests at once; returns their handles, in order.
+
+        Over zmq they travel as bursts (one message and one encode per up to
+        256): much cheaper per request than as many :meth:`submit` calls.
+        All are validated before any is sent.
+
+        Raises:
+            InvalidRequest, ValueError: one of them is refused (none was sent).
+            Overloaded: the work channel stayed full (the message says how
+                many were sent; the others have no handle).
+            EngineClosed, SchedulerGone: as :meth:`submit`.
+        """
+        reqs = [self._generate_req(ids, sampling, stream, return_logprob, None)
+                for ids in inputs]
+        return self._submit_many(reqs, RequestHandle)
 
     def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                  return_logprob: bool = False, timeout: float | None = None,

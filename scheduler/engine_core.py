@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Literal, Protocol, TypeVar
 
@@ -40,6 +40,7 @@ from bus import (
 )
 from bus.channels import Inbox
 from messages import (
+    SEND_BURST,
     AbortReq,
     BatchEmbeddingOut,
     BatchTokenIDOut,
@@ -362,23 +363,72 @@ class EngineCore:
         """Validate ``req``, register the handle ``make(rid)`` builds, send; return it."""
         req = self._validated(req)
         handle = make(req.rid)
-        with self._lock:
-            if self._closed:
-                raise EngineClosed("the engine is closed")
-            if self._gone is not None:
-                raise SchedulerGone(self._gone)
-            if req.rid in self._pending:
-                raise InvalidRequest(req.rid, "this request id is still in flight (pending, "
-                                              "or cancelled and not yet ended by the "
-                                              "scheduler)")
-            self._pending[req.rid] = handle
+        self._register([req], [handle])
         try:
             self._send(req)
         except BaseException:
-            with self._lock:
-                self._pending.pop(req.rid, None)
+            self._unregister([req])
             raise
         return handle
+
+    def _submit_many(self, reqs: Sequence[TokenizedGenerateReqInput],
+                     make: Callable[[str], P]) -> list[P]:
+        """:meth:`_submit` for several at once, sent as bursts (blocks for room).
+
+        All are validated and registered before any is sent; if the channel
+        stays full, those not sent are unregistered and ``Overloaded`` says
+        how many were.
+        """
+        checked = [self._validated(r) for r in reqs]
+        handles = [make(r.rid) for r in checked]
+        self._register(checked, handles)
+        sent = 0
+        try:
+            if self._ingress is not None:
+                for req in checked:
+                    self._send(req)
+                    sent += 1
+            else:
+                assert self._work_out is not None
+                while sent < len(checked):  # one burst per send: we know what left
+                    chunk = checked[sent:sent + SEND_BURST]
+                    self._check_open()
+                    with self._send_lock:
+                        self._work_out.send_many(chunk)
+                    sent += len(chunk)
+        except WouldBlock as exc:
+            self._unregister(checked[sent:])
+            raise Overloaded(checked[sent].rid, "overloaded",
+                             f"the scheduler is not taking requests (its work channel is "
+                             f"full): {sent} of {len(checked)} were sent: {exc}") from exc
+        except BaseException:
+            self._unregister(checked[sent:])
+            raise
+        return handles
+
+    def _register(self, reqs: Sequence[Request], handles: Sequence[Pending]) -> None:
+        with self._lock:
+            self._check_open()
+            for req in reqs:
+                if req.rid in self._pending:
+                    raise InvalidRequest(req.rid, "this request id is still in flight "
+                                                  "(pending, or cancelled and not yet ended "
+                                                  "by the scheduler)")
+            if len(reqs) > 1 and len({r.rid for r in reqs}) != len(reqs):
+                raise InvalidRequest(reqs[0].rid, "two requests of one batch share an id")
+            for req, handle in zip(reqs, handles, strict=True):
+                self._pending[req.rid] = handle
+
+    def _unregister(self, reqs: Sequence[Request]) -> None:
+        with self._lock:
+            for req in reqs:
+                self._pending.pop(req.rid, None)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("the engine is closed")
+        if self._gone is not None:
+            raise SchedulerGone(self._gone)
 
     def _send(self, req: Request, *, block: bool = True) -> None:
         """Send ``req`` to the scheduler; with ``block=False`` never wait for room.
@@ -388,10 +438,7 @@ class EngineCore:
                 with ``block=False``; after the channel's send timeout otherwise).
             EngineClosed, SchedulerGone: as the public calls.
         """
-        if self._closed:
-            raise EngineClosed("the engine is closed")
-        if self._gone is not None:
-            raise SchedulerGone(self._gone)
+        self._check_open()
         try:
             if self._ingress is not None:
                 if block:

@@ -12,7 +12,14 @@ from typing import Literal
 import pytest
 
 from messages import SamplingParams
-from scheduler import Engine, EngineClosed, ModelConfig, RequestFailed, SchedulerGone
+from scheduler import (
+    Engine,
+    EngineClosed,
+    InvalidRequest,
+    ModelConfig,
+    RequestFailed,
+    SchedulerGone,
+)
 
 SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
 MODES: list[Literal["ring", "zmq"]] = ["ring", "zmq"]
@@ -122,3 +129,15 @@ def test_dead_scheduler_process_fails_pending_calls_promptly() -> None:
             engine.submit([1])
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("mode", ["ring", "zmq"])
+def test_submit_many_sends_bursts_and_answers_each(mode: Literal["ring", "zmq"]) -> None:
+    with Engine(mode, ModelConfig(kind="stub")) as engine:
+        handles = engine.submit_many([[1 + n % 7, 2] for n in range(600)],
+                                     SamplingParams(max_new_tokens=2))
+        assert [len(h.result(60).token_ids) for h in handles] == [2] * 600
+        assert len({h.rid for h in handles}) == 600
+        with pytest.raises(InvalidRequest):  # refused before any is sent
+            engine.submit_many([[1], [2]], SamplingParams(temperature=-1.0))
+        assert engine.pending == 0
