@@ -304,7 +304,10 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     proc.wait(30)
 
 
-def test_dispatch_over_running_replicas_and_a_restarted_one_rejoins(tmp_path: Path) -> None:
+def _dispatch_over_two(tmp_path: Path) -> tuple[list[Path], list[subprocess.Popen[str]],
+                                                  subprocess.Popen[str]]:
+    """Two ``serve`` replicas and a ``dispatch`` over them (heartbeat timeout 1 s):
+    the directories (replica a, replica b, front), the replicas, the dispatcher."""
     dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "front"]
     for d in dirs:
         d.mkdir(mode=0o700)
@@ -313,6 +316,11 @@ def test_dispatch_over_running_replicas_and_a_restarted_one_rejoins(tmp_path: Pa
         [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(dirs[2]),
          "--replica", str(dirs[0]), "--replica", str(dirs[1]), "--heartbeat-timeout", "1.0"],
         stderr=subprocess.DEVNULL, text=True)
+    return dirs, replicas, front
+
+
+def test_dispatch_over_running_replicas_and_a_restarted_one_rejoins(tmp_path: Path) -> None:
+    dirs, replicas, front = _dispatch_over_two(tmp_path)
     try:
         with RpcClient(f"ipc://{dirs[2]}/rpc") as rpc:
             def load(want_ok: bool, deadline: float) -> RpcReqOutput:
@@ -412,14 +420,7 @@ def _ended_with(seen: dict[str, list[Output]], rid: str) -> Output | None:
 
 
 def test_a_silent_replica_that_returns_leaks_no_old_output(tmp_path: Path) -> None:
-    dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "front"]
-    for d in dirs:
-        d.mkdir(mode=0o700)
-    replicas = [_serve(dirs[0]), _serve(dirs[1])]
-    front = subprocess.Popen(
-        [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(dirs[2]),
-         "--replica", str(dirs[0]), "--replica", str(dirs[1]), "--heartbeat-timeout", "1.0"],
-        stderr=subprocess.DEVNULL, text=True)
+    dirs, replicas, front = _dispatch_over_two(tmp_path)
     out, work, rpc = _raw_client(dirs[2])
     try:
         assert rpc.call("get_load", timeout=60).success
