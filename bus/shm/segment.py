@@ -108,6 +108,10 @@ def _check_name(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+def _flags(populate: bool) -> int:
+    return mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -139,10 +143,13 @@ class Segment:
         return self._mm
 
     @classmethod
-    def create(cls, kind: str, size: int) -> Segment:
+    def create(cls, kind: str, size: int, *, populate: bool = False) -> Segment:
         """Create and map a fresh segment of ``size`` bytes (zeroed).
 
         The first creation in a process sweeps the leftovers of dead creators.
+        ``populate`` faults every page in now (``MAP_POPULATE``) rather than
+        on first touch: for a ring, whose first lap would otherwise pay a
+        fault per 4 KiB written (4x the cost of a 280 KiB record).
 
         Raises:
             OSError: no room in ``/dev/shm``.
@@ -153,7 +160,7 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, size, flags=_flags(populate))
         except BaseException:
             os.unlink(path)
             raise
@@ -162,8 +169,8 @@ class Segment:
         return cls(name, mm, owner=True)
 
     @classmethod
-    def attach(cls, name: str, *, min_size: int = 0) -> Segment:
-        """Map an existing segment by name.
+    def attach(cls, name: str, *, min_size: int = 0, populate: bool = False) -> Segment:
+        """Map an existing segment by name (``populate``: map every page now).
 
         Raises:
             ValueError: the name is not one of ours, or the file is not a
@@ -179,7 +186,7 @@ class Segment:
             if st.st_size < max(min_size, 1):
                 raise ValueError(f"segment {name!r} is {st.st_size} bytes, expected "
                                  f">= {min_size}")
-            mm = mmap.mmap(fd, st.st_size)
+            mm = mmap.mmap(fd, st.st_size, flags=_flags(populate))
         finally:
             os.close(fd)
         return cls(name, mm, owner=False)
