@@ -19,9 +19,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, TypeVar
 
-import numpy as np
 import numpy.typing as npt
 import zmq
 
@@ -42,11 +41,8 @@ from bus.channels import Inbox
 from messages import (
     SEND_BURST,
     AbortReq,
-    BatchEmbeddingOut,
-    BatchTokenIDOut,
     Codec,
     DecodeError,
-    ErrorOut,
     Output,
     Request,
     RpcReqOutput,
@@ -66,10 +62,10 @@ from scheduler.errors import (
     RequestFailed,
     SchedulerGone,
 )
-from scheduler.handles import StreamChunk
 from scheduler.handshake import hello
 from scheduler.metrics import label_replicas
 from scheduler.model import ModelConfig
+from scheduler.pending import Item, Pending, PendingTable
 from scheduler.processes import SchedulerProcesses, start_processes
 from scheduler.wiring import Endpoints, serve_ring
 
@@ -78,31 +74,10 @@ __all__ = ["EngineCore", "Item", "Pending"]
 R = TypeVar("R", bound=Request)
 P = TypeVar("P", bound="Pending")
 
-#: What a request's handle receives: a chunk, an embedding, or its error.
-Item = StreamChunk | npt.NDArray[np.float32] | EngineError
-
 log = logging.getLogger("scheduler.engine")
 
 #: Seconds a data-parallel replica gets to exit after its dispatcher did.
 _REPLICA_GRACE = 2.0
-
-
-class Pending(Protocol):
-    """A request's handle as the core sees it: something to hand outputs to."""
-
-    def put(self, item: Item) -> None:
-        """Deliver one output (or the error that ends the request)."""
-        ...
-
-
-class _Discard:
-    """The pending entry of a request whose caller left: outputs go nowhere."""
-
-    def put(self, item: Item) -> None:
-        """Drop ``item``."""
-
-
-_DISCARD = _Discard()
 
 
 class EngineCore:
@@ -131,11 +106,10 @@ class EngineCore:
         self._codec: Codec[Request] = Codec(Request)
         self._dir = tempfile.mkdtemp(prefix="tsb-")
         self.endpoints = Endpoints.in_dir(self._dir)
-        self._pending: dict[str, Pending] = {}
+        self._table = PendingTable()
         # Unique per engine (random prefix) and cheap per request (a counter).
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
-        self._lock = threading.Lock()  # guards _pending
         self._send_lock = threading.Lock()  # serializes sends on the work socket
         self._closed = False
         self._gone: str | None = None
@@ -171,7 +145,7 @@ class EngineCore:
     @property
     def pending(self) -> int:
         """Requests sent and not yet answered (their handles wait)."""
-        return len(self._pending)
+        return len(self._table)
 
     @property
     def closed(self) -> bool:
@@ -407,22 +381,10 @@ class EngineCore:
         return handles
 
     def _register(self, reqs: Sequence[Request], handles: Sequence[Pending]) -> None:
-        with self._lock:
-            self._check_open()
-            for req in reqs:
-                if req.rid in self._pending:
-                    raise InvalidRequest(req.rid, "this request id is still in flight "
-                                                  "(pending, or cancelled and not yet ended "
-                                                  "by the scheduler)")
-            if len(reqs) > 1 and len({r.rid for r in reqs}) != len(reqs):
-                raise InvalidRequest(reqs[0].rid, "two requests of one batch share an id")
-            for req, handle in zip(reqs, handles, strict=True):
-                self._pending[req.rid] = handle
+        self._table.register([r.rid for r in reqs], handles, self._check_open)
 
     def _unregister(self, reqs: Sequence[Request]) -> None:
-        with self._lock:
-            for req in reqs:
-                self._pending.pop(req.rid, None)
+        self._table.unregister([r.rid for r in reqs])
 
     def _check_open(self) -> None:
         if self._closed:
@@ -459,16 +421,8 @@ class EngineCore:
                                                     f"(its work channel is full): {exc}") from exc
 
     def _forget(self, rid: str) -> None:
-        """The caller left: ignore the request's outputs, but keep its rid taken.
-
-        The rid stays reserved (a :class:`_Discard` in the pending table) until
-        the scheduler's terminal answer for it arrives: a new request reusing
-        it before then would receive the old one's outputs, or be refused by
-        the scheduler as a duplicate and never answered.
-        """
-        with self._lock:
-            if rid in self._pending:
-                self._pending[rid] = _DISCARD
+        """The caller left: see :meth:`PendingTable.forget`."""
+        self._table.forget(rid)
 
     @property
     def outputs_fd(self) -> int:
@@ -490,7 +444,7 @@ class EngineCore:
             got = self._outputs.poll()
             for env in got:
                 if isinstance(env, Envelope):
-                    self._deliver(env.message)
+                    self._table.deliver(env.message)
                 else:
                     log.error("undecodable output from the scheduler: %s", env.error)
             total += len(got)
@@ -502,37 +456,8 @@ class EngineCore:
         if not self._alive():
             self._fail_all(SchedulerGone(self._gone or "the scheduler is gone"))
 
-    def _deliver(self, out: Output) -> None:
-        if isinstance(out, BatchTokenIDOut):
-            bounds = out.offsets()
-            ids = out.output_ids.tolist()  # one conversion for the whole batch
-            lps = out.logprobs.tolist() if out.logprobs is not None else None
-            for i, (rid, fin) in enumerate(zip(out.rids, out.finished_reasons, strict=True)):
-                a, b = bounds[i], bounds[i + 1]
-                self._put(rid, StreamChunk(rid, ids[a:b], fin, None if lps is None else lps[a:b]),
-                          final=fin is not None)
-        elif isinstance(out, BatchEmbeddingOut):
-            rows = out.embeddings.float().numpy()
-            for i, rid in enumerate(out.rids):
-                self._put(rid, rows[i].copy(), final=True)
-        elif isinstance(out, ErrorOut):
-            error = Overloaded if out.code == "overloaded" else RequestFailed
-            self._put(out.rid, error(out.rid, out.code, out.message), final=True)
-        else:
-            log.error("unexpected output %s on the transport", type(out).__name__)
-
     def _put(self, rid: str, item: Item, *, final: bool) -> None:
-        with self._lock:
-            handle = self._pending.pop(rid, None) if final else self._pending.get(rid)
-        if handle is None:
-            log.debug("output for unknown request %r dropped", rid)
-            return
-        handle.put(item)
+        self._table.put(rid, item, final=final)
 
     def _fail_all(self, error: EngineError) -> None:
-        with self._lock:
-            handles = list(self._pending.values())
-            self._pending.clear()
-        for h in handles:
-            h.put(error)
-
+        self._table.fail_all(error)
