@@ -109,11 +109,11 @@ class _Channel:
     def trip(self, src: torch.Tensor) -> float:
         """One round trip of ``src`` (ms); the tensor exists before the clock starts."""
         if self.mode == "empty":  # the producer computes into a slab tensor (untimed)
+            self.msg = None  # the previous message's slab goes back to the pool (acked)
             t = self.out.empty(src.shape, dtype=src.dtype)
             # numpy, one thread: torch's copy_ would leave OpenMP workers
             # spinning on the receiver's core and bill them to the send.
             np.copyto(t.numpy(), src.numpy())
-            self.msg = None  # the previous message's slab tensor goes back to the pool
             self.msg = BatchEmbeddingOut(rids=["a"], embeddings=t)
             del t
         elif self.msg is None or self.msg.embeddings is not src:
