@@ -30,8 +30,8 @@ from bus.errors import ChannelClosed, EndOfChannel, PeerGone, WouldBlock
 from bus.ring import Ring
 from bus.shm.frames import DEFAULT_SHM_THRESHOLD, MAGIC, FrameMapper, FramePool, empty_tensor
 from bus.sockets import SocketOptions, make_socket
-from messages import Codec, DecodeError, Frame, Message
-from messages.burst import SEND_BURST, is_burst
+from messages import Codec, DecodeError, EncodeError, Frame, Message
+from messages.burst import BURST_TAG, SEND_BURST, is_burst
 
 __all__ = ["Inbox", "PullInbox", "PushOutbox", "RingInbox", "RpcServer", "ZmqInbox"]
 
@@ -261,10 +261,12 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
                 origin = Origin(name, bytes(frames[0]))
                 frames = frames[1:] if len(frames) > 1 else [b""]
             if too_many:
-                # Answer from the header (it carries the rid), then drop the
-                # surplus parts unseen; what is left waits for the next poll.
-                self.rejected += 1
-                append(Rejected(self._oversized(frames), origin))
+                # Answer from the header (it carries the rid, or each member's
+                # in a burst), then drop the surplus parts unseen; what is
+                # left waits for the next poll.
+                for error in self._oversized(frames):
+                    self.rejected += 1
+                    append(Rejected(error, origin))
                 self._skipping = True
                 if not self._discard():
                     break
@@ -275,7 +277,7 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
                     frames = mapper.resolve(frames)
                 got = decode(frames)
             except DecodeError as exc:
-                if is_burst(frames[0]):
+                if exc.message_type == BURST_TAG or is_burst(frames[0]):
                     self._burst_members(frames, origin, out)
                 else:
                     self.rejected += 1
@@ -297,8 +299,11 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
             else:
                 out.append(Envelope(member, origin))
 
-    def _oversized(self, frames: Sequence[Frame]) -> DecodeError:
-        """The error for a message with too many parts, with its rid when the header has one."""
+    def _oversized(self, frames: Sequence[Frame]) -> list[DecodeError]:
+        """The errors for a message with too many parts: its rid when the header has
+        one, or each member's for a burst."""
+        reason = (f"more than max_frames={self.codec.max_frames} frames (the rest were "
+                  "discarded unread)")
         rid: str | None = None
         tag: str | None = None
         try:
@@ -308,8 +313,9 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
         else:
             found = getattr(head, "rid", None)
             rid, tag = (found if isinstance(found, str) else None), type(head).__name__
-        return DecodeError(f"more than max_frames={self.codec.max_frames} frames (the rest "
-                           "were discarded unread)", rid=rid, message_type=tag)
+        if tag == BURST_TAG:
+            return self.codec.reject_members(frames[:1], reason)
+        return [DecodeError(reason, rid=rid, message_type=tag)]
 
     def _discard(self) -> bool:
         """Drop parts of the oversized message being skipped; True once it has ended."""
@@ -421,42 +427,64 @@ class PushOutbox(_ZmqEnd, Generic[M]):
         """
         self._send_message(msg, True)
 
-    def send_many(self, msgs: Sequence[M], /) -> None:
+    def send_many(self, msgs: Sequence[M], /) -> int:
         """Send ``msgs``, in order, as bursts: one zmq message and one msgspec call
-        per up to ``SEND_BURST`` of them (one message travels as itself).
+        per up to ``SEND_BURST`` of them (one message travels as itself; a
+        burst too big for the bounds is split).
 
         Blocks at most the send timeout per burst at the high-water mark.
+        Returns how many were sent: all of them, or fewer when one cannot be
+        encoded or the peer stopped reading after some had left (call again
+        with the rest: the failure is then raised).
 
-        Raises:
-            EncodeError: a message cannot be encoded (those before its burst were sent).
-            WouldBlock: the peer is not reading (those before this burst were sent).
+        Raises (only when nothing was sent):
+            EncodeError: the first message cannot be encoded.
+            WouldBlock: the peer is not reading.
             ChannelClosed: this outbox is closed.
         """
-        self._send_bursts(msgs, block=True)
+        return self._send_bursts(msgs, block=True)
 
     def send_many_nowait(self, msgs: Sequence[M], /) -> int:
         """Send as many of ``msgs`` as the peer takes now, in order, as bursts; never blocks.
 
-        Returns how many were sent (fewer than ``len(msgs)`` when the peer
-        stopped taking them: send the rest later).
+        Returns how many were sent: fewer than ``len(msgs)`` when the peer
+        stopped taking them (send the rest later) or the next one cannot be
+        encoded (calling again with the rest raises it).
 
-        Raises:
-            EncodeError: a message cannot be encoded (those before its burst were sent).
+        Raises (only when nothing was sent):
+            EncodeError: the first message cannot be encoded.
             ChannelClosed: this outbox is closed.
         """
         return self._send_bursts(msgs, block=False)
 
     def _send_bursts(self, msgs: Sequence[M], *, block: bool) -> int:
-        encode_many, sent = self.codec.encode_many, 0
+        """Send bursts of up to SEND_BURST; returns how many were sent.
+
+        A burst too big for the bounds is halved until it fits. A message
+        that cannot be encoded at all ends the call there: it raises only
+        when it is the first unsent one (``sent == 0``), so a caller never
+        loses track of what left and calls again from where it stopped.
+        """
+        encode_many, sent, size = self.codec.encode_many, 0, SEND_BURST
         while sent < len(msgs):
-            chunk = msgs[sent:sent + SEND_BURST]
+            chunk = msgs[sent:sent + size]
             try:
-                self._send_frames(encode_many(chunk), block)
+                frames = encode_many(chunk)
+            except EncodeError:
+                if len(chunk) > 1:
+                    size = max(1, len(chunk) // 2)
+                    continue
+                if sent == 0:
+                    raise
+                return sent
+            try:
+                self._send_frames(frames, block)
             except WouldBlock:
-                if block:
+                if block and sent == 0:
                     raise
                 return sent
             sent += len(chunk)
+            size = SEND_BURST
         return sent
 
     def send_nowait(self, msg: M, /) -> None:

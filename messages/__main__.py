@@ -26,7 +26,13 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
-from messages.schema import catalogue_schema, compare_layouts, layout_from_schema, wire_layout
+from messages.schema import (
+    PROTOCOL_VERSION,
+    catalogue_schema,
+    compare_layouts,
+    layout_from_schema,
+    wire_layout,
+)
 
 USAGE = "usage: python -m messages demo | schema | check OLD.json"
 
@@ -66,18 +72,24 @@ def check(path: str) -> int:
     """Compare the schema saved at ``path`` with the current catalogue; 1 if breaking."""
     try:
         with open(path, encoding="utf-8") as f:
-            old = layout_from_schema(json.load(f))
-    except (OSError, ValueError) as exc:
-        print(f"cannot read {path}: {exc}", file=sys.stderr)
+            doc = json.load(f)
+        old = layout_from_schema(doc)
+    except (OSError, ValueError, RecursionError) as exc:  # a nest too deep to parse
+        print(f"cannot read {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    diffs = compare_layouts(old, wire_layout())
-    for d in diffs:
-        print(d)
-    breaking = sum(d.breaking for d in diffs)
-    if not diffs:
+    lines = [(str(d), d.breaking) for d in compare_layouts(old, wire_layout())]
+    version = doc.get("x-protocol-version")
+    if version != PROTOCOL_VERSION:  # the framing itself changed: hello refuses it
+        lines.insert(0, (f"breaking: protocol version {version!r} (saved) vs "
+                         f"{PROTOCOL_VERSION} (now): the framing differs (docs/PROTOCOL.md)",
+                         True))
+    for line, _ in lines:
+        print(line)
+    breaking = sum(b for _, b in lines)
+    if not lines:
         print("no difference: the wire layout is the same")
     else:
-        print(f"{len(diffs)} difference(s), {breaking} breaking")
+        print(f"{len(lines)} difference(s), {breaking} breaking")
     return 1 if breaking else 0
 
 

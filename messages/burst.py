@@ -49,8 +49,12 @@ def burst_type(union: object) -> type[msgspec.Struct]:
         tag=BURST_TAG, array_like=True, gc=False)
 
 
+#: Most members the cold path splits a failed burst into, to answer each by
+#: rid (a burst past MAX_BURST is refused, but its members are still told).
+_MAX_SPLIT: Final = 1 << 16
+
 _Raw = msgspec.defstruct(
-    BURST_TAG, [("items", Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_BURST)])],
+    BURST_TAG, [("items", Annotated[list[msgspec.Raw], msgspec.Meta(max_length=_MAX_SPLIT)])],
     tag=BURST_TAG, array_like=True)
 _RAW = msgspec.msgpack.Decoder(_Raw)
 

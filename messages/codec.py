@@ -52,7 +52,7 @@ import torch
 from messages import _tensors as tz
 from messages._failures import FailureNamer, find_field, invalid, unencodable
 from messages.base import ABSTRACT_MESSAGE_TYPES, Message
-from messages.burst import MAX_BURST, burst_type, split
+from messages.burst import BURST_TAG, MAX_BURST, burst_type, split
 from messages.errors import DecodeError, EncodeError
 from messages.rids import RidColumn
 
@@ -318,15 +318,20 @@ class Codec(Generic[M]):
 
         With no tensor frames, each member decodes alone: the good ones are
         returned, each bad one is its own :class:`DecodeError` (with its rid
-        when readable). With tensor frames the members cannot be decoded
-        apart (the numbering is the burst's): each is an error naming the
-        burst's fault, still with its own rid. A burst whose outline does
-        not even read is one error.
+        when readable). With tensor frames, or more members than
+        ``MAX_BURST``, the members are rejected together, each with its own
+        rid. A burst whose outline does not read (or that is empty) is one
+        error.
         """
         try:
             raws = split(frames[0])
         except Exception as exc:
             return [self._namer.failure(frames, exc)]
+        if not raws:
+            return [DecodeError("an empty burst", message_type=BURST_TAG)]
+        if len(raws) > MAX_BURST:
+            return list(self.reject_members(frames, f"a burst of {len(raws)} messages, more "
+                                                    f"than {MAX_BURST}"))
         if len(frames) == 1:
             out: list[M | DecodeError] = []
             for raw in raws:
@@ -340,12 +345,21 @@ class Codec(Generic[M]):
             why = "decode failed"
         except Exception as exc:
             why = self._namer.failure(frames, exc).reason
-        errors: list[M | DecodeError] = []
+        return list(self.reject_members(frames, f"in a burst with tensor frames that failed "
+                                                f"to decode ({why})"))
+
+    def reject_members(self, frames: Sequence[Frame], reason: str, /) -> list[DecodeError]:
+        """One :class:`DecodeError` per member of the burst in ``frames[0]``, each with
+        the member's own rid when readable (one error if the outline does not read)."""
+        try:
+            raws = split(frames[0])
+        except Exception as exc:
+            return [self._namer.failure(frames, exc)]
+        errors: list[DecodeError] = []
         for raw in raws:
             tag, rid, _ = self._namer.peek([raw])
-            errors.append(DecodeError(f"in a burst with tensor frames that failed to decode "
-                                      f"({why})", rid=rid, message_type=tag))
-        return errors
+            errors.append(DecodeError(reason, rid=rid, message_type=tag))
+        return errors or [DecodeError(f"{reason} (an empty burst)", message_type=BURST_TAG)]
 
     def validate(self, msg: M, /) -> M:
         """Check ``msg`` as if it had crossed the wire, and return the checked copy.

@@ -31,8 +31,9 @@ class Sink(Protocol[O_contra]):
     """Where routed outputs go. ``send`` may raise; the router isolates the failure.
 
     A sink may also offer ``send_many(outputs, origin) -> int``: deliver
-    several at once, in order, returning how many it took before it would
-    block (see :meth:`Router.batching`).
+    several at once, in order, returning how many it took (0: it would
+    block); it raises only for the first, having sent nothing (see
+    :meth:`Router.batching`).
     """
 
     def send(self, output: O_contra, origin: Origin, /) -> None:
@@ -226,18 +227,25 @@ class Router(Generic[O]):
             for output in run:
                 self._deliver(sink, output, origin)
             return
-        try:
-            n = many(run, origin)
-        except Exception:  # one of them cannot be sent: each alone, so it fails alone
-            for output in run:
-                self._deliver(sink, output, origin)
-            return
-        self._routed += n
-        for output in run[:n]:
-            kind = type(output)
-            self._ok[kind] = self._ok.get(kind, 0) + 1
-        for output in run[n:]:  # the consumer stopped taking them: they wait, in order
-            self._queue(sink, output, origin)
+        rest = run
+        while rest:
+            try:
+                n = many(rest, origin)  # raises only for rest[0], having sent nothing
+            except WouldBlock:
+                n = 0
+            except Exception as exc:  # rest[0] cannot be sent: it fails alone
+                self._fail(sink, rest[0], origin, exc)
+                rest = rest[1:]
+                continue
+            if n == 0:  # the consumer stopped taking them: they wait, in order
+                for output in rest:
+                    self._queue(sink, output, origin)
+                return
+            self._routed += n
+            for output in rest[:n]:
+                kind = type(output)
+                self._ok[kind] = self._ok.get(kind, 0) + 1
+            rest = rest[n:]
 
     def flush(self) -> int:
         """Retry every waiting output, oldest first per queue; returns how many still wait.

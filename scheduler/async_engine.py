@@ -41,6 +41,7 @@ import zmq
 from messages import (
     SEND_BURST,
     AbortReq,
+    EncodeError,
     FinishReason,
     Request,
     RpcReqOutput,
@@ -50,7 +51,7 @@ from messages import (
 from scheduler.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine_core import EngineCore, Item
-from scheduler.errors import EngineClosed, EngineError, Overloaded
+from scheduler.errors import EngineClosed, EngineError, Overloaded, RequestFailed
 from scheduler.handles import GenerateResult, StreamChunk
 from scheduler.model import ModelConfig
 
@@ -475,12 +476,24 @@ class AsyncEngine(EngineCore):
             return
         assert self._work_out is not None
         error: EngineError | None = None
-        try:
-            with self._send_lock:
-                sent = self._work_out.send_many_nowait(queue)
-        except Exception as exc:  # closed under us: nothing more will be sent
-            sent, error = 0, EngineClosed(f"the engine closed before sending: {exc}")
-        for req in queue[sent:]:
+        rest, sent = queue, 0
+        while rest:
+            try:
+                with self._send_lock:
+                    n = self._work_out.send_many_nowait(rest)
+            except EncodeError as exc:  # rest[0] alone cannot go (validated: not expected)
+                self._put(rest[0].rid, RequestFailed(rest[0].rid, "invalid_request", str(exc)),
+                          final=True)
+                rest = rest[1:]
+                continue
+            except Exception as exc:  # closed under us: nothing more will be sent
+                error = EngineClosed(f"the engine closed before sending: {exc}")
+                break
+            if n == 0:
+                break
+            sent += n
+            rest = rest[n:]
+        for req in rest:
             if isinstance(req, AbortReq) and error is None:
                 self._queue_abort(req)
             else:

@@ -39,7 +39,6 @@ from bus import (
 )
 from bus.channels import Inbox
 from messages import (
-    SEND_BURST,
     AbortReq,
     Codec,
     DecodeError,
@@ -364,12 +363,10 @@ class EngineCore:
                     sent += 1
             else:
                 assert self._work_out is not None
-                while sent < len(checked):  # one burst per send: we know what left
-                    chunk = checked[sent:sent + SEND_BURST]
+                while sent < len(checked):  # it says how many left; a failure comes alone
                     self._check_open()
                     with self._send_lock:
-                        self._work_out.send_many(chunk)
-                    sent += len(chunk)
+                        sent += self._work_out.send_many(checked[sent:])
         except WouldBlock as exc:
             self._unregister(checked[sent:])
             raise Overloaded(checked[sent].rid, "overloaded",

@@ -33,14 +33,14 @@ from bus import (
     SocketOptions,
 )
 from bus.channels import Inbox
-from messages import Codec, Output, Request
+from messages import Codec, Output, Request, RpcReqInput
 from router import RingSink, RpcReplySink, TransportSink, scheduler_router
 from scheduler.admission import Limits
 from scheduler.loop import RequestSource, Scheduler
 from scheduler.model import ModelConfig, build_model
 from scheduler.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, rpc_reducer
 
-__all__ = ["Endpoints", "serve_follower", "serve_ring", "serve_zmq"]
+__all__ = ["Endpoints", "rpc_codec", "serve_follower", "serve_ring", "serve_zmq"]
 
 _OPTIONS = SocketOptions()
 
@@ -81,6 +81,13 @@ class Endpoints:
         return cls.in_dir(spec)
 
 
+def rpc_codec() -> Codec[Request]:
+    """The rpc channel carries rpc calls only: work (and its aborts) goes on the work
+    channel, whose one consumer gets the outputs. A peer that may call rpc cannot
+    abort, or claim the rid of, a request it did not send."""
+    return Codec(Request, types=[RpcReqInput])
+
+
 @contextlib.contextmanager
 def _metrics_http(sched: Scheduler, host: str, port: int | None) -> Iterator[None]:
     """Serve ``sched``'s metrics over HTTP while the block runs (nothing if ``port`` is None)."""
@@ -114,7 +121,7 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
     """
     codec: Codec[Request] = Codec(Request)
     limits = limits or Limits()
-    with RpcServer(codec, rpc_endpoint, kind=rpc_kind, options=options) as rpc:
+    with RpcServer(rpc_codec(), rpc_endpoint, kind=rpc_kind, options=options) as rpc:
         work = RingInbox(ingress, name="work", validate=codec.validate if validate else None)
         inboxes: list[Inbox[Request]] = [work, rpc]
         router = scheduler_router(RingSink(egress), RpcReplySink(rpc),
@@ -155,7 +162,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
     broadcast: BroadcastReceiver | None = None
     try:
         with PullInbox(codec, endpoints.work, options=options) as work, \
-                RpcServer(codec, endpoints.rpc, kind=rpc_kind, options=options) as rpc, \
+                RpcServer(rpc_codec(), endpoints.rpc, kind=rpc_kind, options=options) as rpc, \
                 PushOutbox(out_codec, endpoints.out, options=options,
                            bind=endpoints.server_binds_out) as out:
             router = scheduler_router(TransportSink(out), RpcReplySink(rpc),

@@ -11,7 +11,7 @@ from messages import Codec, Output, Request
 from scheduler.dp.dispatcher import Dispatcher
 from scheduler.dp.ledger import Policy
 from scheduler.dp.replica import ReplicaSpec
-from scheduler.wiring import Endpoints
+from scheduler.wiring import Endpoints, rpc_codec
 
 __all__ = ["serve_dispatch"]
 
@@ -34,7 +34,7 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
         if curve_clients is not None else None
     try:
         with PullInbox(Codec(Request), endpoints.work, options=options) as work, \
-                RpcServer(Codec(Request), endpoints.rpc, options=options) as rpc, \
+                RpcServer(rpc_codec(), endpoints.rpc, options=options) as rpc, \
                 PushOutbox(Codec(Output), endpoints.out, options=options,
                            bind=endpoints.server_binds_out) as out:
             dispatcher = Dispatcher(work, rpc, out, replicas, policy=policy,

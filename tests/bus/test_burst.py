@@ -139,3 +139,59 @@ def test_a_burst_is_a_plain_tagged_array_on_the_wire() -> None:
     expected = ["Burst", [["AbortReq", "a"], ["AbortReq", "b"]]]
     assert msgpack.unpackb(bytes(frames[0])) == expected  # an independent reader (PROTOCOL.md)
     assert bytes(frames[0]).startswith(bytes.fromhex("92a54275727374"))  # PROTOCOL.md
+
+
+def test_every_member_of_a_burst_past_the_bound_is_told() -> None:
+    codec: Codec[Request] = Codec(Request)
+    members = [msgspec.Raw(codec.encode(_req(n))[0]) for n in range(MAX_BURST + 1)]
+    head = msgspec.msgpack.encode(["Burst", members])
+    with pytest.raises(DecodeError):
+        codec.decode_any([head])
+    errors = codec.decode_members([head])
+    assert len(errors) == MAX_BURST + 1
+    assert all(isinstance(e, DecodeError) and e.rid == f"r{n}" and "more than 1024" in str(e)
+               for n, e in enumerate(errors))
+    empty = codec.decode_members([msgspec.msgpack.encode(["Burst", []])])
+    assert len(empty) == 1 and isinstance(empty[0], DecodeError)  # counted, not silent
+
+
+def test_a_burst_in_another_msgpack_spelling_is_still_split(tmp_path: Path) -> None:
+    codec: Codec[Request] = Codec(Request)
+    good = msgspec.Raw(codec.encode(_req(1))[0])
+    bad = msgspec.Raw(msgspec.msgpack.encode(["TokenizedGenerateReqInput", "r2", "not ids"]))
+    body = msgspec.msgpack.encode([good, bad])
+    head = b"\xdc\x00\x02" + b"\xd9\x05Burst" + body  # array16, str8: valid, not ours
+    ep = f"ipc://{tmp_path}/w"
+    with PullInbox(codec, ep) as inbox, PushOutbox(codec, ep) as out:
+        out.socket.send(head)
+        assert inbox.socket.poll(10_000)
+        got = inbox.drain(16)
+    assert isinstance(got[0], Envelope) and got[0].message.rid == "r1"
+    assert isinstance(got[1], Rejected) and got[1].error.rid == "r2"
+
+
+def test_a_burst_with_too_many_frames_answers_each_member(tmp_path: Path) -> None:
+    wide: Codec[Request] = Codec(Request, max_frames=200)
+    frames = wide.encode_many([_req(n, embeds=True) for n in range(70)])  # 71 frames
+    assert len(frames) == 71
+    ep = f"ipc://{tmp_path}/w"
+    with PullInbox(Codec(Request), ep) as inbox, PushOutbox(wide, ep) as out:
+        out.socket.send_multipart(frames)
+        assert inbox.socket.poll(10_000)
+        got = inbox.drain(256)
+    assert [g.error.rid for g in got if isinstance(g, Rejected)] == [f"r{n}" for n in range(70)]
+
+
+def test_a_burst_too_big_for_the_bounds_is_split_not_refused(tmp_path: Path) -> None:
+    small: Codec[Request] = Codec(Request, max_message_bytes=20_000)
+    msgs: list[Request] = [_req(n, embeds=True) for n in range(6)]  # 8 KiB of tensor each
+    ep = f"ipc://{tmp_path}/w"
+    with PullInbox(Codec(Request), ep) as inbox, PushOutbox(small, ep) as out:
+        assert out.send_many_nowait(msgs) == 6
+        got: list[str] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 6:
+            assert time.monotonic() < deadline
+            inbox.socket.poll(1000)
+            got += [e.message.rid for e in inbox.drain(16) if isinstance(e, Envelope)]
+    assert got == [f"r{n}" for n in range(6)]

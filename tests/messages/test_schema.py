@@ -169,3 +169,16 @@ def test_cli_schema_then_check_round_trip(tmp_path: Path) -> None:
 def test_layout_records_are_strict() -> None:
     with pytest.raises(msgspec.ValidationError):
         layout_from_json('{"T": {"tag": "T", "fields": [], "extra": 1}}')
+
+
+def test_check_another_protocol_version_is_breaking(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = _saved(tmp_path)
+    doc = json.loads(saved.read_text())
+    doc["x-protocol-version"] = 1  # before bursts
+    saved.write_text(json.dumps(doc))
+    assert main(["check", str(saved)]) == 1
+    assert "breaking: protocol version 1 (saved) vs 2" in capsys.readouterr().out
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
+    assert main(["check", str(deep)]) == 2  # unreadable, not a crash

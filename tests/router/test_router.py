@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import zmq
@@ -245,3 +245,34 @@ def test_a_backlog_that_keeps_everything_on_overflow_stays_cheap() -> None:
     # Terminal answers are kept, but each overflow waits for the queue to double:
     # a push costs O(1) amortized, not a pass over the queue.
     assert len(calls) <= 12 and sum(calls) < 4 * 8000
+
+
+def test_batching_sends_runs_in_one_call_and_never_twice() -> None:
+    class Many:
+        def __init__(self) -> None:
+            self.calls: list[list[str]] = []
+            self.bad = "e2"
+
+        def send(self, output: ErrorOut, origin: Origin, /) -> None:
+            if output.rid == self.bad:
+                raise ValueError("cannot encode")
+            self.calls.append([output.rid])
+
+        def send_many(self, outputs: Sequence[ErrorOut], origin: Origin, /) -> int:
+            if outputs[0].rid == self.bad:
+                raise ValueError("cannot encode")
+            n = next((i for i, o in enumerate(outputs) if o.rid == self.bad), len(outputs))
+            self.calls.append([o.rid for o in outputs[:n]])
+            return n  # stops before the one it cannot send
+
+    sink = Many()
+    failures: list[SinkFailure] = []
+    router: Router[Output] = Router(Output, types=[ErrorOut], on_failure=failures.append)
+    router.register(ErrorOut, sink)
+    with router.batching():
+        for n in range(5):
+            router.route(ErrorOut(rid=f"e{n}", code="internal"), Origin("work"))
+        assert sink.calls == []  # held until the block ends
+    assert sink.calls == [["e0", "e1"], ["e3", "e4"]]  # e2 failed alone, nothing twice
+    assert [f.output_type for f in failures] == ["ErrorOut"]
+    assert router.statistics().routed == 4

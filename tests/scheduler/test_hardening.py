@@ -476,3 +476,17 @@ def test_engine_says_closed_and_refuses_an_empty_rid(mode: str) -> None:
         engine.collective_rpc("get_load")
     with pytest.raises(EngineClosed):
         engine.submit([1])
+
+
+def test_the_rpc_channel_takes_rpc_calls_only() -> None:
+    from messages import AbortReq, DecodeError, RpcReqInput, TokenizedGenerateReqInput, token_ids
+    from scheduler.wiring import rpc_codec
+
+    codec = rpc_codec()
+    assert isinstance(codec.decode(codec.encode(RpcReqInput(rid="c", method="get_load"))),
+                      RpcReqInput)
+    # A peer that may call rpc cannot abort, or claim the rid of, someone's request.
+    for req in (AbortReq(rid="victim"),
+                TokenizedGenerateReqInput(rid="victim", input_ids=token_ids([1]))):
+        with pytest.raises(DecodeError):
+            codec.decode(codec.encode(req))
