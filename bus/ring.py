@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -101,6 +102,25 @@ class Ring(Generic[T]):
                 self._full += 1
                 raise WouldBlock(self.name, f"full ({self.capacity} items)")
             self._append(item)
+
+    def put_many_nowait(self, items: Sequence[T]) -> int:
+        """Add as many of ``items`` as fit now, in order; returns how many.
+
+        One lock and at most one wake-up for all of them, where a
+        ``put_nowait`` each would take the lock per item.
+
+        Raises:
+            ChannelClosed: the ring is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise ChannelClosed(self.name, "put on a closed ring")
+            n = min(len(items), self.capacity - len(self._items))
+            if n < len(items):
+                self._full += 1
+            for item in items[:max(0, n)]:
+                self._append(item)
+            return max(0, n)
 
     def _append(self, item: T) -> None:  # lock held
         if self._closed:

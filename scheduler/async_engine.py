@@ -10,13 +10,13 @@ or :meth:`AsyncEngine.embed`, or leaving :meth:`AsyncEngine.stream` early
 (``break``, ``aclose()``, garbage collection), forgets the request's handle
 and sends ``AbortReq`` for it, so the scheduler frees its slot.
 
-Sending never blocks the loop. Over zmq, the requests submitted in one
-turn of the loop leave at its end as one burst (one zmq message, one
-msgspec call: ``messages.burst``); a lone request leaves as soon as its task
-awaits. A work channel that is full (a scheduler not reading) fails them
-with :class:`~scheduler.Overloaded` (at submit on the ring, when awaited
-over zmq), and an abort that finds it full waits in order and goes out as
-soon as there is room (it is never dropped).
+Sending never blocks the loop. The requests submitted in one turn of the
+loop leave at its end together: over zmq as one burst (one zmq message, one
+msgspec call: ``messages.burst``), on the ring in one put; a lone request
+leaves as soon as its task awaits. A work channel that is full (a scheduler
+not reading) fails them with :class:`~scheduler.Overloaded` when awaited,
+and an abort that finds it full waits in order and goes out as soon as
+there is room (it is never dropped).
 
 Buffering policy: each request buffers what its consumer has not taken yet.
 Past :attr:`AsyncHandle.max_buffered` items, a new token chunk is merged
@@ -298,7 +298,7 @@ class AsyncEngine(EngineCore):
         Raises:
             InvalidRequest: refused before sending.
             Overloaded: the scheduler's work channel is full (nothing was sent;
-                over zmq this surfaces when the request is awaited).
+                this surfaces when the request is awaited).
             EngineClosed: the engine is closed (or not started).
             SchedulerGone: the scheduler died.
             ValueError: ``input_ids`` are not valid token ids.
@@ -453,10 +453,11 @@ class AsyncEngine(EngineCore):
         self.read_outputs()  # what arrived last
 
     def _send(self, req: Request, *, block: bool = False) -> None:
-        # Never blocks the loop. Over zmq, what is sent in one turn of the loop
-        # leaves as one burst at its end (the lone request of an idle frontend
-        # leaves as soon as its task awaits); on the ring, one put each.
-        if self._work_out is None or self._loop is None:
+        # Never blocks the loop. What is sent in one turn of the loop leaves at
+        # its end, together: over zmq as one burst, on the ring in one put (one
+        # lock, one wake-up of the scheduler). The lone request of an idle
+        # frontend leaves as soon as its task awaits.
+        if self._loop is None:
             super()._send(req, block=False)  # a full work channel: Overloaded at once
             self._after_sends(1)
             return
@@ -474,13 +475,16 @@ class AsyncEngine(EngineCore):
         queue, self._outq = self._outq, []
         if not queue:
             return
-        assert self._work_out is not None
         error: EngineError | None = None
         rest, sent = queue, 0
         while rest:
             try:
-                with self._send_lock:
-                    n = self._work_out.send_many_nowait(rest)
+                if self._ingress is not None:
+                    n = self._ingress.put_many_nowait(rest)
+                else:
+                    assert self._work_out is not None
+                    with self._send_lock:
+                        n = self._work_out.send_many_nowait(rest)
             except EncodeError as exc:  # rest[0] alone cannot go (validated: not expected)
                 self._put(rest[0].rid, RequestFailed(rest[0].rid, "invalid_request", str(exc)),
                           final=True)

@@ -115,3 +115,15 @@ def test_many_producers_keep_their_own_order() -> None:
             t.join()
         for p in range(4):
             assert [i for q, i in got if q == p] == list(range(n))
+
+
+def test_put_many_takes_what_fits_in_order_with_one_wake_up() -> None:
+    ring: Ring[int] = Ring(5)
+    assert ring.put_many_nowait([1, 2, 3]) == 3
+    assert ring.put_many_nowait([4, 5, 6, 7]) == 2  # room for two
+    assert ring.statistics().signals == 1  # empty -> non-empty once
+    assert ring.drain(10) == [1, 2, 3, 4, 5]
+    ring.close()
+    with pytest.raises(ChannelClosed):
+        ring.put_many_nowait([8])
+    ring.release()

@@ -268,11 +268,10 @@ async def test_a_full_work_channel_never_blocks_the_loop(
     def taken_none(*args: object, **kwargs: object) -> int:
         return 0
 
-    if engine.mode == "ring":
-        monkeypatch.setattr(channel, "put_nowait", full)
-    else:  # a turn's sends leave as one burst: none of it is taken
-        monkeypatch.setattr(channel, "send_many_nowait", taken_none)
-        monkeypatch.setattr(channel, "send_nowait", full)
+    # A turn's sends leave together: none of it is taken; an abort retried alone neither.
+    monkeypatch.setattr(channel, "put_many_nowait" if engine.mode == "ring"
+                        else "send_many_nowait", taken_none)
+    monkeypatch.setattr(channel, "put_nowait" if engine.mode == "ring" else "send_nowait", full)
     t0 = time.monotonic()
     with pytest.raises(Overloaded, match="work channel is full"):
         await engine.submit([3, 4])  # refused at once, not after a send timeout
@@ -282,7 +281,7 @@ async def test_a_full_work_channel_never_blocks_the_loop(
     with pytest.raises(asyncio.CancelledError):
         await task
     deadline = time.monotonic() + 5
-    while len(engine._unsent_aborts) != 1:  # (over zmq, after this turn's burst)
+    while len(engine._unsent_aborts) != 1:  # (after this turn's sends)
         assert time.monotonic() < deadline
         await asyncio.sleep(0)  # sleep-ok: one turn of the loop
     monkeypatch.undo()  # room again: the abort goes out and the slot frees
