@@ -41,6 +41,7 @@ from messages import (
     Scalar,
     compare_peers,
     fingerprint,
+    fit_text,
     layout_from_json,
     layout_to_json,
     wire_layout,
@@ -54,6 +55,8 @@ log = logging.getLogger("scheduler.handshake")
 HELLO_METHOD: Final = "hello"
 #: Most differences one reply lists (each names a type and field).
 _MAX_LISTED: Final = 256
+#: Most characters one hello logs.
+_MAX_LOGGED: Final = 1000
 
 
 class HelloReply(msgspec.Struct, frozen=True):
@@ -113,13 +116,14 @@ def answer_hello(protocol_version: int, fingerprint: str, layout: str = "",
     listed: list[Scalar] = list(lines[:_MAX_LISTED])
     result["accepted"] = not breaking
     result["differences"] = listed
+    # One line each, bounded: a peer saying hello in a loop must not flood the log.
     if breaking:
-        log.error("hello refused: %s", ProtocolMismatch(
+        log.error("hello refused: %s", fit_text(str(ProtocolMismatch(
             peer, [line for line in lines if line.startswith("breaking")],
-            (PROTOCOL_VERSION, protocol_version)))
+            (PROTOCOL_VERSION, protocol_version))), _MAX_LOGGED))
     else:
         log.warning("hello from %s accepted with compatible differences: %s", peer,
-                    "; ".join(lines))
+                    fit_text("; ".join(lines), _MAX_LOGGED))
     return result
 
 
