@@ -204,38 +204,18 @@ class BroadcastReceiver:
         if self._writer is not None or self._reader is not None:
             return self._poll_shm()
         if self.inner is not None:
-            envelopes = self.inner.poll()
-            if self._injected:
-                envelopes = [*self._injected, *envelopes]
-                self._injected = []
+            envelopes = self._take()
             if not envelopes:
                 dist.broadcast(self._idle, src=0)
                 return envelopes
-            wire = torch.frombuffer(self._pack(envelopes), dtype=torch.uint8)
-            dist.broadcast(wire[:_FIRST], src=0)
-            if len(wire) > _FIRST:
-                dist.broadcast(wire[_FIRST:], src=0)
+            self._broadcast(envelopes)
             return envelopes
-        head = torch.empty(_FIRST, dtype=torch.uint8)
-        dist.broadcast(head, src=0)
-        n = int.from_bytes(head[:8].numpy().tobytes(), "little")
-        if n == 0:
-            return []
-        if 8 + n > _FIRST:
-            whole = torch.empty(8 + n, dtype=torch.uint8)
-            whole[:_FIRST] = head
-            dist.broadcast(whole[_FIRST:], src=0)
-            head = whole
-        return self._unpack(head.numpy().data[8 : 8 + n])
+        return self._receive()
 
     def _poll_shm(self) -> Sequence[Envelope[Request] | Rejected]:
         """The poll through the ring: ``S`` + the packed poll, or ``G`` ("see the broadcast")."""
         if self._writer is not None:
-            assert self.inner is not None
-            envelopes = self.inner.poll()
-            if self._injected:
-                envelopes = [*self._injected, *envelopes]
-                self._injected = []
+            envelopes = self._take()
             if not envelopes:
                 self._writer.send([_VIA_SHM], timeout=_SHM_SEND_TIMEOUT)
                 return envelopes
@@ -245,10 +225,7 @@ class BroadcastReceiver:
                 self._writer.send([_VIA_SHM, *parts], timeout=_SHM_SEND_TIMEOUT)
                 return envelopes
             self._writer.send([_VIA_COLLECTIVE], timeout=_SHM_SEND_TIMEOUT)
-            wire = torch.frombuffer(self._pack(envelopes), dtype=torch.uint8)
-            dist.broadcast(wire[:_FIRST], src=0)
-            if len(wire) > _FIRST:
-                dist.broadcast(wire[_FIRST:], src=0)
+            self._broadcast(envelopes)
             return envelopes
         assert self._reader is not None
         frames = self._reader.recv(None)
@@ -256,9 +233,31 @@ class BroadcastReceiver:
             if len(frames) == 1:
                 return []
             return _unpack_poll(self.codec, frames[1], frames[2:])
+        return self._receive()
+
+    def _take(self) -> Sequence[Envelope[Request] | Rejected]:
+        """Rank 0: this poll's envelopes, the injected ones first."""
+        assert self.inner is not None
+        envelopes: Sequence[Envelope[Request] | Rejected] = self.inner.poll()
+        if self._injected:
+            envelopes = [*self._injected, *envelopes]
+            self._injected = []
+        return envelopes
+
+    def _broadcast(self, envelopes: Sequence[Envelope[Request] | Rejected]) -> None:
+        """Rank 0: the packed poll over the collective, in one or two broadcasts."""
+        wire = torch.frombuffer(self._pack(envelopes), dtype=torch.uint8)
+        dist.broadcast(wire[:_FIRST], src=0)
+        if len(wire) > _FIRST:
+            dist.broadcast(wire[_FIRST:], src=0)
+
+    def _receive(self) -> Sequence[Envelope[Request] | Rejected]:
+        """The other ranks: rank 0's packed poll from the collective."""
         head = torch.empty(_FIRST, dtype=torch.uint8)
         dist.broadcast(head, src=0)
         n = int.from_bytes(head[:8].numpy().tobytes(), "little")
+        if n == 0:
+            return []
         if 8 + n > _FIRST:
             whole = torch.empty(8 + n, dtype=torch.uint8)
             whole[:_FIRST] = head

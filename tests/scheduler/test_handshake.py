@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
 import pytest
-import zmq
 
-from bus import RpcClient
 from messages import (
     PROTOCOL_VERSION,
     ProtocolMismatch,
@@ -31,6 +27,7 @@ from messages import (
 )
 from scheduler import RpcMethods, hello
 from scheduler import handshake as hs
+from tests.scheduler.served import Served as ServedBase
 
 
 def _layout_with(edit: str) -> str:
@@ -111,32 +108,12 @@ def test_compare_direction_client_is_old_scheduler_is_new() -> None:
 # -- against a real `serve` -----------------------------------------------------------
 
 
-class Served:
-    """``python -m scheduler serve`` in a temp dir, with a work PUSH, an out PULL and rpc."""
+class Served(ServedBase):
+    """A plain ``serve``, answering rpc already."""
 
     def __init__(self, tmp: Path) -> None:
-        self.dir = tmp / "sched"
-        self.proc = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--endpoint",
-                                      str(self.dir)], stderr=subprocess.DEVNULL)
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        deadline = time.monotonic() + 120
-        while not (self.dir / "rpc").exists():
-            assert time.monotonic() < deadline and self.proc.poll() is None, "serve did not start"
-            time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
-        self.out = self.ctx.socket(zmq.PULL)
-        self.out.bind(f"ipc://{self.dir}/out")
-        self.work = self.ctx.socket(zmq.PUSH)
-        self.work.connect(f"ipc://{self.dir}/work")
-        self.rpc = RpcClient(f"ipc://{self.dir}/rpc", ctx=self.ctx)
+        super().__init__(tmp)
         assert self.rpc.call("get_load", timeout=120).success  # serving
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait(30)
-        self.rpc.close()
-        self.out.close(0)
-        self.work.close(0)
-        self.ctx.term()
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import io
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus import RpcClient
 from messages import (
     BatchTokenIDOut,
     Codec,
@@ -28,6 +24,7 @@ from messages import (
 )
 from scheduler.metrics import Histogram, reject_reason
 from scheduler.top import metrics_url, run_top
+from tests.scheduler.served import Served as ServedBase
 
 CODEC: Codec[Message] = Codec(Message)
 
@@ -48,24 +45,13 @@ def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
-class Served:
+class Served(ServedBase):
+    """``serve`` with a metrics port, one batch slot and a one-request queue."""
+
     def __init__(self, tmp: Path) -> None:
-        self.dir = tmp / "sched"
         self.port = _free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler", "serve", "--endpoint", str(self.dir),
-             "--metrics-port", str(self.port), "--max-batch", "1",
-             "--max-queued-requests", "1"], stderr=subprocess.DEVNULL)
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        deadline = time.monotonic() + 120
-        while not (self.dir / "rpc").exists():
-            assert time.monotonic() < deadline and self.proc.poll() is None, "serve did not start"
-            time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
-        self.out = self.ctx.socket(zmq.PULL)
-        self.out.bind(f"ipc://{self.dir}/out")
-        self.work = self.ctx.socket(zmq.PUSH)
-        self.work.connect(f"ipc://{self.dir}/work")
-        self.rpc = RpcClient(f"ipc://{self.dir}/rpc", ctx=self.ctx)
+        super().__init__(tmp, "--metrics-port", str(self.port), "--max-batch", "1",
+                         "--max-queued-requests", "1")
         self.url = f"http://127.0.0.1:{self.port}/metrics"
 
     def read_until_terminal(self, rids: set[str]) -> dict[str, str]:
@@ -85,14 +71,6 @@ class Served:
                         if fin is not None:
                             done[rid] = fin
         return done
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait(30)
-        self.rpc.close()
-        self.out.close(0)
-        self.work.close(0)
-        self.ctx.term()
 
 
 @pytest.fixture
