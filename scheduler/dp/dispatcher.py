@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 
@@ -474,6 +475,7 @@ class Dispatcher:
         dead = rep.process_exit() is not None
         if dead:
             rep.bury()
+            multiprocessing.active_children()  # reap it, if it is our child (serve --dp)
         for inbox in (rep.out, rep.rpc):
             self.receiver.remove(inbox)
         rep.reopen()  # this incarnation's connections, and all they hold, are gone
