@@ -14,6 +14,10 @@ Defaults, and why:
   at the mark (they never drop) for at most ``send_timeout``, then raise
   :class:`~bus.errors.WouldBlock` naming the channel; ROUTER sockets set
   ``ROUTER_MANDATORY`` so an unroutable or full peer is an error, not a drop.
+  The mark counts zmq messages, and a burst (``messages.burst``) is one: a
+  socket may then hold up to ``SEND_BURST`` times more requests. The
+  scheduler's admission still refuses past ``Limits`` on arrival, so that
+  excess is answered ``overloaded``, not kept.
 * **LINGER**: 0 for receiving sockets (nothing to flush); ``linger`` (1 s)
   for sending ones, so a close flushes queued outputs without hanging on a
   dead peer.
