@@ -34,9 +34,12 @@ Defaults, and why:
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import time
 from dataclasses import dataclass
+from typing import Final
 
 import zmq
 
@@ -115,6 +118,15 @@ def make_socket(
     return sock
 
 
+#: connect() errors that mean nobody listens at the path.
+_NOBODY: Final = frozenset({errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK,
+                            errno.ENOTDIR})
+#: How long a listener that answers may take to go away (one this process
+#: closed a moment ago) before the path counts as another's, and how often to look.
+_CLOSING_GRACE: Final = 0.25
+_CLOSING_POLL: Final = 0.005
+
+
 def refuse_live_ipc(endpoint: str) -> None:
     """Raise if a live process listens on ``endpoint`` (an ``ipc://`` path).
 
@@ -125,18 +137,27 @@ def refuse_live_ipc(endpoint: str) -> None:
         EndpointInUse: something accepts connections there.
     """
     path = endpoint[len("ipc://"):]
-    if path.startswith("@") or not os.path.exists(path):
-        return  # abstract namespace (refused by zmq itself when taken), or free
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:  # refused, not a socket, gone meanwhile: nobody listens
-        return
-    finally:
-        probe.close()
-    raise EndpointInUse(endpoint, "another live process listens here; binding would take "
-                                  "its traffic away from it silently")
+    if path.startswith("@"):
+        return  # abstract namespace: zmq itself refuses one that is taken
+    deadline = time.monotonic() + _CLOSING_GRACE
+    while os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except OSError as exc:
+            if exc.errno in _NOBODY:  # refused, not a socket, gone meanwhile: free
+                return
+            # EAGAIN / a timeout: a listener whose backlog is full (a hung
+            # process) is still a listener.
+        finally:
+            probe.close()
+        if time.monotonic() >= deadline:
+            raise EndpointInUse(endpoint, "another live process listens here; binding "
+                                          "would take its traffic away from it silently")
+        # zmq closes a listener asynchronously: one this process just closed
+        # answers for a few milliseconds more.
+        time.sleep(_CLOSING_POLL)
 
 
 def _apply_curve(sock: zmq.Socket[bytes], *, bind: bool, options: SocketOptions) -> None:

@@ -28,7 +28,7 @@ silently):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -84,12 +84,19 @@ class Backlog(Generic[O]):
     def push(self, sink: _AnySink[O], output: O, origin: Origin
              ) -> list[tuple[O, Origin]]:
         """Queue ``output``; returns the items dropped by an overflow (usually none)."""
+        return self.push_many(sink, (output,), origin)
+
+    def push_many(self, sink: _AnySink[O], outputs: Iterable[O], origin: Origin
+                  ) -> list[tuple[O, Origin]]:
+        """Queue ``outputs``, in order, then check the bound once: an overflow policy
+        sees all of them together (a step's outputs), never half of a step."""
         key = (id(sink), origin)
         q = self._queues.get(key)
         if q is None:
             q = self._queues[key] = _Queue(sink, self.max_items)
-        q.items.append((output, origin))
-        self._size += 1
+        before = len(q.items)
+        q.items.extend((output, origin) for output in outputs)
+        self._size += len(q.items) - before
         if len(q.items) <= q.limit:
             return []
         self.overflows += 1

@@ -193,14 +193,17 @@ class Router(Generic[O]):
             yield
         finally:
             self._held = None
-            i = 0
-            while i < len(held):
-                sink, _, origin = held[i]
-                j = i + 1
-                while j < len(held) and held[j][0] is sink and held[j][2] == origin:
-                    j += 1
-                self._deliver_run(sink, [o for _, o, _ in held[i:j]], origin)
-                i = j
+            # Per (sink, origin), in order: order only matters within one
+            # destination, and a step's outputs for one stay one run.
+            runs: dict[tuple[int, Origin], tuple[Sink[O], list[O]]] = {}
+            for sink, output, origin in held:
+                run = runs.get((id(sink), origin))
+                if run is None:
+                    runs[(id(sink), origin)] = (sink, [output])
+                else:
+                    run[1].append(output)
+            for (_, origin), (sink, outputs) in runs.items():
+                self._deliver_run(sink, outputs, origin)
 
     def _deliver(self, sink: Sink[O], output: O, origin: Origin) -> bool:
         backlog = self._backlog
@@ -221,9 +224,11 @@ class Router(Generic[O]):
         return True
 
     def _deliver_run(self, sink: Sink[O], run: list[O], origin: Origin) -> None:
+        if self._backlog and self._backlog.holds(sink, origin):  # behind what waits
+            self._queue_many(sink, run, origin)
+            return
         many: Callable[[Sequence[O], Origin], int] | None = getattr(sink, "send_many", None)
-        if many is None or len(run) == 1 or (self._backlog and
-                                            self._backlog.holds(sink, origin)):
+        if many is None or len(run) == 1:
             for output in run:
                 self._deliver(sink, output, origin)
             return
@@ -237,9 +242,8 @@ class Router(Generic[O]):
                 self._fail(sink, rest[0], origin, exc)
                 rest = rest[1:]
                 continue
-            if n == 0:  # the consumer stopped taking them: they wait, in order
-                for output in rest:
-                    self._queue(sink, output, origin)
+            if n == 0:  # the consumer stopped taking them: they wait, in order, together
+                self._queue_many(sink, rest, origin)
                 return
             self._routed += n
             for output in rest[:n]:
@@ -276,7 +280,10 @@ class Router(Generic[O]):
         return len(backlog)
 
     def _queue(self, sink: Sink[O], output: O, origin: Origin) -> None:
-        for old, old_origin in self._backlog.push(sink, output, origin):
+        self._queue_many(sink, (output,), origin)
+
+    def _queue_many(self, sink: Sink[O], outputs: Sequence[O], origin: Origin) -> None:
+        for old, old_origin in self._backlog.push_many(sink, outputs, origin):
             self._fail(sink, old, old_origin,
                        WouldBlock(type(sink).__qualname__, "dropped: the backlog of a "
                                   f"consumer that is not reading passed {self._backlog.max_items}"

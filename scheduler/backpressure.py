@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from bus import Origin
-from messages import BatchTokenIDOut, ErrorOut, Output, RpcReqOutput, fit_text
+from messages import BatchEmbeddingOut, BatchTokenIDOut, ErrorOut, Output, RpcReqOutput, fit_text
 
 __all__ = ["InboxThrottle", "collapse"]
 
@@ -81,25 +81,44 @@ def collapse(items: list[tuple[Output, Origin]], abort: Callable[[str], None],
              dropped_rpc: Callable[[RpcReqOutput], None]) -> list[tuple[Output, Origin]]:
     """Shrink an overflowing output queue (see the module docstring).
 
+    Each request ends at most once: its first terminal item in the queue (an
+    ``ErrorOut`` already there, or the one made for its stuck stream) is
+    kept, and anything of it after that is dropped. So collapsing a queue
+    twice, or a queue that holds a stream's tokens behind its error, never
+    answers a request twice or after its end.
+
     Args:
         items: the queue, oldest first.
         abort: called once per stuck request id, to free its slot silently.
         dropped_rpc: called for each rpc reply dropped.
     """
     kept: list[tuple[Output, Origin]] = []
-    stuck: set[str] = set()
+    ended: set[str] = set()  # rids whose terminal answer is kept
+    stuck: list[str] = []
     why = fit_text(f"the consumer of this request's outputs stopped reading: {len(items)} "
                    "outputs waited, so its stream was dropped and it was aborted")
     for output, origin in items:
         if isinstance(output, BatchTokenIDOut):
             for rid in output.rids:
-                if rid not in stuck:
-                    stuck.add(rid)
+                if rid not in ended:
+                    ended.add(rid)
+                    stuck.append(rid)
                     kept.append((ErrorOut(rid=rid, code="overloaded", message=why), origin))
         elif isinstance(output, RpcReqOutput):
             dropped_rpc(output)
-        elif isinstance(output, ErrorOut) and output.rid in stuck:
-            continue
+        elif isinstance(output, ErrorOut):
+            if output.rid not in ended:
+                ended.add(output.rid)
+                kept.append((output, origin))
+        elif isinstance(output, BatchEmbeddingOut):  # terminal rows
+            rows = [i for i, rid in enumerate(output.rids) if rid not in ended]
+            if len(rows) < len(output.rids):  # a row after its request's end: dropped
+                if not rows:
+                    continue
+                output = BatchEmbeddingOut(rids=[output.rids[i] for i in rows],
+                                           embeddings=output.embeddings[rows])
+            ended.update(output.rids)
+            kept.append((output, origin))
         else:
             kept.append((output, origin))
     for rid in stuck:

@@ -14,6 +14,8 @@ import multiprocessing
 import os
 import select
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -57,12 +59,39 @@ def _watch_parent(parent: int) -> None:
         fd = os.pidfd_open(parent)
     except ProcessLookupError:
         os._exit(1)
+    except OSError:  # no pidfd here (an old kernel, a seccomp filter): look twice a second
+        def poll() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)  # a liveness poll: there is no fd to park on
+            os._exit(1)
+
+        threading.Thread(target=poll, name="parent-watch", daemon=True).start()
+        return
 
     def wait() -> None:
         select.select([fd], [], [])
         os._exit(1)
 
     threading.Thread(target=wait, name="parent-watch", daemon=True).start()
+
+
+#: Every scheduler process this process started (see _forget_in_fork).
+_STARTED: weakref.WeakSet[BaseProcess] = weakref.WeakSet()
+
+
+def _forget_in_fork() -> None:
+    """In a child made by ``os.fork``: these processes are the parent's, not ours.
+
+    multiprocessing's exit handler terminates the daemonic children it knows
+    of; a forked child inherits that list, so without this its exit would
+    SIGTERM the parent's schedulers.
+    """
+    children = getattr(multiprocessing.process, "_children", None)
+    if isinstance(children, set):
+        children.difference_update(_STARTED)
+
+
+os.register_at_fork(after_in_child=_forget_in_fork)
 
 
 def _child(parent: int, target: Callable[..., None], *args: object, **kwargs: object) -> None:
@@ -88,6 +117,7 @@ def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelConfig, *
                                  name=f"{name}-rank{rank}", daemon=True))
     for proc in procs:
         proc.start()
+        _STARTED.add(proc)
     return procs
 
 
@@ -137,5 +167,6 @@ def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,
                                      "heartbeat_timeout": LOCAL_HEARTBEAT_TIMEOUT},
                              name="dispatcher", daemon=True)
     dispatcher.start()
+    _STARTED.add(dispatcher)
     started.essential = [dispatcher]
     return started

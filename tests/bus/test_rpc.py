@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -12,6 +14,7 @@ import zmq
 import bus.rpc
 from bus import (
     ChannelClosed,
+    EndpointInUse,
     Envelope,
     PullInbox,
     PushOutbox,
@@ -251,3 +254,32 @@ def test_undecodable_reply_for_another_rid_is_counted_and_logged(
     warnings = [r for r in caplog.records if r.name == "bus.rpc"]
     assert len(warnings) == 1  # one line per window, not one per reply
     assert "discarded 1 undecodable" in warnings[0].getMessage()  # the first one, at once
+
+
+def test_rebinding_a_path_this_process_just_closed_is_not_refused(tmp_path: Path) -> None:
+    ep = f"ipc://{tmp_path}/w"
+    for _ in range(50):  # zmq closes a listener asynchronously
+        PullInbox(REQ, ep).close()
+
+
+def test_a_listener_with_a_full_backlog_is_still_a_listener(tmp_path: Path) -> None:
+    path = str(tmp_path / "w")
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(path)
+    hung.listen(0)  # a process that stopped accepting
+    waiting = []
+    try:
+        for _ in range(64):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            waiting.append(s)
+            try:
+                s.connect(path)
+            except OSError:
+                break  # the backlog is full
+        with pytest.raises(EndpointInUse):
+            PullInbox(REQ, f"ipc://{path}")
+    finally:
+        for s in waiting:
+            s.close()
+        hung.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,3 +143,27 @@ def test_submit_many_sends_bursts_and_answers_each(mode: Literal["ring", "zmq"])
         with pytest.raises(InvalidRequest):  # refused before any is sent
             engine.submit_many([[1], [2]], SamplingParams(temperature=-1.0))
         assert engine.pending == 0
+
+
+_FORK = """
+import os, sys
+from scheduler import Engine, ModelConfig
+def main():
+    engine = Engine("zmq", ModelConfig(kind="stub"))
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # a normal exit: multiprocessing's exit handler runs in the child
+    os.waitpid(pid, 0)
+    print(len(engine.generate([1, 2]).token_ids))
+    engine.close()
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_forked_child_leaves_the_parents_scheduler_alone(tmp_path: Path) -> None:
+    script = tmp_path / "fork.py"
+    script.write_text(_FORK)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "16", out.stderr[-2000:]

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -20,10 +20,13 @@ import torch
 import zmq
 
 from bus import (
+    Origin,
     PullInbox,
     Receiver,
     Ring,
+    RingInbox,
     RpcClient,
+    WouldBlock,
 )
 from messages import (
     AbortReq,
@@ -39,11 +42,13 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
+from router import CallbackSink, scheduler_router
 from scheduler import (
     Engine,
     InvalidRequest,
     Limits,
     Overloaded,
+    Scheduler,
     TinyLM,
 )
 from scheduler.__main__ import main, private_dir
@@ -490,3 +495,74 @@ def test_the_rpc_channel_takes_rpc_calls_only() -> None:
                 TokenizedGenerateReqInput(rid="victim", input_ids=token_ids([1]))):
         with pytest.raises(DecodeError):
             codec.decode(codec.encode(req))
+
+
+class _StoppedSink:
+    """A transport whose consumer stops reading, then takes some of each batch."""
+
+    def __init__(self, seed: int) -> None:
+        self.stopped = True
+        self.got: list[Output] = []
+        self.rng = random.Random(seed)
+
+    def send(self, output: Output, origin: Origin, /) -> None:
+        if self.stopped:
+            raise WouldBlock("out", "stopped")
+        self.got.append(output)
+
+    def send_many(self, outputs: Sequence[Output], origin: Origin, /) -> int:
+        if self.stopped:
+            return 0
+        n = self.rng.randint(1, len(outputs))  # a consumer that takes some at a time
+        self.got.extend(outputs[:n])
+        return n
+
+
+@pytest.mark.parametrize("max_backlog", [3, 8, 64])
+def test_12_each_request_ends_once_when_its_consumer_stops_reading(max_backlog: int) -> None:
+    rng = random.Random(max_backlog)
+    ring: Ring[Request] = Ring(1 << 12, name="work")
+    sink = _StoppedSink(max_backlog)
+    router = scheduler_router(sink, CallbackSink(lambda o, g: None), max_backlog=max_backlog)
+    sched = Scheduler(Receiver([RingInbox(ring, name="work")]), router, TinyLM(SMALL),
+                      max_batch=64, limits=Limits(max_backlog=max_backlog))
+    thread = threading.Thread(target=sched.run)
+    thread.start()
+    rids = []
+    try:
+        for i in range(150):
+            rids.append(f"s{i}")
+            ring.put(TokenizedGenerateReqInput(
+                rid=f"s{i}", input_ids=token_ids([i % 60 + 1]), stream=True,
+                sampling=SamplingParams(max_new_tokens=rng.choice([1, 3, 50, 5000]))))
+            if i % 7 == 0:
+                rids.append(f"e{i}")
+                ring.put(TokenizedEmbeddingReqInput(rid=f"e{i}", input_ids=token_ids([1, 2])))
+        deadline = time.monotonic() + 30
+        while sched.backlog_aborts == 0:  # the backlog overflowed, and collapsed
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+        sink.stopped = False
+        while sched.busy or router.backlog or len(ring):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+    finally:
+        sched.request_shutdown()
+        thread.join(30)
+    ends: dict[str, int] = {}
+    after_end = 0
+    for out in sink.got:
+        pairs: list[tuple[str, bool]] = []
+        if isinstance(out, BatchTokenIDOut):
+            pairs = [(r, f is not None) for r, f in zip(out.rids, out.finished_reasons,
+                                                        strict=True)]
+        elif isinstance(out, ErrorOut):
+            pairs = [(out.rid, True)]
+        elif isinstance(out, BatchEmbeddingOut):
+            pairs = [(r, True) for r in out.rids]
+        for rid, final in pairs:
+            after_end += rid in ends
+            if final:
+                ends[rid] = ends.get(rid, 0) + 1
+    assert after_end == 0
+    assert {r: ends.get(r, 0) for r in rids} == dict.fromkeys(rids, 1)
