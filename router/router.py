@@ -167,16 +167,19 @@ class Router(Generic[O]):
         sink = self._hits.get(type(output))
         if sink is None:
             sink = self._table.lookup(type(output))
-        if self._held is not None:
+        if self._held is not None and hasattr(sink, "send_many"):
             self._held.append((sink, output, origin))
             return True
+        # A sink that takes one at a time (rpc replies) gains nothing by waiting
+        # for the step's end, and its caller would wait out the model step.
         return self._deliver(sink, output, origin)
 
     @contextlib.contextmanager
     def batching(self) -> Iterator[None]:
-        """Hold what is routed inside the block; at its end, send each run of
-        outputs bound for one (sink, origin) in one ``send_many`` where the sink
-        has it: a scheduler step's outputs leave as one burst, one zmq message.
+        """Hold what is routed inside the block to sinks with ``send_many``; at its
+        end, send each (sink, origin)'s outputs in one ``send_many``: a scheduler
+        step's outputs leave as one burst, one zmq message. Outputs to other
+        sinks (rpc replies) are sent at once, as outside a block.
 
         Order per (sink, origin) is kept, and so are the backlog rules: what
         a sink does not take waits in its backlog. Nested blocks send at the

@@ -276,3 +276,12 @@ def test_batching_sends_runs_in_one_call_and_never_twice() -> None:
     assert sink.calls == [["e0", "e1"], ["e3", "e4"]]  # e2 failed alone, nothing twice
     assert [f.output_type for f in failures] == ["ErrorOut"]
     assert router.statistics().routed == 4
+
+
+def test_batching_holds_nothing_for_a_sink_that_takes_one_at_a_time() -> None:
+    sent: list[str] = []
+    router: Router[Output] = Router(Output, types=[ErrorOut])
+    router.register(ErrorOut, CallbackSink(lambda o, g: sent.append(o.rid)))
+    with router.batching():
+        router.route(ErrorOut(rid="a", code="internal"), Origin("rpc"))
+        assert sent == ["a"]  # at once: an rpc reply must not wait for the step's end
