@@ -92,8 +92,13 @@ def answer_hello(protocol_version: int, fingerprint: str, layout: str = "",
 
     Raises:
         ValueError: ``layout`` is needed (the fingerprints differ) but is not
-            a layout; the rpc reply then says so (``success=False``).
+            a layout, or a parameter has the wrong type (``True`` is not a
+            version); the rpc reply then says so (``success=False``).
     """
+    if type(protocol_version) is not int or type(fingerprint) is not str \
+            or type(layout) is not str:
+        raise ValueError("hello takes protocol_version (int), fingerprint (str) and "
+                         "layout (str)")
     ours, our_layout = local_protocol()
     result: RpcResult = {"protocol_version": PROTOCOL_VERSION, "fingerprint": ours}
     if protocol_version == PROTOCOL_VERSION and fingerprint == ours:

@@ -96,6 +96,11 @@ def test_bad_hello_parameters_answer_failure() -> None:
                                             parameters={"protocol_version": 1,
                                                         "fingerprint": "x", "layout": "[]"}))
     assert not reply.success
+    fp, _ = hs.local_protocol()
+    for version in (True, float(PROTOCOL_VERSION), str(PROTOCOL_VERSION)):  # not an int
+        reply = RpcMethods().answer(RpcReqInput(rid="h4", method="hello", parameters={
+            "protocol_version": version, "fingerprint": fp}))
+        assert not reply.success and "protocol_version (int)" in reply.message
 
 
 def test_compare_direction_client_is_old_scheduler_is_new() -> None:
