@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -50,12 +50,12 @@ def no_leak() -> Iterator[None]:
     assert _ours() <= before, f"left in {SHM_DIR}: {_ours() - before}"
 
 
-def _until(cond: object, timeout: float = 10.0) -> None:
+def _until(cond: Callable[[], object], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
+    while not cond():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
-        time.sleep(0.001)
+        time.sleep(0.001)  # sleep-ok: pacing of a deadline poll
 
 
 def _receive(inbox: PullInbox[Output]) -> Envelope[Output]:
@@ -298,7 +298,7 @@ sys.path.insert(0, {root!r})
 from bus import ShmReader
 r = ShmReader.attach({handle!r}, 0)
 print("attached", flush=True)
-time.sleep(60)
+time.sleep(60)  # sleep-ok: a reader that stays attached until the test SIGKILLs it
 """
 
 _WRITER = """
@@ -309,7 +309,7 @@ w = ShmWriter(1, 1 << 16)
 for i in range(3):
     w.send([b"m%d" % i])
 print(w.handle, flush=True)
-time.sleep(60)
+time.sleep(60)  # sleep-ok: a writer that stays alive until the test SIGKILLs it
 """
 
 
