@@ -241,6 +241,30 @@ class BatchTokenIDOut(Output):
         for i, rid in enumerate(self.rids):
             yield rid, self.logprobs[bounds[i] : bounds[i + 1]]
 
+    def select(self, keep: Sequence[bool]) -> BatchTokenIDOut:
+        """A new batch of the requests marked in ``keep`` (one flag per request).
+
+        ``hidden_states`` rows follow their tokens when it has one row per
+        output id; otherwise it is left out.
+        """
+        bounds = self.offsets()
+        spans = [(bounds[i], bounds[i + 1]) for i, k in enumerate(keep) if k]
+        ids = np.frombuffer(self.output_ids, np.uint32)
+        tokens = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else \
+            np.zeros(0, np.int64)
+        hidden = self.hidden_states
+        if hidden is not None and hidden.shape[0] == len(ids):
+            hidden = hidden[torch.from_numpy(tokens)]
+        else:
+            hidden = None
+        return BatchTokenIDOut(
+            rids=[self.rids[i] for i, k in enumerate(keep) if k],
+            output_ids=packed_u32(ids[tokens], field="output_ids"),
+            output_lens=packed_u32([b - a for a, b in spans], field="output_lens"),
+            finished_reasons=[self.finished_reasons[i] for i, k in enumerate(keep) if k],
+            logprobs=None if self.logprobs is None else self.logprobs[tokens],
+            hidden_states=hidden)
+
 
 class BatchEmbeddingOut(Output):
     """Embeddings of finished embedding requests: row ``i`` belongs to ``rids[i]``."""
@@ -252,6 +276,12 @@ class BatchEmbeddingOut(Output):
         shape = tuple(self.embeddings.shape)
         if len(shape) != 2 or shape[0] != len(self.rids):
             raise ValueError(f"embeddings must be ({len(self.rids)}, dim), got {shape}")
+
+    def select(self, keep: Sequence[bool]) -> BatchEmbeddingOut:
+        """A new batch of the rows marked in ``keep`` (one flag per row)."""
+        rows = [i for i, k in enumerate(keep) if k]
+        return BatchEmbeddingOut(rids=[self.rids[i] for i in rows],
+                                 embeddings=self.embeddings[rows])
 
 
 class ErrorOut(Output):

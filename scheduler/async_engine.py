@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator
 from typing import Literal, Self, cast
 
 import numpy as np
@@ -42,15 +41,15 @@ from messages import (
     SEND_BURST,
     AbortReq,
     EncodeError,
-    FinishReason,
     Request,
     RpcReqOutput,
     SamplingParams,
     Scalar,
 )
 from scheduler.admission import Limits
+from scheduler.async_handles import Answer, AsyncHandle, AsyncRequest
 from scheduler.dp import Policy
-from scheduler.engine_core import EngineCore, Item
+from scheduler.engine_core import EngineCore
 from scheduler.errors import EngineClosed, EngineError, Overloaded, RequestFailed
 from scheduler.handles import GenerateResult, StreamChunk
 from scheduler.model import ModelConfig
@@ -61,150 +60,6 @@ __all__ = ["AsyncEngine", "AsyncHandle", "AsyncRequest"]
 _READ_EVERY = 32
 #: Seconds between two tries to send aborts a full work channel refused.
 _RETRY_S = 0.005
-
-
-class _Merged:
-    """Chunks merged past the buffer bound: lists extended in place (O(1) a token)."""
-
-    __slots__ = ("finish_reason", "logprobs", "token_ids")
-
-    def __init__(self, token_ids: list[int], logprobs: list[float] | None) -> None:
-        self.token_ids = token_ids
-        self.logprobs = logprobs
-        self.finish_reason: FinishReason | None = None
-
-
-class AsyncHandle:
-    """A request's outputs on the event loop, bounded (see the module docstring)."""
-
-    max_buffered = 64
-
-    def __init__(self, rid: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.rid = rid
-        self._loop = loop
-        self._thread = threading.get_ident()
-        self._items: deque[Item | _Merged] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put(self, item: Item) -> None:
-        """Hand over one output; safe from any thread."""
-        if threading.get_ident() != self._thread:
-            self._loop.call_soon_threadsafe(self._put, item)
-        else:
-            self._put(item)
-
-    def _put(self, item: Item) -> None:
-        items = self._items
-        last = items[-1] if items else None
-        if (len(items) >= self.max_buffered and isinstance(item, StreamChunk)
-                and isinstance(last, StreamChunk | _Merged) and last.finish_reason is None):
-            if isinstance(last, StreamChunk):  # copied once, then extended in place
-                last = items[-1] = _Merged(list(last.token_ids), None if last.logprobs is None
-                                           else list(last.logprobs))
-            last.token_ids.extend(item.token_ids)
-            if last.logprobs is not None and item.logprobs is not None:
-                last.logprobs.extend(item.logprobs)
-            last.finish_reason = item.finish_reason
-        else:
-            items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():  # (cancelled if its consumer left)
-                waiter.set_result(None)
-
-    @property
-    def buffered(self) -> int:
-        """Outputs waiting for the consumer."""
-        return len(self._items)
-
-    def get_nowait(self) -> Item | None:
-        """The next output if one waits, else None (an error arrives as an item)."""
-        if not self._items:
-            return None
-        item = self._items.popleft()
-        if isinstance(item, _Merged):
-            return StreamChunk(self.rid, item.token_ids, item.finish_reason, item.logprobs)
-        return item
-
-    def arrival(self) -> asyncio.Future[None]:
-        """A future done when the next output arrives (await it only while empty)."""
-        waiter = self._waiter
-        if waiter is None or waiter.done():
-            waiter = self._waiter = self._loop.create_future()
-        return waiter
-
-    async def next(self) -> Item:
-        """The next output (raises nothing itself: an error arrives as an item)."""
-        while (item := self.get_nowait()) is None:
-            await self.arrival()
-        return item
-
-
-class _Answer:
-    """A generate or embed request's one answer: a future on the loop, resolved once.
-
-    ``generate`` needs no queue: a non-streamed request gets one chunk (all its
-    tokens) or one error, so awaiting a future costs one wake-up and no frames.
-    """
-
-    __slots__ = ("_ids", "_loop", "_lps", "_thread", "future", "rid")
-
-    def __init__(self, rid: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.rid = rid
-        self.future: asyncio.Future[StreamChunk | npt.NDArray[np.float32]] = loop.create_future()
-        self._loop = loop
-        self._thread = threading.get_ident()
-        self._ids: list[int] | None = None  # tokens of unfinished chunks, if any came
-        self._lps: list[float] | None = None
-
-    def put(self, item: Item) -> None:
-        """Hand over one output; safe from any thread."""
-        if threading.get_ident() != self._thread:
-            self._loop.call_soon_threadsafe(self.put, item)
-            return
-        future = self.future
-        if future.done():  # its caller left
-            return
-        if isinstance(item, EngineError):
-            future.set_exception(item)
-        elif isinstance(item, StreamChunk) and (self._ids is not None
-                                                or item.finish_reason is None):
-            ids = self._ids = (self._ids or []) + item.token_ids
-            if item.logprobs is not None:
-                self._lps = (self._lps or []) + item.logprobs
-            if item.finish_reason is not None:
-                future.set_result(StreamChunk(self.rid, ids, item.finish_reason, self._lps))
-        else:
-            future.set_result(item)
-
-
-class AsyncRequest(_Answer):
-    """A submitted generate request: ``await`` it for its :class:`~scheduler.GenerateResult`.
-
-    The asyncio twin of :class:`~scheduler.RequestHandle`, with no task of its
-    own: many can be awaited one after another, as the threaded face's
-    handles are. Cancelling what awaits it aborts the request; one never
-    awaited runs to its end (``await engine.abort(request.rid)`` stops it).
-
-    Raises (when awaited): as :meth:`AsyncEngine.generate`.
-    """
-
-    __slots__ = ("_on_cancel",)
-
-    def __init__(self, rid: str, loop: asyncio.AbstractEventLoop,
-                 on_cancel: Callable[[str], None]) -> None:
-        super().__init__(rid, loop)
-        self._on_cancel = on_cancel
-
-    def __await__(self) -> Generator[object, None, GenerateResult]:
-        try:
-            item = yield from self.future.__await__()
-        except asyncio.CancelledError:
-            self._on_cancel(self.rid)  # its caller left: free its slot
-            raise
-        assert isinstance(item, StreamChunk) and item.finish_reason is not None
-        return GenerateResult(item.rid, item.token_ids, item.finish_reason, item.logprobs)
 
 
 class AsyncEngine(EngineCore):
@@ -263,10 +118,10 @@ class AsyncEngine(EngineCore):
             raise EngineClosed("the engine is not started (use 'async with' or start())")
         return AsyncHandle(rid, self._loop)
 
-    def _answer(self, rid: str) -> _Answer:
+    def _answer(self, rid: str) -> Answer:
         if self._loop is None:
             raise EngineClosed("the engine is not started (use 'async with' or start())")
-        return _Answer(rid, self._loop)
+        return Answer(rid, self._loop)
 
     def _request(self, rid: str) -> AsyncRequest:
         if self._loop is None:

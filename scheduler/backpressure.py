@@ -111,12 +111,11 @@ def collapse(items: list[tuple[Output, Origin]], abort: Callable[[str], None],
                 ended.add(output.rid)
                 kept.append((output, origin))
         elif isinstance(output, BatchEmbeddingOut):  # terminal rows
-            rows = [i for i, rid in enumerate(output.rids) if rid not in ended]
-            if len(rows) < len(output.rids):  # a row after its request's end: dropped
-                if not rows:
+            keep = [rid not in ended for rid in output.rids]
+            if not all(keep):  # a row after its request's end: dropped
+                if not any(keep):
                     continue
-                output = BatchEmbeddingOut(rids=[output.rids[i] for i in rows],
-                                           embeddings=output.embeddings[rows])
+                output = output.select(keep)
             ended.update(output.rids)
             kept.append((output, origin))
         else:

@@ -44,8 +44,6 @@ from bus import (
 from bus.channels import Inbox
 from messages import (
     AbortReq,
-    BatchEmbeddingOut,
-    BatchTokenIDOut,
     ErrorCode,
     ErrorOut,
     Message,
@@ -61,6 +59,7 @@ from router import RpcReplySink, TransportSink, scheduler_router
 from scheduler.backpressure import collapse
 from scheduler.dp.fanout import Fanout, merge_replies
 from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy
+from scheduler.dp.outputs import OutputGate
 from scheduler.dp.replica import Replica, ReplicaSpec
 from scheduler.dp.table import (
     Balanced,
@@ -132,6 +131,7 @@ class Dispatcher:
         self.stats = DispatcherStats(
             dispatched=0, redispatched=0, lost=0, joined=0, stale_outputs=0,
             duplicate_rid=0, abort_unknown=0, rejected=0, replica_lost_errors=0)
+        self.gate = OutputGate(self.ledger, self.stats)
         self._stopping = False
         self._stop_deadline = 0.0
         self._serving = False
@@ -334,58 +334,10 @@ class Dispatcher:
 
     # -- replica outputs --------------------------------------------------------
 
-    def _owned(self, rep: Replica, rid: str) -> bool:
-        entry = self.ledger.get(rid)
-        return (entry is not None and entry.replica == rep.index
-                and entry.generation == rep.generation)
-
     def _on_output(self, rep: Replica, out: Message, origin: Origin) -> None:
-        ledger = self.ledger
-        if isinstance(out, BatchTokenIDOut):
-            keep = [self._owned(rep, rid) for rid in out.rids]
-            if not all(keep):
-                self._stale(rep, out.rids, out.finished_reasons, keep)
-                if not any(keep):
-                    return
-                out = _select(out, keep)
-            for rid, fin in zip(out.rids, out.finished_reasons, strict=True):
-                if fin is not None:
-                    ledger.finish(rid)
-                else:
-                    entry = ledger.get(rid)
-                    if entry is not None and not entry.started:
-                        entry.started, entry.request = True, None
-        elif isinstance(out, BatchEmbeddingOut):
-            keep = [self._owned(rep, rid) for rid in out.rids]
-            if not all(keep):
-                self._stale(rep, out.rids, ["stop"] * len(keep), keep)
-                if not any(keep):
-                    return
-                rows = [i for i, k in enumerate(keep) if k]
-                out = BatchEmbeddingOut(rids=[out.rids[i] for i in rows],
-                                        embeddings=out.embeddings[rows])
-            for rid in out.rids:
-                ledger.finish(rid)
-        elif isinstance(out, ErrorOut):
-            if not self._owned(rep, out.rid):
-                self._stale(rep, [out.rid], ["error"], [False])
-                return
-            ledger.finish(out.rid)
-        else:
-            self.stats["stale_outputs"] += 1
-            log.error("%s sent a %s on its output channel: dropped", rep.name,
-                      type(out).__name__)
-            return
-        self.router.route(out, _WORK)
-
-    def _stale(self, rep: Replica, rids: Sequence[str], ends: Sequence[str | None],
-               keep: Sequence[bool]) -> None:
-        """Count outputs for rids ``rep`` does not own now; an orphan that ended is done."""
-        for rid, end, k in zip(rids, ends, keep, strict=True):
-            if not k:
-                self.stats["stale_outputs"] += 1
-                if end is not None:
-                    rep.orphans.discard(rid)
+        accepted = self.gate.accept(rep, out)
+        if accepted is not None:
+            self.router.route(accepted, _WORK)
 
     def _on_replica_rpc(self, rep: Replica, reply: Message, origin: Origin) -> None:
         if not isinstance(reply, RpcReqOutput):
@@ -543,24 +495,3 @@ class Dispatcher:
         deadline = time.monotonic() + 1.0
         while self.router.flush() and time.monotonic() < deadline:
             time.sleep(0.001)
-
-
-
-def _select(out: BatchTokenIDOut, keep: list[bool]) -> BatchTokenIDOut:
-    """The rows of ``out`` marked in ``keep`` (a new batch; the rest were stale)."""
-    rids: list[str] = []
-    ids: list[list[int]] = []
-    fins: list[str | None] = []
-    lps: list[list[float]] | None = [] if out.logprobs is not None else None
-    flat = out.output_ids.tolist()
-    lp_flat = out.logprobs.tolist() if out.logprobs is not None else None
-    bounds = out.offsets()
-    for i, k in enumerate(keep):
-        if k:
-            a, b = bounds[i], bounds[i + 1]
-            rids.append(out.rids[i])
-            ids.append(flat[a:b])
-            fins.append(out.finished_reasons[i])
-            if lps is not None and lp_flat is not None:
-                lps.append(lp_flat[a:b])
-    return BatchTokenIDOut.from_lists(rids, ids, fins, lps)  # type: ignore[arg-type]

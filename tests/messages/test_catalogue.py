@@ -155,3 +155,17 @@ def test_rid_column_round_trips_any_rids(rids: list[str]) -> None:
     column = RidColumn(rids)
     back = RidColumn.from_wire(column.wire)
     assert back == rids and len(back) == len(rids) and list(back) == rids
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 1000), max_size=4), st.booleans()),
+                max_size=20))
+def test_select_keeps_the_marked_requests_whole(rows: list[tuple[list[int], bool]]) -> None:
+    batch = BatchTokenIDOut.from_lists([f"r{i}" for i in range(len(rows))],
+                                       [ids for ids, _ in rows], [None] * len(rows),
+                                       [[float(t) for t in ids] for ids, _ in rows])
+    kept = batch.select([k for _, k in rows])
+    expected = [(f"r{i}", ids) for i, (ids, k) in enumerate(rows) if k]
+    assert [(rid, list(ids)) for rid, ids, _ in kept.items()] == expected
+    assert kept.logprobs is not None
+    assert [list(lp) for _, lp in kept.logprobs_items()] == [
+        [float(t) for t in ids] for _, ids in expected]
