@@ -4,8 +4,7 @@ Knows no concrete message type beyond ``messages``' base classes (the rpc
 client speaks ``RpcReqInput``/``RpcReqOutput``, the rpc protocol itself).
 """
 
-from bus.caller import RpcCaller
-from bus.channels import Inbox, PullInbox, PushOutbox, RingInbox, RpcServer, ZmqInbox
+from bus.channels import Inbox, PullInbox, PushOutbox, RingInbox, ZmqInbox
 from bus.curve import CurveAuthenticator, CurveKeys
 from bus.envelope import Envelope, Origin, Rejected
 from bus.errors import (
@@ -20,7 +19,7 @@ from bus.errors import (
 from bus.logsummary import LogSummary
 from bus.receiver import Receiver, ReceiverStats
 from bus.ring import Ring, RingStats, open_ring
-from bus.rpc import RpcClient
+from bus.rpc import RpcCaller, RpcClient, RpcServer
 from bus.shm.frames import DEFAULT_SHM_THRESHOLD
 from bus.shm.inbox import ShmInbox, ShmOutbox
 from bus.shm.ring import ShmReader, ShmRingStats, ShmWriter, open_shm_ring

@@ -1,8 +1,8 @@
 """The channel ends a scheduler and its clients hold.
 
 Inboxes (drained by a :class:`~bus.receiver.Receiver`): :class:`RingInbox`,
-:class:`PullInbox`, :class:`RpcServer` (DEALER 1:1 or ROUTER many clients).
-Outboxes: :class:`PushOutbox`, and :meth:`RpcServer.reply`. Each zmq end takes
+:class:`PullInbox`, and the rpc ends in :mod:`bus.rpc` (built on
+:class:`ZmqInbox`). Outboxes: :class:`PushOutbox`. Each zmq end takes
 a :class:`~messages.Codec` and is a context manager; one left open warns.
 
 Between processes on one node (``ipc://``), a tensor frame of at least
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Generic, Literal, Protocol, Self, TypeVar
+from typing import Generic, Protocol, Self, TypeVar
 
 import torch
 import zmq
@@ -33,7 +33,7 @@ from bus.sockets import SocketOptions, make_socket
 from messages import Codec, DecodeError, EncodeError, Frame, Message
 from messages.burst import BURST_TAG, SEND_BURST, is_burst
 
-__all__ = ["Inbox", "PullInbox", "PushOutbox", "RingInbox", "RpcServer", "ZmqInbox"]
+__all__ = ["Inbox", "PullInbox", "PushOutbox", "RingInbox", "ZmqInbox"]
 
 M = TypeVar("M", bound=Message)
 M_co = TypeVar("M_co", bound=Message, covariant=True)
@@ -496,47 +496,3 @@ class PushOutbox(_ZmqEnd, Generic[M]):
             ChannelClosed: this outbox is closed.
         """
         self._send_message(msg, False)
-
-
-class RpcServer(ZmqInbox[M]):
-    """The scheduler's rpc end: an inbox that can also reply to an origin.
-
-    ``kind="router"`` (the default) serves any number of clients, each reply
-    going to the identity that asked (the identity zmq attached on receipt,
-    never one read from the payload). ``kind="dealer"`` is only right where
-    exactly one client can ever connect: a DEALER round-robins its sends over
-    every connected peer, so with two clients each would get half of the
-    other's replies.
-    """
-
-    def __init__(self, codec: Codec[M], endpoint: str, *, name: str = "rpc",
-                 kind: Literal["dealer", "router"] = "router", bind: bool = True,
-                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 options: SocketOptions = _DEFAULT_OPTIONS) -> None:
-        stype = zmq.ROUTER if kind == "router" else zmq.DEALER
-        sock = make_socket(_context(ctx), stype, endpoint, bind=bind, options=options,
-                           sending=True)
-        super().__init__(sock, codec, name, routed=kind == "router")
-        self.kind = kind
-        self.endpoint = endpoint
-
-    def reply(self, frames: Sequence[Frame], origin: Origin, *, block: bool = True) -> None:
-        """Send encoded reply ``frames`` back to ``origin``.
-
-        With ``block=False`` a client that is not reading raises at once
-        instead of after the send timeout.
-
-        Raises:
-            ValueError: ``origin`` did not come from this server.
-            PeerGone: a ROUTER peer that asked is gone.
-            WouldBlock: the client is not reading.
-        """
-        if origin.inbox != self._name:
-            raise ValueError(f"origin {origin.inbox!r} is not rpc server {self._name!r}")
-        if self._routed:
-            if origin.identity is None:
-                raise ValueError(f"rpc server {self._name!r} is a ROUTER: the origin "
-                                 "carries no peer identity")
-            self._send([origin.identity, *frames], block=block)
-        else:
-            self._send(frames, block=block)

@@ -1,4 +1,12 @@
-"""``RpcClient``: call a method on a scheduler over its rpc channel and wait for the reply."""
+"""The rpc channel's ends.
+
+* :class:`RpcServer`: the scheduler's end, an inbox that replies to the
+  peer that asked (ROUTER) — never to one named in the payload;
+* :class:`RpcClient`: call a method and wait for the reply (a frontend);
+* :class:`RpcCaller`: many calls in flight at once, replies drained like any
+  inbox, matched to calls by rid by the caller (a dispatcher asking every
+  replica at once, with heartbeats beside). Sending never blocks.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +15,31 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeVar
 
 import zmq
 
-from bus.channels import _ZmqEnd
+from bus.channels import ZmqInbox, _ZmqEnd
+from bus.envelope import Origin
 from bus.errors import ChannelClosed, PeerGone, RpcTimeout
 from bus.sockets import SocketOptions, make_socket
-from messages import Codec, DecodeError, Message, RpcReqInput, RpcReqOutput, Scalar, fit_text
+from messages import (
+    Codec,
+    DecodeError,
+    Frame,
+    Message,
+    RpcReqInput,
+    RpcReqOutput,
+    Scalar,
+    fit_text,
+)
 
-__all__ = ["RpcClient"]
+__all__ = ["RpcCaller", "RpcClient", "RpcServer"]
 
 log = logging.getLogger("bus.rpc")
+
+M = TypeVar("M", bound=Message)
 
 _DEFAULT_OPTIONS = SocketOptions()
 #: Seconds between two warnings about undecodable replies (a flood logs a count).
@@ -131,3 +152,82 @@ class RpcClient(_ZmqEnd):
                     fit_text(str(exc), 1000))
         self._undecodable_logged_at = now
         self._undecodable_unlogged = 0
+
+
+class RpcServer(ZmqInbox[M]):
+    """The scheduler's rpc end: an inbox that can also reply to an origin.
+
+    ``kind="router"`` (the default) serves any number of clients, each reply
+    going to the identity that asked (the identity zmq attached on receipt,
+    never one read from the payload). ``kind="dealer"`` is only right where
+    exactly one client can ever connect: a DEALER round-robins its sends over
+    every connected peer, so with two clients each would get half of the
+    other's replies.
+    """
+
+    def __init__(self, codec: Codec[M], endpoint: str, *, name: str = "rpc",
+                 kind: Literal["dealer", "router"] = "router", bind: bool = True,
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 options: SocketOptions = _DEFAULT_OPTIONS) -> None:
+        stype = zmq.ROUTER if kind == "router" else zmq.DEALER
+        sock = make_socket(ctx if ctx is not None else zmq.Context.instance(), stype, endpoint,
+                           bind=bind, options=options,
+                           sending=True)
+        super().__init__(sock, codec, name, routed=kind == "router")
+        self.kind = kind
+        self.endpoint = endpoint
+
+    def reply(self, frames: Sequence[Frame], origin: Origin, *, block: bool = True) -> None:
+        """Send encoded reply ``frames`` back to ``origin``.
+
+        With ``block=False`` a client that is not reading raises at once
+        instead of after the send timeout.
+
+        Raises:
+            ValueError: ``origin`` did not come from this server.
+            PeerGone: a ROUTER peer that asked is gone.
+            WouldBlock: the client is not reading.
+        """
+        if origin.inbox != self._name:
+            raise ValueError(f"origin {origin.inbox!r} is not rpc server {self._name!r}")
+        if self._routed:
+            if origin.identity is None:
+                raise ValueError(f"rpc server {self._name!r} is a ROUTER: the origin "
+                                 "carries no peer identity")
+            self._send([origin.identity, *frames], block=block)
+        else:
+            self._send(frames, block=block)
+
+
+class RpcCaller(ZmqInbox[Message]):
+    """A DEALER that connects to an rpc server: send calls, drain replies.
+
+    Replies decode as :class:`~messages.RpcReqOutput` (anything else is
+    :class:`~bus.Rejected`, as on every inbox). Sending never blocks: a
+    server that is gone or not reading raises :class:`~bus.WouldBlock`.
+    """
+
+    def __init__(self, endpoint: str, *, name: str = "rpc-caller",
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 options: SocketOptions = _DEFAULT_OPTIONS) -> None:
+        sock = make_socket(ctx if ctx is not None else zmq.Context.instance(), zmq.DEALER,
+                           endpoint, bind=False, options=options, sending=True)
+        super().__init__(sock, Codec(Message, types=[RpcReqOutput]), name, routed=False)
+        self.endpoint = endpoint
+        self._send_codec: Codec[Message] = Codec(Message, types=[RpcReqInput])
+
+    def send_nowait(self, call: RpcReqInput, /) -> None:
+        """Send ``call`` if the server can take it now; never blocks.
+
+        Raises:
+            WouldBlock: the server is not connected or not reading.
+            EncodeError: a parameter cannot be encoded.
+            ChannelClosed: this caller is closed.
+        """
+        self._send(self._send_codec.encode(call), block=False)
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close, dropping calls not yet sent (a dead server would hold them). Idempotent."""
+        if not self._closed:
+            self.socket.setsockopt(zmq.LINGER, linger_ms)
+        super().close()
