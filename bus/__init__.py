@@ -22,7 +22,8 @@ from bus.ring import Ring, RingStats, open_ring
 from bus.rpc import RpcCaller, RpcClient, RpcServer
 from bus.shm.frames import DEFAULT_SHM_THRESHOLD
 from bus.shm.inbox import ShmInbox, ShmOutbox
-from bus.shm.ring import ShmReader, ShmRingStats, ShmWriter, open_shm_ring
+from bus.shm.reader import ShmReader
+from bus.shm.ring import ShmRingStats, ShmWriter, open_shm_ring
 from bus.shm.segment import sweep_stale as sweep_shm
 from bus.sockets import SocketOptions, check_endpoint
 

@@ -7,7 +7,8 @@ from typing import Generic, TypeVar
 
 from bus.envelope import Envelope, Origin, Rejected
 from bus.errors import EndOfChannel, PeerGone
-from bus.shm.ring import ShmReader, ShmWriter
+from bus.shm.reader import ShmReader
+from bus.shm.ring import ShmWriter
 from messages import Codec, DecodeError, Message
 
 __all__ = ["ShmInbox", "ShmOutbox"]
