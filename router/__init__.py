@@ -2,7 +2,13 @@
 
 from router.backlog import Backlog, Overflow
 from router.dispatch import TypeTable
-from router.errors import AmbiguousRouteError, NoSinkError, RouterFrozenError, RoutingError
+from router.errors import (
+    AmbiguousRouteError,
+    NoRouteError,
+    NoSinkError,
+    RouterFrozenError,
+    RoutingError,
+)
 from router.router import Router, RouterStats, Sink, SinkFailure
 from router.sinks import CallbackSink, RingSink, RpcReplySink, TransportSink
 from router.tables import scheduler_router
@@ -11,6 +17,7 @@ __all__ = [
     "AmbiguousRouteError",
     "Backlog",
     "CallbackSink",
+    "NoRouteError",
     "NoSinkError",
     "Overflow",
     "RingSink",

@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 from messages.errors import BusError
 
-__all__ = ["AmbiguousRouteError", "NoSinkError", "RouterFrozenError", "RoutingError"]
+__all__ = ["AmbiguousRouteError", "NoRouteError", "NoSinkError", "RouterFrozenError",
+           "RoutingError"]
 
 
 class RoutingError(BusError):
@@ -24,6 +25,20 @@ class NoSinkError(RoutingError):
         self.output_types = tuple(output_types)
         names = ", ".join(t.__qualname__ for t in self.output_types)
         super().__init__(f"no sink for {names}{f' ({where})' if where else ''}")
+
+
+class NoRouteError(NoSinkError):
+    """Request types with no dispatch route (a data-parallel dispatcher's table).
+
+    A :class:`NoSinkError` too, so a caller catching that catches this; the
+    message speaks of requests and routes, not outputs and sinks.
+    """
+
+    def __init__(self, request_types: Iterable[type], where: str = "") -> None:
+        super().__init__(request_types, where)
+        names = ", ".join(t.__qualname__ for t in self.output_types)
+        self.args = (f"no dispatch route for request type {names}"
+                     f"{f' ({where})' if where else ''}",)
 
 
 class AmbiguousRouteError(RoutingError):

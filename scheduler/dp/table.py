@@ -25,7 +25,7 @@ from messages import (
     TokenizedGenerateReqInput,
     concrete_types,
 )
-from router import NoSinkError, TypeTable
+from router import NoRouteError, NoSinkError, TypeTable
 
 __all__ = ["Balanced", "Broadcast", "Owner", "Reducer", "ReplicaReply", "Route", "dispatch_table"]
 
@@ -74,7 +74,7 @@ def dispatch_table(reduce: Reducer, types: Iterable[type[Request]] | None = None
             :class:`~messages.Request` defined now).
 
     Raises:
-        NoSinkError: a request type has no route (each one is named).
+        NoRouteError: a request type has no route (each one is named).
     """
     table: TypeTable[Request, Route] = TypeTable(
         Request, concrete_types(Request) if types is None else types)
@@ -85,6 +85,7 @@ def dispatch_table(reduce: Reducer, types: Iterable[type[Request]] | None = None
     try:
         table.freeze()
     except NoSinkError as exc:
-        raise NoSinkError(exc.output_types, "no dispatch route: give every request type one "
-                          "(Balanced, Owner or Broadcast) in scheduler.dp.table") from None
+        raise NoRouteError(exc.output_types, "checked at start-up: give every request type "
+                           "a route (Balanced, Owner or Broadcast) in scheduler.dp.table") \
+            from None
     return table

@@ -38,7 +38,7 @@ from messages import (
     concrete_types,
     token_ids,
 )
-from router import NoSinkError
+from router import NoRouteError
 from scheduler import Engine, InvalidRequest, ModelConfig, RequestFailed
 from scheduler.dp import (
     Balanced,
@@ -66,7 +66,7 @@ def test_a_request_type_without_a_route_fails_start_up() -> None:
         pass
 
     try:
-        with pytest.raises(NoSinkError, match=r"ProfileReq.*no dispatch route"):
+        with pytest.raises(NoRouteError, match=r"no dispatch route for request type .*ProfileReq"):
             dispatch_table(merge_replies)
     finally:
         del ProfileReq
