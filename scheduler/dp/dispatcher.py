@@ -80,8 +80,8 @@ _WORK = Origin("work")
 _Handler = Callable[[Message, Origin], None]
 
 
-class DispatcherStats(dict[str, int]):
-    """Counters of a dispatcher (a plain mapping, also reported over rpc)."""
+#: Counters of a dispatcher, by name (also in ``get_load``'s reply as ``dispatcher.<name>``).
+DispatcherStats = dict[str, int]
 
 
 class Dispatcher:
@@ -128,7 +128,7 @@ class Dispatcher:
         self.receiver: Receiver[Message] = Receiver([])
         for rep in self.replicas:
             self._watch(rep)
-        self.stats = DispatcherStats(
+        self.stats: DispatcherStats = dict(
             dispatched=0, redispatched=0, lost=0, joined=0, stale_outputs=0,
             duplicate_rid=0, abort_unknown=0, rejected=0, replica_lost_errors=0)
         self.gate = OutputGate(self.ledger, self.stats)
