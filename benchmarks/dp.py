@@ -35,7 +35,9 @@ from unittest import mock
 
 from benchmarks._timing import percentiles
 from messages import SamplingParams, token_ids
-from scheduler import Engine, ModelConfig, RequestFailed, engine_core, processes
+from scheduler import Engine, ModelConfig, RequestFailed
+from scheduler.engine import core as engine_core
+from scheduler.launch import processes
 
 STUB = ModelConfig(kind="stub")
 PROMPT = token_ids(range(1, 33))

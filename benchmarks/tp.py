@@ -28,8 +28,8 @@ import torch.distributed as dist
 from benchmarks.codec import pickled_twin
 from bus import Envelope, Origin
 from messages import Codec, Request, SamplingParams, TokenizedGenerateReqInput, token_ids
-from scheduler.model import ModelConfig, TinyLM
-from scheduler.tp import BroadcastReceiver, TPConfig, init_ranks
+from scheduler.launch.tp import BroadcastReceiver, TPConfig, init_ranks
+from scheduler.models.tiny import ModelConfig, TinyLM
 
 SIZES = [0, 1, 8, 64, 256]
 STEPS = 200

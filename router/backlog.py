@@ -21,7 +21,7 @@ silently):
   the bound; the next overflow of that queue then waits until it has
   doubled (or grown by ``max_items``), so each push costs O(1) amortized. The scheduler also
   stops taking new requests from the inbox concerned
-  (:class:`~scheduler.backpressure.InboxThrottle`), which bounds the
+  (:class:`~scheduler.core.backpressure.InboxThrottle`), which bounds the
   number of such answers.
 """
 

@@ -1,8 +1,11 @@
 """The scheduler loop, a small torch model, rpc methods, and the ``Engine`` facade."""
 
-from scheduler.admission import Limits
-from scheduler.async_engine import AsyncEngine, AsyncRequest
-from scheduler.engine import Engine
+from scheduler.core.admission import Limits
+from scheduler.core.loop import Scheduler, SchedulerStats
+from scheduler.core.rpc_methods import RpcMethods
+from scheduler.engine.async_engine import AsyncEngine, AsyncRequest
+from scheduler.engine.engine import Engine
+from scheduler.engine.handles import GenerateResult, RequestHandle, StreamChunk
 from scheduler.errors import (
     EngineClosed,
     EngineError,
@@ -11,12 +14,9 @@ from scheduler.errors import (
     RequestFailed,
     SchedulerGone,
 )
-from scheduler.handles import GenerateResult, RequestHandle, StreamChunk
 from scheduler.handshake import HelloReply, hello
-from scheduler.loop import Scheduler, SchedulerStats
-from scheduler.model import ModelConfig, StubLM, TinyLM, build_model
-from scheduler.rpc_methods import RpcMethods
-from scheduler.wiring import Endpoints, serve_ring, serve_zmq
+from scheduler.launch.wiring import Endpoints, serve_ring, serve_zmq
+from scheduler.models.tiny import ModelConfig, StubLM, TinyLM, build_model
 
 __all__ = [
     "AsyncEngine",

@@ -11,13 +11,13 @@ import tempfile
 from collections.abc import Sequence
 
 from bus import CurveKeys, SocketOptions
-from scheduler.admission import Limits
-from scheduler.demo import demo
+from scheduler.cli.demo import demo
+from scheduler.cli.top import run_top
+from scheduler.core.admission import Limits
 from scheduler.dp import ReplicaSpec, serve_dispatch
-from scheduler.model import ModelConfig
-from scheduler.processes import LOCAL_HEARTBEAT_TIMEOUT, start_replicas
-from scheduler.top import run_top
-from scheduler.wiring import Endpoints, serve_zmq
+from scheduler.launch.processes import LOCAL_HEARTBEAT_TIMEOUT, start_replicas
+from scheduler.launch.wiring import Endpoints, serve_zmq
+from scheduler.models.tiny import ModelConfig
 
 
 def private_dir(path: str) -> str:

@@ -21,7 +21,7 @@ served as before: the handshake is a check, not a gate (the scheduler
 cannot tell which requests come from which client).
 
 Client side: :func:`hello`. Scheduler side: :func:`answer_hello`, which
-every :class:`~scheduler.rpc_methods.RpcMethods` registers as ``hello``.
+every :class:`~scheduler.core.rpc_methods.RpcMethods` registers as ``hello``.
 """
 
 from __future__ import annotations

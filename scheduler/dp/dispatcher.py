@@ -56,7 +56,7 @@ from messages import (
     fit_text,
 )
 from router import RpcReplySink, TransportSink, scheduler_router
-from scheduler.backpressure import collapse
+from scheduler.core.backpressure import collapse
 from scheduler.dp.fanout import Fanout, merge_replies
 from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy
 from scheduler.dp.outputs import OutputGate

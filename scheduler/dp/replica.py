@@ -1,6 +1,6 @@
 """One replica as the dispatcher sees it: its three channels, its liveness, its generation.
 
-A replica is an unchanged scheduler served by :func:`~scheduler.wiring.serve_zmq`,
+A replica is an unchanged scheduler served by :func:`~scheduler.launch.wiring.serve_zmq`,
 local or remote. The dispatcher holds, per replica, a PUSH to its work
 endpoint, a PULL for its outputs and an :class:`~bus.RpcCaller` to its rpc
 endpoint; every inbox is named after the replica, so the origin of each
@@ -36,7 +36,7 @@ import zmq
 
 from bus import PullInbox, PushOutbox, RpcCaller, SocketOptions
 from messages import Codec, Output, Request
-from scheduler.wiring import Endpoints
+from scheduler.launch.wiring import Endpoints
 
 __all__ = ["Replica", "ReplicaSpec"]
 

@@ -11,7 +11,7 @@ from messages import Codec, Output, Request
 from scheduler.dp.dispatcher import Dispatcher
 from scheduler.dp.ledger import Policy
 from scheduler.dp.replica import ReplicaSpec
-from scheduler.wiring import Endpoints, rpc_codec
+from scheduler.launch.wiring import Endpoints, rpc_codec
 
 __all__ = ["serve_dispatch"]
 
@@ -26,7 +26,7 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
     ``shutdown`` rpc (which reaches every replica) has been answered.
 
     ``options`` and ``curve_clients`` are for the upstream side, as in
-    :func:`~scheduler.wiring.serve_zmq`; each replica carries its own
+    :func:`~scheduler.launch.wiring.serve_zmq`; each replica carries its own
     options in its :class:`ReplicaSpec`. See :class:`Dispatcher` for the rest.
     """
     options = options or SocketOptions()

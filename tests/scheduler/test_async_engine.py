@@ -23,7 +23,7 @@ from scheduler import (
     SchedulerGone,
     StreamChunk,
 )
-from scheduler.async_engine import AsyncHandle
+from scheduler.engine.async_engine import AsyncHandle
 
 SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
 Mode = Literal["ring", "zmq"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler.checkpoint import load_state, save_state
+from scheduler.core.checkpoint import load_state, save_state
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -485,7 +485,7 @@ def test_engine_says_closed_and_refuses_an_empty_rid(mode: str) -> None:
 
 def test_the_rpc_channel_takes_rpc_calls_only() -> None:
     from messages import AbortReq, DecodeError, RpcReqInput, TokenizedGenerateReqInput, token_ids
-    from scheduler.wiring import rpc_codec
+    from scheduler.launch.wiring import rpc_codec
 
     codec = rpc_codec()
     assert isinstance(codec.decode(codec.encode(RpcReqInput(rid="c", method="get_load"))),

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_loop_module_knows_no_socket_ring_or_mode() -> None:
-    tree = ast.parse((ROOT / "scheduler" / "loop.py").read_text())
+    tree = ast.parse((ROOT / "scheduler" / "core" / "loop.py").read_text())
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

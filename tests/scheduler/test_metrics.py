@@ -22,8 +22,8 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
-from scheduler.metrics import Histogram, reject_reason
-from scheduler.top import metrics_url, run_top
+from scheduler.cli.top import metrics_url, run_top
+from scheduler.core.metrics import Histogram, reject_reason
 from tests.scheduler.served import Served as ServedBase
 
 CODEC: Codec[Message] = Codec(Message)
@@ -142,7 +142,7 @@ def test_histogram_batches_match_single_observations() -> None:
 
 def test_reject_reasons_are_a_bounded_set() -> None:
     from messages import DecodeError
-    from scheduler.metrics import REJECT_REASONS
+    from scheduler.core.metrics import REJECT_REASONS
 
     cases = [DecodeError("junk"), DecodeError("more than max_frames=64 frames"),
              DecodeError("sampling.top_p: bad", rid="r", message_type="X")]

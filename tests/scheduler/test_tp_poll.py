@@ -15,7 +15,7 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
-from scheduler.tp import BroadcastReceiver, _pack_poll, _unpack_poll
+from scheduler.launch.tp import BroadcastReceiver, _pack_poll, _unpack_poll
 
 CODEC: Codec[Request] = Codec(Request)
 WORK, RPC_A, RPC_B = Origin("work"), Origin("rpc", b"\x00a"), Origin("rpc", b"\x00b")

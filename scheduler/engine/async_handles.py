@@ -19,9 +19,9 @@ import numpy as np
 import numpy.typing as npt
 
 from messages import FinishReason
+from scheduler.engine.handles import GenerateResult, StreamChunk
+from scheduler.engine.pending import Item
 from scheduler.errors import EngineError
-from scheduler.handles import GenerateResult, StreamChunk
-from scheduler.pending import Item
 
 __all__ = ["AsyncHandle", "AsyncRequest", "Answer"]
 

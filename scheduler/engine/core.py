@@ -51,8 +51,10 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
-from scheduler.admission import Limits
+from scheduler.core.admission import Limits
+from scheduler.core.metrics import label_replicas
 from scheduler.dp import Policy
+from scheduler.engine.pending import Item, Pending, PendingTable
 from scheduler.errors import (
     EngineClosed,
     EngineError,
@@ -62,11 +64,9 @@ from scheduler.errors import (
     SchedulerGone,
 )
 from scheduler.handshake import hello
-from scheduler.metrics import label_replicas
-from scheduler.model import ModelConfig
-from scheduler.pending import Item, Pending, PendingTable
-from scheduler.processes import SchedulerProcesses, start_processes
-from scheduler.wiring import Endpoints, serve_ring
+from scheduler.launch.processes import SchedulerProcesses, start_processes
+from scheduler.launch.wiring import Endpoints, serve_ring
+from scheduler.models.tiny import ModelConfig
 
 __all__ = ["EngineCore", "Item", "Pending"]
 

@@ -37,8 +37,8 @@ from prometheus_client.registry import Collector
 from messages import DecodeError
 
 if TYPE_CHECKING:  # the loop imports this module; only types flow back
-    from scheduler.batch import Seq
-    from scheduler.loop import Scheduler
+    from scheduler.core.batch import Seq
+    from scheduler.core.loop import Scheduler
 
 __all__ = ["PREFIX", "Histogram", "SchedulerCollector", "SchedulerMetrics", "reject_reason"]
 

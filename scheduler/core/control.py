@@ -1,9 +1,9 @@
 """The scheduler's rpc methods: checkpoints, cache, load and the token digest.
 
-A mixin of :class:`~scheduler.loop.Scheduler`, kept apart so the loop file
+A mixin of :class:`~scheduler.core.loop.Scheduler`, kept apart so the loop file
 holds the loop. Each method runs inside a scheduler step, so each must end
 in bounded time: checkpoints read regular files of bounded size only
-(:func:`scheduler.checkpoint.load_state`).
+(:func:`scheduler.core.checkpoint.load_state`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from messages import RpcResult
-from scheduler.checkpoint import MAX_INDEX_BYTES, load_state, save_state
-from scheduler.metrics import chunks, exposition
-from scheduler.model import TinyLM
+from scheduler.core.checkpoint import MAX_INDEX_BYTES, load_state, save_state
+from scheduler.core.metrics import chunks, exposition
+from scheduler.models.tiny import TinyLM
 
 __all__ = ["ControlMethods"]
 
 
 class ControlMethods:
-    """The rpc methods every scheduler registers (see :class:`~scheduler.loop.Scheduler`)."""
+    """The rpc methods every scheduler registers (see :class:`~scheduler.core.loop.Scheduler`)."""
 
     model: TinyLM
     rank: int

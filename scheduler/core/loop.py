@@ -35,14 +35,14 @@ from messages import (
     fit_text,
 )
 from router import Router, TypeTable
-from scheduler.admission import Admission, Limits
-from scheduler.backpressure import InboxThrottle, collapse
-from scheduler.batch import Batch, Seq, StepFailed
-from scheduler.control import ControlMethods
-from scheduler.metrics import SchedulerMetrics, registry_for
-from scheduler.model import TinyLM
-from scheduler.outputs import embedding_outputs, token_outputs
-from scheduler.rpc_methods import RpcMethods
+from scheduler.core.admission import Admission, Limits
+from scheduler.core.backpressure import InboxThrottle, collapse
+from scheduler.core.batch import Batch, Seq, StepFailed
+from scheduler.core.control import ControlMethods
+from scheduler.core.metrics import SchedulerMetrics, registry_for
+from scheduler.core.outputs import embedding_outputs, token_outputs
+from scheduler.core.rpc_methods import RpcMethods
+from scheduler.models.tiny import TinyLM
 
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 
@@ -110,8 +110,8 @@ class Scheduler(ControlMethods):
         rank, world_size: this scheduler's tensor-parallel rank (checkpoints
             are written one shard per rank).
         rpc_reduce: combines this rank's rpc reply with the other ranks'
-            (see :func:`scheduler.tp.rpc_reducer`); ``None`` answers nothing.
-        metrics: record Prometheus metrics (:mod:`scheduler.metrics`);
+            (see :func:`scheduler.launch.tp.rpc_reducer`); ``None`` answers nothing.
+        metrics: record Prometheus metrics (:mod:`scheduler.core.metrics`);
             :attr:`registry` exposes them.
         tell_ranks: rank 0 of several: hands the other ranks a request
             this rank decided on alone (an abort of a request whose outputs

@@ -7,7 +7,7 @@ import torch
 
 from bus import Origin
 from messages import BatchEmbeddingOut, BatchTokenIDOut, FinishReason, packed_u32, token_ids
-from scheduler.batch import Seq
+from scheduler.core.batch import Seq
 
 __all__ = ["embedding_outputs", "token_outputs"]
 

@@ -9,7 +9,7 @@ thread); ``Engine(mode="zmq")`` runs it in its own process. Either way::
             ...
         engine.collective_rpc("save_checkpoint", path="/tmp/model.ckpt")
 
-The threaded face of :class:`~scheduler.engine_core.EngineCore`: a reader
+The threaded face of :class:`~scheduler.engine.core.EngineCore`: a reader
 thread hands outputs to each request's queue. ``AsyncEngine`` is the asyncio
 face of the same core.
 """
@@ -24,11 +24,11 @@ import numpy as np
 import numpy.typing as npt
 
 from messages import RpcReqOutput, SamplingParams, Scalar
-from scheduler.admission import Limits
+from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine_core import EngineCore
-from scheduler.handles import GenerateResult, RequestHandle, StreamChunk
-from scheduler.model import ModelConfig
+from scheduler.engine.core import EngineCore
+from scheduler.engine.handles import GenerateResult, RequestHandle, StreamChunk
+from scheduler.models.tiny import ModelConfig
 
 __all__ = ["Engine", "GenerateResult", "RequestHandle", "StreamChunk"]
 

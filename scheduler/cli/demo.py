@@ -21,10 +21,10 @@ import numpy as np
 import numpy.typing as npt
 
 from messages import SamplingParams
-from scheduler.async_engine import AsyncEngine
-from scheduler.engine import Engine
-from scheduler.handles import RequestHandle
-from scheduler.model import ModelConfig
+from scheduler.engine.async_engine import AsyncEngine
+from scheduler.engine.engine import Engine
+from scheduler.engine.handles import RequestHandle
+from scheduler.models.tiny import ModelConfig
 
 __all__ = ["demo"]
 

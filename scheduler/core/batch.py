@@ -1,7 +1,7 @@
 """``Batch``: the request queue, the running batch, and one model step over them.
 
 Generate and embedding requests wait in one bounded queue
-(:class:`~scheduler.admission.Admission`); each step admits what fits into
+(:class:`~scheduler.core.admission.Admission`); each step admits what fits into
 the running batch, reads new prompts (at most ``max_prefill_tokens`` of
 them, a long prompt in chunks over several steps), decodes the running
 requests one token, and samples. An embedding request ends when its prompt
@@ -28,9 +28,9 @@ from messages import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from scheduler.admission import Admission
-from scheduler.model import TinyLM
-from scheduler.sampling import sample_next
+from scheduler.core.admission import Admission
+from scheduler.models.sampling import sample_next
+from scheduler.models.tiny import TinyLM
 
 __all__ = ["Batch", "Seq", "StepFailed"]
 

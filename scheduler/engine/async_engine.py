@@ -46,13 +46,13 @@ from messages import (
     SamplingParams,
     Scalar,
 )
-from scheduler.admission import Limits
-from scheduler.async_handles import Answer, AsyncHandle, AsyncRequest
+from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine_core import EngineCore
+from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest
+from scheduler.engine.core import EngineCore
+from scheduler.engine.handles import GenerateResult, StreamChunk
 from scheduler.errors import EngineClosed, EngineError, Overloaded, RequestFailed
-from scheduler.handles import GenerateResult, StreamChunk
-from scheduler.model import ModelConfig
+from scheduler.models.tiny import ModelConfig
 
 __all__ = ["AsyncEngine", "AsyncHandle", "AsyncRequest"]
 

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
-from scheduler.admission import Limits
+from scheduler.core.admission import Limits
 from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
-from scheduler.model import ModelConfig
-from scheduler.tp import TPConfig
-from scheduler.wiring import Endpoints, serve_follower, serve_zmq
+from scheduler.launch.tp import TPConfig
+from scheduler.launch.wiring import Endpoints, serve_follower, serve_zmq
+from scheduler.models.tiny import ModelConfig
 
 __all__ = ["SchedulerProcesses", "start_processes", "start_replicas"]
 

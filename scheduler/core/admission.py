@@ -25,7 +25,7 @@ class Limits:
             each counting its prompt plus its ``max_new_tokens``.
         max_backlog: most outputs waiting per consumer that is not reading;
             past it, the requests whose outputs are stuck are aborted (see
-            :mod:`router.backlog` and :mod:`scheduler.backpressure`).
+            :mod:`router.backlog` and :mod:`scheduler.core.backpressure`).
     """
 
     max_queued_requests: int = 4096

@@ -1,6 +1,6 @@
 """The pending table: which handle waits on which rid, and what each output gives it.
 
-Shared by both engine faces (through :class:`~scheduler.engine_core.EngineCore`):
+Shared by both engine faces (through :class:`~scheduler.engine.core.EngineCore`):
 a handle is registered before its request is sent; outputs are turned into
 the *items* handles receive (a :class:`~scheduler.StreamChunk` per request
 of a token batch, an embedding row, or the error that ends it); the
@@ -19,8 +19,8 @@ import numpy as np
 import numpy.typing as npt
 
 from messages import BatchEmbeddingOut, BatchTokenIDOut, ErrorOut, Output
+from scheduler.engine.handles import StreamChunk
 from scheduler.errors import EngineError, InvalidRequest, Overloaded, RequestFailed
-from scheduler.handles import StreamChunk
 
 __all__ = ["Item", "Pending", "PendingTable"]
 

@@ -18,7 +18,7 @@ from typing import TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.metrics import PREFIX
+from scheduler.core.metrics import PREFIX
 
 __all__ = ["Snapshot", "metrics_url", "render", "run_top", "scrape"]
 

@@ -35,10 +35,10 @@ from bus import (
 from bus.channels import Inbox
 from messages import Codec, Output, Request, RpcReqInput
 from router import RingSink, RpcReplySink, TransportSink, scheduler_router
-from scheduler.admission import Limits
-from scheduler.loop import RequestSource, Scheduler
-from scheduler.model import ModelConfig, build_model
-from scheduler.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, rpc_reducer
+from scheduler.core.admission import Limits
+from scheduler.core.loop import RequestSource, Scheduler
+from scheduler.launch.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, rpc_reducer
+from scheduler.models.tiny import ModelConfig, build_model
 
 __all__ = ["Endpoints", "rpc_codec", "serve_follower", "serve_ring", "serve_zmq"]
 
