@@ -18,8 +18,11 @@ and nobody is declared lost.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,7 +44,7 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
-from scheduler import Engine, ModelConfig, RequestFailed
+from scheduler import Engine, ModelConfig, RequestFailed, SchedulerGone
 from scheduler.dp import Dispatcher, ReplicaSpec
 from scheduler.dp.liveness import AwakeClock, Health
 from scheduler.launch.wiring import Endpoints
@@ -262,6 +265,42 @@ def test_health_silence_counts_from_the_oldest_unanswered_probe() -> None:
     assert h.verdict(2.1, 1.0, lambda t: 0) is not None
     h.answered()
     assert h.verdict(2.1, 1.0, lambda t: 0) is None
+
+
+# -- a send blocked on a full work channel is a pending call --------------------
+
+
+def test_a_submit_blocked_on_a_full_channel_fails_promptly_when_the_scheduler_dies() -> None:
+    with Engine("zmq", ModelConfig(kind="stub")) as engine:
+        pid = engine._procs[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # it reads nothing more: the channel fills
+        sent = [0]
+        error: list[BaseException] = []
+
+        def flood() -> None:
+            try:
+                while True:
+                    engine.submit([1, 2], SamplingParams(max_new_tokens=1))
+                    sent[0] += 1
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                error.append(exc)
+
+        t = threading.Thread(target=flood)
+        t.start()
+        try:
+            last, still = -1, time.monotonic()
+            while time.monotonic() - still < 0.5:  # blocked: no progress for half a second
+                if sent[0] != last:
+                    last, still = sent[0], time.monotonic()
+                assert not error, error
+                t.join(0.05)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            t.join(30)
+        assert time.monotonic() - killed < 3.0  # not the 10 s send timeout
+        assert len(error) == 1 and isinstance(error[0], SchedulerGone), error
 
 
 # -- under load, end to end -----------------------------------------------------
