@@ -21,9 +21,12 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
                    curve_clients: Sequence[bytes] | None = None,
                    policy: Policy = "least_loaded", rpc_timeout: float = 30.0,
                    heartbeat_interval: float = 0.2, heartbeat_timeout: float = 2.0,
-                   join_timeout: float = 60.0, max_backlog: int = 1024) -> None:
+                   join_timeout: float = 60.0, max_backlog: int = 1024) -> bool:
     """Serve ``endpoints`` like one scheduler, dispatching over ``replicas``, until a
     ``shutdown`` rpc (which reaches every replica) has been answered.
+
+    Returns whether that shutdown reached every replica (``False``: one was
+    down; a command line should exit non-zero).
 
     ``options`` and ``curve_clients`` are for the upstream side, as in
     :func:`~scheduler.launch.wiring.serve_zmq`; each replica carries its own
@@ -43,7 +46,7 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
                                     heartbeat_timeout=heartbeat_timeout,
                                     join_timeout=join_timeout, max_backlog=max_backlog)
             try:
-                dispatcher.run()
+                return dispatcher.run()
             finally:
                 dispatcher.close()
     finally:
