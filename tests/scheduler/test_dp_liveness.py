@@ -327,3 +327,32 @@ def test_a_flood_under_load_loses_no_healthy_replica() -> None:
         for hog in hogs:
             hog.kill()
             hog.wait()
+
+
+def test_hello_through_a_dispatcher_with_its_replica_lost_is_accepted(
+        rig: Rig, tmp_path: Path) -> None:
+    from bus import RpcCaller
+    from messages import PROTOCOL_VERSION
+    from scheduler.handshake import local_protocol
+
+    while not rig.lost:  # the replica falls silent and is lost
+        rig.step()
+    fp, layout = local_protocol()
+    with RpcCaller(f"ipc://{tmp_path}/f/rpc") as caller:
+        for rid, params in (("h1", {"fingerprint": fp}),
+                            ("h2", {"fingerprint": "0" * len(fp), "layout": layout})):
+            caller.send_nowait(RpcReqInput(rid=rid, method="hello", parameters={
+                "protocol_version": PROTOCOL_VERSION, **params}))
+            reply = None
+            deadline = time.monotonic() + 30
+            while reply is None:
+                assert time.monotonic() < deadline
+                rig.step(0.0)
+                if caller.socket.poll(10):
+                    env = caller.drain(1)[0]
+                    assert isinstance(env, Envelope)
+                    reply = env.message
+            assert isinstance(reply, RpcReqOutput) and reply.rid == rid
+            assert reply.success and reply.result is not None, reply.message
+            assert reply.result["accepted"] is True
+    assert rig.dispatcher.logs.hello.total == 0  # an equal layout is nothing to log
