@@ -4,7 +4,7 @@ Each scenario returns a dict of keys for soak's last JSON line; soak checks
 them against its bounds table.
 
 * ``dp_flood_requests``, ``dp_flood_false_losses``, ``dp_flood_failed``:
-  ``Engine("zmq", dp_size=2).submit_many`` of 12,000 two-token requests,
+  ``Engine("zmq", dp_size=2, start_timeout=300).submit_many`` of 12,000 two-token requests,
   three times, with more CPU hogs than cores running beside it; replicas
   declared lost (none died) and requests failed other than ``overloaded``.
 * ``dp_pause_false_losses``: the dispatcher's process stopped for 4 s
@@ -15,7 +15,8 @@ them against its bounds table.
 * ``dp_short_behind_long_ttft_p50_ms``: the median time to first token of
   20 short requests sent just after a 32k-token prompt (``dp_size=2``).
 * ``dp_replica_respawn_ms``: from SIGKILL of a local replica to it taking
-  new work again (restarted by the engine itself).
+  new work again (restarted by the engine itself, from its ready standby:
+  ``dp_replica_respawn_standby``).
 * ``log_lines_per_1000_garbage_frames``: stderr lines of ``serve --dp 2``
   per 1000 garbage frames sent to its work socket.
 """
@@ -67,7 +68,7 @@ def dp_flood(n: int = 12_000, rounds: int = 3) -> dict[str, float]:
     failed = overloaded = 0
     examples: list[str] = []
     t0 = time.perf_counter()
-    with hogs((os.cpu_count() or 1) + 1), Engine("zmq", dp_size=2) as engine:
+    with hogs((os.cpu_count() or 1) + 1), Engine("zmq", dp_size=2, start_timeout=300) as engine:
         sp = SamplingParams(max_new_tokens=2)
         for _ in range(rounds):
             for h in engine.submit_many([[1 + i % 50, 2 + i % 7] for i in range(n)], sp):
@@ -89,7 +90,7 @@ def dp_flood(n: int = 12_000, rounds: int = 3) -> dict[str, float]:
 
 def dp_pause(streams: int = 20, pause: float = 4.0) -> dict[str, float]:
     """The dispatcher stopped for ``pause`` seconds while streams run."""
-    with Engine("zmq", dp_size=2) as engine:
+    with Engine("zmq", dp_size=2, start_timeout=300) as engine:
         handles = [engine.submit([1 + i, 2, 3], SamplingParams(max_new_tokens=100_000),
                                  stream=True) for i in range(streams)]
         for h in handles:  # every one has started
@@ -113,7 +114,7 @@ def dp_pause(streams: int = 20, pause: float = 4.0) -> dict[str, float]:
 
 def dp_stuck_rpc_client(calls: int = 12_000, seconds: float = 8.0) -> dict[str, float]:
     """One client never reads its rpc replies; the longest silence of another's stream."""
-    with Engine("zmq", dp_size=2) as engine:
+    with Engine("zmq", dp_size=2, start_timeout=300) as engine:
         h = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=1_000_000), stream=True)
         it = iter(h)
         next(it)
@@ -152,7 +153,7 @@ def dp_stuck_rpc_client(calls: int = 12_000, seconds: float = 8.0) -> dict[str, 
 
 def dp_short_behind_long(shorts: int = 20, long_tokens: int = 32_768) -> dict[str, float]:
     """20 short requests just after a 32k-token prompt: their time to first token."""
-    with Engine("zmq", dp_size=2) as engine:
+    with Engine("zmq", dp_size=2, start_timeout=300) as engine:
         engine.generate([1, 2], SamplingParams(max_new_tokens=1))  # warm
         long = engine.submit([i % 500 + 1 for i in range(long_tokens)],
                              SamplingParams(max_new_tokens=2))
@@ -169,10 +170,16 @@ def dp_short_behind_long(shorts: int = 20, long_tokens: int = 32_768) -> dict[st
 
 
 def dp_respawn() -> dict[str, float]:
-    """SIGKILL a local replica; time until it takes new work again."""
-    with Engine("zmq", dp_size=2) as engine:
+    """SIGKILL a local replica of an engine that has run a while (its standby is
+    ready, as on any server past its first seconds); time until it takes new work."""
+    with Engine("zmq", dp_size=2, start_timeout=300) as engine:
         sp = SamplingParams(max_new_tokens=1)
         engine.generate([1, 2], sp, dp_rank=0)
+        sup = engine._started.supervisor
+        assert sup is not None
+        deadline = time.monotonic() + 120
+        while not sup.standby_ready and time.monotonic() < deadline:
+            time.sleep(0.05)  # sleep-ok: pacing a deadline poll
         t0 = time.perf_counter()
         for pid in engine.replica_pids[0]:
             os.kill(pid, signal.SIGKILL)
@@ -184,7 +191,8 @@ def dp_respawn() -> dict[str, float]:
             except RequestFailed:
                 time.sleep(0.01)  # sleep-ok: pacing a deadline poll
         ms = (time.perf_counter() - t0) * 1e3
-    return {"dp_replica_respawn_ms": round(ms, 1)}
+        used = sup.standby_used
+    return {"dp_replica_respawn_ms": round(ms, 1), "dp_replica_respawn_standby": used}
 
 
 def garbage_logs(n: int = 5000) -> dict[str, float]:

@@ -67,7 +67,7 @@ from scheduler.dp.liveness import AwakeClock
 from scheduler.dp.outputs import OutputGate, OutputThrottle
 from scheduler.dp.replica import Replica, ReplicaSpec
 from scheduler.dp.table import Balanced, Broadcast, Owner, Reducer, ReplicaReply, dispatch_table
-from scheduler.dp.upstream import DispatcherLogs, answer_hello_here, with_ledger
+from scheduler.dp.upstream import DispatcherLogs, answer_hello_here, answer_rejected, with_ledger
 from scheduler.handshake import HELLO_METHOD
 
 __all__ = ["Dispatcher", "DispatcherStats"]
@@ -78,6 +78,10 @@ log = logging.getLogger("scheduler.dp")
 _WORK = Origin("work")
 
 _Handler = Callable[[Message, Origin], None]
+
+#: Replies waiting in our backlog for one rpc caller (its socket full) past which its
+#: new calls are not run: it is not reading (``shutdown`` is always run).
+UNREAD_REPLIES = 8
 
 
 #: Counters of a dispatcher, by name (also in ``get_load``'s reply as ``dispatcher.<name>``).
@@ -139,7 +143,8 @@ class Dispatcher:
             self._watch(rep)
         self.stats: DispatcherStats = dict(
             dispatched=0, redispatched=0, lost=0, joined=0, stale_outputs=0,
-            duplicate_rid=0, abort_unknown=0, rejected=0, replica_lost_errors=0)
+            duplicate_rid=0, abort_unknown=0, rejected=0, replica_lost_errors=0,
+            rpc_calls_not_run=0)
         self.gate = OutputGate(self.ledger, self.stats)
         self.throttle = OutputThrottle(self.receiver, self.replicas, max_backlog // 2)
         self._stopping = False
@@ -294,6 +299,12 @@ class Dispatcher:
                         self.replicas[entry.replica].name, exc)
 
     def _broadcast(self, call: RpcReqInput, origin: Origin, route: Broadcast) -> None:
+        if self.router.backlog and call.method != "shutdown" and \
+                self.router.backlog_by_origin().get(origin, 0) >= UNREAD_REPLIES:
+            self.stats["rpc_calls_not_run"] += 1  # unread calls would cost every stream CPU
+            self.logs.dropped_rpc.add(origin.inbox, f"call {call.rid!r} ({call.method}) not "
+                                      "run: its caller does not read its replies")
+            return
         if call.method == HELLO_METHOD:  # ours to answer: we decode the client's frames
             self.router.route(answer_hello_here(call, self.logs), origin)
             return
@@ -304,16 +315,12 @@ class Dispatcher:
             reduce = functools.partial(self._stopped, reduce)
         live = [i for i, r in enumerate(self.replicas) if r.live]
         if call.method == "get_load":  # the dispatcher's own view of each replica, beside
-            reduce = functools.partial(self._with_ledger, reduce)
+            reduce = functools.partial(with_ledger, reduce, self.replicas, self.ledger,
+                                       self.stats, self.fanout)
         done = self.fanout.start(call, origin, self.clock() + self.rpc_timeout,
                                  reduce, live, self._send_call)
         if done is not None:
             self.router.route(done, origin)
-
-    def _with_ledger(self, reduce: Reducer, call: RpcReqInput,
-                     replies: Sequence[ReplicaReply]) -> RpcReqOutput:
-        return with_ledger(reduce, self.replicas, self.ledger, self.stats, self.fanout.late,
-                           call, replies)
 
     def _stopped(self, reduce: Reducer, call: RpcReqInput,
                  replies: Sequence[ReplicaReply]) -> RpcReqOutput:
@@ -330,20 +337,10 @@ class Dispatcher:
         return None
 
     def _on_rejected(self, env: Rejected) -> None:
-        err, origin = env.error, env.origin
-        if origin.inbox not in {i.name for i in self._upstream}:
-            self.stats["stale_outputs"] += 1
-            self.logs.rejected.add(origin.inbox, f"undecodable: {err}")
-            return
-        self.stats["rejected"] += 1
-        if err.rid is None or err.rid in self.ledger:  # no one to answer (or not that one)
-            self.logs.rejected.add(origin.inbox, str(err))
-            return
-        if err.message_type == RpcReqInput.__name__:
-            self.router.route(RpcReqOutput(rid=err.rid, success=False,
-                                           message=fit_text(str(err))), origin)
-        else:
-            self._error(err.rid, origin, "decode_error", str(err))
+        upstream = env.origin.inbox in (i.name for i in self._upstream)
+        answer = answer_rejected(env, upstream, self.ledger, self.stats, self.logs)
+        if answer is not None:
+            self.router.route(answer, env.origin)
 
     def _error(self, rid: str, origin: Origin, code: ErrorCode, message: str) -> None:
         if code == "replica_lost":

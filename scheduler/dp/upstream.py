@@ -19,14 +19,15 @@ from collections.abc import Sequence
 
 import msgspec
 
-from bus import LogSummary
-from messages import RpcReqInput, RpcReqOutput, fit_text
+from bus import LogSummary, Rejected
+from messages import ErrorOut, Output, RpcReqInput, RpcReqOutput, fit_text
+from scheduler.dp.fanout import Fanout
 from scheduler.dp.ledger import Ledger
 from scheduler.dp.replica import Replica
 from scheduler.dp.table import Reducer, ReplicaReply
 from scheduler.handshake import answer_hello
 
-__all__ = ["DispatcherLogs", "answer_hello_here", "with_ledger"]
+__all__ = ["DispatcherLogs", "answer_hello_here", "answer_rejected", "with_ledger"]
 
 log = logging.getLogger("scheduler.dp")
 
@@ -75,8 +76,26 @@ def answer_hello_here(call: RpcReqInput, logs: DispatcherLogs) -> RpcReqOutput:
     return RpcReqOutput(rid=call.rid, success=True, result=result)
 
 
+def answer_rejected(env: Rejected, upstream: bool, ledger: Ledger, stats: dict[str, int],
+                    logs: DispatcherLogs) -> Output | None:
+    """What answers a frame that could not be decoded (``upstream``: from a client,
+    not a replica), or ``None``; counted in ``stats``, summarized in ``logs``."""
+    err = env.error
+    if not upstream:
+        stats["stale_outputs"] += 1
+        logs.rejected.add(env.origin.inbox, f"undecodable: {err}")
+        return None
+    stats["rejected"] += 1
+    if err.rid is None or err.rid in ledger:  # no one to answer (or not that one)
+        logs.rejected.add(env.origin.inbox, str(err))
+        return None
+    if err.message_type == RpcReqInput.__name__:
+        return RpcReqOutput(rid=err.rid, success=False, message=fit_text(str(err)))
+    return ErrorOut(rid=err.rid, code="decode_error", message=fit_text(str(err)))
+
+
 def with_ledger(reduce: Reducer, replicas: Sequence[Replica], ledger: Ledger,
-                stats: dict[str, int], late: int, call: RpcReqInput,
+                stats: dict[str, int], fanout: Fanout, call: RpcReqInput,
                 replies: Sequence[ReplicaReply]) -> RpcReqOutput:
     """``get_load`` merged, plus what the dispatcher knows per replica and of itself."""
     merged = reduce(call, replies)
@@ -91,5 +110,5 @@ def with_ledger(reduce: Reducer, replicas: Sequence[Replica], ledger: Ledger,
         result[f"{rep.name}.dispatched_tokens"] = ledger.dispatched_tokens[i]
     for key, n in stats.items():
         result[f"dispatcher.{key}"] = n
-    result["dispatcher.late_rpc_replies"] = late
+    result["dispatcher.late_rpc_replies"] = fanout.late
     return msgspec.structs.replace(merged, result=result)

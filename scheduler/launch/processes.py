@@ -19,11 +19,12 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
-from scheduler.launch.respawn import ReplicaSupervisor
+from scheduler.launch.respawn import ReplicaSupervisor, Standby
 from scheduler.launch.tp import TPConfig
 from scheduler.launch.wiring import Endpoints, serve_follower, serve_zmq
 from scheduler.models.tiny import ModelConfig
@@ -161,12 +162,50 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelConfig
               metrics: bool = True, keep_going: Callable[[], bool] = lambda: True
               ) -> ReplicaSupervisor:
     """Restart the replicas :func:`start_replicas` started, in place, when they die
-    (see :mod:`scheduler.launch.respawn`); started already, ``stop()`` it to end."""
+    (see :mod:`scheduler.launch.respawn`); started already, ``stop()`` it to end.
+
+    With one rank per replica, a restart takes over a *standby*: a process
+    started ahead that has imported everything and waits to be told which
+    replica to serve, so a restart costs a model build, not an interpreter
+    and torch start (seconds on a busy host)."""
+    def standby() -> Standby:
+        return _start_standby(directory, model, max_batch, limits or Limits(), metrics)
+
     sup = ReplicaSupervisor(procs, lambda i, attempt: _start_replica(
         directory, model, max_batch, tp_size, limits, metrics, i, attempt),
-        keep_going=keep_going)
+        keep_going=keep_going, standby=standby if tp_size == 1 else None,
+        started=lambda: all(os.path.exists(os.path.join(directory, f"r{i}", "rpc"))
+                            for i in range(len(procs))))  # each bound its endpoints
     sup.start()
     return sup
+
+
+def _stand_by(wake: Connection, directory: str, model: ModelConfig, max_batch: int,
+              limits: Limits, metrics: bool) -> None:
+    """A standby's body: say it is ready (everything is imported by now), wait for a
+    replica index (nothing: stand down), then serve it."""
+    try:
+        wake.send_bytes(b"ready")
+        data = wake.recv_bytes()
+    except (EOFError, OSError):  # the supervisor is gone
+        return
+    if data:
+        sub = os.path.join(directory, f"r{int(data)}")
+        serve_zmq(Endpoints.in_dir(sub), model, max_batch=max_batch, limits=limits,
+                  metrics=metrics)
+
+
+def _start_standby(directory: str, model: ModelConfig, max_batch: int, limits: Limits,
+                   metrics: bool) -> Standby:
+    ctx = multiprocessing.get_context("spawn")
+    wait, wake = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(os.getpid(), _stand_by, wait, directory, model,
+                                            max_batch, limits, metrics),
+                       name="replica-standby", daemon=True)
+    proc.start()
+    _STARTED.add(proc)
+    wait.close()
+    return Standby(proc, wake)
 
 
 def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from bus import Envelope, PullInbox, PushOutbox, RpcServer
+from bus import Envelope, PullInbox, PushOutbox, RpcCaller, RpcServer, SocketOptions, WouldBlock
 from messages import (
     BatchTokenIDOut,
     Codec,
@@ -70,6 +70,7 @@ class FakeReplica:
     rpc: RpcServer[Request]
     out: PushOutbox[Output]
     taken: list[str] = field(default_factory=list)  # rids it has read
+    calls: int = 0  # rpc calls other than heartbeats it answered
     reply_codec: Codec[Message] = field(default_factory=lambda: Codec(Message,
                                                                       types=[RpcReqOutput]))
 
@@ -80,6 +81,7 @@ class FakeReplica:
             for env in self.rpc.drain(256):
                 assert isinstance(env, Envelope)
                 assert isinstance(env.message, RpcReqInput)
+                self.calls += not env.message.rid.startswith("hb")
                 self.rpc.reply(self.reply_codec.encode(RpcReqOutput(
                     rid=env.message.rid, success=True,
                     result={"running": running, "queued": queued, "pid": 1})), env.origin)
@@ -150,7 +152,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
                           PushOutbox(Codec(Output), rep_ep.out))
     client_out: PullInbox[Output] = PullInbox(Codec(Output), front.out)
     work: PullInbox[Request] = PullInbox(Codec(Request), front.work)
-    rpc: RpcServer[Request] = RpcServer(Codec(Request), front.rpc)
+    rpc: RpcServer[Request] = RpcServer(Codec(Request), front.rpc, options=SocketOptions(hwm=4))
     out: PushOutbox[Output] = PushOutbox(Codec(Output), front.out)
     client_work: PushOutbox[Request] = PushOutbox(Codec(Request), front.work)
     clock = FakeClock()
@@ -356,3 +358,27 @@ def test_hello_through_a_dispatcher_with_its_replica_lost_is_accepted(
             assert reply.success and reply.result is not None, reply.message
             assert reply.result["accepted"] is True
     assert rig.dispatcher.logs.hello.total == 0  # an equal layout is nothing to log
+
+
+def test_a_caller_that_never_reads_its_replies_gets_no_more_calls_run(
+        rig: Rig, tmp_path: Path) -> None:
+    with RpcCaller(f"ipc://{tmp_path}/f/rpc", options=SocketOptions(hwm=4)) as caller:
+        sent = 0
+        deadline = time.monotonic() + 60
+        while sent < 600:  # it never reads
+            assert time.monotonic() < deadline
+            try:
+                caller.send_nowait(RpcReqInput(rid=f"c{sent}", method="get_load"))
+                sent += 1
+            except WouldBlock:
+                pass
+            rig.step(0.0)
+            rig.replica.answer(0, 0, wait_ms=1)
+        while rig.dispatcher.stats["rpc_calls_not_run"] + rig.replica.calls < 600:
+            assert time.monotonic() < deadline
+            rig.step(0.0)
+            rig.replica.answer(0, 0, wait_ms=1)
+    # Only its first ones ran: those whose replies filled its sockets and the kernel's
+    # buffers (about 200 small ones here).
+    assert rig.dispatcher.stats["rpc_calls_not_run"] >= 300
+    assert rig.lost == 0
