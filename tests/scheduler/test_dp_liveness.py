@@ -382,3 +382,28 @@ def test_a_caller_that_never_reads_its_replies_gets_no_more_calls_run(
     # buffers (about 200 small ones here).
     assert rig.dispatcher.stats["rpc_calls_not_run"] >= 300
     assert rig.lost == 0
+
+
+def test_garbage_and_reused_rids_are_summarized_not_logged_each(
+        rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    import zmq
+
+    rig.send(1)  # in flight: a second request under its rid is dropped
+    rid = next(iter(rig.dispatcher.ledger._entries))
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUSH)
+    raw.connect(rig.client_work.socket.getsockopt_string(zmq.LAST_ENDPOINT))
+    with caplog.at_level("INFO", logger="scheduler.dp"):
+        for n in range(200):
+            raw.send(b"\xc1garbage" + bytes([n]))
+            rig.client_work.send(TokenizedGenerateReqInput(
+                rid=rid, input_ids=token_ids([1]), sampling=SamplingParams(max_new_tokens=1)))
+        deadline = time.monotonic() + 30
+        while rig.dispatcher.stats["rejected"] < 200 or \
+                rig.dispatcher.stats["duplicate_rid"] < 200:
+            assert time.monotonic() < deadline, rig.dispatcher.stats
+            rig.step(0.0)
+        rig.dispatcher.logs.flush()
+    raw.close(0)
+    lines = [r for r in caplog.records if r.name == "scheduler.dp"]
+    assert len(lines) <= 4, [r.getMessage()[:80] for r in lines]  # first + summary, per kind
