@@ -21,9 +21,7 @@ all of them fairly and parks on one poll.
   (:mod:`scheduler.dp.replica`) fails the requests it had started with
   ``ErrorOut(replica_lost)``, sends the ones it had not started to a live
   replica, and completes pending broadcasts without it.
-* The dispatcher serves as soon as one replica is live (it waits only for
-  local replicas whose processes are still starting); the others join
-  whenever they answer.
+* Broadcasts run at most 4 at a time per caller (:class:`CallerQueue`).
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ from messages import (
 )
 from router import RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.backpressure import collapse
-from scheduler.dp.fanout import Fanout, merge_replies
+from scheduler.dp.fanout import CallerQueue, Fanout, merge_replies
 from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy
 from scheduler.dp.liveness import AwakeClock
 from scheduler.dp.outputs import OutputGate, OutputThrottle
@@ -79,9 +77,7 @@ _WORK = Origin("work")
 
 _Handler = Callable[[Message, Origin], None]
 
-#: Replies waiting in our backlog for one rpc caller (its socket full) past which its
-#: new calls are not run: it is not reading (``shutdown`` is always run).
-UNREAD_REPLIES = 8
+UNREAD_REPLIES = 8  #: replies of one caller in our backlog past which its calls are not run
 
 
 #: Counters of a dispatcher, by name (also in ``get_load``'s reply as ``dispatcher.<name>``).
@@ -101,9 +97,8 @@ class Dispatcher:
         heartbeat_timeout: a replica silent this long *while the dispatcher
             runs* is lost (see :mod:`scheduler.dp.liveness`). Local replicas
             (with pids) are also lost the moment a process exits.
-        join_timeout: seconds :meth:`run` waits for local replicas whose
-            processes are still starting, once one replica is live; remote
-            ones are not waited for (they join when they answer).
+        join_timeout: seconds :meth:`run` waits for local replicas still starting
+            once one replica is live (it serves then; others join when they answer).
         max_backlog: outputs kept for an upstream consumer not reading.
         clock: the real clock (a test passes a controlled one).
     """
@@ -123,6 +118,7 @@ class Dispatcher:
         self.ledger = Ledger(len(replicas), policy)
         self.ledger.live = [False] * len(replicas)  # live once they answer
         self.fanout = Fanout([r.name for r in self.replicas])
+        self.callers = CallerQueue()  # at most 4 broadcasts in flight per caller
         self.rpc_timeout = rpc_timeout
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -200,8 +196,11 @@ class Dispatcher:
             self.router.flush()
         envelopes = self.receiver.poll()
         for env in envelopes:
-            if type(env) is Rejected:
-                self._on_rejected(env)
+            if type(env) is Rejected:  # answered if it can be, else counted and summarized
+                upstream = env.origin.inbox in (i.name for i in self._upstream)
+                if (answer := answer_rejected(env, upstream, self.ledger, self.stats,
+                                              self.logs)) is not None:
+                    self.router.route(answer, env.origin)
                 continue
             assert isinstance(env, Envelope)
             self._handlers[env.origin.inbox](env.message, env.origin)
@@ -235,7 +234,13 @@ class Dispatcher:
             self._to_owner(msg)
         else:
             assert isinstance(route, Broadcast) and isinstance(msg, RpcReqInput)
-            self._broadcast(msg, origin, route)
+            turn = self.callers.admit(msg, origin)
+            if turn:
+                self._broadcast(msg, origin, route)
+            elif turn is None:
+                self.router.route(RpcReqOutput(rid=msg.rid, success=False, message=(
+                    f"{self.callers.hold} calls of this caller wait already: wait for their "
+                    "replies before sending more")), origin)
 
     def _balanced(self, msg: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput,
                   origin: Origin) -> None:
@@ -304,10 +309,13 @@ class Dispatcher:
             self.stats["rpc_calls_not_run"] += 1  # unread calls would cost every stream CPU
             self.logs.dropped_rpc.add(origin.inbox, f"call {call.rid!r} ({call.method}) not "
                                       "run: its caller does not read its replies")
-            return
-        if call.method == HELLO_METHOD:  # ours to answer: we decode the client's frames
-            self.router.route(answer_hello_here(call, self.logs), origin)
-            return
+            self._reply(None, origin)
+        elif call.method == HELLO_METHOD:  # ours to answer: we decode the client's frames
+            self._reply(answer_hello_here(call, self.logs), origin)
+        else:
+            self._fan_out(call, origin, route)
+
+    def _fan_out(self, call: RpcReqInput, origin: Origin, route: Broadcast) -> None:
         reduce = route.reduce
         if call.method == "shutdown" and not self._stopping:
             self._stopping = True
@@ -320,11 +328,20 @@ class Dispatcher:
         done = self.fanout.start(call, origin, self.clock() + self.rpc_timeout,
                                  reduce, live, self._send_call)
         if done is not None:
-            self.router.route(done, origin)
+            self._reply(done, origin)
+
+    def _reply(self, reply: RpcReqOutput | None, origin: Origin) -> None:
+        """A broadcast of ``origin`` ended (``reply``: its answer): start its next one."""
+        if reply is not None:
+            self.router.route(reply, origin)
+        nxt = self.callers.done(origin)
+        if nxt is not None:
+            route = self.table.lookup(RpcReqInput)
+            assert isinstance(route, Broadcast)
+            self._broadcast(nxt, origin, route)
 
     def _stopped(self, reduce: Reducer, call: RpcReqInput,
-                 replies: Sequence[ReplicaReply]) -> RpcReqOutput:
-        """The shutdown's merged reply; remembers whether every replica stopped."""
+                 replies: Sequence[ReplicaReply]) -> RpcReqOutput:  # remembers the outcome
         merged = reduce(call, replies)
         self.shutdown_ok = merged.success
         return merged
@@ -335,12 +352,6 @@ class Dispatcher:
         except ChannelError as exc:
             return f"not sent ({exc})"
         return None
-
-    def _on_rejected(self, env: Rejected) -> None:
-        upstream = env.origin.inbox in (i.name for i in self._upstream)
-        answer = answer_rejected(env, upstream, self.ledger, self.stats, self.logs)
-        if answer is not None:
-            self.router.route(answer, env.origin)
 
     def _error(self, rid: str, origin: Origin, code: ErrorCode, message: str) -> None:
         if code == "replica_lost":
@@ -372,7 +383,7 @@ class Dispatcher:
             return
         done = self.fanout.reply(reply, rep.index)
         if done is not None:
-            self.router.route(*done)
+            self._reply(*done)
 
     # -- liveness ---------------------------------------------------------------
 
@@ -395,14 +406,12 @@ class Dispatcher:
                 except ChannelError:
                     pass  # not connected yet, or not reading: its silence tells
         for done in self.fanout.expire(now):
-            self.router.route(*done)
+            self._reply(*done)
 
     def _verdict(self, rep: Replica, awake: float) -> str | None:
         """Why ``rep`` is lost now, judged on what it showed us while we ran; a silence
         verdict is checked against its replies waiting right now (probe before judging)."""
-        def sent_before(t: float) -> int:
-            return self.ledger.older(rep.index, t)
-
+        sent_before = functools.partial(self.ledger.older, rep.index)
         why = rep.health.verdict(awake, self.heartbeat_timeout, sent_before)
         if why is None or rep.health.probe_since is None:
             return why
@@ -412,15 +421,10 @@ class Dispatcher:
         return rep.health.verdict(awake, self.heartbeat_timeout, sent_before)
 
     def _join(self, rep: Replica, pid: int | None) -> None:
-        if rep.orphans and pid is not None and pid != rep.pid:
-            rep.orphans.clear()  # a new process: the old one's requests died with it
-        for rid in sorted(rep.orphans):  # the same process, back: end what it still runs
-            try:
-                rep.work.send_nowait(AbortReq(rid=rid))
-            except ChannelError as exc:
-                log.warning("abort of orphan %r on %s not sent: %s", rid, rep.name, exc)
         if pid is not None and pid != rep.pid:
+            rep.orphans.clear()  # a new process: the old one's requests died with it
             rep.watch(pid)  # a local replica restarted: its exit is seen at once again
+        rep.abort_orphans()  # the same process, back: end what it still runs
         rep.pid = pid
         rep.health.reset()
         rep.live = True
@@ -461,7 +465,7 @@ class Dispatcher:
                 self._dispatch(req, _WORK, None,
                                f" ({rep.name}, which had it, was lost: {why})")
         for done in self.fanout.lose(rep.index, f"lost ({why})"):
-            self.router.route(*done)
+            self._reply(*done)
 
     def _watch(self, rep: Replica) -> None:
         self.receiver.add(rep.out)

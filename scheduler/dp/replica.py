@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from bus import PullInbox, PushOutbox, RpcCaller, SocketOptions
-from messages import Codec, Output, Request
+from bus import ChannelError, PullInbox, PushOutbox, RpcCaller, SocketOptions
+from messages import AbortReq, Codec, Output, Request
 from scheduler.dp.liveness import Health
 from scheduler.launch.wiring import Endpoints
 
@@ -126,6 +126,14 @@ class Replica:
     def local(self) -> bool:
         """Whether its processes are known (and so can be watched and stopped)."""
         return bool(self._pidfds)
+
+    def abort_orphans(self) -> None:
+        """Back after a silence: abort what it may still run for the requests it lost."""
+        for rid in sorted(self.orphans):
+            try:
+                self.work.send_nowait(AbortReq(rid=rid))
+            except ChannelError as exc:
+                log.warning("abort of orphan %r on %s not sent: %s", rid, self.name, exc)
 
     def watch(self, pid: int) -> None:
         """A local replica answers from process ``pid`` (a restart): watch its exit.
