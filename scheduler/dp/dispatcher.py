@@ -308,7 +308,7 @@ class Dispatcher:
                 self.router.backlog_by_origin().get(origin, 0) >= UNREAD_REPLIES:
             self.stats["rpc_calls_not_run"] += 1  # unread calls would cost every stream CPU
             self.logs.dropped_rpc.add(origin.inbox, f"call {call.rid!r} ({call.method}) not "
-                                      "run: its caller does not read its replies")
+                                      "run: its caller sends faster than it reads replies")
             self._reply(None, origin)
         elif call.method == HELLO_METHOD:  # ours to answer: we decode the client's frames
             self._reply(answer_hello_here(call, self.logs), origin)
