@@ -123,13 +123,14 @@ class Server:
                     frames = self.out.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                msg = OUT.decode([f.buffer for f in frames])
-                if isinstance(msg, ErrorOut):
-                    self.terminal[msg.rid] = msg.code
-                elif isinstance(msg, BatchTokenIDOut):
-                    for rid, fin in zip(msg.rids, msg.finished_reasons, strict=True):
-                        if fin is not None:
-                            self.terminal[rid] = fin
+                got = OUT.decode_any([f.buffer for f in frames])  # one message or a burst
+                for msg in got if isinstance(got, list) else [got]:
+                    if isinstance(msg, ErrorOut):
+                        self.terminal[msg.rid] = msg.code
+                    elif isinstance(msg, BatchTokenIDOut):
+                        for rid, fin in zip(msg.rids, msg.finished_reasons, strict=True):
+                            if fin is not None:
+                                self.terminal[rid] = fin
 
     def submit(self, rid: str, ids: list[int], **sp: object) -> None:
         req = TokenizedGenerateReqInput(rid=rid, input_ids=token_ids(ids), stream=True,
