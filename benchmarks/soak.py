@@ -1,6 +1,13 @@
 """Soak and abuse: what one bad frame, flood, prompt, consumer or kill costs a real scheduler.
 
-Run: ``python -m benchmarks.soak``. The last line is one JSON object:
+Run: ``python -m benchmarks.soak [SCENARIO ...]`` (default: all, in the
+order of :data:`SCENARIOS`). The last line is one JSON object; every key
+with a bound in :data:`BOUNDS` (a must-be-zero count, a latency ceiling)
+is checked at the end, each violation is named on stderr and in the JSON
+(``violations``), and the exit status is 1 if there is any. A new scenario
+is a function returning a dict of keys, appended to :data:`SCENARIOS`
+(or to a module's list, as :mod:`benchmarks.soak_dp`), with its bounds in
+:data:`BOUNDS`.
 
 * ``fuzz_frames``, ``fuzz_non_decode_errors``, ``reject_us_p50``: the codec
   fuzz of :mod:`benchmarks._fuzz` (200k mutated and random frames; only
@@ -8,7 +15,10 @@ Run: ``python -m benchmarks.soak``. The last line is one JSON object:
 * ``serve_fuzz_frames``, ``serve_alive``, ``legit_answered_ratio``: a
   ``python -m scheduler serve`` process takes mutated frames on its work and
   rpc sockets, interleaved with legitimate generate and rpc requests; it must
-  stay up and answer every legitimate one.
+  stay up and answer every legitimate one. **Filtered:** a mutated frame that
+  decodes to an rpc call other than ``get_load`` (``shutdown``,
+  ``save_checkpoint``: it would stop the server or write files) is not sent;
+  ``serve_fuzz_filtered`` counts them.
 * ``overload_rss_growth_mib``, ``overload_rpc_p99_ms``, ``overload_refused``:
   200k generate requests offered far beyond the admission limits; the
   server's RSS growth and rpc latency meanwhile.
@@ -36,11 +46,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import zmq
 
+from benchmarks import soak_dp
 from benchmarks._fuzz import fuzz_codec, mutate, valid_frames
 from benchmarks._timing import percentiles
 from bus import RpcClient
@@ -112,13 +123,14 @@ class Server:
                     frames = self.out.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                msg = OUT.decode([f.buffer for f in frames])
-                if isinstance(msg, ErrorOut):
-                    self.terminal[msg.rid] = msg.code
-                elif isinstance(msg, BatchTokenIDOut):
-                    for rid, fin in zip(msg.rids, msg.finished_reasons, strict=True):
-                        if fin is not None:
-                            self.terminal[rid] = fin
+                got = OUT.decode_any([f.buffer for f in frames])  # one message or a burst
+                for msg in got if isinstance(got, list) else [got]:
+                    if isinstance(msg, ErrorOut):
+                        self.terminal[msg.rid] = msg.code
+                    elif isinstance(msg, BatchTokenIDOut):
+                        for rid, fin in zip(msg.rids, msg.finished_reasons, strict=True):
+                            if fin is not None:
+                                self.terminal[rid] = fin
 
     def submit(self, rid: str, ids: list[int], **sp: object) -> None:
         req = TokenizedGenerateReqInput(rid=rid, input_ids=token_ids(ids), stream=True,
@@ -182,10 +194,13 @@ def serve_fuzz(n: int = 20_000, seed: int = 1) -> dict[str, float]:
         bad_rpc.connect(f"ipc://{s.dir}/rpc")
         legit: list[str] = []
         rpc_ok = rpc_calls = 0
-        sent = 0
+        sent = filtered = 0
         while sent < n:
             frames = mutate(rng, pool)
-            if not frames or _side_effect(codec, frames):
+            if not frames:
+                continue
+            if _side_effect(codec, frames):  # said in the docstring and counted
+                filtered += 1
                 continue
             i = sent
             sent += 1
@@ -203,7 +218,7 @@ def serve_fuzz(n: int = 20_000, seed: int = 1) -> dict[str, float]:
         bad_rpc.close(0)
     return {"serve_fuzz_frames": n, "serve_alive": int(alive),
             "legit_answered_ratio": (answered + rpc_ok) / (len(legit) + rpc_calls),
-            "serve_fuzz_unanswered": missing}
+            "serve_fuzz_unanswered": missing, "serve_fuzz_filtered": filtered}
 
 
 def _flood(endpoint: str, n: int) -> None:
@@ -316,19 +331,68 @@ def kill_pending(n: int = 300) -> dict[str, float]:
             "kill_pending_requests": n}
 
 
-def main() -> None:
-    out: dict[str, float] = {}
+def codec_fuzz() -> dict[str, float]:
+    """The codec fuzz (:mod:`benchmarks._fuzz`)."""
     fz = fuzz_codec(200_000)
-    out.update({k: fz[k] for k in ("fuzz_frames", "fuzz_non_decode_errors", "reject_us_p50",
-                                   "reject_random_us_p50")})
-    for part in (serve_fuzz, overload, long_prompt, slow_consumer, kill_pending):
+    return {k: fz[k] for k in ("fuzz_frames", "fuzz_non_decode_errors", "reject_us_p50",
+                               "reject_random_us_p50")}
+
+
+#: Every scenario, in the order a full run takes them.
+SCENARIOS: list[Callable[[], dict[str, float]]] = [
+    codec_fuzz, serve_fuzz, overload, long_prompt, slow_consumer, kill_pending,
+    *soak_dp.SCENARIOS]
+
+#: key -> (comparison, bound): what every run must hold (checked for the keys it printed).
+BOUNDS: dict[str, tuple[str, float]] = {
+    "fuzz_non_decode_errors": ("==", 0),
+    "serve_alive": ("==", 1),
+    "legit_answered_ratio": (">=", 1.0),
+    "serve_fuzz_unanswered": ("==", 0),
+    "overload_unanswered": ("==", 0),
+    "long_prompt_answered": ("==", 1),
+    "slow_consumer_silent_drops": ("==", 0),
+    "kill_pending_failed": (">=", 300),
+    "dp_flood_requests": (">=", 12_000),
+    "dp_flood_false_losses": ("==", 0),
+    "dp_flood_failed": ("==", 0),
+    "dp_pause_false_losses": ("==", 0),
+    "dp_stuck_rpc_client_max_silence_ms": ("<=", 1000),
+    "dp_short_behind_long_ttft_p50_ms": ("<=", 500),
+    "dp_replica_respawn_ms": ("<=", 5000),
+    "log_lines_per_1000_garbage_frames": ("<=", 5),
+}
+
+_CMP: dict[str, Callable[[float, float], bool]] = {
+    "==": lambda a, b: a == b, "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b}
+
+
+def violations(out: dict[str, float]) -> list[str]:
+    """Each bound of :data:`BOUNDS` that a printed key breaks, named with its value."""
+    return [f"{k} = {out[k]} (must be {op} {bound})" for k, (op, bound) in BOUNDS.items()
+            if k in out and not _CMP[op](out[k], bound)]
+
+
+def main(argv: list[str]) -> int:
+    chosen = [s for s in SCENARIOS if not argv or s.__name__ in argv]
+    unknown = set(argv) - {s.__name__ for s in SCENARIOS}
+    if unknown:
+        print(f"unknown scenarios {sorted(unknown)}; known: "
+              f"{[s.__name__ for s in SCENARIOS]}", file=sys.stderr)
+        return 2
+    out: dict[str, float] = {}
+    for part in chosen:
         t0 = time.perf_counter()
         got = part()
         print(f"{part.__name__}: {got} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr,
               flush=True)
         out.update(got)
-    print(json.dumps(out))
+    bad = violations(out)
+    for line in bad:
+        print(f"VIOLATION: {line}", file=sys.stderr)
+    print(json.dumps({**out, "violations": len(bad)}))
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import stat
 import sys
 import tempfile
@@ -15,7 +16,7 @@ from scheduler.cli.demo import demo
 from scheduler.cli.top import run_top
 from scheduler.core.admission import Limits
 from scheduler.dp import ReplicaSpec, serve_dispatch
-from scheduler.launch.processes import LOCAL_HEARTBEAT_TIMEOUT, start_replicas
+from scheduler.launch.processes import LOCAL_HEARTBEAT_TIMEOUT, start_replicas, supervise
 from scheduler.launch.wiring import Endpoints, serve_zmq
 from scheduler.models.tiny import ModelConfig
 
@@ -167,10 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "dispatch":
         specs = _replica_specs(parser, args)
         endpoints, options, allowed = _upstream(parser, args)
-        serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
-                       policy=args.policy, heartbeat_timeout=args.heartbeat_timeout,
-                       rpc_timeout=args.rpc_timeout, max_backlog=args.max_backlog)
-        return 0
+        stopped = serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
+                                 policy=args.policy, heartbeat_timeout=args.heartbeat_timeout,
+                                 rpc_timeout=args.rpc_timeout, max_backlog=args.max_backlog)
+        return 0 if stopped else 1  # a replica the shutdown did not reach: say so
     endpoints, options, allowed = _upstream(parser, args)
     try:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
@@ -189,22 +190,38 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOptions,
               allowed: list[bytes] | None, limits: Limits) -> int:
-    """``serve --dp N``: N local replicas (private ipc) behind a dispatcher on ``endpoints``."""
+    """``serve --dp N``: N local replicas (private ipc) behind a dispatcher on ``endpoints``.
+
+    A replica that dies is restarted (:mod:`scheduler.launch.respawn`).
+    Exits 0 once a ``shutdown`` reached every replica, 1 if one was down;
+    SIGINT or SIGTERM to this process alone stops its replicas at once
+    (they got no shutdown: there is nothing to wait for).
+    """
     directory = tempfile.mkdtemp(prefix="tsb-dp-")
     procs, specs = start_replicas(directory, args.dp, ModelConfig(), max_batch=args.max_batch,
                                   limits=limits)
+    sup = supervise(procs, directory, ModelConfig(), max_batch=args.max_batch, limits=limits)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind like Ctrl-C
+    stopped = False
     try:
-        serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
-                       policy=args.dp_policy, max_backlog=limits.max_backlog,
-                       heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT)
+        stopped = serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
+                                 policy=args.dp_policy, max_backlog=limits.max_backlog,
+                                 heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT)
+    except KeyboardInterrupt:
+        print("interrupted: stopping the replicas", file=sys.stderr)
     finally:
-        for proc in (p for ranks in procs for p in ranks):
+        sup.stop()
+        ranks = [p for r in procs for p in r]
+        if not stopped:  # no shutdown reached them: do not wait out a grace for nothing
+            for proc in ranks:
+                proc.terminate()
+        for proc in ranks:
             proc.join(5.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
         shutil.rmtree(directory, ignore_errors=True)
-    return 0
+    return 0 if stopped else 1
 
 
 if __name__ == "__main__":

@@ -15,9 +15,13 @@ all of them fairly and parks on one poll.
 * Outputs go upstream through the same reply router as a scheduler's
   (:func:`router.scheduler_router`), with its backlog: a frontend that stops
   reading pauses the replicas' output inboxes, then collapses its streams.
-* A lost replica (:mod:`scheduler.dp.replica`) fails the requests it had
-  started with ``ErrorOut(replica_lost)``, sends the ones it had not
-  started to a live replica, and completes pending broadcasts without it.
+* A replica is lost only on evidence about it (:mod:`scheduler.dp.liveness`):
+  its process exited, it was silent while this dispatcher ran, or it says
+  it is idle while our requests there get no answer. A lost replica
+  (:mod:`scheduler.dp.replica`) fails the requests it had started with
+  ``ErrorOut(replica_lost)``, sends the ones it had not started to a live
+  replica, and completes pending broadcasts without it.
+* Broadcasts run at most 4 at a time per caller (:class:`CallerQueue`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,6 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
-
-import msgspec
 
 from bus import (
     ChannelError,
@@ -57,18 +59,14 @@ from messages import (
 )
 from router import RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.backpressure import collapse
-from scheduler.dp.fanout import Fanout, merge_replies
+from scheduler.dp.fanout import CallerQueue, Fanout, merge_replies
 from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy
-from scheduler.dp.outputs import OutputGate
+from scheduler.dp.liveness import AwakeClock
+from scheduler.dp.outputs import OutputGate, OutputThrottle
 from scheduler.dp.replica import Replica, ReplicaSpec
-from scheduler.dp.table import (
-    Balanced,
-    Broadcast,
-    Owner,
-    Reducer,
-    ReplicaReply,
-    dispatch_table,
-)
+from scheduler.dp.table import Balanced, Broadcast, Owner, Reducer, ReplicaReply, dispatch_table
+from scheduler.dp.upstream import DispatcherLogs, answer_hello_here, answer_rejected, with_ledger
+from scheduler.handshake import HELLO_METHOD
 
 __all__ = ["Dispatcher", "DispatcherStats"]
 
@@ -78,6 +76,8 @@ log = logging.getLogger("scheduler.dp")
 _WORK = Origin("work")
 
 _Handler = Callable[[Message, Origin], None]
+
+UNREAD_REPLIES = 8  #: replies of one caller in our backlog past which its calls are not run
 
 
 #: Counters of a dispatcher, by name (also in ``get_load``'s reply as ``dispatcher.<name>``).
@@ -94,11 +94,13 @@ class Dispatcher:
         rpc_timeout: seconds a broadcast waits for every replica; those that
             have not answered by then are named in the reply as timed out.
         heartbeat_interval: seconds between two heartbeats to a replica.
-        heartbeat_timeout: a replica silent this long is lost. Local
-            replicas (with pids) are also lost the moment a process exits.
-        join_timeout: seconds :meth:`run` waits for every replica to answer
-            before it serves with those that did.
+        heartbeat_timeout: a replica silent this long *while the dispatcher
+            runs* is lost (see :mod:`scheduler.dp.liveness`). Local replicas
+            (with pids) are also lost the moment a process exits.
+        join_timeout: seconds :meth:`run` waits for local replicas still starting
+            once one replica is live (it serves then; others join when they answer).
         max_backlog: outputs kept for an upstream consumer not reading.
+        clock: the real clock (a test passes a controlled one).
     """
 
     TICK = 0.02  # seconds between liveness checks when idle
@@ -107,7 +109,8 @@ class Dispatcher:
                  out: PushOutbox[Output], replicas: Sequence[ReplicaSpec], *,
                  policy: Policy = "least_loaded", rpc_timeout: float = 30.0,
                  heartbeat_interval: float = 0.2, heartbeat_timeout: float = 2.0,
-                 join_timeout: float = 60.0, max_backlog: int = 1024) -> None:
+                 join_timeout: float = 60.0, max_backlog: int = 1024,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not replicas:
             raise ValueError("a dispatcher needs at least one replica")
         self.table = dispatch_table(merge_replies)  # the totality check: at start-up
@@ -115,6 +118,7 @@ class Dispatcher:
         self.ledger = Ledger(len(replicas), policy)
         self.ledger.live = [False] * len(replicas)  # live once they answer
         self.fanout = Fanout([r.name for r in self.replicas])
+        self.callers = CallerQueue()  # at most 4 broadcasts in flight per caller
         self.rpc_timeout = rpc_timeout
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -124,27 +128,37 @@ class Dispatcher:
                                        max_backlog=max_backlog)
         self.router.on_overflow = functools.partial(
             collapse, abort=self._abort_stuck, dropped_rpc=self._dropped_rpc)
+        self.clock = clock
+        self.awake = AwakeClock(clock, max_gap=max(0.25, heartbeat_interval))
+        self.logs = DispatcherLogs()
+        #: Whether the last ``shutdown`` reached every replica (``None``: none yet).
+        self.shutdown_ok: bool | None = None
         self._upstream: list[Inbox[Request]] = [work, rpc]
         self.receiver: Receiver[Message] = Receiver([])
         for rep in self.replicas:
             self._watch(rep)
         self.stats: DispatcherStats = dict(
             dispatched=0, redispatched=0, lost=0, joined=0, stale_outputs=0,
-            duplicate_rid=0, abort_unknown=0, rejected=0, replica_lost_errors=0)
+            duplicate_rid=0, abort_unknown=0, rejected=0, replica_lost_errors=0,
+            rpc_calls_not_run=0)
         self.gate = OutputGate(self.ledger, self.stats)
+        self.throttle = OutputThrottle(self.receiver, self.replicas, max_backlog // 2)
         self._stopping = False
         self._stop_deadline = 0.0
         self._serving = False
-        self._throttled = False
         self._next_tick = 0.0
         self._hb_seq = 0
 
     # -- the loop ---------------------------------------------------------------
 
-    def run(self) -> None:
-        """Serve until a ``shutdown`` rpc has been answered and the replicas are done."""
-        deadline = time.monotonic() + self.join_timeout
-        while not all(r.live for r in self.replicas) and time.monotonic() < deadline:
+    def run(self) -> bool:
+        """Serve until a ``shutdown`` rpc has been answered and the replicas are done.
+
+        Returns whether that shutdown reached every replica (a lost one
+        makes it ``False``: the caller should exit non-zero).
+        """
+        deadline = self.clock() + self.join_timeout
+        while not self._ready(self.clock() >= deadline):
             if not self.step():
                 self.receiver.wait(self.TICK)
         self.serve_upstream()
@@ -152,8 +166,17 @@ class Dispatcher:
             with self.router.batching():  # what one step forwards leaves as one burst
                 took = self.step()
             if not took:
-                self.receiver.wait(max(0.0, self._next_tick - time.monotonic()))
+                self.receiver.wait(max(0.0, self._next_tick - self.clock()))
         self._finish()
+        return bool(self.shutdown_ok)
+
+    def _ready(self, late: bool) -> bool:
+        """Serve once one replica is live, and no other is a local one still starting
+        (its process runs, it has not answered yet) unless that took too long."""
+        if not any(r.live for r in self.replicas):
+            return False
+        return late or all(r.live or not r.local or r.process_exit() is not None
+                           for r in self.replicas)
 
     def serve_upstream(self) -> None:
         """Start taking requests from upstream (after the replicas joined). Idempotent."""
@@ -173,12 +196,15 @@ class Dispatcher:
             self.router.flush()
         envelopes = self.receiver.poll()
         for env in envelopes:
-            if type(env) is Rejected:
-                self._on_rejected(env)
+            if type(env) is Rejected:  # answered if it can be, else counted and summarized
+                upstream = env.origin.inbox in (i.name for i in self._upstream)
+                if (answer := answer_rejected(env, upstream, self.ledger, self.stats,
+                                              self.logs)) is not None:
+                    self.router.route(answer, env.origin)
                 continue
             assert isinstance(env, Envelope)
             self._handlers[env.origin.inbox](env.message, env.origin)
-        now = time.monotonic()
+        now = self.clock()
         if now >= self._next_tick:
             self._tick(now)
         return len(envelopes)
@@ -208,14 +234,19 @@ class Dispatcher:
             self._to_owner(msg)
         else:
             assert isinstance(route, Broadcast) and isinstance(msg, RpcReqInput)
-            self._broadcast(msg, origin, route)
+            turn = self.callers.admit(msg, origin)
+            if turn:
+                self._broadcast(msg, origin, route)
+            elif turn is None:
+                self.router.route(RpcReqOutput(rid=msg.rid, success=False, message=(
+                    f"{self.callers.hold} calls of this caller wait already: wait for their "
+                    "replies before sending more")), origin)
 
     def _balanced(self, msg: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput,
                   origin: Origin) -> None:
         if msg.rid in self.ledger:  # answering would end the live one in its client's eyes
             self.stats["duplicate_rid"] += 1
-            log.warning("request id %r is already in flight: the second one is dropped",
-                        msg.rid)
+            self.logs.duplicate.add(origin.inbox, f"request id {msg.rid!r}")
             return
         if self._stopping:
             self._error(msg.rid, origin, "shutdown", "the dispatcher is shutting down")
@@ -257,7 +288,7 @@ class Dispatcher:
         if isinstance(msg, TokenizedGenerateReqInput):
             cost += msg.sampling.max_new_tokens
         self.ledger.add(msg.rid, i, rep.generation, cost, msg, pinned=pin is not None,
-                        at=time.monotonic())
+                        at=self.awake.now)
         self.stats["dispatched"] += 1
 
     def _to_owner(self, msg: Request) -> None:
@@ -273,36 +304,47 @@ class Dispatcher:
                         self.replicas[entry.replica].name, exc)
 
     def _broadcast(self, call: RpcReqInput, origin: Origin, route: Broadcast) -> None:
+        if self.router.backlog and call.method != "shutdown" and \
+                self.router.backlog_by_origin().get(origin, 0) >= UNREAD_REPLIES:
+            self.stats["rpc_calls_not_run"] += 1  # unread calls would cost every stream CPU
+            self.logs.dropped_rpc.add(origin.inbox, f"call {call.rid!r} ({call.method}) not "
+                                      "run: its caller sends faster than it reads replies")
+            self._reply(None, origin)
+        elif call.method == HELLO_METHOD:  # ours to answer: we decode the client's frames
+            self._reply(answer_hello_here(call, self.logs), origin)
+        else:
+            self._fan_out(call, origin, route)
+
+    def _fan_out(self, call: RpcReqInput, origin: Origin, route: Broadcast) -> None:
+        reduce = route.reduce
         if call.method == "shutdown" and not self._stopping:
             self._stopping = True
-            self._stop_deadline = time.monotonic() + self.rpc_timeout
+            self._stop_deadline = self.clock() + self.rpc_timeout
+            reduce = functools.partial(self._stopped, reduce)
         live = [i for i, r in enumerate(self.replicas) if r.live]
-        reduce = route.reduce
         if call.method == "get_load":  # the dispatcher's own view of each replica, beside
-            reduce = functools.partial(self._with_ledger, route.reduce)
-        done = self.fanout.start(call, origin, time.monotonic() + self.rpc_timeout,
+            reduce = functools.partial(with_ledger, reduce, self.replicas, self.ledger,
+                                       self.stats, self.fanout)
+        done = self.fanout.start(call, origin, self.clock() + self.rpc_timeout,
                                  reduce, live, self._send_call)
         if done is not None:
-            self.router.route(done, origin)
+            self._reply(done, origin)
 
-    def _with_ledger(self, reduce: Reducer, call: RpcReqInput,
-                     replies: Sequence[ReplicaReply]) -> RpcReqOutput:
-        """``get_load`` merged, plus what the dispatcher knows per replica and of itself."""
+    def _reply(self, reply: RpcReqOutput | None, origin: Origin) -> None:
+        """A broadcast of ``origin`` ended (``reply``: its answer): start its next one."""
+        if reply is not None:
+            self.router.route(reply, origin)
+        nxt = self.callers.done(origin)
+        if nxt is not None:
+            route = self.table.lookup(RpcReqInput)
+            assert isinstance(route, Broadcast)
+            self._broadcast(nxt, origin, route)
+
+    def _stopped(self, reduce: Reducer, call: RpcReqInput,
+                 replies: Sequence[ReplicaReply]) -> RpcReqOutput:  # remembers the outcome
         merged = reduce(call, replies)
-        result = dict(merged.result or {})
-        ledger = self.ledger
-        for rep in self.replicas:
-            i = rep.index
-            result[f"{rep.name}.live"] = rep.live
-            result[f"{rep.name}.generation"] = rep.generation
-            result[f"{rep.name}.in_flight"] = ledger.requests[i]
-            result[f"{rep.name}.in_flight_tokens"] = ledger.tokens[i]
-            result[f"{rep.name}.dispatched"] = ledger.dispatched[i]
-            result[f"{rep.name}.dispatched_tokens"] = ledger.dispatched_tokens[i]
-        for key, n in self.stats.items():
-            result[f"dispatcher.{key}"] = n
-        result["dispatcher.late_rpc_replies"] = self.fanout.late
-        return msgspec.structs.replace(merged, result=result)
+        self.shutdown_ok = merged.success
+        return merged
 
     def _send_call(self, i: int, call: RpcReqInput) -> str | None:
         try:
@@ -310,22 +352,6 @@ class Dispatcher:
         except ChannelError as exc:
             return f"not sent ({exc})"
         return None
-
-    def _on_rejected(self, env: Rejected) -> None:
-        err, origin = env.error, env.origin
-        if origin.inbox not in {i.name for i in self._upstream}:
-            self.stats["stale_outputs"] += 1
-            log.error("undecodable message from %s: %s", origin.inbox, err)
-            return
-        self.stats["rejected"] += 1
-        if err.rid is None or err.rid in self.ledger:
-            log.warning("rejected on %s: %s", origin.inbox, err)
-            return
-        if err.message_type == RpcReqInput.__name__:
-            self.router.route(RpcReqOutput(rid=err.rid, success=False,
-                                           message=fit_text(str(err))), origin)
-        else:
-            self._error(err.rid, origin, "decode_error", str(err))
 
     def _error(self, rid: str, origin: Origin, code: ErrorCode, message: str) -> None:
         if code == "replica_lost":
@@ -335,6 +361,7 @@ class Dispatcher:
     # -- replica outputs --------------------------------------------------------
 
     def _on_output(self, rep: Replica, out: Message, origin: Origin) -> None:
+        rep.health.output()
         accepted = self.gate.accept(rep, out)
         if accepted is not None:
             self.router.route(accepted, _WORK)
@@ -342,78 +369,66 @@ class Dispatcher:
     def _on_replica_rpc(self, rep: Replica, reply: Message, origin: Origin) -> None:
         if not isinstance(reply, RpcReqOutput):
             return
-        now = time.monotonic()
-        rep.last_seen = now
+        rep.health.answered()
         if reply.rid.startswith("hb"):
             load = reply.result or {}
             running, queued, pid = load.get("running"), load.get("queued"), load.get("pid")
             if not rep.live:
-                self._join(rep, now, pid if isinstance(pid, int) else None)
+                self._join(rep, pid if isinstance(pid, int) else None)
             if isinstance(running, int) and isinstance(queued, int):
                 self.ledger.reported[rep.index] = running + queued
-                self._account(rep, running + queued, now)
+                idle = running + queued == 0  # then: ours sent before now, unanswered
+                now = self.awake.now
+                rep.health.reported(now, idle, idle and self.ledger.older(rep.index, now))
             return
         done = self.fanout.reply(reply, rep.index)
         if done is not None:
-            self.router.route(*done)
-
-    def _account(self, rep: Replica, reported: int, now: float) -> None:
-        """Lose a replica that answers heartbeats but whose outputs never reach us.
-
-        It reports fewer requests than we have had in flight on it for longer
-        than the heartbeat timeout (they must have arrived by now), and goes on
-        doing so for another timeout: it finished them, or never saw them, and
-        their outputs went elsewhere (a second consumer on its output
-        endpoint) or nowhere. Not while its outputs are paused here: those it
-        finished wait in its own backlog, legitimately unaccounted.
-        """
-        old = self.ledger.older(rep.index, now - self.heartbeat_timeout)
-        if reported >= old or self._throttled:
-            rep.unaccounted_since = None
-        elif rep.unaccounted_since is None:
-            rep.unaccounted_since = now
-        elif now - rep.unaccounted_since > self.heartbeat_timeout:
-            self._lose(rep, f"it reports {reported} requests, but {old} of ours have been in "
-                            f"flight there for over {self.heartbeat_timeout} s: its outputs "
-                            "do not reach this dispatcher (another consumer on its output "
-                            "endpoint?)")
+            self._reply(*done)
 
     # -- liveness ---------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
         self._next_tick = now + self.TICK
+        awake = self.awake.tick()
+        backlog = self.router.backlog
+        self.throttle.update(self.router.backlog_by_origin().get(_WORK, 0) if backlog else 0)
         for rep in self.replicas:
             if rep.live:
-                why = rep.process_exit()
-                if why is None and now - rep.last_seen > self.heartbeat_timeout:
-                    why = f"silent for {now - rep.last_seen:.2f} s (heartbeat timeout " \
-                          f"{self.heartbeat_timeout} s)"
+                why = rep.process_exit() or self._verdict(rep, awake)
                 if why is not None:
                     self._lose(rep, why)
             if now >= rep.next_beat:
                 rep.next_beat = now + self.heartbeat_interval
                 self._hb_seq += 1
+                rep.health.probed(awake)
                 try:  # a probe while not live: the first answer (re)joins it
                     rep.rpc.send_nowait(RpcReqInput(rid=f"hb{self._hb_seq}", method="get_load"))
                 except ChannelError:
                     pass  # not connected yet, or not reading: its silence tells
         for done in self.fanout.expire(now):
-            self.router.route(*done)
-        self._throttle()
+            self._reply(*done)
 
-    def _join(self, rep: Replica, now: float, pid: int | None) -> None:
-        if rep.orphans and pid is not None and pid != rep.pid:
+    def _verdict(self, rep: Replica, awake: float) -> str | None:
+        """Why ``rep`` is lost now, judged on what it showed us while we ran; a silence
+        verdict is checked against its replies waiting right now (probe before judging)."""
+        sent_before = functools.partial(self.ledger.older, rep.index)
+        why = rep.health.verdict(awake, self.heartbeat_timeout, sent_before)
+        if why is None or rep.health.probe_since is None:
+            return why
+        for env in rep.rpc.drain(64):  # what it already answered, unread by us
+            if isinstance(env, Envelope):
+                self._on_replica_rpc(rep, env.message, env.origin)
+        return rep.health.verdict(awake, self.heartbeat_timeout, sent_before)
+
+    def _join(self, rep: Replica, pid: int | None) -> None:
+        if pid is not None and pid != rep.pid:
             rep.orphans.clear()  # a new process: the old one's requests died with it
-        for rid in sorted(rep.orphans):  # the same process, back: end what it still runs
-            try:
-                rep.work.send_nowait(AbortReq(rid=rid))
-            except ChannelError as exc:
-                log.warning("abort of orphan %r on %s not sent: %s", rid, rep.name, exc)
+            rep.watch(pid)  # a local replica restarted: its exit is seen at once again
+        rep.abort_orphans()  # the same process, back: end what it still runs
         rep.pid = pid
-        rep.unaccounted_since = None
+        rep.health.reset()
         rep.live = True
         rep.generation += 1
-        rep.last_seen = now
         self.ledger.live[rep.index] = True
         self.stats["joined"] += 1
         log.info("%s %s (generation %d)", rep.name, "rejoined" if rep.joined else "joined",
@@ -423,6 +438,7 @@ class Dispatcher:
     def _lose(self, rep: Replica, why: str) -> None:
         (log.info if self._stopping else log.warning)("%s lost: %s", rep.name, why)
         rep.live = False
+        rep.health.reset()
         self.stats["lost"] += 1
         dead = rep.process_exit() is not None
         if dead:
@@ -449,25 +465,11 @@ class Dispatcher:
                 self._dispatch(req, _WORK, None,
                                f" ({rep.name}, which had it, was lost: {why})")
         for done in self.fanout.lose(rep.index, f"lost ({why})"):
-            self.router.route(*done)
+            self._reply(*done)
 
     def _watch(self, rep: Replica) -> None:
         self.receiver.add(rep.out)
         self.receiver.add(rep.rpc)
-
-    def _throttle(self) -> None:
-        """Pause the replicas' outputs while upstream is not reading (they back up
-        into each replica's own bounded backlog)."""
-        backlog = self.router.backlog
-        if not self._throttled and backlog >= self.max_backlog // 2:
-            self._throttled = True
-            for rep in self.replicas:
-                self.receiver.pause(rep.out.name)
-        elif self._throttled and backlog == 0:
-            self._throttled = False
-            for rep in self.replicas:
-                if rep.out.name in self.receiver.paused:
-                    self.receiver.resume(rep.out.name)
 
     def _abort_stuck(self, rid: str) -> None:
         entry = self.ledger.finish(rid)
@@ -478,14 +480,14 @@ class Dispatcher:
                 pass  # the replica's own backlog will end it
 
     def _dropped_rpc(self, reply: RpcReqOutput) -> None:
-        log.warning("rpc reply %r dropped: its caller is not reading", reply.rid)
+        self.logs.dropped_rpc.add("rpc", f"rid {reply.rid!r}")
 
     # -- stopping ---------------------------------------------------------------
 
     def _done(self) -> bool:
         if not self._stopping or len(self.fanout):
             return False
-        return not len(self.ledger) or time.monotonic() >= self._stop_deadline
+        return not len(self.ledger) or self.clock() >= self._stop_deadline
 
     def _finish(self) -> None:
         for rep in self.replicas:
@@ -494,4 +496,5 @@ class Dispatcher:
                             f"the dispatcher stopped before request {entry.rid!r} finished")
         deadline = time.monotonic() + 1.0
         while self.router.flush() and time.monotonic() < deadline:
-            time.sleep(0.001)
+            time.sleep(0.001)  # sleep-ok: pacing the last flush to a slow consumer
+        self.logs.flush()

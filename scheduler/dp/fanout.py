@@ -13,6 +13,7 @@ answer off as everyone's (vLLM's data-parallel utility calls return
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from bus import Origin
 from messages import RpcReqInput, RpcReqOutput, RpcResult, Scalar, fit_text
 from scheduler.dp.table import Reducer, ReplicaReply
 
-__all__ = ["Fanout", "PendingCall", "merge_replies"]
+__all__ = ["CallerQueue", "Fanout", "PendingCall", "merge_replies"]
 
 #: Per method, the keys whose values add up across replicas (the whole's load).
 SUMMED: dict[str, frozenset[str]] = {
@@ -176,3 +177,46 @@ def merge_replies(call: RpcReqInput, replies: Sequence[ReplicaReply]) -> RpcReqO
         f"rpc {call.method!r} failed on {len(failed)} of {len(replies)} replicas: "
         + "; ".join(reasons))
     return RpcReqOutput(rid=call.rid, success=not failed, message=message, result=result)
+
+
+class CallerQueue:
+    """At most ``limit`` broadcasts in flight per caller; its next ones wait here.
+
+    A caller that pipelines thousands of calls (or never reads its replies)
+    would otherwise have every replica answer them all between two model
+    steps, and every client's streams would wait. Taken in turn, each
+    caller's calls reach a replica ``limit`` at a time. At most ``hold`` wait
+    per caller; past that a call is refused at once (answered, not run).
+    """
+
+    def __init__(self, limit: int = 4, hold: int = 64) -> None:
+        self.limit, self.hold = limit, hold
+        self._running: dict[Origin, int] = {}
+        self._waiting: dict[Origin, deque[RpcReqInput]] = {}
+
+    def admit(self, call: RpcReqInput, origin: Origin) -> bool | None:
+        """``True``: run it now; ``False``: it waits its turn; ``None``: refused (too many)."""
+        n = self._running.get(origin, 0)
+        if n < self.limit:
+            self._running[origin] = n + 1
+            return True
+        waiting = self._waiting.setdefault(origin, deque())
+        if len(waiting) >= self.hold:
+            return None
+        waiting.append(call)
+        return False
+
+    def done(self, origin: Origin) -> RpcReqInput | None:
+        """One of ``origin``'s calls was answered: its next waiting call to run, if any."""
+        waiting = self._waiting.get(origin)
+        if waiting:
+            call = waiting.popleft()
+            if not waiting:
+                del self._waiting[origin]
+            return call  # it takes the finished one's place
+        n = self._running.get(origin, 0) - 1
+        if n > 0:
+            self._running[origin] = n
+        else:
+            self._running.pop(origin, None)
+        return None

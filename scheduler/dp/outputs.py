@@ -6,6 +6,9 @@ incarnation, an orphan still being ended, a confused peer): dropped and
 counted, and an orphan whose end arrives is done. Accepted outputs move the
 ledger: the first one marks a request started (it can no longer run
 elsewhere), a terminal one releases it.
+
+:class:`OutputThrottle` stops reading the replicas' outputs while the
+upstream consumer of work outputs is not reading.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from bus import Receiver
 from messages import BatchEmbeddingOut, BatchTokenIDOut, ErrorOut, Message, Output
 from scheduler.dp.ledger import Ledger
 from scheduler.dp.replica import Replica
 
-__all__ = ["OutputGate"]
+__all__ = ["OutputGate", "OutputThrottle"]
 
 log = logging.getLogger("scheduler.dp")
 
@@ -80,3 +84,38 @@ class OutputGate:
                 self.stats["stale_outputs"] += 1
                 if end is not None:
                     rep.orphans.discard(rid)
+
+
+class OutputThrottle:
+    """Pauses every replica's output inbox while upstream's *work* consumer is not
+    reading; their outputs back up into each replica's own bounded backlog.
+
+    It is given the work backlog only: rpc replies waiting for a caller that
+    does not read them are left out, as in the single scheduler's
+    :class:`~scheduler.core.backpressure.InboxThrottle`, so one stuck rpc
+    client never stops everyone's streams (its replies are dropped by the
+    backlog's overflow instead). Paused at ``limit`` outputs waiting, resumed
+    once none waits.
+    """
+
+    def __init__(self, receiver: Receiver[Message], replicas: Sequence[Replica], limit: int
+                 ) -> None:
+        self.receiver = receiver
+        self.replicas = replicas
+        self.limit = max(1, limit)
+        self.paused = False
+
+    def update(self, work_backlog: int) -> None:
+        """Pause or resume given the work outputs waiting upstream now."""
+        if self.paused:  # we hold their outputs back: a replica's quiet says nothing
+            for rep in self.replicas:
+                rep.health.output()
+        if not self.paused and work_backlog >= self.limit:
+            self.paused = True
+            for rep in self.replicas:
+                self.receiver.pause(rep.out.name)
+        elif self.paused and work_backlog == 0:
+            self.paused = False
+            for rep in self.replicas:
+                if rep.out.name in self.receiver.paused:
+                    self.receiver.resume(rep.out.name)

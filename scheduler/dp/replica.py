@@ -13,7 +13,8 @@ Death is seen two ways:
   parent is; checked every dispatcher tick, so within tens of milliseconds;
 * **silence**: a heartbeat (``get_load``, which also reports its load)
   goes out every ``heartbeat_interval``; no reply for ``heartbeat_timeout``
-  means lost. This covers remote replicas and a local one that hangs.
+  of the dispatcher's *awake* time means lost (:mod:`scheduler.dp.liveness`).
+  This covers remote replicas and a local one that hangs.
 
 A lost replica's connections are closed (whatever they still hold from
 that incarnation is dropped) and reopened at once for the next one: a probe
@@ -34,8 +35,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from bus import PullInbox, PushOutbox, RpcCaller, SocketOptions
-from messages import Codec, Output, Request
+from bus import ChannelError, PullInbox, PushOutbox, RpcCaller, SocketOptions
+from messages import AbortReq, Codec, Output, Request
+from scheduler.dp.liveness import Health
 from scheduler.launch.wiring import Endpoints
 
 __all__ = ["Replica", "ReplicaSpec"]
@@ -70,14 +72,14 @@ class Replica:
         self.generation = 0
         self.live = False  # until its first heartbeat answers
         self.joined = False  # has been live at least once
-        self.last_seen = 0.0  # monotonic time of its last rpc reply
+        self.health = Health()  # what it showed us (see scheduler.dp.liveness)
         self.next_beat = 0.0
         self.pid: int | None = None  # the pid its heartbeat reports (which incarnation)
         #: Rids lost to this replica's silence: it may still be running them. They
         #: are aborted when it returns, their outputs are stale, and a new request
         #: under one of these rids goes elsewhere (here it would be a duplicate).
         self.orphans: set[str] = set()
-        self.unaccounted_since: float | None = None  # see Dispatcher._account
+        self._pids: list[int] = list(spec.pids)
         self._pidfds: list[int] = []
         for pid in spec.pids:
             try:
@@ -118,12 +120,37 @@ class Replica:
         ready, _, _ = select.select(self._pidfds, [], [], 0)
         if not ready:
             return None
-        return f"its process {self.spec.pids[self._pidfds.index(ready[0])]} exited"
+        return f"its process {self._pids[self._pidfds.index(ready[0])]} exited"
 
     @property
     def local(self) -> bool:
         """Whether its processes are known (and so can be watched and stopped)."""
         return bool(self._pidfds)
+
+    def abort_orphans(self) -> None:
+        """Back after a silence: abort what it may still run for the requests it lost."""
+        for rid in sorted(self.orphans):
+            try:
+                self.work.send_nowait(AbortReq(rid=rid))
+            except ChannelError as exc:
+                log.warning("abort of orphan %r on %s not sent: %s", rid, self.name, exc)
+
+    def watch(self, pid: int) -> None:
+        """A local replica answers from process ``pid`` (a restart): watch its exit.
+
+        Only for a replica started local (its spec names pids); a remote one's
+        pid means nothing here. Stops watching an earlier incarnation's pids.
+        """
+        if not self.spec.pids or pid in self._pids:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return  # gone already, or not ours to see: its heartbeat tells
+        for old in self._pidfds:
+            if old >= 0:
+                os.close(old)
+        self._pids, self._pidfds = [pid], [fd]
 
     def bury(self) -> None:
         """Its processes exited: SIGKILL the ranks still running (a rank left alone
@@ -134,7 +161,7 @@ class Replica:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
                 os.close(fd)
-        self._pidfds = []
+        self._pidfds, self._pids = [], []
         self.orphans.clear()  # whatever it was running died with it
 
     def _close_channels(self, linger: bool = False, out: bool = True) -> None:

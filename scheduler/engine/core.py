@@ -34,6 +34,7 @@ from bus import (
     Ring,
     RingInbox,
     RpcClient,
+    SocketOptions,
     WouldBlock,
     sweep_shm,
 )
@@ -55,6 +56,7 @@ from scheduler.core.admission import Limits
 from scheduler.core.metrics import label_replicas
 from scheduler.dp import Policy
 from scheduler.engine.pending import Item, Pending, PendingTable
+from scheduler.engine.sending import send_waiting
 from scheduler.errors import (
     EngineClosed,
     EngineError,
@@ -77,6 +79,7 @@ log = logging.getLogger("scheduler.engine")
 
 #: Seconds a data-parallel replica gets to exit after its dispatcher did.
 _REPLICA_GRACE = 2.0
+_SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000  # waiting for room on the work channel
 
 
 class EngineCore:
@@ -362,20 +365,17 @@ class EngineCore:
                     self._send(req)
                     sent += 1
             else:
-                assert self._work_out is not None
-                while sent < len(checked):  # it says how many left; a failure comes alone
-                    self._check_open()
-                    with self._send_lock:
-                        sent += self._work_out.send_many(checked[sent:])
-        except WouldBlock as exc:
-            self._unregister(checked[sent:])
-            raise Overloaded(checked[sent].rid, "overloaded",
-                             f"the scheduler is not taking requests (its work channel is "
-                             f"full): {sent} of {len(checked)} were sent: {exc}") from exc
+                sent = self._send_zmq(checked)
         except BaseException:
             self._unregister(checked[sent:])
             raise
         return handles
+
+    def _send_zmq(self, reqs: Sequence[Request]) -> int:
+        """Send ``reqs`` on the work socket (see :func:`send_waiting`); how many were sent."""
+        assert self._work_out is not None
+        return send_waiting(self._work_out, reqs, self._send_lock, self._check_open,
+                            self._alive, _SEND_TIMEOUT)
 
     def _register(self, reqs: Sequence[Request], handles: Sequence[Pending]) -> None:
         self._table.register([r.rid for r in reqs], handles, self._check_open)
@@ -395,7 +395,8 @@ class EngineCore:
         Raises:
             Overloaded: the scheduler's work channel stayed full (at once
                 with ``block=False``; after the channel's send timeout otherwise).
-            EngineClosed, SchedulerGone: as the public calls.
+            EngineClosed, SchedulerGone: as the public calls (a scheduler that
+                dies while the send waits for room fails it promptly).
         """
         self._check_open()
         try:
@@ -406,11 +407,11 @@ class EngineCore:
                     self._ingress.put_nowait(req)
                 return
             assert self._work_out is not None
+            if block:
+                self._send_zmq([req])
+                return
             with self._send_lock:  # a zmq socket is not thread-safe
-                if block:
-                    self._work_out.send(req)
-                else:
-                    self._work_out.send_nowait(req)
+                self._work_out.send_nowait(req)
         except ChannelClosed as exc:
             raise EngineClosed("the engine is closed") from exc
         except WouldBlock as exc:

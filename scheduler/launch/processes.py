@@ -5,7 +5,8 @@ The frontend always talks to one set of endpoints: the scheduler's, or the
 dispatcher's, which looks the same. Only the *essential* processes (those
 the frontend's channels reach) decide whether the engine is alive: a lost
 replica is the dispatcher's business, which fails or re-runs its requests
-and goes on with the others.
+and goes on with the others, and a local replica that dies is restarted
+in place (:mod:`scheduler.launch.respawn`).
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
+from scheduler.launch.respawn import ReplicaSupervisor, Standby
 from scheduler.launch.tp import TPConfig
 from scheduler.launch.wiring import Endpoints, serve_follower, serve_zmq
 from scheduler.models.tiny import ModelConfig
 
-__all__ = ["SchedulerProcesses", "start_processes", "start_replicas"]
+__all__ = ["SchedulerProcesses", "start_processes", "start_replicas", "supervise"]
 
 #: A local replica's death is seen at once through its pids; silence means a
 #: hang (or a stopped process), and a busy 2-core machine can starve a
@@ -40,6 +43,8 @@ class SchedulerProcesses:
 
     essential: list[BaseProcess] = field(default_factory=list)
     replicas: list[list[BaseProcess]] = field(default_factory=list)
+    #: Restarts the replicas that die (data parallel only).
+    supervisor: ReplicaSupervisor | None = None
 
     def all(self) -> list[BaseProcess]:
         """Every process, essential first."""
@@ -102,10 +107,14 @@ def _child(parent: int, target: Callable[..., None], *args: object, **kwargs: ob
 
 def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelConfig, *,
                      max_batch: int, tp_size: int, limits: Limits, metrics: bool,
-                     name: str) -> list[BaseProcess]:
-    """A scheduler of ``tp_size`` ranks serving ``endpoints``; rank 0 first."""
+                     name: str, attempt: int = 0) -> list[BaseProcess]:
+    """A scheduler of ``tp_size`` ranks serving ``endpoints``; rank 0 first.
+
+    ``attempt``: how many times it was restarted (each start rendezvouses its
+    ranks in a file of its own: a dead incarnation's is not reused)."""
     ctx = multiprocessing.get_context("spawn")
-    tp = TPConfig(tp_size, f"{directory}/tp-init") if tp_size > 1 else None
+    init = f"{directory}/tp-init" + (f"-{attempt}" if attempt else "")
+    tp = TPConfig(tp_size, init) if tp_size > 1 else None
     me = os.getpid()
     procs: list[BaseProcess] = [ctx.Process(target=_child, args=(me, serve_zmq, endpoints, model),
                          kwargs={"max_batch": max_batch, "tp": tp, "limits": limits,
@@ -126,19 +135,77 @@ def start_replicas(directory: str, n: int, model: ModelConfig, *, max_batch: int
                    ) -> tuple[list[list[BaseProcess]], list[ReplicaSpec]]:
     """Start ``n`` local replicas, replica ``i`` on ``ipc://`` endpoints in
     ``directory/r<i>`` (made 0700); returns their processes and the specs a
-    dispatcher needs (pids included, so their exit is seen at once)."""
-    limits = limits or Limits()
+    dispatcher needs (pids included, so their exit is seen at once).
+    :func:`supervise` restarts them when they die."""
     procs: list[list[BaseProcess]] = []
     specs: list[ReplicaSpec] = []
     for i in range(n):
-        sub = os.path.join(directory, f"r{i}")
-        os.mkdir(sub, 0o700)
-        ep = Endpoints.in_dir(sub)
-        ranks = _start_scheduler(ep, sub, model, max_batch=max_batch, tp_size=tp_size,
-                                 limits=limits, metrics=metrics, name=f"replica{i}")
+        os.mkdir(os.path.join(directory, f"r{i}"), 0o700)
+        ranks = _start_replica(directory, model, max_batch, tp_size, limits, metrics, i, 0)
         procs.append(ranks)
-        specs.append(ReplicaSpec(ep, tuple(p.pid for p in ranks if p.pid is not None)))
+        specs.append(ReplicaSpec(Endpoints.in_dir(os.path.join(directory, f"r{i}")),
+                                 tuple(p.pid for p in ranks if p.pid is not None)))
     return procs, specs
+
+
+def _start_replica(directory: str, model: ModelConfig, max_batch: int, tp_size: int,
+                   limits: Limits | None, metrics: bool, i: int, attempt: int
+                   ) -> list[BaseProcess]:
+    sub = os.path.join(directory, f"r{i}")
+    return _start_scheduler(Endpoints.in_dir(sub), sub, model, max_batch=max_batch,
+                            tp_size=tp_size, limits=limits or Limits(), metrics=metrics,
+                            name=f"replica{i}", attempt=attempt)
+
+
+def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelConfig, *,
+              max_batch: int, tp_size: int = 1, limits: Limits | None = None,
+              metrics: bool = True, keep_going: Callable[[], bool] = lambda: True
+              ) -> ReplicaSupervisor:
+    """Restart the replicas :func:`start_replicas` started, in place, when they die
+    (see :mod:`scheduler.launch.respawn`); started already, ``stop()`` it to end.
+
+    With one rank per replica, a restart takes over a *standby*: a process
+    started ahead that has imported everything and waits to be told which
+    replica to serve, so a restart costs a model build, not an interpreter
+    and torch start (seconds on a busy host)."""
+    def standby() -> Standby:
+        return _start_standby(directory, model, max_batch, limits or Limits(), metrics)
+
+    sup = ReplicaSupervisor(procs, lambda i, attempt: _start_replica(
+        directory, model, max_batch, tp_size, limits, metrics, i, attempt),
+        keep_going=keep_going, standby=standby if tp_size == 1 else None,
+        started=lambda: all(os.path.exists(os.path.join(directory, f"r{i}", "rpc"))
+                            for i in range(len(procs))))  # each bound its endpoints
+    sup.start()
+    return sup
+
+
+def _stand_by(wake: Connection, directory: str, model: ModelConfig, max_batch: int,
+              limits: Limits, metrics: bool) -> None:
+    """A standby's body: say it is ready (everything is imported by now), wait for a
+    replica index (nothing: stand down), then serve it."""
+    try:
+        wake.send_bytes(b"ready")
+        data = wake.recv_bytes()
+    except (EOFError, OSError):  # the supervisor is gone
+        return
+    if data:
+        sub = os.path.join(directory, f"r{int(data)}")
+        serve_zmq(Endpoints.in_dir(sub), model, max_batch=max_batch, limits=limits,
+                  metrics=metrics)
+
+
+def _start_standby(directory: str, model: ModelConfig, max_batch: int, limits: Limits,
+                   metrics: bool) -> Standby:
+    ctx = multiprocessing.get_context("spawn")
+    wait, wake = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(os.getpid(), _stand_by, wait, directory, model,
+                                            max_batch, limits, metrics),
+                       name="replica-standby", daemon=True)
+    proc.start()
+    _STARTED.add(proc)
+    wait.close()
+    return Standby(proc, wake)
 
 
 def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,
@@ -169,4 +236,7 @@ def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,
     dispatcher.start()
     _STARTED.add(dispatcher)
     started.essential = [dispatcher]
+    started.supervisor = supervise(started.replicas, directory, model, max_batch=max_batch,
+                                   tp_size=tp_size, limits=limits, metrics=metrics,
+                                   keep_going=dispatcher.is_alive)
     return started

@@ -98,13 +98,16 @@ def test_curve_across_two_hosts(hosts: tuple[str, str], tmp_path: Path) -> None:
 
 _DP_CLIENT = """
 import sys
+import time
 from bus import PullInbox, PushOutbox, RpcClient
 from messages import BatchTokenIDOut, Codec, Output, Request, SamplingParams
 from messages import TokenizedGenerateReqInput
 d = sys.argv[1]
 with RpcClient(f"ipc://{d}/rpc") as rpc, PullInbox(Codec(Output), f"ipc://{d}/out") as out, \\
         PushOutbox(Codec(Request), f"ipc://{d}/work") as work:
-    load = rpc.call("get_load", timeout=60)
+    deadline = time.monotonic() + 60
+    while not (load := rpc.call("get_load", timeout=60)).success:  # the dispatcher serves
+        assert time.monotonic() < deadline, load.message  # once one replica is live
     print("load", load.success, load.result["replicas"])
     for rank in (0, 1):
         work.send(TokenizedGenerateReqInput(rid=f"g{rank}", input_ids=[1, 2, 3], dp_rank=rank,
