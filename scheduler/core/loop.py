@@ -23,6 +23,7 @@ from messages import (
     AbortReq,
     ErrorCode,
     ErrorOut,
+    NotCarried,
     Output,
     Request,
     RpcReqInput,
@@ -34,6 +35,7 @@ from messages import (
     concrete_types,
     fit_text,
 )
+from messages.checks import dp_rank_problem, input_ids_problem
 from router import Router, TypeTable
 from scheduler.core.admission import Admission, Limits
 from scheduler.core.backpressure import InboxThrottle, collapse
@@ -134,6 +136,8 @@ class Scheduler(ControlMethods):
                                                dropped_rpc=self._dropped_rpc)
         self._rejects = LogSummary(log, "rejected messages with no readable rid")
         self._misaddressed = LogSummary(log, "unanswered requests reusing a live rid")
+        self._not_carried = LogSummary(log, "messages refused at a channel that does not carry "
+                                            "their type")
         self.idle_timeout = idle_timeout
         self.rpc = RpcMethods()
         self.rank = rank
@@ -164,6 +168,7 @@ class Scheduler(ControlMethods):
                          ("load_checkpoint", self.load_checkpoint),
                          ("flush_cache", self.flush_cache), ("get_load", self.get_load),
                          ("token_digest", self.token_digest), ("metrics", self.metrics_text),
+                         ("model_info", self.model_info),
                          ("shutdown", self.request_shutdown)):
             self.rpc.register(name, fn)
 
@@ -249,11 +254,17 @@ class Scheduler(ControlMethods):
         err = env.error
         if self.metrics is not None:
             self.metrics.reject(env.origin.inbox, err)
+        wrong_channel = isinstance(err, NotCarried)
+        if wrong_channel:  # a misconfigured peer: say so, summarized, answered or not
+            self._not_carried.add(env.origin.inbox, str(err))
         if err.rid is None:
             # Nobody to answer: counted, and summarized in the log now and then.
-            self._rejects.add(env.origin.inbox, err.reason)
+            if not wrong_channel:
+                self._rejects.add(env.origin.inbox, err.reason)
             return
-        if err.message_type == RpcReqInput.__name__:
+        # An rpc reply can only go back down the rpc channel: a call refused at
+        # another channel's door is answered like any request there.
+        if err.message_type == RpcReqInput.__name__ and not wrong_channel:
             self._route(RpcReqOutput(rid=err.rid, success=False, message=fit_text(str(err))),
                         env.origin)
         else:
@@ -268,7 +279,7 @@ class Scheduler(ControlMethods):
             self._refuse(msg.rid, origin, "internal", text)
 
     def _on_generate(self, req: TokenizedGenerateReqInput, origin: Origin) -> None:
-        problem = self._check_ids(req.input_ids, req.rid)
+        problem = self._check_ids(req.input_ids, req.rid, req.dp_rank)
         if problem:
             self._refuse(req.rid, origin, "invalid_request", problem)
             return
@@ -287,7 +298,7 @@ class Scheduler(ControlMethods):
         self._live[req.rid] = seq
 
     def _on_embed(self, req: TokenizedEmbeddingReqInput, origin: Origin) -> None:
-        problem = self._check_ids(req.input_ids, req.rid)
+        problem = self._check_ids(req.input_ids, req.rid, req.dp_rank)
         if problem:
             self._refuse(req.rid, origin, "invalid_request", problem)
             return
@@ -416,16 +427,12 @@ class Scheduler(ControlMethods):
     def _route(self, output: Output, origin: Origin) -> None:
         self.router.route(output, origin)  # a failing sink is isolated by the router
 
-    def _check_ids(self, ids: TokenIds, rid: str) -> str:
-        if len(ids) == 0:
-            return f"request {rid!r} has no input tokens"
+    def _check_ids(self, ids: TokenIds, rid: str, dp_rank: int | None) -> str:
         if rid in self._live:
             return f"request id {rid!r} is already in flight"
-        vocab = self.model.config.vocab_size
-        top = int(np.frombuffer(ids, np.uint32).max())
-        if top >= vocab:
-            return f"request {rid!r}: token id {top} is outside the vocabulary (size {vocab})"
-        return ""
+        # A lone scheduler is one replica: dp_rank may only be 0 or None.
+        return (input_ids_problem(rid, ids, self.model_facts().vocab_size)
+                or dp_rank_problem(rid, dp_rank, 1))
 
     def _queue_sizes(self) -> tuple[int, int]:
         return len(self.batch.running), len(self.batch.waiting)
