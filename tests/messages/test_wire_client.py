@@ -228,6 +228,11 @@ def test_hello_fingerprint_computed_from_the_documented_recipe(
                       separators=(",", ":"), ensure_ascii=False)
     ours = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
     assert ours == schema["x-fingerprint"]
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md").read_text()
+    block = doc.split("### The fingerprint, byte for byte", 1)[1].split("```python\n", 1)[1]
+    scope: dict[str, object] = {}
+    exec(block.split("```", 1)[0], scope)  # the document's recipe, as written
+    assert scope["fingerprint"](schema) == ours  # type: ignore[operator]
     _tag, _rid, ok, message, result = _rpc(served, "hello", {
         "protocol_version": schema["x-protocol-version"], "fingerprint": ours})
     assert ok, message
