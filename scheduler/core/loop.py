@@ -49,6 +49,7 @@ from scheduler.models.tiny import TinyLM
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 
 log = logging.getLogger("scheduler")
+_one_replica = functools.partial(dp_rank_problem, replicas=1)  # a dispatcher consumes pins
 
 Handler = Callable[[Request, Origin], None]
 
@@ -136,8 +137,7 @@ class Scheduler(ControlMethods):
                                                dropped_rpc=self._dropped_rpc)
         self._rejects = LogSummary(log, "rejected messages with no readable rid")
         self._misaddressed = LogSummary(log, "unanswered requests reusing a live rid")
-        self._not_carried = LogSummary(log, "messages refused at a channel that does not carry "
-                                            "their type")
+        self._not_carried = LogSummary(log, "messages refused by a channel not carrying them")
         self.idle_timeout = idle_timeout
         self.rpc = RpcMethods()
         self.rank = rank
@@ -168,8 +168,7 @@ class Scheduler(ControlMethods):
                          ("load_checkpoint", self.load_checkpoint),
                          ("flush_cache", self.flush_cache), ("get_load", self.get_load),
                          ("token_digest", self.token_digest), ("metrics", self.metrics_text),
-                         ("model_info", self.model_info),
-                         ("shutdown", self.request_shutdown)):
+                         ("model_info", self.model_info), ("shutdown", self.request_shutdown)):
             self.rpc.register(name, fn)
 
     # -- the loop -------------------------------------------------------------
@@ -254,17 +253,13 @@ class Scheduler(ControlMethods):
         err = env.error
         if self.metrics is not None:
             self.metrics.reject(env.origin.inbox, err)
-        wrong_channel = isinstance(err, NotCarried)
-        if wrong_channel:  # a misconfigured peer: say so, summarized, answered or not
-            self._not_carried.add(env.origin.inbox, str(err))
+        wrong_channel = isinstance(err, NotCarried)  # a misconfigured peer: always logged
+        if wrong_channel or err.rid is None:  # summarized in the log now and then
+            (self._not_carried if wrong_channel else self._rejects).add(env.origin.inbox,
+                                                                        str(err))
         if err.rid is None:
-            # Nobody to answer: counted, and summarized in the log now and then.
-            if not wrong_channel:
-                self._rejects.add(env.origin.inbox, err.reason)
-            return
-        # An rpc reply can only go back down the rpc channel: a call refused at
-        # another channel's door is answered like any request there.
-        if err.message_type == RpcReqInput.__name__ and not wrong_channel:
+            return  # nobody to answer: counted
+        if err.message_type == RpcReqInput.__name__ and not wrong_channel:  # only rpc's own
             self._route(RpcReqOutput(rid=err.rid, success=False, message=fit_text(str(err))),
                         env.origin)
         else:
@@ -279,7 +274,7 @@ class Scheduler(ControlMethods):
             self._refuse(msg.rid, origin, "internal", text)
 
     def _on_generate(self, req: TokenizedGenerateReqInput, origin: Origin) -> None:
-        problem = self._check_ids(req.input_ids, req.rid, req.dp_rank)
+        problem = self._check_ids(req.input_ids, req.rid) or _one_replica(req.rid, req.dp_rank)
         if problem:
             self._refuse(req.rid, origin, "invalid_request", problem)
             return
@@ -298,7 +293,7 @@ class Scheduler(ControlMethods):
         self._live[req.rid] = seq
 
     def _on_embed(self, req: TokenizedEmbeddingReqInput, origin: Origin) -> None:
-        problem = self._check_ids(req.input_ids, req.rid, req.dp_rank)
+        problem = self._check_ids(req.input_ids, req.rid) or _one_replica(req.rid, req.dp_rank)
         if problem:
             self._refuse(req.rid, origin, "invalid_request", problem)
             return
@@ -427,12 +422,10 @@ class Scheduler(ControlMethods):
     def _route(self, output: Output, origin: Origin) -> None:
         self.router.route(output, origin)  # a failing sink is isolated by the router
 
-    def _check_ids(self, ids: TokenIds, rid: str, dp_rank: int | None) -> str:
+    def _check_ids(self, ids: TokenIds, rid: str) -> str:
         if rid in self._live:
             return f"request id {rid!r} is already in flight"
-        # A lone scheduler is one replica: dp_rank may only be 0 or None.
-        return (input_ids_problem(rid, ids, self.model_facts().vocab_size)
-                or dp_rank_problem(rid, dp_rank, 1))
+        return input_ids_problem(rid, ids, self.model_facts().vocab_size)
 
     def _queue_sizes(self) -> tuple[int, int]:
         return len(self.batch.running), len(self.batch.waiting)
