@@ -25,10 +25,13 @@ from bus.envelope import Origin
 from bus.errors import ChannelClosed, PeerGone, RpcTimeout
 from bus.sockets import SocketOptions, make_socket
 from messages import (
+    RPC,
     Codec,
     DecodeError,
     Frame,
     Message,
+    Output,
+    Request,
     RpcReqInput,
     RpcReqOutput,
     Scalar,
@@ -67,8 +70,9 @@ class RpcClient(_ZmqEnd):
                            endpoint, bind=False, options=options, sending=True)
         super().__init__(sock, name)
         self.endpoint = endpoint
-        self._send_codec: Codec[Message] = Codec(Message, types=[RpcReqInput])
-        self._reply_codec: Codec[Message] = Codec(Message, types=[RpcReqOutput])
+        # The rpc channel's doors (messages.channels), both directions.
+        self._send_codec: Codec[Request] = RPC.inbound_codec()
+        self._reply_codec: Codec[Output] = RPC.outbound_codec()
         self._lock = threading.Lock()
         self._prefix = f"rpc-{os.getpid()}-{next(self._ids)}-"
         self._seq = itertools.count()
@@ -212,9 +216,9 @@ class RpcCaller(ZmqInbox[Message]):
                  options: SocketOptions = _DEFAULT_OPTIONS) -> None:
         sock = make_socket(ctx if ctx is not None else zmq.Context.instance(), zmq.DEALER,
                            endpoint, bind=False, options=options, sending=True)
-        super().__init__(sock, Codec(Message, types=[RpcReqOutput]), name, routed=False)
+        super().__init__(sock, RPC.outbound_codec(), name, routed=False)  # type: ignore[arg-type]
         self.endpoint = endpoint
-        self._send_codec: Codec[Message] = Codec(Message, types=[RpcReqInput])
+        self._send_codec: Codec[Request] = RPC.inbound_codec()
 
     def send_nowait(self, call: RpcReqInput, /) -> None:
         """Send ``call`` if the server can take it now; never blocks.

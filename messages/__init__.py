@@ -33,6 +33,7 @@ from messages.catalogue import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from messages.channels import CHANNELS, OUT, RPC, WORK, Channel
 from messages.codec import (
     DEFAULT_INLINE_THRESHOLD,
     DEFAULT_MAX_FRAMES,
@@ -41,7 +42,14 @@ from messages.codec import (
     Frame,
     concrete_types,
 )
-from messages.errors import BusError, CodecError, DecodeError, EncodeError, ProtocolMismatch
+from messages.errors import (
+    BusError,
+    CodecError,
+    DecodeError,
+    EncodeError,
+    NotCarried,
+    ProtocolMismatch,
+)
 from messages.rids import MAX_RID, RidColumn
 from messages.schema import (
     PROTOCOL_VERSION,
@@ -60,6 +68,12 @@ from messages.schema import (
 )
 
 __all__ = [
+    "CHANNELS",
+    "OUT",
+    "RPC",
+    "WORK",
+    "Channel",
+    "NotCarried",
     "DEFAULT_INLINE_THRESHOLD",
     "DEFAULT_MAX_FRAMES",
     "DEFAULT_MAX_MESSAGE_BYTES",

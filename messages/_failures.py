@@ -15,8 +15,8 @@ from typing import Final
 
 import msgspec
 
-from messages.base import Message, Rid
-from messages.errors import DecodeError, EncodeError
+from messages.base import ABSTRACT_MESSAGE_TYPES, Message, Rid
+from messages.errors import DecodeError, EncodeError, NotCarried
 
 __all__ = ["FailureNamer", "find_field", "invalid", "unencodable"]
 
@@ -27,8 +27,10 @@ _PATH_TOKENS: Final = re.compile(r"\[(\d+|\"(?:[^\"\\]|\\.)*\"|\.\.\.)\]|\.(\w+)
 class FailureNamer:
     """Turns a decode failure into a :class:`DecodeError` naming the field, tag and rid."""
 
-    def __init__(self, types: Sequence[type[Message]]) -> None:
+    def __init__(self, types: Sequence[type[Message]], channel: str | None = None) -> None:
         self.types = tuple(types)
+        #: The channel whose door this is (``None``: a codec with no channel).
+        self.channel = channel
         self.by_tag: dict[str, type[Message]] = {
             str(msgspec.inspect.type_info(t).tag): t  # type: ignore[attr-defined]
             for t in self.types
@@ -42,6 +44,10 @@ class FailureNamer:
         # failure, and (tag, msgspec path) -> name.
         self._infos: dict[str, msgspec.inspect.StructType] | None = None
         self.names: dict[tuple[str | None, str], str] = {}
+        # Tag -> rid position of every message type *not* decoded here, built on
+        # the first such failure (the types are all defined by then).
+        self._foreign: dict[str, int | None] | None = None
+        self.carried = tuple(sorted(self.by_tag))
 
     def failure(self, frames: Sequence[Frame], exc: Exception) -> DecodeError:
         """The DecodeError for ``exc``, naming what it can. Never raises.
@@ -58,11 +64,49 @@ class FailureNamer:
             reason = type(exc).__name__
         try:
             tag, rid, known = self.peek(frames)
+            if not known and tag is not None and self.channel is not None \
+                    and tag in self._foreign_tags():
+                return NotCarried(self._not_carried(tag), channel=self.channel,
+                                  carried=self.carried, rid=rid, message_type=tag)
             if isinstance(exc, msgspec.ValidationError):
                 reason = self.name_field(tag if known else None, reason)
         except Exception:  # naming is best effort: msgspec's text still says what is wrong
             pass
         return DecodeError(reason, rid=rid, message_type=tag)
+
+    def not_carried(self, msg: Message) -> NotCarried:
+        """The refusal of ``msg``, a message of a type this channel does not carry
+        (the sending side's door, or an in-process one). Never raises."""
+        tag = type(msg).__name__
+        rid = getattr(msg, "rid", None)
+        return NotCarried(self._not_carried(tag), channel=self.channel or "?",
+                          carried=self.carried, rid=rid if isinstance(rid, str) else None,
+                          message_type=tag)
+
+    def _not_carried(self, tag: str) -> str:
+        where = f"the {self.channel!r} channel" if self.channel else "this channel"
+        text = f"{tag} is not carried on {where} (it carries {', '.join(self.carried)})"
+        from messages.channels import inbound_channel  # the cold path; channels imports us
+
+        home = inbound_channel(tag)
+        return f"{text}; send it on the {home!r} channel" if home else text
+
+    def _foreign_tags(self) -> dict[str, int | None]:
+        """Tag -> rid position (None: no rid) of every message type not decoded here."""
+        if self._foreign is None:
+            found: dict[str, int | None] = {}
+            todo: list[type[Message]] = [Message]
+            while todo:
+                cls = todo.pop()
+                todo.extend(cls.__subclasses__())
+                tag = msgspec.inspect.type_info(cls).tag  # type: ignore[attr-defined]
+                if cls in ABSTRACT_MESSAGE_TYPES or not isinstance(tag, str) \
+                        or tag in self.by_tag:
+                    continue
+                fields = cls.__struct_fields__
+                found[tag] = fields.index("rid") + 1 if "rid" in fields else None
+            self._foreign = found
+        return self._foreign
 
     def peek(self, frames: Sequence[Frame]) -> tuple[str | None, str | None, bool]:
         """(tag, rid, whether the tag is one of ours) of an undecodable message."""
@@ -71,15 +115,19 @@ class FailureNamer:
             tag = _TAG.decode(items[0])[:128]
         except Exception:  # not a tagged array: nothing to read
             return None, None, False
-        if tag not in self.by_tag:
-            return tag, None, False
-        i = self.rid_at.get(tag)
+        known = tag in self.by_tag
+        if known:
+            i = self.rid_at.get(tag)
+        else:
+            # Another channel's type: its rid where it has one. An unknown tag:
+            # item 1, where every request keeps its rid (docs/PROTOCOL.md, 7).
+            i = self._foreign_tags().get(tag, 1)
         if i is None or i >= len(items):
-            return tag, None, True
+            return tag, None, known
         try:
-            return tag, _RID.decode(items[i]), True
+            return tag, _RID.decode(items[i]), known
         except Exception:  # a rid that is not a valid one is not an address
-            return tag, None, True
+            return tag, None, known
 
     def name_field(self, tag: str | None, reason: str) -> str:
         """``Expected ... - at `$[3][2]``` -> ``sampling.top_p: Expected ...``."""

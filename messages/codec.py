@@ -130,6 +130,12 @@ class Codec(Generic[M]):
         max_message_bytes: most bytes per message, all frames together.
         move_to_cpu: copy a CUDA tensor to the CPU when encoding instead of
             refusing it.
+        channel: the channel this codec is the door of (see
+            :mod:`messages.channels`, whose ``Channel`` builds such codecs).
+            With a channel, ``types`` is what the channel carries: encoding
+            any other type raises :class:`EncodeError` before anything is
+            sent, and decoding one raises :class:`~messages.NotCarried`
+            (its rid read when it has one) instead of executing it.
     """
 
     def __init__(
@@ -141,6 +147,7 @@ class Codec(Generic[M]):
         max_frames: int = DEFAULT_MAX_FRAMES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         move_to_cpu: bool = False,
+        channel: str | None = None,
     ) -> None:
         if max_frames < 1 or max_message_bytes < 1 or inline_threshold < 0:
             raise ValueError("max_frames, max_message_bytes must be >= 1, inline_threshold >= 0")
@@ -157,7 +164,11 @@ class Codec(Generic[M]):
         self.max_frames = max_frames
         self.max_message_bytes = max_message_bytes
         self.move_to_cpu = move_to_cpu
-        self._namer = FailureNamer(self.types)  # the cold path: what failed, and where
+        self.channel = channel
+        #: The types this channel lets through its door (None: no channel, no check).
+        self._carried: frozenset[type] | None = (
+            frozenset(self.types) if channel is not None else None)
+        self._namer = FailureNamer(self.types, channel)  # the cold path: what failed, where
         union = self.types[0] if len(self.types) == 1 else _union(self.types)
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(
@@ -188,9 +199,19 @@ class Codec(Generic[M]):
         """Return the frames of ``msg``: the header, then one per large array.
 
         Raises:
-            EncodeError: an unsupported or CUDA tensor (naming the field), or
-                the message exceeds ``max_frames`` / ``max_message_bytes``.
+            EncodeError: an unsupported or CUDA tensor (naming the field), the
+                message exceeds ``max_frames`` / ``max_message_bytes``, or the
+                codec's channel does not carry its type.
         """
+        carried = self._carried
+        if carried is not None and type(msg) not in carried:
+            raise self._refuse_type(msg)
+        return self._encode(msg)
+
+    def _refuse_type(self, msg: Message) -> EncodeError:
+        return EncodeError(type(msg).__name__, "", self._namer.not_carried(msg).reason)
+
+    def _encode(self, msg: M) -> list[Frame]:
         state = self._state.__dict__  # per thread: codecs are shared across threads
         try:
             header = self._encoder.encode(msg)
@@ -233,8 +254,11 @@ class Codec(Generic[M]):
             return self.encode(msgs[0])
         if not msgs or len(msgs) > MAX_BURST:
             raise ValueError(f"a burst holds 1 to {MAX_BURST} messages, not {len(msgs)}")
+        carried = self._carried
+        if carried is not None and not carried.issuperset(map(type, msgs)):
+            raise self._refuse_type(next(m for m in msgs if type(m) not in carried))
         try:
-            return self.encode(self._burst(list(msgs)))  # type: ignore[arg-type]
+            return self._encode(self._burst(list(msgs)))  # type: ignore[arg-type]
         except EncodeError:
             for msg in msgs:  # the cold path: name the member that cannot be encoded
                 self.encode(msg)
@@ -361,6 +385,18 @@ class Codec(Generic[M]):
             errors.append(DecodeError(reason, rid=rid, message_type=tag))
         return errors or [DecodeError(f"{reason} (an empty burst)", message_type=BURST_TAG)]
 
+    def check_type(self, msg: Message, /) -> None:
+        """Refuse ``msg`` if this codec's channel does not carry its type (the door
+        alone, for in-process messages that skip :meth:`validate`). Costs a set lookup.
+
+        Raises:
+            NotCarried: the channel does not carry ``type(msg)`` (``.rid`` set
+                when ``msg`` has a ``str`` rid).
+        """
+        carried = self._carried
+        if carried is not None and type(msg) not in carried:
+            raise self._namer.not_carried(msg)
+
     def validate(self, msg: M, /) -> M:
         """Check ``msg`` as if it had crossed the wire, and return the checked copy.
 
@@ -377,8 +413,12 @@ class Codec(Generic[M]):
                 all. ``.rid`` is ``msg.rid`` whenever that is a ``str``, even
                 one the wire would refuse (the caller is in-process and can
                 still be answered), ``.message_type`` is the class name and
-                ``.reason`` names the field.
+                ``.reason`` names the field. A :class:`~messages.NotCarried`
+                when the codec's channel does not carry ``msg``'s type.
         """
+        carried = self._carried
+        if carried is not None and type(msg) not in carried:
+            raise self._namer.not_carried(msg)
         try:
             return self.decode(self.encode(msg))
         except Exception as exc:

@@ -7,6 +7,7 @@ serving engine can catch the library's failures in one place::
     ├── CodecError                 a message could not cross the wire
     │   ├── EncodeError            .message_type, .field, .reason
     │   └── DecodeError            .reason, .rid (when readable), .message_type
+    │       └── NotCarried         .channel, .carried: a type that channel does not carry
     ├── ProtocolMismatch           .peer, .differences: the peers' layouts break
     ├── ChannelError               (bus)      .channel
     │   ├── WouldBlock             a _nowait call found the channel full/empty
@@ -26,7 +27,9 @@ text always names the channel, type or request id it concerns.
 
 from __future__ import annotations
 
-__all__ = ["BusError", "CodecError", "DecodeError", "EncodeError", "ProtocolMismatch"]
+__all__ = [
+    "BusError", "CodecError", "DecodeError", "EncodeError", "NotCarried", "ProtocolMismatch",
+]
 
 
 class BusError(Exception):
@@ -82,6 +85,29 @@ class DecodeError(CodecError):
         if rid is not None:
             parts.append(f"(rid={rid!r})")
         super().__init__(" ".join(parts) + f": {reason}")
+
+
+class NotCarried(DecodeError):
+    """A message of a type the channel does not carry, refused at the channel's door.
+
+    Differs from its parent in that the message itself may be valid: it was
+    sent on the wrong channel (an ``RpcReqInput`` on the work channel, a
+    generate request on the rpc channel). It is answered like any undecodable
+    request, by rid where readable, with ``ErrorOut(code="decode_error")``,
+    never executed: the reply that a right-channel message would get (an rpc
+    reply) has no way back to the sender on this channel.
+
+    Attributes:
+        channel: the channel that refused it (``"work"``, ``"rpc"``, ...).
+        carried: the tags that channel carries, sorted.
+        reason, rid, message_type: as :class:`DecodeError`.
+    """
+
+    def __init__(self, reason: str, *, channel: str, carried: tuple[str, ...],
+                 rid: str | None = None, message_type: str | None = None) -> None:
+        self.channel = channel
+        self.carried = carried
+        super().__init__(reason, rid=rid, message_type=message_type)
 
 
 class ProtocolMismatch(BusError):

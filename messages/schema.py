@@ -266,22 +266,37 @@ def catalogue_schema(types: Sequence[type[Message]] | None = None) -> dict[str, 
     JSON form of each message, which has the msgpack form's shape (an array:
     the tag, then the fields in order). Keys ``x-protocol-version``,
     ``x-fingerprint`` and ``x-layout`` carry what ``check`` and ``hello``
-    compare.
+    compare; ``x-channels`` says which types each channel carries, each way
+    (:mod:`messages.channels`), and ``x-rpc`` each rpc method's parameters
+    and result (:mod:`messages.rpc_api`, whose structs join ``$defs``; they
+    are maps on the wire, not part of the layout).
     """
+    from messages.channels import CHANNELS  # both import this package's codec
+    from messages.rpc_api import RPC_METHODS
+
     roots = tuple(types) if types is not None else catalogue_types()
+    rpc_types: list[type] = []
+    for spec in RPC_METHODS:
+        rpc_types.extend(t for t in (spec.params, spec.result) if t not in rpc_types)
     refs, defs = msgspec.json.schema_components(
-        roots, schema_hook=_schema_hook, ref_template="#/$defs/{name}")
+        (*roots, *rpc_types), schema_hook=_schema_hook, ref_template="#/$defs/{name}")
     layout = wire_layout(roots)
+    rpc = {spec.name: {"summary": spec.summary,
+                       "params": {"$ref": f"#/$defs/{spec.params.__name__}"},
+                       "result": {"$ref": f"#/$defs/{spec.result.__name__}"}}
+           for spec in RPC_METHODS}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "typed-sched-bus message catalogue",
         "description": "Every message a scheduler exchanges; frame 0 of each zmq message is one "
                        "of these, msgpack-encoded. See docs/PROTOCOL.md.",
-        "anyOf": list(refs),
+        "anyOf": list(refs[:len(roots)]),
         "$defs": defs,
         "x-protocol-version": PROTOCOL_VERSION,
         "x-fingerprint": fingerprint(layout),
         "x-layout": msgspec.to_builtins(layout),
+        "x-channels": {ch.name: ch.carried_tags() for ch in CHANNELS},
+        "x-rpc": rpc,
     }
 
 

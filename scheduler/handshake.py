@@ -81,12 +81,13 @@ def local_protocol() -> tuple[str, str]:
     return fingerprint(layout), layout_to_json(layout)
 
 
-def answer_hello(protocol_version: int, fingerprint: str, layout: str = "",
-                 peer: str = "client") -> RpcResult:
+def answer_hello(protocol_version: int, fingerprint: str, layout: str = "") -> RpcResult:
     """The scheduler's answer to a ``hello``: accepted or not, and the differences.
 
-    Logs a refusal as an error (the :class:`~messages.ProtocolMismatch`
-    text) and compatible differences as a warning. Never raises on a
+    Its parameters are the rpc's, exactly (:class:`messages.rpc_api.HelloParams`):
+    any other fails the call. Logs a refusal as an error (the
+    :class:`~messages.ProtocolMismatch` text) and compatible differences as a
+    warning. Never raises on a
     mismatch: the answer says it (``accepted=False``), so the caller can
     name every difference too.
 
@@ -124,10 +125,10 @@ def answer_hello(protocol_version: int, fingerprint: str, layout: str = "",
     # One line each, bounded: a peer saying hello in a loop must not flood the log.
     if breaking:
         log.error("hello refused: %s", fit_text(str(ProtocolMismatch(
-            peer, [line for line in lines if line.startswith("breaking")],
+            "client", [line for line in lines if line.startswith("breaking")],
             (PROTOCOL_VERSION, protocol_version))), _MAX_LOGGED))
     else:
-        log.warning("hello from %s accepted with compatible differences: %s", peer,
+        log.warning("hello from a client accepted with compatible differences: %s",
                     fit_text("; ".join(lines), _MAX_LOGGED))
     return result
 

@@ -13,9 +13,12 @@ import os
 import time
 from pathlib import Path
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
-from messages import RpcResult
+from messages import MAX_TOKENS, RpcResult
+from messages.rpc_api import ModelInfoResult
+from scheduler.core.admission import Admission
 from scheduler.core.checkpoint import MAX_INDEX_BYTES, load_state, save_state
 from scheduler.core.metrics import chunks, exposition
 from scheduler.models.tiny import TinyLM
@@ -36,6 +39,8 @@ class ControlMethods:
     _rate_tokens: int
     _rate: float
     registry: CollectorRegistry | None
+    admission: Admission
+    _facts: ModelInfoResult | None = None
 
     def _queue_sizes(self) -> tuple[int, int]:
         """(running, queued)."""
@@ -66,6 +71,42 @@ class ControlMethods:
         weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         self.model.load_state_dict(load_state(target, max_bytes=weights + MAX_INDEX_BYTES))
         return {"path": str(target)}
+
+    def model_facts(self) -> ModelInfoResult:
+        """What a client may send (the ``model_info`` rpc), read once from the model.
+
+        A model states ``name``, ``vocab_size``, ``stop_token_ids`` and
+        ``max_prompt_tokens`` itself (the ``Model`` protocol); one that
+        predates it (TinyLM, StubLM) is read through its ``config``, with no
+        stop ids and the wire's bound on a prompt. The longest prompt is
+        also bounded by what admission would ever queue.
+        """
+        facts = self._facts
+        if facts is None:
+            m = self.model
+            config = getattr(m, "config", None)
+            name = getattr(m, "name", None)
+            if not isinstance(name, str) or not name:
+                kind = getattr(config, "kind", "")
+                name = f"tiny-{kind}" if kind else type(m).__name__
+            vocab = getattr(m, "vocab_size", None)
+            if not isinstance(vocab, int):
+                vocab = int(getattr(config, "vocab_size"))  # noqa: B009 - today's models
+            longest = getattr(m, "max_prompt_tokens", None)
+            if not isinstance(longest, int):
+                longest = MAX_TOKENS
+            longest = min(longest, MAX_TOKENS, self.admission.limits.max_queued_tokens)
+            stops = [int(t) for t in getattr(m, "stop_token_ids", None) or ()]
+            facts = self._facts = ModelInfoResult(model=name, vocab_size=vocab,
+                                                  stop_token_ids=stops,
+                                                  max_prompt_tokens=longest)
+        return facts
+
+    def model_info(self) -> RpcResult:
+        """The model's name, vocabulary size, stop ids and longest prompt (see
+        :class:`messages.rpc_api.ModelInfoResult`)."""
+        result: RpcResult = msgspec.to_builtins(self.model_facts())
+        return result
 
     def token_digest(self) -> RpcResult:
         """A digest of every token this scheduler sampled, in order (ranks must agree)."""

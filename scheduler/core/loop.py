@@ -23,6 +23,7 @@ from messages import (
     AbortReq,
     ErrorCode,
     ErrorOut,
+    NotCarried,
     Output,
     Request,
     RpcReqInput,
@@ -34,6 +35,7 @@ from messages import (
     concrete_types,
     fit_text,
 )
+from messages.checks import dp_rank_problem, input_ids_problem
 from router import Router, TypeTable
 from scheduler.core.admission import Admission, Limits
 from scheduler.core.backpressure import InboxThrottle, collapse
@@ -47,6 +49,7 @@ from scheduler.models.tiny import TinyLM
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 
 log = logging.getLogger("scheduler")
+_one_replica = functools.partial(dp_rank_problem, replicas=1)  # a dispatcher consumes pins
 
 Handler = Callable[[Request, Origin], None]
 
@@ -134,6 +137,7 @@ class Scheduler(ControlMethods):
                                                dropped_rpc=self._dropped_rpc)
         self._rejects = LogSummary(log, "rejected messages with no readable rid")
         self._misaddressed = LogSummary(log, "unanswered requests reusing a live rid")
+        self._not_carried = LogSummary(log, "messages refused by a channel not carrying them")
         self.idle_timeout = idle_timeout
         self.rpc = RpcMethods()
         self.rank = rank
@@ -164,7 +168,7 @@ class Scheduler(ControlMethods):
                          ("load_checkpoint", self.load_checkpoint),
                          ("flush_cache", self.flush_cache), ("get_load", self.get_load),
                          ("token_digest", self.token_digest), ("metrics", self.metrics_text),
-                         ("shutdown", self.request_shutdown)):
+                         ("model_info", self.model_info), ("shutdown", self.request_shutdown)):
             self.rpc.register(name, fn)
 
     # -- the loop -------------------------------------------------------------
@@ -249,11 +253,13 @@ class Scheduler(ControlMethods):
         err = env.error
         if self.metrics is not None:
             self.metrics.reject(env.origin.inbox, err)
+        wrong_channel = isinstance(err, NotCarried)  # a misconfigured peer: always logged
+        if wrong_channel or err.rid is None:  # summarized in the log now and then
+            (self._not_carried if wrong_channel else self._rejects).add(env.origin.inbox,
+                                                                        str(err))
         if err.rid is None:
-            # Nobody to answer: counted, and summarized in the log now and then.
-            self._rejects.add(env.origin.inbox, err.reason)
-            return
-        if err.message_type == RpcReqInput.__name__:
+            return  # nobody to answer: counted
+        if err.message_type == RpcReqInput.__name__ and not wrong_channel:  # only rpc's own
             self._route(RpcReqOutput(rid=err.rid, success=False, message=fit_text(str(err))),
                         env.origin)
         else:
@@ -268,7 +274,7 @@ class Scheduler(ControlMethods):
             self._refuse(msg.rid, origin, "internal", text)
 
     def _on_generate(self, req: TokenizedGenerateReqInput, origin: Origin) -> None:
-        problem = self._check_ids(req.input_ids, req.rid)
+        problem = self._check_ids(req.input_ids, req.rid) or _one_replica(req.rid, req.dp_rank)
         if problem:
             self._refuse(req.rid, origin, "invalid_request", problem)
             return
@@ -287,7 +293,7 @@ class Scheduler(ControlMethods):
         self._live[req.rid] = seq
 
     def _on_embed(self, req: TokenizedEmbeddingReqInput, origin: Origin) -> None:
-        problem = self._check_ids(req.input_ids, req.rid)
+        problem = self._check_ids(req.input_ids, req.rid) or _one_replica(req.rid, req.dp_rank)
         if problem:
             self._refuse(req.rid, origin, "invalid_request", problem)
             return
@@ -417,15 +423,9 @@ class Scheduler(ControlMethods):
         self.router.route(output, origin)  # a failing sink is isolated by the router
 
     def _check_ids(self, ids: TokenIds, rid: str) -> str:
-        if len(ids) == 0:
-            return f"request {rid!r} has no input tokens"
         if rid in self._live:
             return f"request id {rid!r} is already in flight"
-        vocab = self.model.config.vocab_size
-        top = int(np.frombuffer(ids, np.uint32).max())
-        if top >= vocab:
-            return f"request {rid!r}: token id {top} is outside the vocabulary (size {vocab})"
-        return ""
+        return input_ids_problem(rid, ids, self.model_facts().vocab_size)
 
     def _queue_sizes(self) -> tuple[int, int]:
         return len(self.batch.running), len(self.batch.waiting)

@@ -34,7 +34,7 @@ from prometheus_client.core import (
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from messages import DecodeError
+from messages import DecodeError, NotCarried
 
 if TYPE_CHECKING:  # the loop imports this module; only types flow back
     from scheduler.core.batch import Seq
@@ -51,7 +51,8 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 #: Why a frame was rejected, as a bounded label (see :func:`reject_reason`).
-REJECT_REASONS = ("malformed", "oversized", "invalid_field", "unknown_type", "duplicate_rid")
+REJECT_REASONS = ("malformed", "oversized", "invalid_field", "unknown_type", "duplicate_rid",
+                  "wrong_channel")
 
 
 def reject_reason(err: DecodeError) -> str:
@@ -61,7 +62,9 @@ def reject_reason(err: DecodeError) -> str:
         return "oversized"
     if err.message_type is None:
         return "malformed"
-    if err.rid is None and "tag" in reason.lower():
+    if isinstance(err, NotCarried):  # a type this channel does not carry
+        return "wrong_channel"
+    if reason.startswith("message type: ") or (err.rid is None and "tag" in reason.lower()):
         return "unknown_type"
     return "invalid_field"
 

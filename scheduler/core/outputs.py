@@ -13,36 +13,39 @@ __all__ = ["embedding_outputs", "token_outputs"]
 
 
 def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
-    """One BatchTokenIDOut per origin: streamed news, and every finished request.
+    """One BatchTokenIDOut per origin and kind: streamed news, and every finished request.
 
-    Marks what each request has sent. Requests silenced by backpressure (their
-    terminal error already waits in the backlog) produce nothing.
+    Requests that asked for logprobs and those that did not travel in
+    separate batches (at most two per origin): a batch's ``logprobs`` column
+    covers every output id in it, so sharing one would hand logprobs to a
+    request that never asked. Marks what each request has sent. Requests
+    silenced by backpressure (their terminal error already waits in the
+    backlog) produce nothing.
     """
-    groups: dict[Origin, list[Seq]] = {}
+    groups: dict[tuple[Origin, bool], list[Seq]] = {}
     for s in seqs:
         if not s.silenced and (s.stream or s.finished is not None):
-            groups.setdefault(s.origin, []).append(s)
+            groups.setdefault((s.origin, s.logprobs), []).append(s)
     out: list[tuple[BatchTokenIDOut, Origin]] = []
-    for origin, group in groups.items():
+    for (origin, with_lp), group in groups.items():
         rids: list[str] = []
         ids: list[int] = []
         lens: list[int] = []
         lps: list[float] = []
         fins: list[FinishReason | None] = []
-        any_lp = False
         for s in group:
             new = s.out[s.sent :]
             rids.append(s.req.rid)
             ids.extend(new)
             lens.append(len(new))
-            lps.extend(s.lps[s.sent :])
-            any_lp |= s.logprobs
+            if with_lp:
+                lps.extend(s.lps[s.sent :])
             fins.append(s.finished)
             s.sent = len(s.out)
         out.append((BatchTokenIDOut(
             rids=rids, output_ids=token_ids(ids), output_lens=packed_u32(lens),
             finished_reasons=fins,
-            logprobs=np.asarray(lps, np.float32) if any_lp else None), origin))
+            logprobs=np.asarray(lps, np.float32) if with_lp else None), origin))
     return out
 
 

@@ -8,9 +8,10 @@ from types import MappingProxyType
 from typing import Final
 
 from messages import (
+    RPC,
     Codec,
     CodecError,
-    Message,
+    Output,
     RpcReqInput,
     RpcReqOutput,
     RpcResult,
@@ -26,7 +27,7 @@ RpcMethod = Callable[..., RpcResult | None]
 
 # What the caller's RpcClient decodes with: a reply this codec cannot round-trip
 # would reach the caller as garbage, so it is replaced before it is sent.
-_WIRE: Final[Codec[Message]] = Codec(Message, types=[RpcReqOutput])
+_WIRE: Final[Codec[Output]] = RPC.outbound_codec()
 
 
 class RpcMethods:

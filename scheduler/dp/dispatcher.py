@@ -274,7 +274,9 @@ class Dispatcher:
             return
         rep = self.replicas[i]
         try:
-            rep.work.send_nowait(msg)
+            # The pin is consumed here: a replica is a lone scheduler, where only
+            # dp_rank 0 or null is valid (messages.checks.dp_rank_problem).
+            rep.work.send_nowait(msg if pin is None else msgspec.structs.replace(msg, dp_rank=None))
         except WouldBlock:
             self._error(msg.rid, origin, "overloaded",
                         f"request {msg.rid!r}: {rep.name} is not taking requests "

@@ -33,7 +33,7 @@ from bus import (
     SocketOptions,
 )
 from bus.channels import Inbox
-from messages import Codec, Output, Request, RpcReqInput
+from messages import OUT, RPC, WORK, Codec, Output, Request
 from router import RingSink, RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.admission import Limits
 from scheduler.core.loop import RequestSource, Scheduler
@@ -84,8 +84,9 @@ class Endpoints:
 def rpc_codec() -> Codec[Request]:
     """The rpc channel carries rpc calls only: work (and its aborts) goes on the work
     channel, whose one consumer gets the outputs. A peer that may call rpc cannot
-    abort, or claim the rid of, a request it did not send."""
-    return Codec(Request, types=[RpcReqInput])
+    abort, or claim the rid of, a request it did not send. Anything else is refused
+    at the door (:data:`messages.RPC`), answered by rid with a ``decode_error``."""
+    return RPC.inbound_codec()
 
 
 @contextlib.contextmanager
@@ -119,10 +120,11 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
     called with the scheduler before it runs (an engine keeps it to read its
     metrics).
     """
-    codec: Codec[Request] = Codec(Request)
+    codec: Codec[Request] = WORK.inbound_codec()  # the work channel's door
     limits = limits or Limits()
     with RpcServer(rpc_codec(), rpc_endpoint, kind=rpc_kind, options=options) as rpc:
-        work = RingInbox(ingress, name="work", validate=codec.validate if validate else None)
+        work = RingInbox(ingress, name="work",
+                         validate=codec.validate if validate else codec.check_type)
         inboxes: list[Inbox[Request]] = [work, rpc]
         router = scheduler_router(RingSink(egress), RpcReplySink(rpc),
                                   max_backlog=limits.max_backlog)
@@ -152,8 +154,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
     metrics (loopback unless told otherwise; under tensor parallelism rank 0
     serves them: the other ranks run the very batches it broadcasts).
     """
-    codec: Codec[Request] = Codec(Request)
-    out_codec: Codec[Output] = Codec(Output)
+    codec: Codec[Request] = WORK.inbound_codec()  # each channel's door (messages.channels)
+    out_codec: Codec[Output] = OUT.outbound_codec()
     limits = limits or Limits()
     if tp is not None:
         init_ranks(0, tp)
@@ -172,7 +174,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
             world = 1 if tp is None else tp.world_size
             tell = None
             if tp is not None:
-                receiver = broadcast = BroadcastReceiver(0, Receiver(inboxes), codec)
+                # The step broadcast carries what both doors let in.
+                receiver = broadcast = BroadcastReceiver(0, Receiver(inboxes), Codec(Request))
                 tell = broadcast.inject
             sched = Scheduler(receiver, router, build_model(model), max_batch=max_batch,
                               world_size=world, limits=limits, tell_ranks=tell,

@@ -193,7 +193,12 @@ def test_unknown_tag_names_the_message_type() -> None:
     with pytest.raises(DecodeError) as info:
         REQUESTS.decode([msgspec.msgpack.encode(["NoSuchType", "q-1"])])
     assert info.value.reason.startswith("message type: ")
-    assert info.value.message_type == "NoSuchType" and info.value.rid is None
+    # Item 1 is where every request keeps its rid: an unknown type's is read
+    # there, so its sender can be answered (docs/PROTOCOL.md, section 7).
+    assert info.value.message_type == "NoSuchType" and info.value.rid == "q-1"
+    with pytest.raises(DecodeError) as info:  # item 1 not a rid: nobody to answer
+        REQUESTS.decode([msgspec.msgpack.encode(["NoSuchType", 7])])
+    assert info.value.rid is None
 
 
 def test_field_name_cache_is_bounded() -> None:

@@ -484,17 +484,26 @@ def test_engine_says_closed_and_refuses_an_empty_rid(mode: str) -> None:
 
 
 def test_the_rpc_channel_takes_rpc_calls_only() -> None:
-    from messages import AbortReq, DecodeError, RpcReqInput, TokenizedGenerateReqInput, token_ids
+    from messages import (
+        AbortReq,
+        Codec,
+        DecodeError,
+        Request,
+        RpcReqInput,
+        TokenizedGenerateReqInput,
+        token_ids,
+    )
     from scheduler.launch.wiring import rpc_codec
 
     codec = rpc_codec()
     assert isinstance(codec.decode(codec.encode(RpcReqInput(rid="c", method="get_load"))),
                       RpcReqInput)
-    # A peer that may call rpc cannot abort, or claim the rid of, someone's request.
+    # A peer that may call rpc cannot abort, or claim the rid of, someone's request
+    # (sent by a codec that is no rpc door: the rpc door would not even encode them).
     for req in (AbortReq(rid="victim"),
                 TokenizedGenerateReqInput(rid="victim", input_ids=token_ids([1]))):
         with pytest.raises(DecodeError):
-            codec.decode(codec.encode(req))
+            codec.decode(Codec(Request).encode(req))
 
 
 class _StoppedSink:
