@@ -98,11 +98,24 @@ class Settings:
 Handler = Callable[[Scope, Receive, Send, float], Awaitable[int]]
 
 
-class Frontend:
-    """The OpenAI-compatible ASGI application (see the module docstring)."""
+def _engine(s: Settings) -> AsyncEngine:
+    """The engine ``s`` describes (not started)."""
+    return AsyncEngine(s.mode, s.model, max_batch=s.max_batch, tp_size=s.tp_size,
+                       dp_size=s.dp_size, limits=s.limits, metrics=s.metrics)
 
-    def __init__(self, settings: Settings, tokenizer: Tokenizer) -> None:
+
+class Frontend:
+    """The OpenAI-compatible ASGI application (see the module docstring).
+
+    ``engine`` builds the (unstarted) engine from the settings; the default
+    builds :class:`~scheduler.AsyncEngine` from them. A subclass of it may
+    stand in (tests script its tokens).
+    """
+
+    def __init__(self, settings: Settings, tokenizer: Tokenizer, *,
+                 engine: Callable[[Settings], AsyncEngine] | None = None) -> None:
         self.settings = settings
+        self._make_engine = engine or _engine
         self.tokenizer = tokenizer
         self.metrics = HttpMetrics() if settings.metrics else None
         self.engine: AsyncEngine | None = None
@@ -137,8 +150,7 @@ class Frontend:
             EndpointInUse: the rpc endpoint is served by a live listener.
         """
         s = self.settings
-        engine = AsyncEngine(s.mode, s.model, max_batch=s.max_batch, tp_size=s.tp_size,
-                             dp_size=s.dp_size, limits=s.limits, metrics=s.metrics)
+        engine = self._make_engine(s)
         await engine.start()
         self.engine = engine
         if s.rpc_endpoint is not None:

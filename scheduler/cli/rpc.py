@@ -42,6 +42,9 @@ def parse_params(pairs: Sequence[str]) -> dict[str, Scalar]:
         key, eq, raw = pair.partition("=")
         if not eq or not key:
             raise ValueError(f"parameter {pair!r} is not key=value")
+        if key in ("timeout", "alive"):
+            raise ValueError(f"parameter {key!r}: the rpc client's own option, not a "
+                             f"method's parameter (use --timeout)")
         value: Scalar
         try:
             parsed = json.loads(raw)
@@ -63,7 +66,8 @@ def run_rpc(target: str, method: str, pairs: Sequence[str], *, timeout: float = 
     endpoint = rpc_endpoint(target)
     try:
         with RpcClient(endpoint, name="rpc-cli") as client:
-            reply = client.call(method, timeout=timeout, **params)
+            # (``params`` holds neither "timeout" nor "alive": refused above)
+            reply = client.call(method, timeout=timeout, **params)  # type: ignore[arg-type]
     except (BusError, OSError) as exc:
         print(f"rpc: {method} at {endpoint}: {exc}", file=sys.stderr)
         return 2
