@@ -61,6 +61,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--curve-allow", metavar="PUBLIC_FILE", nargs="*", default=None,
                    help="client public key files admitted (with --curve-keys)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                   help="uvicorn's event loop (auto: uvloop when installed)")
+    p.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
+                   help="uvicorn's HTTP parser (auto: httptools when installed)")
     return p.parse_args(argv)
 
 
@@ -131,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{settings.mode} mode) on http://{args.host}:{args.port}/v1; scheduler rpc at "
           f"{settings.rpc_endpoint}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, loop="auto", http="auto", lifespan="on")
+                access_log=False, loop=args.loop, http=args.http, lifespan="on")
     return 0
 
 

@@ -122,6 +122,7 @@ class Frontend:
         self.door: RpcDoor | None = None
         self._gen: Generator | None = None
         self._gone = False
+        self._lag: asyncio.Task[None] | None = None
         self._started = int(time.time())
         self._routes: dict[tuple[str, str], tuple[str, Handler]] = {
             ("POST", "/v1/completions"): ("completions", self._completions),
@@ -158,9 +159,13 @@ class Frontend:
                                 curve_clients=s.curve_clients)
         self._gen = Generator(engine, self.tokenizer,
                               GenerateSettings(s.model_name, s.default_max_tokens), self.metrics)
+        if self.metrics is not None:
+            self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())
 
     async def close(self) -> None:
         """Stop the door, then finish and close the engine. Idempotent."""
+        if self._lag is not None:
+            self._lag.cancel()
         if self.door is not None:
             self.door.close()
         if self.engine is not None:
