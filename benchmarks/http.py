@@ -182,7 +182,7 @@ async def _ttft(port: int, samples: int) -> list[float]:
         first: list[float] = []
         t0 = time.perf_counter()
 
-        def on_event(event: bytes) -> None:
+        def on_event(event: bytes, first: list[float] = first, t0: float = t0) -> None:
             if not first:
                 first.append(time.perf_counter() - t0)
 
