@@ -16,6 +16,10 @@ The last line is one JSON object, the stub model throughout:
   to its first chunk), concurrency 1, p50 of each.
 * ``loop_lag_ms_p99``: the server's event-loop lag while the 256 streams run
   (its ``tsb_http_loop_lag_seconds`` histogram: the p99 is a bucket's bound).
+* ``cpu_ratio_vs_floor``: the floor's CPU time per request over the
+  frontend's (its scheduler process included), from ``/proc``: on a shared
+  box where other work takes the cores, what each request *costs* is
+  steadier than how many fit in a second. ``load_avg_1m`` says how shared.
 * ``disconnect_to_free_ms_p99``: a stream is closed by its client after its
   first event; the time until ``get_load`` (through the server's rpc door)
   shows the slot free.
@@ -231,12 +235,38 @@ def client(args: list[str]) -> None:
     print(json.dumps(result))
 
 
-def _run_client(*args: object) -> object:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.http", "client",
-                          *map(str, args)], capture_output=True, text=True, timeout=300)
-    if out.returncode:
-        raise RuntimeError(f"client {args}: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+async def _run_client(*args: object) -> object:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "benchmarks.http", "client", *map(str, args),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 300)
+    if proc.returncode:
+        raise RuntimeError(f"client {args}: {err.decode()[-2000:]}")
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its descendants so far (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(_cpu_s(int(c)) for c in f.read().split())
+    except OSError:
+        pass
+    return total
+
+
+async def _rps_round(port: int, pid: int) -> tuple[float, float]:
+    """(requests/s, server CPU microseconds per request) of one round."""
+    cpu0 = _cpu_s(pid)
+    rps = float(await _run_client("rps", port))  # type: ignore[arg-type]
+    cpu = _cpu_s(pid) - cpu0
+    return rps, cpu / (rps * RPS_SECONDS) * 1e6
 
 
 # -- the in-process reference (AsyncEngine, no HTTP) ---------------------------------------
@@ -322,17 +352,9 @@ def _p99_bound(bounds: list[float], before: list[float], after: list[float]) -> 
     return float("inf")
 
 
-async def _reference(rounds: int) -> tuple[list[float], list[float]]:
+async def run() -> dict[str, object]:
     from scheduler import AsyncEngine, ModelConfig
 
-    model = ModelConfig(vocab_size=259, kind="stub")
-    async with AsyncEngine("zmq", model, max_batch=STREAMS) as engine:
-        rates = [await _async_streams(engine, STREAMS, STREAM_TOKENS) for _ in range(rounds)]
-        ttft = await _async_ttft(engine, TTFT_SAMPLES)
-    return rates, ttft
-
-
-def main() -> None:
     rpc_dir = tempfile.mkdtemp(prefix="tsb-bench-http-")
     os.rmdir(rpc_dir)  # the server makes it, private
     ports = {k: _free_port() for k in ("frontend", "floor", "starlette")}
@@ -345,20 +367,32 @@ def main() -> None:
         _start([sys.executable, "-m", "benchmarks.http", "floor", str(ports["starlette"]),
                 "starlette"], ports["starlette"]),
     ]
+    pids = {"frontend": procs[0].pid, "floor": procs[1].pid, "starlette": procs[2].pid}
+    model = ModelConfig(vocab_size=259, kind="stub")
     try:
-        _run_client("rps", ports["frontend"])  # warm-up
-        floor, ours, starlette = [], [], []
-        for _ in range(ROUNDS):  # alternating rounds: the box's noise hits each alike
-            floor.append(float(_run_client("rps", ports["floor"])))  # type: ignore[arg-type]
-            ours.append(float(_run_client("rps", ports["frontend"])))  # type: ignore[arg-type]
-            starlette.append(float(_run_client("rps", ports["starlette"])))  # type: ignore[arg-type]
-        http_streams = []
-        bounds, before = _loop_lag_counts(ports["frontend"])
-        for _ in range(ROUNDS):
-            http_streams.append(float(_run_client("streams", ports["frontend"])))  # type: ignore[arg-type]
-        _, after = _loop_lag_counts(ports["frontend"])
-        http_ttft = _run_client("ttft", ports["frontend"])
-        disconnects = _run_client("disconnect", ports["frontend"], rpc_dir)
+        # The reference: the same scheduler (zmq, stub, max_batch) with no HTTP, in this
+        # process, its rounds alternating with the HTTP ones (the box's noise hits both).
+        async with AsyncEngine("zmq", model, max_batch=STREAMS) as engine:
+            await _run_client("rps", ports["frontend"])  # warm-up
+            rps: dict[str, list[tuple[float, float]]] = {k: [] for k in ports}
+            for _ in range(ROUNDS):
+                for name in ("floor", "frontend", "starlette"):
+                    rps[name].append(await _rps_round(ports[name], pids[name]))
+            http_streams, async_streams = [], []
+            bounds, before = _loop_lag_counts(ports["frontend"])
+            for _ in range(ROUNDS):
+                http_streams.append(float(await _run_client(  # type: ignore[arg-type]
+                    "streams", ports["frontend"])))
+                async_streams.append(await _async_streams(engine, STREAMS, STREAM_TOKENS))
+            _, after = _loop_lag_counts(ports["frontend"])
+            http_ttft: list[float] = []
+            async_ttft: list[float] = []
+            for _ in range(ROUNDS):
+                got = await _run_client("ttft", ports["frontend"])
+                assert isinstance(got, list)
+                http_ttft += got
+                async_ttft += await _async_ttft(engine, TTFT_SAMPLES)
+            disconnects = await _run_client("disconnect", ports["frontend"], rpc_dir)
     finally:
         for proc in procs:
             proc.terminate()
@@ -368,16 +402,26 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    async_streams, async_ttft = asyncio.run(_reference(ROUNDS))
-    assert isinstance(http_ttft, list) and isinstance(disconnects, list)
+    assert isinstance(disconnects, list)
     med = statistics.median
+
+    def rate(name: str) -> float:
+        return med(r for r, _ in rps[name])
+
+    def cpu(name: str) -> float:
+        return med(c for _, c in rps[name])
+
     http_ttft_p50, async_ttft_p50 = med(http_ttft), med(async_ttft)
     dis = sorted(disconnects)
-    result = {
-        "http_rps_ratio_vs_floor": round(med(ours) / med(floor), 3),
-        "frontend_rps": round(med(ours)),
-        "floor_rps": round(med(floor)),
-        "floor_starlette_rps": round(med(starlette)),
+    return {
+        "http_rps_ratio_vs_floor": round(rate("frontend") / rate("floor"), 3),
+        "frontend_rps": round(rate("frontend")),
+        "floor_rps": round(rate("floor")),
+        "floor_starlette_rps": round(rate("starlette")),
+        "cpu_ratio_vs_floor": round(cpu("floor") / cpu("frontend"), 3),
+        "frontend_cpu_us_per_request": round(cpu("frontend")),
+        "floor_cpu_us_per_request": round(cpu("floor")),
+        "floor_starlette_cpu_us_per_request": round(cpu("starlette")),
         "stream_tokens_ratio_vs_async": round(med(http_streams) / med(async_streams), 3),
         "http_stream_tokens_per_s": round(med(http_streams)),
         "async_stream_tokens_per_s": round(med(async_streams)),
@@ -390,10 +434,14 @@ def main() -> None:
         "bars": {"http_rps_ratio_vs_floor": ">= 0.5", "stream_tokens_ratio_vs_async": ">= 0.8",
                  "ttft_overhead_ms_p50": "<= 1.0", "loop_lag_ms_p99": "<= 10",
                  "disconnect_to_free_ms_p99": "<= 50"},
+        "load_avg_1m": os.getloadavg()[0],
         "client": "raw asyncio HTTP/1.1, own process",
         "server": "uvicorn (loop=auto, http=auto), zmq mode, stub model",
     }
-    print(json.dumps(result))
+
+
+def main() -> None:
+    print(json.dumps(asyncio.run(run())))
 
 
 if __name__ == "__main__":
