@@ -99,14 +99,21 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     Raises:
         SystemExit: a bad combination of arguments, or an unreadable tokenizer.
     """
+    if (args.tp_size > 1 or args.dp_size > 1) and args.mode != "zmq":
+        raise SystemExit("--tp-size and --dp-size above 1 need --mode zmq (each rank and "
+                         "replica is a process)")
     try:
         tokenizer = load_tokenizer(args.tokenizer or args.model)
     except TokenizerError as exc:
         raise SystemExit(str(exc)) from exc
-    keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
-    if (args.curve_allow is not None) != (keys is not None):
-        raise SystemExit("--curve-keys and --curve-allow go together")
-    allowed = [CurveKeys.public_of(f) for f in args.curve_allow] if keys is not None else None
+    try:
+        keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
+        if (args.curve_allow is not None) != (keys is not None):
+            raise SystemExit("--curve-keys and --curve-allow go together")
+        allowed = [CurveKeys.public_of(f) for f in args.curve_allow] \
+            if keys is not None else None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"CURVE keys: {exc}") from exc
     try:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
     except ValueError as exc:
@@ -135,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{settings.mode} mode) on http://{args.host}:{args.port}/v1; scheduler rpc at "
           f"{settings.rpc_endpoint}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, loop=args.loop, http=args.http, lifespan="on")
+                access_log=False, loop=args.loop, http=args.http, lifespan="on",
+                timeout_graceful_shutdown=5)  # open streams get 5 s, then end with an error
     return 0
 
 
