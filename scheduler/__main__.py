@@ -1,4 +1,4 @@
-"""Command line: ``python -m scheduler demo``, ``serve``, ``dispatch`` and ``top``."""
+"""Command line: ``python -m scheduler demo``, ``serve``, ``dispatch``, ``top`` and ``rpc``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from bus import CurveKeys, SocketOptions
 from scheduler.cli.demo import demo
+from scheduler.cli.rpc import run_rpc
 from scheduler.cli.top import run_top
 from scheduler.core.admission import Limits
 from scheduler.dp import ReplicaSpec, serve_dispatch
@@ -159,7 +160,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("endpoint", help="PORT, HOST:PORT or the /metrics URL")
     t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     t.add_argument("--frames", type=int, default=None, help="stop after this many screens")
+    r = sub.add_parser("rpc", help="call a running scheduler's rpc method; print the reply")
+    r.add_argument("endpoint", help="the --endpoint DIR it serves (or a tcp:// rpc endpoint)")
+    r.add_argument("method")
+    r.add_argument("params", nargs="*", metavar="key=value")
+    r.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
+    if args.command == "rpc":
+        return run_rpc(args.endpoint, args.method, args.params, timeout=args.timeout)
     if args.command == "top":
         return run_top(args.endpoint, interval=args.interval, frames=args.frames)
     if args.command == "demo":

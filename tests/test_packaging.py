@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["messages", "bus", "router", "scheduler"]
+PACKAGES = ["messages", "bus", "router", "scheduler", "frontend"]
 
 
 @pytest.mark.parametrize("name", PACKAGES)

@@ -1,0 +1,453 @@
+"""The HTTP front door against its floors, same run: ``python -m benchmarks.http``.
+
+The last line is one JSON object, the stub model throughout:
+
+* ``http_rps_ratio_vs_floor``: non-streaming 1-token completions per second
+  through ``python -m frontend --mode zmq``, divided by the same HTTP stack
+  (uvicorn, same loop and parser, a raw ASGI app) answering a constant JSON
+  body; same client, concurrency 64, alternating rounds, median of each.
+  ``floor_starlette_rps`` is that floor written with Starlette (how the ASGI
+  stack was chosen: a framework costs more per request than our handler).
+* ``stream_tokens_ratio_vs_async``: tokens per second over 256 concurrent
+  HTTP streams, divided by 256 concurrent ``AsyncEngine`` streams of the same
+  workload (zmq mode, max_batch 256) with no HTTP, alternating rounds.
+* ``ttft_overhead_ms_p50``: time to first token over HTTP (request sent to
+  first SSE event read) minus the same through ``AsyncEngine`` (``stream()``
+  to its first chunk), concurrency 1, p50 of each.
+* ``loop_lag_ms_p99``: the server's event-loop lag while the 256 streams run
+  (its ``tsb_http_loop_lag_seconds`` histogram: the p99 is a bucket's bound).
+* ``cpu_ratio_vs_floor``: the floor's CPU time per request over the
+  frontend's (its scheduler process included), from ``/proc``: on a shared
+  box where other work takes the cores, what each request *costs* is
+  steadier than how many fit in a second. ``load_avg_1m`` says how shared.
+* ``disconnect_to_free_ms_p99``: a stream is closed by its client after its
+  first event; the time until ``get_load`` (through the server's rpc door)
+  shows the slot free.
+
+The load client is a raw asyncio HTTP/1.1 client (keep-alive, one
+connection per concurrent request, chunked SSE parsed by hand) in its own
+process (``python -m benchmarks.http client ...``): it shares no interpreter
+or GIL with the server, and it costs a fraction of what ``httpx`` does per
+request, so on a 2-core box it measures the server rather than itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+
+MODEL = "tiny"
+ROUNDS = 3
+CONCURRENCY = 64
+STREAMS = 256
+STREAM_TOKENS = 32
+RPS_SECONDS = 1.5
+TTFT_SAMPLES = 100
+DISCONNECTS = 20
+_FLOOR_BODY = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0,
+                          "model": MODEL, "choices": [{"index": 0, "text": "\u0000",
+                                                       "finish_reason": "length",
+                                                       "logprobs": None}],
+                          "usage": {"prompt_tokens": 2, "completion_tokens": 1,
+                                    "total_tokens": 3}}).encode()
+
+
+# -- the floor servers ---------------------------------------------------------------
+
+
+async def _floor_app(scope: dict[str, object], receive: Callable[[], Awaitable[dict[str, object]]],
+                     send: Callable[[dict[str, object]], Awaitable[None]]) -> None:
+    """The same stack answering a constant body (the request body is read, as ours is)."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": _FLOOR_BODY})
+
+
+def _starlette_app() -> object:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def completions(request: Request) -> Response:
+        await request.body()
+        return Response(_FLOOR_BODY, media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+def serve_floor(port: int, kind: str) -> None:
+    import uvicorn
+
+    app = _starlette_app() if kind == "starlette" else _floor_app
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",  # type: ignore[arg-type]
+                access_log=False, lifespan="off")
+
+
+# -- the load client (its own process) ----------------------------------------------------
+
+
+def _post(path: str, body: dict[str, object]) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+async def _response(reader: asyncio.StreamReader, on_event: Callable[[bytes], None] | None = None
+                    ) -> tuple[int, bytes]:
+    """Read one response: (status, body); SSE events (chunked) go to ``on_event``."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    lower = head.lower()
+    if b"transfer-encoding: chunked" not in lower:
+        i = lower.index(b"content-length:") + 15
+        n = int(lower[i:lower.index(b"\r\n", i)])
+        return status, await reader.readexactly(n)
+    buf = b""
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+        chunk = await reader.readexactly(size + 2)
+        if size == 0:
+            return status, buf
+        buf += chunk[:-2]
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            if on_event is not None:
+                on_event(event)
+
+
+async def _rps(port: int, concurrency: int, seconds: float) -> float:
+    req = _post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1,
+                                    "temperature": 0})
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while time.perf_counter() < stop:
+            writer.write(req)
+            status, _ = await _response(reader)
+            assert status == 200, status
+            done += 1
+        writer.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / (time.perf_counter() - t0)
+
+
+def _stream_body(tokens: int) -> dict[str, object]:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def _streams(port: int, n: int, tokens: int) -> float:
+    req = _post("/v1/completions", _stream_body(tokens))
+    total = 0
+
+    async def one() -> None:
+        nonlocal total
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        usage: list[int] = []
+
+        def on_event(event: bytes) -> None:
+            if b'"usage":{' in event:
+                usage.append(json.loads(event[6:])["usage"]["completion_tokens"])
+
+        writer.write(req)
+        status, _ = await _response(reader, on_event)
+        assert status == 200 and usage == [tokens], (status, usage)
+        total += usage[0]
+        writer.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(n)))
+    return total / (time.perf_counter() - t0)
+
+
+async def _ttft(port: int, samples: int) -> list[float]:
+    req = _post("/v1/completions", _stream_body(4))
+    out: list[float] = []
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for _ in range(samples):
+        first: list[float] = []
+        t0 = time.perf_counter()
+
+        def on_event(event: bytes, first: list[float] = first, t0: float = t0) -> None:
+            if not first:
+                first.append(time.perf_counter() - t0)
+
+        writer.write(req)
+        await _response(reader, on_event)
+        out.append(first[0] * 1e3)
+    writer.close()
+    return out
+
+
+async def _disconnects(port: int, rpc_dir: str, samples: int) -> list[float]:
+    from bus import RpcClient
+
+    req = _post("/v1/completions", {**_stream_body(1_000_000)})
+    out: list[float] = []
+    with RpcClient(f"ipc://{rpc_dir}/rpc") as rpc:
+        for _ in range(samples):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(req)
+            await asyncio.wait_for(reader.readuntil(b"data: "), 30)
+            writer.transport.abort()  # the client is gone, no goodbye
+            await asyncio.sleep(0)  # (asyncio closes the socket on the loop's next turn)
+            t0 = time.perf_counter()
+            while True:
+                result = rpc.call("get_load", timeout=10.0).result
+                assert result is not None
+                if result["running"] == 0 and result["queued"] == 0:
+                    break
+                if time.perf_counter() - t0 > 10:
+                    raise RuntimeError(f"the slot was not freed within 10 s: {result}")
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def client(args: list[str]) -> None:
+    kind, port = args[0], int(args[1])
+    result: object
+    if kind == "rps":
+        result = asyncio.run(_rps(port, CONCURRENCY, RPS_SECONDS))
+    elif kind == "streams":
+        result = asyncio.run(_streams(port, STREAMS, STREAM_TOKENS))
+    elif kind == "ttft":
+        result = asyncio.run(_ttft(port, TTFT_SAMPLES))
+    else:
+        result = asyncio.run(_disconnects(port, args[2], DISCONNECTS))
+    print(json.dumps(result))
+
+
+async def _run_client(*args: object) -> object:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "benchmarks.http", "client", *map(str, args),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 300)
+    if proc.returncode:
+        raise RuntimeError(f"client {args}: {err.decode()[-2000:]}")
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its descendants so far (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(_cpu_s(int(c)) for c in f.read().split())
+    except OSError:
+        pass
+    return total
+
+
+async def _rps_round(port: int, pid: int) -> tuple[float, float]:
+    """(requests/s, server CPU microseconds per request) of one round."""
+    cpu0 = _cpu_s(pid)
+    rps = float(await _run_client("rps", port))  # type: ignore[arg-type]
+    cpu = _cpu_s(pid) - cpu0
+    return rps, cpu / (rps * RPS_SECONDS) * 1e6
+
+
+# -- the in-process reference (AsyncEngine, no HTTP) ---------------------------------------
+
+
+async def _async_streams(engine: object, n: int, tokens: int) -> float:
+    from messages import SamplingParams
+    from scheduler import AsyncEngine
+
+    assert isinstance(engine, AsyncEngine)
+    sp = SamplingParams(max_new_tokens=tokens, temperature=0.0)
+    prompt = [104, 105]
+
+    async def one() -> int:
+        got = 0
+        async for chunk in engine.stream(prompt, sp):
+            got += len(chunk.token_ids)
+        return got
+
+    t0 = time.perf_counter()
+    total = sum(await asyncio.gather(*(one() for _ in range(n))))
+    return total / (time.perf_counter() - t0)
+
+
+async def _async_ttft(engine: object, samples: int) -> list[float]:
+    from messages import SamplingParams
+    from scheduler import AsyncEngine
+
+    assert isinstance(engine, AsyncEngine)
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0)
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        stream = engine.stream([104, 105], sp)
+        async for _chunk in stream:
+            out.append((time.perf_counter() - t0) * 1e3)
+            break
+        await stream.aclose()  # type: ignore[attr-defined]
+    return out
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(cmd: list[str], port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd} did not start") from None
+            time.sleep(0.1)  # sleep-ok: pacing of a start-up poll
+
+
+def _loop_lag_counts(port: int) -> tuple[list[float], list[float]]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+    bounds, counts = [], []
+    for line in text.decode().splitlines():
+        if line.startswith("tsb_http_loop_lag_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            bounds.append(float("inf") if le == "+Inf" else float(le))
+            counts.append(float(line.rsplit(" ", 1)[1]))
+    return bounds, counts
+
+
+def _p99_bound(bounds: list[float], before: list[float], after: list[float]) -> float:
+    delta = [a - b for a, b in zip(after, before, strict=True)]
+    total = delta[-1]
+    for bound, n in zip(bounds, delta, strict=True):
+        if total and n >= 0.99 * total:
+            return bound
+    return float("inf")
+
+
+async def run() -> dict[str, object]:
+    from scheduler import AsyncEngine, ModelConfig
+
+    rpc_dir = tempfile.mkdtemp(prefix="tsb-bench-http-")
+    os.rmdir(rpc_dir)  # the server makes it, private
+    ports = {k: _free_port() for k in ("frontend", "floor", "starlette")}
+    procs = [
+        _start([sys.executable, "-m", "frontend", "--mode", "zmq", "--tiny-model", "stub",
+                "--port", str(ports["frontend"]), "--max-batch", str(STREAMS),
+                "--endpoint", rpc_dir, "--log-level", "warning"], ports["frontend"]),
+        _start([sys.executable, "-m", "benchmarks.http", "floor", str(ports["floor"]), "raw"],
+               ports["floor"]),
+        _start([sys.executable, "-m", "benchmarks.http", "floor", str(ports["starlette"]),
+                "starlette"], ports["starlette"]),
+    ]
+    pids = {"frontend": procs[0].pid, "floor": procs[1].pid, "starlette": procs[2].pid}
+    model = ModelConfig(vocab_size=259, kind="stub")
+    try:
+        # The reference: the same scheduler (zmq, stub, max_batch) with no HTTP, in this
+        # process, its rounds alternating with the HTTP ones (the box's noise hits both).
+        async with AsyncEngine("zmq", model, max_batch=STREAMS) as engine:
+            await _run_client("rps", ports["frontend"])  # warm-up
+            rps: dict[str, list[tuple[float, float]]] = {k: [] for k in ports}
+            for _ in range(ROUNDS):
+                for name in ("floor", "frontend", "starlette"):
+                    rps[name].append(await _rps_round(ports[name], pids[name]))
+            http_streams, async_streams = [], []
+            bounds, before = _loop_lag_counts(ports["frontend"])
+            for _ in range(ROUNDS):
+                http_streams.append(float(await _run_client(  # type: ignore[arg-type]
+                    "streams", ports["frontend"])))
+                async_streams.append(await _async_streams(engine, STREAMS, STREAM_TOKENS))
+            _, after = _loop_lag_counts(ports["frontend"])
+            http_ttft: list[float] = []
+            async_ttft: list[float] = []
+            for _ in range(ROUNDS):
+                got = await _run_client("ttft", ports["frontend"])
+                assert isinstance(got, list)
+                http_ttft += got
+                async_ttft += await _async_ttft(engine, TTFT_SAMPLES)
+            disconnects = await _run_client("disconnect", ports["frontend"], rpc_dir)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert isinstance(disconnects, list)
+    med = statistics.median
+
+    def rate(name: str) -> float:
+        return med(r for r, _ in rps[name])
+
+    def cpu(name: str) -> float:
+        return med(c for _, c in rps[name])
+
+    http_ttft_p50, async_ttft_p50 = med(http_ttft), med(async_ttft)
+    dis = sorted(disconnects)
+    return {
+        "http_rps_ratio_vs_floor": round(rate("frontend") / rate("floor"), 3),
+        "frontend_rps": round(rate("frontend")),
+        "floor_rps": round(rate("floor")),
+        "floor_starlette_rps": round(rate("starlette")),
+        "cpu_ratio_vs_floor": round(cpu("floor") / cpu("frontend"), 3),
+        "frontend_cpu_us_per_request": round(cpu("frontend")),
+        "floor_cpu_us_per_request": round(cpu("floor")),
+        "floor_starlette_cpu_us_per_request": round(cpu("starlette")),
+        "stream_tokens_ratio_vs_async": round(med(http_streams) / med(async_streams), 3),
+        "http_stream_tokens_per_s": round(med(http_streams)),
+        "async_stream_tokens_per_s": round(med(async_streams)),
+        "ttft_overhead_ms_p50": round(http_ttft_p50 - async_ttft_p50, 3),
+        "http_ttft_ms_p50": round(http_ttft_p50, 3),
+        "async_ttft_ms_p50": round(async_ttft_p50, 3),
+        "loop_lag_ms_p99": _p99_bound(bounds, before, after) * 1e3,
+        "disconnect_to_free_ms_p99": round(dis[min(len(dis) - 1, int(len(dis) * 0.99))], 3),
+        "disconnect_to_free_ms_p50": round(med(dis), 3),
+        "bars": {"http_rps_ratio_vs_floor": ">= 0.5", "stream_tokens_ratio_vs_async": ">= 0.8",
+                 "ttft_overhead_ms_p50": "<= 1.0", "loop_lag_ms_p99": "<= 10",
+                 "disconnect_to_free_ms_p99": "<= 50"},
+        "load_avg_1m": os.getloadavg()[0],
+        "client": "raw asyncio HTTP/1.1, own process",
+        "server": "uvicorn (loop=auto, http=auto), zmq mode, stub model",
+    }
+
+
+def main() -> None:
+    print(json.dumps(asyncio.run(run())))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "client":
+        client(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "floor":
+        serve_floor(int(sys.argv[2]), sys.argv[3])
+    else:
+        main()

@@ -1,0 +1,151 @@
+"""``python -m frontend``: serve the OpenAI-compatible API on 127.0.0.1:8000."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+
+from bus import CurveKeys, SocketOptions
+from frontend.app import MAX_BODY_BYTES, Frontend, Settings
+from frontend.errors import TokenizerError
+from frontend.tokenizer import load_tokenizer
+from scheduler import Limits, ModelConfig
+
+log = logging.getLogger("frontend")
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (see ``python -m frontend --help``)."""
+    p = argparse.ArgumentParser(prog="python -m frontend",
+                                description="An OpenAI-compatible HTTP server over the bus.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mode", choices=["ring", "zmq"], default="ring",
+                   help="ring: the scheduler runs in this process (a thread, fed through an "
+                        "in-process ring); zmq: in its own process")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-queued-requests", type=int, default=Limits().max_queued_requests,
+                   help="requests waiting beyond this are answered 503 (Retry-After)")
+    p.add_argument("--max-queued-tokens", type=int, default=Limits().max_queued_tokens)
+    p.add_argument("--max-backlog", type=int, default=Limits().max_backlog)
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="request bodies past this are answered 413")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of a chat request that gives none")
+    p.add_argument("--tokenizer", metavar="DIR_OR_FILE", default=None,
+                   help="a Hugging Face tokenizer.json (or a directory with one and its "
+                        "tokenizer_config.json); default: --model's directory, else the "
+                        "built-in byte-level tokenizer")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="a Hugging Face model directory (needs the engine's model support)")
+    p.add_argument("--tiny-model", choices=["gru", "stub"], default="gru",
+                   help="without --model: the small seeded GRU, or a zero-cost stub "
+                        "(benchmarks)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients give (default: 'tiny', or --model's name)")
+    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve /metrics (the scheduler's families and the HTTP ones)")
+    p.add_argument("--endpoint", metavar="DIR_OR_TCP", default=None,
+                   help="serve the scheduler's rpc endpoint here: ipc://DIR/rpc (DIR made "
+                        "0700), or a tcp:// endpoint; default: a private temporary directory")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a tcp rpc endpoint beyond loopback (use CURVE then)")
+    p.add_argument("--curve-keys", metavar="SECRET_FILE",
+                   help="the rpc endpoint's CURVE key pair (a zmq .key_secret file)")
+    p.add_argument("--curve-allow", metavar="PUBLIC_FILE", nargs="*", default=None,
+                   help="client public key files admitted (with --curve-keys)")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                   help="uvicorn's event loop (auto: uvloop when installed)")
+    p.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
+                   help="uvicorn's HTTP parser (auto: httptools when installed)")
+    return p.parse_args(argv)
+
+
+def _model(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    if args.model is not None:
+        # SEAM(models): `AsyncEngine(model=DIR)` (Hugging Face models from a local
+        # directory) is another helper's work; pass args.model through here once it
+        # exists. Until then a model directory only provides the tokenizer.
+        raise SystemExit("--model DIR needs the engine's Hugging Face model support, "
+                         "which this build does not have yet; use --tokenizer DIR for "
+                         "the tokenizer alone")
+    return ModelConfig(vocab_size=vocab_size, kind=args.tiny_model)
+
+
+def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> str:
+    """``ipc://DIR/rpc`` (DIR private, made when missing), or the tcp endpoint as given."""
+    spec: str | None = args.endpoint
+    if spec is not None and spec.startswith("tcp://"):
+        return spec
+    if spec is None:
+        spec = tempfile.mkdtemp(prefix="tsb-frontend-")
+    from scheduler.__main__ import private_dir  # the check `serve --endpoint DIR` makes
+    try:
+        return f"ipc://{private_dir(spec)}/rpc"
+    except OSError as exc:
+        raise parser_error(f"--endpoint: {exc}") from exc
+
+
+def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
+    """The app the arguments describe.
+
+    Raises:
+        SystemExit: a bad combination of arguments, or an unreadable tokenizer.
+    """
+    if (args.tp_size > 1 or args.dp_size > 1) and args.mode != "zmq":
+        raise SystemExit("--tp-size and --dp-size above 1 need --mode zmq (each rank and "
+                         "replica is a process)")
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
+    except TokenizerError as exc:
+        raise SystemExit(str(exc)) from exc
+    try:
+        keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
+        if (args.curve_allow is not None) != (keys is not None):
+            raise SystemExit("--curve-keys and --curve-allow go together")
+        allowed = [CurveKeys.public_of(f) for f in args.curve_allow] \
+            if keys is not None else None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"CURVE keys: {exc}") from exc
+    try:
+        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
+                                      if args.model else "tiny")
+    settings = Settings(
+        mode=args.mode, model=_model(args, tokenizer.vocab_size), model_name=name,
+        max_batch=args.max_batch, tp_size=args.tp_size, dp_size=args.dp_size, limits=limits,
+        metrics=args.metrics, max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens, rpc_endpoint=_rpc_endpoint(SystemExit, args),
+        rpc_options=SocketOptions(allow_remote=args.allow_remote, curve_keys=keys),
+        curve_clients=allowed)
+    return settings, Frontend(settings, tokenizer)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve until interrupted."""
+    import uvicorn
+
+    args = parse(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
+                                                               "%(message)s")
+    settings, app = settings_from(args)
+    print(f"frontend: model {settings.model_name!r} ({app.tokenizer.name} tokenizer, "
+          f"{settings.mode} mode) on http://{args.host}:{args.port}/v1; scheduler rpc at "
+          f"{settings.rpc_endpoint}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False, loop=args.loop, http=args.http, lifespan="on",
+                timeout_graceful_shutdown=5)  # open streams get 5 s, then end with an error
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""The ASGI app: routes, the engine's lifetime, and every answer that is not generation.
+
+``Frontend(settings, tokenizer)`` is an ASGI 3 application. Its lifespan
+starts the :class:`~scheduler.AsyncEngine` (and the rpc door, when an
+endpoint is given) on the server's event loop and closes them at shutdown.
+Routes::
+
+    POST /v1/completions        frontend.generate
+    POST /v1/chat/completions   frontend.generate
+    POST /v1/embeddings         unit-norm vectors (float lists or base64)
+    GET  /v1/models             the one model served
+    GET  /health                200 while the scheduler answers, 503 once it is gone
+    GET  /metrics               the scheduler's families, then the HTTP ones
+
+Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
+``max_body_bytes`` is a 413 before it is read; a client that leaves aborts
+its request (:class:`~frontend.asgi.Conn`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from bus import SocketOptions
+from frontend.asgi import (
+    JSON,
+    TEXT,
+    Conn,
+    Disconnected,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_bytes,
+    send_error,
+)
+from frontend.errors import ApiError, bad_request, from_engine
+from frontend.generate import GenerateSettings, Generator
+from frontend.metrics import HttpMetrics
+from frontend.rpc_door import RpcDoor
+from frontend.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    ModelCard,
+    ModelList,
+    decode,
+    encode,
+)
+from frontend.tokenizer import Tokenizer
+from scheduler import AsyncEngine, EngineError, Limits, ModelConfig, SchedulerGone
+
+__all__ = ["Frontend", "Settings"]
+
+log = logging.getLogger("frontend")
+
+#: The default bound on a request body (bytes): 4 MiB, a 1M-token prompt as ids.
+MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How the server runs: the engine's mode and limits, the model, the HTTP bounds.
+
+    Attributes:
+        rpc_endpoint: where the rpc door listens (``ipc://DIR/rpc`` or
+            ``tcp://``); None for no door.
+        rpc_options, curve_clients: the door's socket options and the CURVE
+            public keys it admits (None: no CURVE).
+    """
+
+    mode: Literal["ring", "zmq"] = "ring"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    model_name: str = "tiny"
+    max_batch: int = 64
+    tp_size: int = 1
+    dp_size: int = 1
+    limits: Limits = field(default_factory=Limits)
+    metrics: bool = True
+    max_body_bytes: int = MAX_BODY_BYTES
+    default_max_tokens: int = 256
+    rpc_endpoint: str | None = None
+    rpc_options: SocketOptions = field(default_factory=SocketOptions)
+    curve_clients: list[bytes] | None = None
+
+
+Handler = Callable[[Scope, Receive, Send, float], Awaitable[int]]
+
+
+def _engine(s: Settings) -> AsyncEngine:
+    """The engine ``s`` describes (not started)."""
+    return AsyncEngine(s.mode, s.model, max_batch=s.max_batch, tp_size=s.tp_size,
+                       dp_size=s.dp_size, limits=s.limits, metrics=s.metrics)
+
+
+class Frontend:
+    """The OpenAI-compatible ASGI application (see the module docstring).
+
+    ``engine`` builds the (unstarted) engine from the settings; the default
+    builds :class:`~scheduler.AsyncEngine` from them. A subclass of it may
+    stand in (tests script its tokens).
+    """
+
+    def __init__(self, settings: Settings, tokenizer: Tokenizer, *,
+                 engine: Callable[[Settings], AsyncEngine] | None = None) -> None:
+        self.settings = settings
+        self._make_engine = engine or _engine
+        self.tokenizer = tokenizer
+        self.metrics = HttpMetrics() if settings.metrics else None
+        self.engine: AsyncEngine | None = None
+        self.door: RpcDoor | None = None
+        self._gen: Generator | None = None
+        self._gone = False
+        self._lag: asyncio.Task[None] | None = None
+        self._started = int(time.time())
+        self._routes: dict[tuple[str, str], tuple[str, Handler]] = {
+            ("POST", "/v1/completions"): ("completions", self._completions),
+            ("POST", "/v1/chat/completions"): ("chat", self._chat),
+            ("POST", "/v1/embeddings"): ("embeddings", self._embeddings),
+            ("GET", "/v1/models"): ("models", self._models),
+            ("GET", "/health"): ("health", self._health),
+            ("GET", "/metrics"): ("metrics", self._metrics),
+        }
+        self._paths = {path for _, path in self._routes}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine (and the rpc door) on the running loop.
+
+        Raises:
+            RpcTimeout, SchedulerGone: the scheduler did not come up.
+            EndpointInUse: the rpc endpoint is served by a live listener.
+        """
+        s = self.settings
+        engine = self._make_engine(s)
+        await engine.start()
+        self.engine = engine
+        if s.rpc_endpoint is not None:
+            self.door = RpcDoor(s.rpc_endpoint, engine.endpoints.rpc, options=s.rpc_options,
+                                curve_clients=s.curve_clients)
+        self._gen = Generator(engine, self.tokenizer,
+                              GenerateSettings(s.model_name, s.default_max_tokens), self.metrics)
+        if self.metrics is not None:
+            self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())
+
+    async def close(self) -> None:
+        """Stop the door, then finish and close the engine. Idempotent."""
+        if self._lag is not None:
+            self._lag.cancel()
+        if self.door is not None:
+            self.door.close()
+        if self.engine is not None:
+            await self.engine.close()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            event = await receive()
+            if event["type"] == "lifespan.startup":
+                try:
+                    await self.start()
+                except Exception as exc:
+                    log.exception("the engine did not start")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif event["type"] == "lifespan.shutdown":
+                await self.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        t0 = time.perf_counter()
+        method, path = scope["method"], scope["path"]
+        assert isinstance(method, str) and isinstance(path, str)
+        route = self._routes.get((method, path))
+        endpoint = route[0] if route is not None else "other"
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.in_flight.inc()
+        status = 500
+        try:
+            if route is None:
+                raise ApiError(405, f"{method} is not allowed on {path}", code="bad_method") \
+                    if path in self._paths else \
+                    ApiError(404, f"no route {method} {path}", code="not_found")
+            status = await route[1](scope, receive, send, t0)
+        except ApiError as exc:
+            status = exc.status
+            await send_error(send, exc)
+        except Disconnected:
+            status = 499  # nginx's "client closed request": nothing was sent
+        except EngineError as exc:  # raised outside a generation's own conversion
+            error = from_engine(exc)
+            status = error.status
+            await send_error(send, error)
+        finally:
+            if metrics is not None:
+                metrics.in_flight.dec()
+                metrics.answered(endpoint, status)
+
+    async def _guarded(self, receive: Receive, run: Callable[[Conn], Awaitable[int]]) -> int:
+        """Run ``run`` while watching the connection: a client that leaves cancels it
+        (its request is aborted) and the answer is 499."""
+        conn = Conn(receive)
+        try:
+            return await run(conn)
+        except asyncio.CancelledError:
+            if not conn.gone:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            return 499
+        except SchedulerGone:
+            self._gone = True
+            raise
+        finally:
+            conn.close()
+
+    def _generator(self) -> Generator:
+        if self._gen is None or self._gone:
+            raise ApiError(503, "the scheduler is not available", type="server_error",
+                           code="scheduler_unavailable")
+        return self._gen
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+        body = await read_body(scope, receive, self.settings.max_body_bytes)
+        req = decode(body, CompletionRequest)
+        gen = self._generator()
+        return await self._guarded(receive, lambda _: gen.completion(req, send, t0))
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+        body = await read_body(scope, receive, self.settings.max_body_bytes)
+        req = decode(body, ChatCompletionRequest)
+        gen = self._generator()
+        return await self._guarded(receive, lambda _: gen.chat(req, send, t0))
+
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+        body = await read_body(scope, receive, self.settings.max_body_bytes)
+        req = decode(body, EmbeddingRequest)
+        gen = self._generator()
+        gen.check_model(req.model)
+        if req.dimensions is not None and req.dimensions != self.settings.model.hidden:
+            raise bad_request(f"dimensions: this model's embeddings have "
+                              f"{self.settings.model.hidden} dimensions", param="dimensions",
+                              code="unsupported_value")
+        texts = await self._embedding_inputs(gen, req)
+        engine = gen.engine
+
+        async def run(_: Conn) -> int:
+            try:
+                vectors = await asyncio.gather(*(engine.embed(ids) for ids in texts))
+            except EngineError as exc:
+                raise from_engine(exc) from None
+            data = [EmbeddingData(i, base64.b64encode(np.ascontiguousarray(
+                v, "<f4").tobytes()).decode() if req.encoding_format == "base64"
+                else v.tolist()) for i, v in enumerate(vectors)]
+            n = sum(len(t) for t in texts)
+            await send_bytes(send, 200, encode(EmbeddingResponse(
+                data, req.model, EmbeddingUsage(n, n))))
+            return 200
+
+        return await self._guarded(receive, run)
+
+    async def _embedding_inputs(self, gen: Generator, req: EmbeddingRequest) -> list[list[int]]:
+        raw = req.input
+        if isinstance(raw, str):
+            texts = [await gen.tokenize(raw, special=True)]
+        elif all(isinstance(x, int) for x in raw):
+            texts = [[x for x in raw if isinstance(x, int)]]
+        elif all(isinstance(x, str) for x in raw):
+            texts = [await gen.tokenize(x, special=True) for x in raw if isinstance(x, str)]
+        elif all(isinstance(x, list) for x in raw):
+            texts = [x for x in raw if isinstance(x, list)]
+        else:
+            raise bad_request("input: mixes strings, token ids and lists of token ids; give "
+                              "one kind", param="input")
+        vocab = self.tokenizer.vocab_size
+        for i, ids in enumerate(texts):
+            if not ids:
+                raise bad_request(f"input[{i}] is empty (no tokens)", param="input")
+            if max(ids) >= vocab:
+                raise bad_request(f"input[{i}]: token id {max(ids)} is outside the "
+                                  f"vocabulary (0..{vocab - 1})", param="input")
+        return texts
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+        card = ModelCard(self.settings.model_name, self._started)
+        await send_bytes(send, 200, encode(ModelList([card])))
+        return 200
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+        engine = self.engine
+        if engine is None or self._gone or engine.closed:
+            raise ApiError(503, "the scheduler is not running", type="server_error",
+                           code="scheduler_unavailable")
+        try:
+            reply = await engine.collective_rpc("get_load", timeout=5.0)
+        except Exception as exc:
+            if isinstance(exc, SchedulerGone):
+                self._gone = True
+            raise ApiError(503, f"the scheduler does not answer: {exc}", type="server_error",
+                           code="scheduler_unavailable") from None
+        if not reply.success:
+            raise ApiError(503, f"the scheduler answered get_load with a failure: "
+                                f"{reply.message}", type="server_error",
+                           code="scheduler_unavailable")
+        await send_bytes(send, 200, b'{"status":"ok"}', JSON)
+        return 200
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+        if self.metrics is None or self.engine is None:
+            raise ApiError(404, "metrics are off (--no-metrics)", code="not_found")
+        try:
+            text = (await self.engine.metrics(timeout=5.0)).encode()
+        except EngineError as exc:
+            raise ApiError(503, f"the scheduler's metrics are not available: {exc}",
+                           type="server_error", code="scheduler_unavailable") from None
+        await send_bytes(send, 200, text + self.metrics.text(), TEXT)
+        return 200

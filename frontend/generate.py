@@ -1,0 +1,299 @@
+"""Completions and chat completions: tokens in through the engine, text out to the client.
+
+One request at a time per handler call, on the event loop: the prompt is
+tokenized (off the loop when long), the answer is read from the
+:class:`~scheduler.AsyncEngine` and detokenized per step
+(:class:`~frontend.detokenizer.Detokenizer`), and sent whole or as
+Server-Sent Events, one per scheduler step (``data: {...}``, ending
+``data: [DONE]``). The first step is awaited before the response starts,
+so a refusal (``Overloaded``: 503 with ``Retry-After``) is still an HTTP
+error, not an event inside a 200. Leaving the engine's stream early (a stop
+string, a client gone) aborts the request, so the scheduler frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import msgspec
+
+from frontend.asgi import SSE, Send, send_bytes
+from frontend.chat import ChatTemplate
+from frontend.detokenizer import Detokenizer
+from frontend.errors import ApiError, bad_request, from_engine
+from frontend.metrics import HttpMetrics
+from frontend.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    TokenLogprob,
+    Usage,
+    check_supported,
+    encode,
+)
+from frontend.tokenizer import Tokenizer
+from messages import SamplingParams, packed_u32
+from scheduler import AsyncEngine, EngineError, StreamChunk
+
+__all__ = ["Generator", "GenerateSettings"]
+
+#: Prompts longer than this (characters) are tokenized off the event loop.
+_TOKENIZE_INLINE = 16384
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateSettings:
+    """What a generation needs besides the request.
+
+    Attributes:
+        model_name: the one model this server serves (any other is a 404).
+        default_max_tokens: ``max_tokens`` when a request gives none
+            (completions: OpenAI's 16; chat: this).
+    """
+
+    model_name: str
+    default_max_tokens: int = 256
+
+
+class _Shape:
+    """How one endpoint spells an answer: a completion or a chat completion."""
+
+    def __init__(self, chat: bool, rid: str, model: str, tok: Tokenizer) -> None:
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
+        self.created = int(time.time())
+        self.model = model
+        self._tok = tok
+        self._first = True
+
+    def _logprobs(self, ids: Sequence[int], lps: Sequence[float] | None
+                  ) -> CompletionLogprobs | ChatLogprobs | None:
+        if lps is None:
+            return None
+        pieces = [self._tok.piece(i) for i in ids]
+        if self.chat:
+            return ChatLogprobs([TokenLogprob(p, lp, list(p.encode()))
+                                 for p, lp in zip(pieces, lps, strict=True)])
+        return CompletionLogprobs(pieces, list(lps))
+
+    def event(self, text: str, finish: str | None, ids: Sequence[int],
+              lps: Sequence[float] | None, usage: Usage | None) -> bytes:
+        lp = self._logprobs(ids, lps)
+        body: msgspec.Struct
+        if self.chat:
+            role = "assistant" if self._first else None
+            self._first = False
+            assert lp is None or isinstance(lp, ChatLogprobs)
+            body = ChatCompletionChunk(self.id, self.created, self.model, [ChatChunkChoice(
+                0, ChatDelta(role, text if text or role is None else ""), finish, lp)],
+                usage=usage)
+        else:
+            assert lp is None or isinstance(lp, CompletionLogprobs)
+            body = Completion(self.id, self.created, self.model,
+                              [CompletionChoice(0, text, finish, lp)], usage=usage)
+        return b"data: " + encode(body) + b"\n\n"
+
+    def usage_event(self, usage: Usage) -> bytes:
+        body = ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage) \
+            if self.chat else Completion(self.id, self.created, self.model, [], usage=usage)
+        return b"data: " + encode(body) + b"\n\n"
+
+    def whole(self, text: str, finish: str, ids: Sequence[int], lps: Sequence[float] | None,
+              usage: Usage) -> bytes:
+        lp = self._logprobs(ids, lps)
+        if self.chat:
+            assert lp is None or isinstance(lp, ChatLogprobs)
+            return encode(ChatCompletion(self.id, self.created, self.model,
+                                         [ChatChoice(0, ChatMessageOut(text), finish, lp)],
+                                         usage))
+        assert lp is None or isinstance(lp, CompletionLogprobs)
+        return encode(Completion(self.id, self.created, self.model,
+                                 [CompletionChoice(0, text, finish, lp)], usage=usage))
+
+
+class Generator:
+    """Answers ``/v1/completions`` and ``/v1/chat/completions`` over one engine."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: GenerateSettings,
+                 metrics: HttpMetrics | None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.template = ChatTemplate(tokenizer)
+        self.settings = settings
+        self.metrics = metrics
+        self._seq = itertools.count()
+        self._vocab = tokenizer.vocab_size
+
+    def check_model(self, model: str) -> None:
+        """Raises: ApiError: 404 when ``model`` is not the one served."""
+        if model != self.settings.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist here: this server "
+                                f"serves {self.settings.model_name!r} (GET /v1/models)",
+                           param="model", code="model_not_found")
+
+    async def tokenize(self, text: str, *, special: bool) -> list[int]:
+        """``text``'s ids; a long text is tokenized off the event loop."""
+        if len(text) <= _TOKENIZE_INLINE:
+            return self.tokenizer.encode(text, add_special_tokens=special)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            None, lambda: self.tokenizer.encode(text, add_special_tokens=special))
+
+    async def completion(self, req: CompletionRequest, send: Send, t0: float) -> int:
+        """Answer a completion; returns the HTTP status sent.
+
+        Raises:
+            ApiError: before anything was sent (400, 404, 503, ...).
+        """
+        check_supported(req)
+        self.check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            ids = await self.tokenize(prompt, special=True)
+        elif all(isinstance(t, int) for t in prompt):
+            ids = [t for t in prompt if isinstance(t, int)]
+            bad = next((t for t in ids if t >= self._vocab), None)
+            if bad is not None:
+                raise bad_request(f"prompt: token id {bad} is outside the vocabulary "
+                                  f"(0..{self._vocab - 1})", param="prompt")
+        else:
+            raise bad_request("prompt: a list of prompts (a batch) is not supported; send "
+                              "one prompt, as a string or a list of token ids, per request",
+                              param="prompt", code="unsupported_value")
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        return await self._answer(_Shape(False, str(next(self._seq)), req.model,
+                                         self.tokenizer),
+                                  ids, req, max_tokens, req.stops(), [], req.logprobs is not None,
+                                  send, t0, "completions")
+
+    async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:
+        """Answer a chat completion; returns the HTTP status sent.
+
+        Raises:
+            ApiError: before anything was sent (400, 404, 503, ...).
+        """
+        check_supported(req)
+        self.check_model(req.model)
+        text = self.template.render(req.messages, req.add_generation_prompt)
+        ids = await self.tokenize(text, special=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens if req.max_tokens is not None \
+            else self.settings.default_max_tokens
+        return await self._answer(_Shape(True, str(next(self._seq)), req.model, self.tokenizer),
+                                  ids, req, max_tokens, [*req.stops(), *self.template.stops],
+                                  self.template.stop_ids, req.logprobs, send, t0, "chat")
+
+    def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                  extra_stop_ids: Sequence[int]) -> SamplingParams:
+        stop_ids = list(req.stop_token_ids or ())
+        if not req.ignore_eos:
+            eos = self.tokenizer.eos_token_id
+            stop_ids.extend(i for i in (eos, *extra_stop_ids) if i is not None)
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
+                                  top_p=req.top_p, top_k=max(req.top_k, 0),
+                                  stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
+                                  if stop_ids else None, seed=req.seed)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"sampling: {exc}") from None
+
+    async def _answer(self, shape: _Shape, ids: list[int],
+                      req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                      stops: list[str], extra_stop_ids: Sequence[int], logprobs: bool,
+                      send: Send, t0: float, endpoint: str) -> int:
+        if not ids:
+            raise bad_request("the prompt is empty (no tokens)", param="prompt"
+                              if not shape.chat else "messages")
+        sampling = self._sampling(req, max_tokens, extra_stop_ids)
+        detok = Detokenizer(self.tokenizer, stops, ids)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        try:
+            if not req.stream and not stops:  # one awaitable, no stream: the cheap path
+                result = await self.engine.submit(ids, sampling, return_logprob=logprobs)
+                text = detok.push(result.token_ids) + detok.finish()
+                usage = Usage(len(ids), len(result.token_ids), len(ids) + len(result.token_ids))
+                body = shape.whole(text, result.finish_reason, result.token_ids,
+                                   result.logprobs, usage)
+                self._first_token(endpoint, t0)
+                await send_bytes(send, 200, body)
+                return 200
+            return await self._stream(shape, ids, sampling, detok, logprobs, req.stream,
+                                      include_usage, send, t0, endpoint)
+        except EngineError as exc:
+            raise from_engine(exc) from None
+
+    def _first_token(self, endpoint: str, t0: float) -> None:
+        if self.metrics is not None:
+            self.metrics.first_token(endpoint, time.perf_counter() - t0)
+
+    async def _stream(self, shape: _Shape, ids: list[int], sampling: SamplingParams,
+                      detok: Detokenizer, logprobs: bool, stream: bool, include_usage: bool,
+                      send: Send, t0: float, endpoint: str) -> int:
+        chunks = cast(AsyncGenerator[StreamChunk, None],
+                      self.engine.stream(ids, sampling, return_logprob=logprobs))
+        it = aiter(chunks)
+        started = False
+        pieces: list[str] = []  # the non-streamed answer with stop strings
+        out_ids: list[int] = []
+        out_lps: list[float] | None = [] if logprobs else None
+        try:
+            chunk: StreamChunk = await anext(it)  # a refusal is still an HTTP error here
+            while True:
+                text = detok.push(chunk.token_ids)
+                finish = "stop" if detok.stopped else chunk.finish_reason
+                if finish is not None:
+                    text += detok.finish()
+                if not stream:
+                    pieces.append(text)
+                    out_ids.extend(chunk.token_ids)
+                    if out_lps is not None and chunk.logprobs is not None:
+                        out_lps.extend(chunk.logprobs)
+                elif text or finish is not None or chunk.logprobs:
+                    data = shape.event(text, finish, chunk.token_ids, chunk.logprobs, None)
+                    if finish is not None:
+                        if include_usage:
+                            data += shape.usage_event(self._usage(ids, detok))
+                        data += _DONE
+                    if not started:
+                        started = True
+                        self._first_token(endpoint, t0)
+                        await send({"type": "http.response.start", "status": 200,
+                                    "headers": SSE})
+                    await send({"type": "http.response.body", "body": data,
+                                "more_body": finish is None})
+                if finish is not None:
+                    break
+                chunk = await anext(it)
+        except EngineError as exc:
+            if not started:
+                raise
+            error = from_engine(exc)
+            await send({"type": "http.response.body", "body": b"data: " + error.body()
+                        + b"\n\n" + _DONE})
+            return 200
+        finally:
+            await chunks.aclose()  # not finished (a stop string, a client gone): abort
+        if not stream:
+            self._first_token(endpoint, t0)
+            await send_bytes(send, 200, shape.whole(
+                "".join(pieces), finish, out_ids[:detok.tokens], out_lps, self._usage(ids, detok)))
+        return 200
+
+    @staticmethod
+    def _usage(ids: Sequence[int], detok: Detokenizer) -> Usage:
+        return Usage(len(ids), detok.tokens, len(ids) + detok.tokens)

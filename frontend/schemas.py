@@ -1,0 +1,392 @@
+"""OpenAI's request and response bodies as ``msgspec`` structs, validated at the door.
+
+A request body decodes in one call (:func:`decode`) into its struct; every
+constraint (ranges, lengths, enums) lives in the type, as it does for the
+bus's messages, so a bad body fails there with a 400 naming the field
+(:func:`decode` converts msgspec's error at one place). Unknown fields are
+refused, not ignored: an option this server does not implement (``tools``,
+``response_format``, ...) is a clear 400 naming it. The options OpenAI
+clients may send at their defaults (``n``, the penalties, ``logit_bias``)
+are accepted at those defaults and refused otherwise (:func:`check_supported`).
+
+Response bodies are structs too, encoded by one module-level encoder.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, TypeVar
+
+import msgspec
+
+from frontend.errors import ApiError, bad_request
+
+__all__ = [
+    "ChatChoice",
+    "ChatChunkChoice",
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatDelta",
+    "ChatLogprobs",
+    "ChatMessage",
+    "ChatMessageOut",
+    "Completion",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "ContentPart",
+    "EmbeddingData",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
+    "ModelCard",
+    "ModelList",
+    "StreamOptions",
+    "TokenLogprob",
+    "Usage",
+    "check_supported",
+    "decode",
+    "encode",
+]
+
+#: The most tokens one answer may ask for (the scheduler's own bound).
+MAX_NEW_TOKENS = 1 << 20
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=16)] | None
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+#: ``-1`` (vLLM's spelling) and ``0`` both mean no top-k filter.
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=1 << 20)]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+MaxTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+ModelName = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A request body: unknown fields are refused, never silently ignored."""
+
+
+class StreamOptions(_Body, kw_only=True):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Body, kw_only=True):
+    """The sampling fields completions and chat share."""
+
+    model: ModelName
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
+    stop: Stop = None
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=256)] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+    def stops(self) -> list[str]:
+        """The stop strings, as a list (empty when none)."""
+        stop = self.stop
+        return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
+
+    prompt: Annotated[str, msgspec.Meta(max_length=1 << 24)] | Annotated[
+        list[TokenId | str], msgspec.Meta(max_length=1 << 20)]
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class ContentPart(_Body, kw_only=True):
+    """One part of a message's content (text only: no images here)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body, kw_only=True):
+    """One message of a conversation."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=1024)] | None = None
+    name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        content = self.content
+        if content is None:
+            return ""
+        return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/chat/completions``: ``messages`` rendered by the chat template."""
+
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=4096)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = True
+
+
+class EmbeddingRequest(_Body, kw_only=True):
+    """``POST /v1/embeddings``: one text, a batch of texts, or token ids."""
+
+    model: ModelName
+    input: Annotated[str, msgspec.Meta(max_length=1 << 24)] | Annotated[
+        list[TokenId | str | list[TokenId]], msgspec.Meta(min_length=1, max_length=2048)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
+# -- responses ------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct):
+    """Token counts of one answer."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The sampled tokens' log-probabilities (no alternatives: ``top_logprobs`` null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int] | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    """One answer (or one streamed piece of it) of a completion."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(msgspec.Struct):
+    """A completion, or one chunk of a streamed one (same object type, as OpenAI's)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | None = None
+
+
+class ChatMessageOut(msgspec.Struct):
+    """The assistant's message."""
+
+    content: str
+    role: str = "assistant"
+
+
+class TokenLogprob(msgspec.Struct):
+    """One sampled token of a chat answer and its log-probability."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[int] = msgspec.field(default_factory=list)
+
+
+class ChatLogprobs(msgspec.Struct):
+    """``choices[i].logprobs`` of a chat answer."""
+
+    content: list[TokenLogprob]
+
+
+class ChatChoice(msgspec.Struct):
+    """One answer of a chat completion."""
+
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    """A chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    """What a streamed chat chunk adds to the message."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    """One choice of a streamed chat chunk."""
+
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """One Server-Sent Event of a streamed chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None = None
+
+
+class EmbeddingData(msgspec.Struct):
+    """One embedding (a list of floats, or base64 of float32 little-endian)."""
+
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    """Token counts of an embedding request."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct):
+    """The answer to ``POST /v1/embeddings``."""
+
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+class ModelCard(msgspec.Struct):
+    """One served model."""
+
+    id: str
+    created: int
+    owned_by: str = "typed-sched-bus"
+    object: str = "model"
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    """The answer to ``GET /v1/models``."""
+
+    data: list[ModelCard]
+    object: str = "list"
+
+
+# -- the door ---------------------------------------------------------------------
+
+B = TypeVar("B", bound=_Body)
+
+_DECODERS: dict[type[_Body], msgspec.json.Decoder[_Body]] = {}
+_ENCODER = msgspec.json.Encoder()
+#: ``... - at `$.messages[0].content` `` -> ``messages[0].content``
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_FIELD = re.compile(r"field `([^`]+)`")
+
+
+def decode(body: bytes, kind: type[B]) -> B:
+    """Decode and validate a request body as ``kind``.
+
+    Raises:
+        ApiError: 400: the body is not JSON (code ``invalid_json``), or a
+            field is missing, unknown, of the wrong type or out of range
+            (``param`` names it, as a path like ``messages[0].role``).
+    """
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    try:
+        value = decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _field_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    assert isinstance(value, kind)
+    return value
+
+
+def _field_error(text: str) -> ApiError:
+    """A 400 from msgspec's message: flat, one regex each (a cold path attackers reach)."""
+    text = text[:1000]
+    at = _AT.search(text)
+    path = at.group(1) if at else ""
+    field = _FIELD.search(text)
+    if field and ("unknown field" in text or "missing required field" in text):
+        path = f"{path}.{field.group(1)}" if path else field.group(1)
+        if "unknown field" in text:
+            return bad_request(f"unsupported field {path!r}: this server does not implement "
+                               f"it (remove it from the request)", param=path,
+                               code="unsupported_field")
+    message = _AT.sub("", text)
+    return bad_request(f"{path or 'body'}: {message}", param=path or None)
+
+
+def encode(body: msgspec.Struct) -> bytes:
+    """A response body as JSON."""
+    return _ENCODER.encode(body)
+
+
+def check_supported(req: _Sampling) -> None:
+    """Refuse what is declared but not implemented, at a non-default value.
+
+    Raises:
+        ApiError: 400 naming the option (``n > 1``, a penalty, ``logit_bias``,
+            ``echo``, ``suffix``, ``best_of > 1``, ``top_logprobs > 0``).
+    """
+    if req.n != 1:
+        raise _unsupported("n", "n > 1 is not supported: send one request per answer")
+    if req.presence_penalty or req.frequency_penalty:
+        field = "presence_penalty" if req.presence_penalty else "frequency_penalty"
+        raise _unsupported(field, f"{field} is not supported (must be 0)")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias is not supported")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise _unsupported("echo", "echo is not supported")
+        if req.suffix is not None:
+            raise _unsupported("suffix", "suffix is not supported")
+        if req.best_of not in (None, 1):
+            raise _unsupported("best_of", "best_of > 1 is not supported")
+        if req.logprobs:
+            raise _unsupported("logprobs", "only the sampled tokens' logprobs are available: "
+                                           "use logprobs=0")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs:
+        raise _unsupported("top_logprobs", "top_logprobs > 0 is not supported (the sampled "
+                                           "tokens' logprobs are: logprobs=true)")
+
+
+def _unsupported(param: str, message: str) -> ApiError:
+    return bad_request(message, param=param, code="unsupported_value")

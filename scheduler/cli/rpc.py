@@ -1,0 +1,77 @@
+"""``python -m scheduler rpc DIR METHOD [key=value ...]``: call a running scheduler.
+
+DIR is what ``serve --endpoint DIR`` or ``python -m frontend --endpoint DIR``
+was given (the call goes to ``ipc://DIR/rpc``), or a ``tcp://`` rpc
+endpoint. Each ``key=value`` is a parameter; a value is read as JSON when
+it is a JSON scalar (``n=3``, ``flag=true``, ``x=null``, ``s="3"``), else
+as a plain string (``path=/tmp/model.ckpt``). The reply is printed as one
+JSON object; the exit status is 1 when ``success`` is false (2 when no
+reply came).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import msgspec
+
+from bus import RpcClient
+from messages import BusError, Scalar
+
+__all__ = ["parse_params", "rpc_endpoint", "run_rpc"]
+
+
+def rpc_endpoint(target: str) -> str:
+    """``ipc://DIR/rpc`` for a directory; a ``tcp://`` or ``ipc://`` endpoint as given."""
+    if target.startswith(("tcp://", "ipc://")):
+        return target
+    return f"ipc://{os.path.abspath(target)}/rpc"
+
+
+def parse_params(pairs: Sequence[str]) -> dict[str, Scalar]:
+    """``["path=/tmp/x", "n=3"]`` -> ``{"path": "/tmp/x", "n": 3}``.
+
+    Raises:
+        ValueError: an item has no ``=``, or an empty key.
+    """
+    params: dict[str, Scalar] = {}
+    for pair in pairs:
+        key, eq, raw = pair.partition("=")
+        if not eq or not key:
+            raise ValueError(f"parameter {pair!r} is not key=value")
+        if key in ("timeout", "alive"):
+            raise ValueError(f"parameter {key!r}: the rpc client's own option, not a "
+                             f"method's parameter (use --timeout)")
+        value: Scalar
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = raw
+        value = parsed if parsed is None or isinstance(parsed, bool | int | float | str) \
+            else raw
+        params[key] = value
+    return params
+
+
+def run_rpc(target: str, method: str, pairs: Sequence[str], *, timeout: float = 30.0) -> int:
+    """Call ``method`` on the scheduler at ``target``, print the reply; the exit status."""
+    try:
+        params = parse_params(pairs)
+    except ValueError as exc:
+        print(f"rpc: {exc}", file=sys.stderr)
+        return 2
+    endpoint = rpc_endpoint(target)
+    try:
+        with RpcClient(endpoint, name="rpc-cli") as client:
+            # (``params`` holds neither "timeout" nor "alive": refused above)
+            reply = client.call(method, timeout=timeout, **params)  # type: ignore[arg-type]
+    except (BusError, OSError) as exc:
+        print(f"rpc: {method} at {endpoint}: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(msgspec.json.encode({"rid": reply.rid, "success": reply.success,
+                                          "message": reply.message,
+                                          "result": reply.result}).decode() + "\n")
+    return 0 if reply.success else 1

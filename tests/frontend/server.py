@@ -1,0 +1,83 @@
+"""A real frontend server on 127.0.0.1 (an ephemeral port) in a thread of the test process.
+
+``uvicorn`` serves the app on its own event loop in a thread; the test
+drives it over HTTP with the ``openai`` client or ``httpx``. ``stop()`` asks
+uvicorn to exit (the lifespan closes the engine) and joins the thread.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import cast
+
+import numpy.typing as npt
+import uvicorn
+
+from frontend import Frontend, Settings, Tokenizer
+from messages import SamplingParams
+from scheduler import AsyncEngine, StreamChunk
+from tests.conftest import eventually
+
+
+class Server:
+    """One frontend server, started at construction, stopped by :meth:`stop`."""
+
+    def __init__(self, settings: Settings, tokenizer: Tokenizer, *,
+                 engine: Callable[[Settings], AsyncEngine] | None = None) -> None:
+        self.app = Frontend(settings, tokenizer, engine=engine)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, lifespan="on", log_level="warning",
+                                access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, args=([self._sock],),
+                                        name="frontend-test-server", daemon=True)
+        self._thread.start()
+        eventually(lambda: self._server.started or not self._thread.is_alive(), 60.0,
+                   "the frontend to start")
+        if not self._server.started:
+            self._sock.close()
+            raise RuntimeError("the frontend did not start (see the log)")
+
+    @property
+    def engine(self) -> AsyncEngine:
+        assert self.app.engine is not None
+        return self.app.engine
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(60.0)
+        self._sock.close()
+        assert not self._thread.is_alive(), "the frontend did not stop"
+
+
+class ScriptedEngine(AsyncEngine):
+    """The real engine and scheduler, with each request's k-th new token replaced by
+    ``script[k]``: the steps, their timing and every abort are real; only the ids
+    are the test's (an untrained model's own ids say nothing about CJK text)."""
+
+    script: Sequence[int] = ()
+
+    def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
+               return_logprob: bool = False, rid: str | None = None
+               ) -> AsyncIterator[StreamChunk]:
+        return self._scripted(super().stream(input_ids, sampling,
+                                             return_logprob=return_logprob, rid=rid))
+
+    async def _scripted(self, chunks: AsyncIterator[StreamChunk]
+                        ) -> AsyncIterator[StreamChunk]:
+        k = 0
+        script = self.script
+        try:
+            async for chunk in chunks:
+                n = len(chunk.token_ids)
+                ids = [script[(k + i) % len(script)] for i in range(n)]
+                k += n
+                yield StreamChunk(chunk.rid, ids, chunk.finish_reason, chunk.logprobs)
+        finally:
+            await cast(AsyncGenerator[StreamChunk, None], chunks).aclose()

@@ -1,0 +1,116 @@
+"""The OpenAI surface through a real server, in both modes, with the official client."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.frontend.server import Server
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_whole_and_streamed_agree(server: Server) -> None:
+    c = client(server)
+    whole = c.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0)
+    choice = whole.choices[0]
+    assert choice.finish_reason in ("length", "stop")
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == len(b"Hello")
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    pieces, finishes, usage = [], [], None
+    for chunk in c.completions.create(model="tiny", prompt="Hello", max_tokens=12,
+                                      temperature=0, stream=True,
+                                      stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            finishes.append(chunk.choices[0].finish_reason)
+        else:
+            usage = chunk.usage
+    assert "".join(pieces) == choice.text  # greedy: the same answer, streamed or not
+    assert finishes[-1] == choice.finish_reason and all(f is None for f in finishes[:-1])
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_whole_and_streamed(server: Server) -> None:
+    c = client(server)
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi"}]
+    whole = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                      temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage is not None and whole.usage.completion_tokens <= 10
+    stream = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                       temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_greedy_is_deterministic_and_a_seed_reproduces(server: Server) -> None:
+    c = client(server)
+    greedy = [c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=16,
+                                   temperature=0).choices[0].text for _ in range(2)]
+    assert greedy[0] == greedy[1]
+    seeded = [c.completions.create(model="tiny", prompt="x", max_tokens=16, temperature=1.0,
+                                   seed=7).choices[0].text for _ in range(2)]
+    other = c.completions.create(model="tiny", prompt="x", max_tokens=16, temperature=1.0,
+                                 seed=8).choices[0].text
+    assert seeded[0] == seeded[1]
+    assert other != seeded[0]
+
+
+def test_logprobs(server: Server) -> None:
+    c = client(server)
+    out = c.completions.create(model="tiny", prompt="a", max_tokens=5, temperature=0,
+                               logprobs=0)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+    assert out.usage is not None and len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(v <= 0 for v in lp.token_logprobs)
+
+
+def test_embeddings_float_and_base64(server: Server) -> None:
+    c = client(server)
+    out = c.embeddings.create(model="tiny", input=["hello", "world"])  # base64 by default
+    assert [d.index for d in out.data] == [0, 1]
+    v = np.asarray(out.data[0].embedding)
+    assert v.shape == (128,) and abs(float(np.linalg.norm(v)) - 1.0) < 1e-4
+    assert out.usage.prompt_tokens == 10
+    raw = httpx.post(f"{server.url}/v1/embeddings",
+                     json={"model": "tiny", "input": "hello", "encoding_format": "float"})
+    assert raw.status_code == 200
+    floats = raw.json()["data"][0]["embedding"]
+    assert np.allclose(floats, v, atol=1e-6)
+    b64 = httpx.post(f"{server.url}/v1/embeddings",
+                     json={"model": "tiny", "input": [104, 105], "encoding_format": "base64"})
+    vec = np.frombuffer(base64.b64decode(b64.json()["data"][0]["embedding"]), "<f4")
+    assert vec.shape == (128,)
+
+
+def test_models_health_metrics(server: Server) -> None:
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "tsb_http_requests_total" in text and "tsb_running_requests" in text
+    assert "tsb_http_ttft_seconds_bucket" in text
+
+
+def test_unknown_model_is_404(server: Server) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client(server).completions.create(model="gpt-9", prompt="x", max_tokens=1)
+    assert info.value.status_code == 404
+    body = httpx.post(f"{server.url}/v1/completions",
+                      json={"model": "gpt-9", "prompt": "x"}).json()
+    assert body["error"]["param"] == "model" and body["error"]["code"] == "model_not_found"

@@ -1,0 +1,49 @@
+"""``python -m frontend``'s arguments, without starting a server."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from frontend.__main__ import parse, settings_from
+from tests.frontend.bpe import train_byte_level
+
+
+def test_defaults_are_loopback_ring_byte_level(tmp_path: Path) -> None:
+    args = parse(["--endpoint", str(tmp_path / "ep")])
+    assert (args.host, args.port, args.mode) == ("127.0.0.1", 8000, "ring")
+    settings, app = settings_from(args)
+    assert settings.rpc_endpoint == f"ipc://{tmp_path}/ep/rpc"
+    assert stat.S_IMODE(os.stat(tmp_path / "ep").st_mode) == 0o700
+    assert app.tokenizer.name == "byte-level"
+    assert settings.model.vocab_size == app.tokenizer.vocab_size == 259
+
+
+def test_a_tokenizer_directory_sizes_the_model(tmp_path: Path) -> None:
+    directory = train_byte_level(tmp_path / "tok", vocab_size=400)
+    settings, app = settings_from(parse(["--tokenizer", str(directory),
+                                         "--endpoint", str(tmp_path / "ep")]))
+    assert settings.model.vocab_size == app.tokenizer.vocab_size == 400
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--tp-size", "2"], "need --mode zmq"),
+    (["--tokenizer", "/nonexistent/dir"], "no tokenizer.json"),
+    (["--curve-keys", "x.key_secret"], "CURVE keys"),
+    (["--max-queued-requests", "0"], "limit"),
+])
+def test_bad_arguments_exit_with_a_reason(tmp_path: Path, argv: list[str], says: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        settings_from(parse([*argv, "--endpoint", str(tmp_path / "ep")]))
+    assert says in str(info.value)
+
+
+def test_a_shared_endpoint_directory_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(SystemExit, match="writable"):
+        settings_from(parse(["--endpoint", str(shared)]))

@@ -1,0 +1,112 @@
+"""Errors in OpenAI's shape: 400 naming the field, 404, 405, 413, unsupported options."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from frontend import ByteTokenizer, Settings
+from scheduler import ModelConfig
+from tests.frontend.server import Server
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
+                        max_body_bytes=4096), tok)
+    yield s
+    s.stop()
+
+
+def post(server: Server, path: str, body: object | bytes) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(f"{server.url}{path}", content=body,
+                          headers={"content-type": "application/json"})
+    return httpx.post(f"{server.url}{path}", json=body)
+
+
+def error(r: httpx.Response) -> dict[str, object]:
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "tiny", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "temperature": 9}, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "stop": [""]}, "stop[0]"),
+    ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": 3}},
+     "stream_options.include_usage"),
+    ({"prompt": "x"}, "model"),
+    ({"model": "tiny"}, "prompt"),
+    ({"model": "tiny", "prompt": [1, 99999]}, "prompt"),
+    ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, "n"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 1}, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "tools": []}, "tools"),
+])
+def test_completion_400_names_the_field(server: Server, body: object, param: str) -> None:
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = error(r)
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "tiny", "messages": []}, "messages"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0].type"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+     "top_logprobs"),
+])
+def test_chat_400_names_the_field(server: Server, body: object, param: str) -> None:
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert error(r)["param"] == param
+
+
+def test_malformed_json_is_400(server: Server) -> None:
+    r = post(server, "/v1/completions", b'{"model": "tiny", "prompt": ')
+    assert r.status_code == 400
+    assert error(r)["code"] == "invalid_json"
+    r = post(server, "/v1/completions", b"[1, 2]")
+    assert r.status_code == 400
+
+
+def test_body_past_the_limit_is_413(server: Server) -> None:
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x" * 5000})
+    assert r.status_code == 413
+    assert error(r)["code"] == "body_too_large"
+    # Chunked (no content-length): counted as it arrives.
+    r = httpx.post(f"{server.url}/v1/completions", content=iter([b"{" + b" " * 3000] * 3))
+    assert r.status_code == 413
+
+
+def test_routes(server: Server) -> None:
+    assert httpx.get(f"{server.url}/v1/nowhere").status_code == 404
+    r = httpx.get(f"{server.url}/v1/completions")
+    assert r.status_code == 405
+    assert error(r)["code"] == "bad_method"
+    r = post(server, "/v1/embeddings", {"model": "tiny", "input": ["a", [1]]})
+    assert r.status_code == 400 and error(r)["param"] == "input"
+    r = post(server, "/v1/embeddings", {"model": "tiny", "input": "a", "dimensions": 3})
+    assert r.status_code == 400 and error(r)["param"] == "dimensions"
+
+
+def test_status_counted_in_metrics(server: Server) -> None:
+    post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "n": 3})
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'tsb_http_requests_total{endpoint="completions",status="400"}' in text

@@ -1,0 +1,210 @@
+"""Load and failure: overload is a 503 with Retry-After, a client that leaves frees its slot,
+200 streams finish while an rpc from another process is answered, a dead scheduler is a 503."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from bus import RpcClient
+from frontend import ByteTokenizer, Settings
+from scheduler import Limits, ModelConfig
+from scheduler.cli.rpc import parse_params, rpc_endpoint
+from tests.conftest import eventually
+from tests.frontend.server import Server
+
+TOK = ByteTokenizer()
+STUB = ModelConfig(vocab_size=TOK.vocab_size, kind="stub")
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+
+def load(rpc: RpcClient) -> tuple[int, int]:
+    result = rpc.call("get_load", timeout=10.0).result
+    assert result is not None
+    running, queued = result["running"], result["queued"]
+    assert isinstance(running, int) and isinstance(queued, int)
+    return running, queued
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Iterator[tuple[Server, RpcClient]]:
+    """One slot, one queued request at most; the rpc door in tmp_path."""
+    s = Server(Settings(model=STUB, max_batch=1, limits=Limits(max_queued_requests=1),
+                        rpc_endpoint=f"ipc://{tmp_path}/rpc"), TOK)
+    rpc = RpcClient(f"ipc://{tmp_path}/rpc")
+    yield s, rpc
+    rpc.close()
+    s.stop()
+
+
+#: Greedy on the stub is token 0 for ever (no end-of-text): runs until aborted.
+ENDLESS = {"model": "tiny", "prompt": "x", "max_tokens": 1_000_000, "temperature": 0,
+           "ignore_eos": True}
+LONG = {**ENDLESS, "stream": True}
+
+
+def test_overloaded_is_503_with_retry_after(small: tuple[Server, RpcClient]) -> None:
+    server, rpc = small
+    asyncio.run(_overload(server, rpc))
+    # Both streams were left early: their slots are freed.
+    eventually(lambda: load(rpc) == (0, 0), 10.0, "the slots to be freed")
+
+
+async def _overload(server: Server, rpc: RpcClient) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        leave = asyncio.Event()
+
+        async def hold() -> None:  # a stream read until told to leave (closes it cleanly)
+            async with client.stream("POST", "/v1/completions", json=LONG) as r:
+                async for _ in r.aiter_lines():
+                    if leave.is_set():
+                        break
+
+        loop = asyncio.get_running_loop()
+
+        async def until(want: tuple[int, int]) -> None:
+            deadline = time.monotonic() + 10
+            seen = (-1, -1)
+            while seen != want:
+                assert time.monotonic() < deadline, f"load {seen}, not {want}"
+                seen = await loop.run_in_executor(None, load, rpc)
+
+        running = asyncio.ensure_future(hold())
+        await until((1, 0))
+        queued = asyncio.ensure_future(hold())  # no headers yet: it waits for the slot
+        await until((1, 1))
+        r = await client.post("/v1/completions",
+                              json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "overloaded"
+        leave.set()  # the first leaves; the queued one starts, then leaves too
+        await asyncio.wait_for(asyncio.gather(running, queued), 30)
+
+
+def test_disconnect_mid_stream_frees_the_slot(small: tuple[Server, RpcClient]) -> None:
+    server, rpc = small
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=LONG) as r:
+            lines = r.iter_lines()  # (dropping the iterator would close the connection)
+            assert next(lines).startswith("data: ")
+            assert load(rpc)[0] == 1
+    t0 = time.monotonic()
+    eventually(lambda: load(rpc) == (0, 0), 10.0, "the slot to be freed")
+    assert time.monotonic() - t0 < 10.0
+    r = httpx.post(f"{server.url}/v1/completions",
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_disconnect_while_waiting_frees_the_slot(small: tuple[Server, RpcClient]) -> None:
+    server, rpc = small
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=ENDLESS, timeout=1.0)
+    eventually(lambda: load(rpc) == (0, 0), 10.0, "the slot to be freed")
+
+
+def test_dead_scheduler_is_503(small: tuple[Server, RpcClient]) -> None:
+    server, rpc = small
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert rpc.call("shutdown", timeout=10.0).success
+    eventually(lambda: httpx.get(f"{server.url}/health").status_code == 503, 10.0,
+               "health to say 503")
+    r = httpx.post(f"{server.url}/v1/completions",
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "scheduler_unavailable"
+
+
+def test_rpc_cli(small: tuple[Server, RpcClient], tmp_path: Path) -> None:
+    # (the successful call is the 200-streams test's)
+    bad = subprocess.run([sys.executable, "-m", "scheduler", "rpc", str(tmp_path),
+                          "no_such_method", "n=3"], capture_output=True, text=True, env=ENV,
+                         timeout=90)
+    assert bad.returncode == 1, bad.stderr
+    reply = msgspec.json.decode(bad.stdout)
+    assert reply["success"] is False and "no_such_method" in reply["message"]
+
+
+def test_rpc_cli_parameters() -> None:
+    assert parse_params(["path=/tmp/x", "n=3", "f=1.5", "b=true", "z=null", 's="3"']) == \
+        {"path": "/tmp/x", "n": 3, "f": 1.5, "b": True, "z": None, "s": "3"}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_params(["novalue"])
+    assert rpc_endpoint("tcp://127.0.0.1:5551") == "tcp://127.0.0.1:5551"
+    assert rpc_endpoint("/run/sched") == "ipc:///run/sched/rpc"
+
+
+def test_200_streams_finish_while_an_rpc_from_another_process_is_answered(
+        tmp_path: Path) -> None:
+    server = Server(Settings(model=STUB, max_batch=256, rpc_endpoint=f"ipc://{tmp_path}/rpc"),
+                    TOK)
+    try:
+        asyncio.run(_streams_and_rpc(server, tmp_path))
+    finally:
+        server.stop()
+
+
+async def _streams_and_rpc(server: Server, tmp_path: Path) -> None:
+    """200 tasks each keep one stream open (a new one as soon as theirs ends) until the
+    rpc process has its answer, then finish the one they hold: the rpc is answered while
+    200 streams run, however long that process takes to start on a busy machine."""
+    tokens = 30
+    streams = 0
+    in_flight = 0
+    in_flight_at_reply = -1
+    all_started = asyncio.Event()
+    answered = asyncio.Event()
+
+    async def one(client: httpx.AsyncClient) -> None:
+        nonlocal streams, in_flight
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": tokens, "stream": True,
+                "temperature": 0, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        usage = None
+        in_flight += 1
+        if in_flight == 200:
+            all_started.set()
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    usage = msgspec.json.decode(line[6:]).get("usage") or usage
+        in_flight -= 1
+        assert usage is not None and usage["completion_tokens"] == tokens
+        streams += 1
+
+    async def keep_one_open(client: httpx.AsyncClient) -> None:
+        while True:
+            await one(client)
+            if answered.is_set():
+                return
+
+    # Idle connections expire before uvicorn's keep-alive timeout (5 s) would close them
+    # under a new request.
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256,
+                          keepalive_expiry=1.0)
+    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as client:
+        tasks = asyncio.gather(*(keep_one_open(client) for _ in range(200)))
+        await asyncio.wait_for(all_started.wait(), 60)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "scheduler", "rpc", str(tmp_path), "save_checkpoint",
+            f"path={tmp_path}/ckpt", stdout=asyncio.subprocess.PIPE, env=ENV)
+        out, _ = await asyncio.wait_for(proc.communicate(), 90)
+        in_flight_at_reply = in_flight
+        answered.set()
+        await asyncio.wait_for(tasks, 120)
+    assert proc.returncode == 0
+    assert msgspec.json.decode(out)["success"] is True
+    assert (tmp_path / "ckpt").is_file()
+    assert in_flight_at_reply > 0, "the rpc should be answered while streams run"
+    assert streams >= 200 and in_flight == 0

@@ -1,0 +1,161 @@
+"""Text in, text out: multi-byte text intact, stop strings across tokens, chat templates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+import msgspec
+import openai
+import pytest
+
+from frontend import ByteTokenizer, ChatTemplate, Detokenizer, HFTokenizer, Settings, Tokenizer
+from frontend.schemas import ChatMessage
+from scheduler import AsyncEngine, ModelConfig
+from tests.frontend.bpe import TEXT, train_byte_level, train_metaspace
+from tests.frontend.server import ScriptedEngine, Server
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    return HFTokenizer(str(train_byte_level(tmp_path_factory.mktemp("bpe"))))
+
+
+def pieces(tok: Tokenizer, ids: list[int], stops: Sequence[str] = ()
+           ) -> tuple[list[str], Detokenizer]:
+    d = Detokenizer(tok, stops)
+    out = [d.push([i]) for i in ids]
+    out.append(d.finish())
+    return out, d
+
+
+def test_byte_level_streams_whole_characters() -> None:
+    tok = ByteTokenizer()
+    out, _ = pieces(tok, tok.encode(TEXT))
+    assert "".join(out) == TEXT
+    assert not any("\ufffd" in p for p in out)
+    assert "" in out  # a character split over bytes was held, not sent broken
+
+
+def test_bpe_streams_whole_characters(bpe: HFTokenizer) -> None:
+    assert bpe.token_bytes() is not None  # a byte-level BPE: rebuilt byte by byte
+    ids = bpe.encode(TEXT, add_special_tokens=False)
+    out, _ = pieces(bpe, ids)
+    assert "".join(out) == TEXT == bpe.decode(ids)
+    assert not any("\ufffd" in p for p in out)
+    table = bpe.token_bytes()
+    assert table is not None
+    assert any(not _utf8(table[i]) for i in ids), "no character split across tokens"
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_window_decoding_matches_a_whole_decode(tmp_path: Path) -> None:
+    tok = HFTokenizer(str(train_metaspace(tmp_path)))
+    assert tok.token_bytes() is None  # decoded by windows
+    text = "the quick brown fox 世界 jumps"
+    ids = tok.encode(text, add_special_tokens=False)
+    out, _ = pieces(tok, ids)
+    assert "".join(out) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("stop", ["世界", "! na", "🎉🚀", "end."])
+def test_stop_string_across_tokens_never_leaks(bpe: HFTokenizer, stop: str) -> None:
+    for tok in (ByteTokenizer(), bpe):
+        ids = tok.encode(TEXT, add_special_tokens=False)
+        out, d = pieces(tok, ids, [stop, "never there"])
+        assert d.stopped
+        assert "".join(out) == TEXT[:TEXT.index(stop)]
+        assert d.tokens < len(ids) or stop == "end."
+
+
+def test_held_text_is_released_when_no_stop_follows() -> None:
+    tok = ByteTokenizer()
+    d = Detokenizer(tok, ["STOP"])
+    assert d.push(tok.encode("ab ST")) == "ab "  # "ST" may begin "STOP": held
+    assert d.push(tok.encode("AR")) == "STAR"
+    assert d.push(tok.encode("S")) == ""
+    assert d.finish() == "S"
+
+
+def test_default_chat_template() -> None:
+    t = ChatTemplate(ByteTokenizer())
+    text = t.render([ChatMessage(role="system", content="be brief"),
+                     ChatMessage(role="user", content="hi")])
+    assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert t.source == "default" and t.stop_ids == [256, 258] and t.stops == []
+    ids = ByteTokenizer().encode(text)
+    assert ids[0] == 257 and ids.count(258) == 2  # the special tokens are one id each
+
+
+def test_tokenizer_chat_template_with_jinja(tmp_path: Path) -> None:
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}"
+                "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    tok = HFTokenizer(str(train_byte_level(tmp_path, chat_template=template)))
+    t = ChatTemplate(tok)
+    assert t.source == "tokenizer"
+    assert t.render([ChatMessage(role="user", content="hi")]) == \
+        "[user] hi<|endoftext|>[assistant] "
+
+
+def scripted(text_ids: list[int]) -> type[AsyncEngine]:
+    class Engine(ScriptedEngine):
+        script = text_ids
+    return Engine
+
+
+@pytest.fixture(scope="module", params=["bytes", "bpe"])
+def scripted_server(request: pytest.FixtureRequest, bpe: HFTokenizer
+                    ) -> Iterator[tuple[Server, Tokenizer]]:
+    tok: Tokenizer = ByteTokenizer() if request.param == "bytes" else bpe
+    engine = scripted(tok.encode(TEXT, add_special_tokens=False))
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub")), tok,
+               engine=lambda st: engine(st.mode, st.model))
+    yield s, tok
+    s.stop()
+
+
+def test_multibyte_text_streams_intact(scripted_server: tuple[Server, Tokenizer]) -> None:
+    server, tok = scripted_server
+    n = len(tok.encode(TEXT, add_special_tokens=False))
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    deltas = [ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt="x", max_tokens=n, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})]
+    assert "".join(deltas) == TEXT
+    assert not any("\ufffd" in d for d in deltas)
+    chat = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=n, temperature=0,
+        stream=True, extra_body={"ignore_eos": True})]
+    assert "".join(chat) == TEXT
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_spanning_tokens_over_http(scripted_server: tuple[Server, Tokenizer],
+                                               stream: bool) -> None:
+    server, _ = scripted_server
+    stop = "世界"  # 6 bytes: several tokens either way
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 200, "stop": [stop], "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream}
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert r.status_code == 200
+    if stream:
+        events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [msgspec.json.decode(e) for e in events[:-1]]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = r.json()["choices"][0]
+        text, finish = choice["text"], choice["finish_reason"]
+    assert text == TEXT[:TEXT.index(stop)]
+    assert finish == "stop"
