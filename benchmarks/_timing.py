@@ -31,3 +31,17 @@ def percentiles(samples_us: list[float]) -> tuple[float, float]:
     """(p50, p99) of latency samples."""
     s = sorted(samples_us)
     return s[len(s) // 2], s[min(len(s) - 1, int(len(s) * 0.99))]
+
+
+def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 3,
+                repeats: int = 7, min_time: float = 0.05) -> dict[str, float]:
+    """:func:`per_call_us` of each contestant, in turns over ``rounds``; the median round.
+
+    A neighbour's burst of load then hurts every contestant alike, instead
+    of whichever happened to run during it.
+    """
+    runs: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            runs[k].append(per_call_us(fn, repeats=repeats, min_time=min_time))
+    return {k: statistics.median(v) for k, v in runs.items()}

@@ -14,17 +14,22 @@ def test_shared_codec_across_threads() -> None:
     errors: list[str] = []
 
     def work(k: int) -> None:
-        for i in range(200):
-            t = torch.full((2, 2048), float(k * 1000 + i))
-            frames = codec.encode(BatchEmbeddingOut(rids=["a", "b"], embeddings=t))
-            back = codec.decode([bytes(memoryview(f)) for f in frames])
-            assert isinstance(back, BatchEmbeddingOut)
-            if not torch.equal(back.embeddings, t):
-                errors.append(f"thread {k} message {i} got someone else's tensor")
+        # An exception in a thread is only a warning to pytest: record it, so a
+        # crashing encode or decode fails the test like a wrong tensor does.
+        try:
+            for i in range(200):
+                t = torch.full((2, 2048), float(k * 1000 + i))
+                frames = codec.encode(BatchEmbeddingOut(rids=["a", "b"], embeddings=t))
+                back = codec.decode([bytes(memoryview(f)) for f in frames])
+                assert isinstance(back, BatchEmbeddingOut)
+                if not torch.equal(back.embeddings, t):
+                    errors.append(f"thread {k} message {i} got someone else's tensor")
+        except BaseException as exc:  # every failure is the test's
+            errors.append(f"thread {k} crashed: {exc!r}")
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors
+    assert not errors, errors
