@@ -42,7 +42,7 @@ from scheduler.core.control import ControlMethods
 from scheduler.core.metrics import SchedulerMetrics, registry_for
 from scheduler.core.outputs import embedding_outputs, token_outputs
 from scheduler.core.rpc_methods import RpcMethods
-from scheduler.models.tiny import TinyLM
+from scheduler.models.protocol import Model
 
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 
@@ -118,7 +118,7 @@ class Scheduler(ControlMethods):
             are stuck), so every rank keeps the same batch.
     """
 
-    def __init__(self, receiver: RequestSource, router: Router[Output], model: TinyLM, *,
+    def __init__(self, receiver: RequestSource, router: Router[Output], model: Model, *,
                  max_batch: int = 64, max_prefill_tokens: int = 512,
                  idle_timeout: float = 1.0, rank: int = 0, world_size: int = 1,
                  rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None,
@@ -421,10 +421,12 @@ class Scheduler(ControlMethods):
             return f"request {rid!r} has no input tokens"
         if rid in self._live:
             return f"request id {rid!r} is already in flight"
-        vocab = self.model.config.vocab_size
+        vocab, most = self.model.vocab_size, self.model.max_prompt_tokens
         top = int(np.frombuffer(ids, np.uint32).max())
         if top >= vocab:
             return f"request {rid!r}: token id {top} is outside the vocabulary (size {vocab})"
+        if most is not None and len(ids) > most:
+            return f"request {rid!r}: {len(ids)} prompt tokens, the model reads at most {most}"
         return ""
 
     def _queue_sizes(self) -> tuple[int, int]:
