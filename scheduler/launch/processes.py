@@ -24,7 +24,7 @@ from scheduler.core.admission import Limits
 from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
 from scheduler.launch.tp import TPConfig
 from scheduler.launch.wiring import Endpoints, serve_follower, serve_zmq
-from scheduler.models.tiny import ModelConfig
+from scheduler.models.loading import ModelSpec
 
 __all__ = ["SchedulerProcesses", "start_processes", "start_replicas"]
 
@@ -100,7 +100,7 @@ def _child(parent: int, target: Callable[..., None], *args: object, **kwargs: ob
     target(*args, **kwargs)
 
 
-def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelConfig, *,
+def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelSpec, *,
                      max_batch: int, tp_size: int, limits: Limits, metrics: bool,
                      name: str) -> list[BaseProcess]:
     """A scheduler of ``tp_size`` ranks serving ``endpoints``; rank 0 first."""
@@ -121,7 +121,7 @@ def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelConfig, *
     return procs
 
 
-def start_replicas(directory: str, n: int, model: ModelConfig, *, max_batch: int,
+def start_replicas(directory: str, n: int, model: ModelSpec, *, max_batch: int,
                    tp_size: int = 1, limits: Limits | None = None, metrics: bool = True
                    ) -> tuple[list[list[BaseProcess]], list[ReplicaSpec]]:
     """Start ``n`` local replicas, replica ``i`` on ``ipc://`` endpoints in
@@ -141,7 +141,7 @@ def start_replicas(directory: str, n: int, model: ModelConfig, *, max_batch: int
     return procs, specs
 
 
-def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,
+def start_processes(endpoints: Endpoints, directory: str, model: ModelSpec, *,
                     max_batch: int, tp_size: int = 1, dp_size: int = 1,
                     limits: Limits | None = None, metrics: bool = True,
                     dp_policy: Policy = "least_loaded",

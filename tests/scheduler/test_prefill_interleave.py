@@ -45,7 +45,7 @@ def test_shorts_behind_a_long_prompt_get_their_first_token_within_a_few_steps(
     # With a FIFO the shorts waited for all 40 chunks of the long prompt.
     assert max(steps) <= 3, steps
     loop.run_until(lambda: "long" in loop.finished())
-    assert loop.sched.batch.model.live_states == 0  # type: ignore[attr-defined]
+    assert loop.sched.batch.model.live_states == 0
 
 
 def test_several_long_prompts_take_turns_and_answer_as_if_alone(
