@@ -226,9 +226,10 @@ class Batch:
         At most ``max_prefill_tokens`` prompt tokens are read per step (a
         request counts at least :data:`MIN_PREFILL_COST`). The queue is
         walked in order: a prompt whose rest fits what is left is read whole;
-        one that does not gets a chunk (at most half the budget while others
-        wait, so they are read in the same step) and goes to the back of the
-        queue. A request starts only with a free batch slot (one part-way
+        one that fits a whole step waits for the next (where it is ahead of
+        the rest), and one longer than a step gets a chunk (at most half the
+        budget while others wait, so they are read in the same step) and
+        goes to the back of the queue. A request starts only with a free batch slot (one part-way
         through its prompt holds one).
         """
         new: list[Seq] = []
@@ -243,8 +244,8 @@ class Batch:
             left = len(seq.req.input_ids) - seq.prefilled
             fresh = seq.prefilled == 0
             whole = max(MIN_PREFILL_COST, left) <= budget or left <= budget
-            if fresh and slots <= 0:
-                kept.append(seq)
+            if (fresh and slots <= 0) or (not whole and left <= self.max_prefill_tokens):
+                kept.append(seq)  # no slot; or it fits a whole step: read it whole next step
                 continue
             size = left if whole else min(budget, max(1, self.max_prefill_tokens // 2)
                                           if self.waiting or kept else budget)
