@@ -31,16 +31,17 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from messages import SamplingParams  # noqa: E402
-from scheduler import Engine  # noqa: E402
-from scheduler.models.tiny_hf import build_tiny_hf  # noqa: E402
+from messages import SamplingParams
+from scheduler import Engine
+from scheduler.models.tiny_hf import build_tiny_hf
 
 MAX_NEW = 32
 ROUNDS = 5
@@ -97,10 +98,12 @@ def main() -> None:
         with Engine("ring", directory) as engine:
             ours_batch(engine, batch[:4])  # warm both up
             hf_round(reference, batch[:4])
+            runs: list[tuple[str, Callable[[], tuple[float, list[list[int]]]]]] = [
+                ("hf", lambda: hf_round(reference, batch)),
+                ("ours16", lambda: ours_batch(engine, batch)),
+                ("ours1", lambda: ours_one_by_one(engine, batch))]
             for _ in range(ROUNDS):
-                for name, run in (("hf", lambda: hf_round(reference, batch)),
-                                  ("ours16", lambda: ours_batch(engine, batch)),
-                                  ("ours1", lambda: ours_one_by_one(engine, batch))):
+                for name, run in runs:
                     seconds, got = run()
                     times[name].append(seconds)
                     answers[name] = got
