@@ -421,13 +421,7 @@ class Scheduler(ControlMethods):
             return f"request {rid!r} has no input tokens"
         if rid in self._live:
             return f"request id {rid!r} is already in flight"
-        vocab, most = self.model.vocab_size, self.model.max_prompt_tokens
-        top = int(np.frombuffer(ids, np.uint32).max())
-        if top >= vocab:
-            return f"request {rid!r}: token id {top} is outside the vocabulary (size {vocab})"
-        if most is not None and len(ids) > most:
-            return f"request {rid!r}: {len(ids)} prompt tokens, the model reads at most {most}"
-        return ""
+        return self.batch.unreadable(ids, rid)
 
     def _queue_sizes(self) -> tuple[int, int]:
         return len(self.batch.running), len(self.batch.waiting)

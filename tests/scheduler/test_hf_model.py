@@ -206,3 +206,13 @@ def test_serve_model_errors_are_one_line(model_dir: Path, tmp_path: Path,
                         lambda name, *a: None if name == "transformers" else real(name, *a))
     with pytest.raises(ModelLoadError, match=r"pip install -e '\.\[hf\]'"):
         model_spec(HFModelSpec(str(model_dir)))
+
+
+def test_a_prompt_past_the_models_context_is_refused(model_dir: Path) -> None:
+    from scheduler import RequestFailed
+    with Engine("ring", model_dir) as engine:
+        with pytest.raises(RequestFailed) as info:
+            engine.generate([5] * 4097, SamplingParams(max_new_tokens=1), timeout=60)
+        assert info.value.code == "invalid_request" and "at most 4096" in str(info.value)
+        with pytest.raises(RequestFailed, match="outside the vocabulary"):
+            engine.generate([384], SamplingParams(max_new_tokens=1), timeout=60)
