@@ -127,7 +127,7 @@ class HFCausalLM:
     def live_states(self) -> int:
         """Requests holding a KV cache or an embedding sum."""
         resident = len(self._batch.rows) if self._batch is not None else 0
-        return len(self._kv) + resident + len(self._sums)
+        return len(self._kv.keys() | self._sums.keys()) + resident
 
     # -- the protocol ------------------------------------------------------------
 

@@ -216,3 +216,19 @@ def test_a_prompt_past_the_models_context_is_refused(model_dir: Path) -> None:
         assert info.value.code == "invalid_request" and "at most 4096" in str(info.value)
         with pytest.raises(RequestFailed, match="outside the vocabulary"):
             engine.generate([384], SamplingParams(max_new_tokens=1), timeout=60)
+
+
+def test_async_engine_takes_a_model_directory(
+        model_dir: Path, reference: Callable[[list[int], int], list[int]]) -> None:
+    import asyncio
+
+    from scheduler import AsyncEngine
+    prompt = _prompts()[9]
+
+    async def run() -> list[int]:
+        async with AsyncEngine("ring", str(model_dir)) as engine:
+            result = await engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW,
+                                                                  temperature=0.0))
+            return result.token_ids
+
+    assert asyncio.run(run()) == _expected(reference(prompt, MAX_NEW))[0]
