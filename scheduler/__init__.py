@@ -16,6 +16,9 @@ from scheduler.errors import (
 )
 from scheduler.handshake import HelloReply, hello
 from scheduler.launch.wiring import Endpoints, serve_ring, serve_zmq
+from scheduler.models.files import ModelLoadError
+from scheduler.models.loading import HFModelSpec
+from scheduler.models.protocol import Model, PromptChunk
 from scheduler.models.tiny import ModelConfig, StubLM, TinyLM, build_model
 
 __all__ = [
@@ -26,11 +29,15 @@ __all__ = [
     "EngineClosed",
     "EngineError",
     "GenerateResult",
+    "HFModelSpec",
     "HelloReply",
     "InvalidRequest",
     "Limits",
+    "Model",
     "ModelConfig",
+    "ModelLoadError",
     "Overloaded",
+    "PromptChunk",
     "RequestFailed",
     "RequestHandle",
     "RpcMethods",

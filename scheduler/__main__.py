@@ -19,7 +19,7 @@ from scheduler.core.admission import Limits
 from scheduler.dp import ReplicaSpec, serve_dispatch
 from scheduler.launch.processes import LOCAL_HEARTBEAT_TIMEOUT, start_replicas, supervise
 from scheduler.launch.wiring import Endpoints, serve_zmq
-from scheduler.models.tiny import ModelConfig
+from scheduler.models.loading import HFModelSpec, ModelLoadError, ModelSpec, model_spec
 
 
 def private_dir(path: str) -> str:
@@ -136,6 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "dispatcher serving --endpoint")
     s.add_argument("--dp-policy", choices=["least_loaded", "round_robin"],
                    default="least_loaded")
+    s.add_argument("--model", metavar="DIR", default=None,
+                   help="a Hugging Face causal LM in a local directory (config.json + "
+                        "safetensors; needs pip install -e '.[hf]'); default: the built-in "
+                        "tiny model")
+    s.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"],
+                   default="auto", help="--model's weights dtype (auto: the checkpoint's)")
+    s.add_argument("--device", default="cpu", help="--model's device: cpu or cuda[:N]")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics")
     s.add_argument("--metrics-host", default="127.0.0.1",
@@ -180,24 +187,36 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  policy=args.policy, heartbeat_timeout=args.heartbeat_timeout,
                                  rpc_timeout=args.rpc_timeout, max_backlog=args.max_backlog)
         return 0 if stopped else 1  # a replica the shutdown did not reach: say so
+    try:
+        model = _model(args)
+    except ModelLoadError as exc:
+        parser.error(str(exc))
     endpoints, options, allowed = _upstream(parser, args)
     try:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
     except ValueError as exc:
         parser.error(str(exc))
     if args.dp > 1:
-        return _serve_dp(args, endpoints, options, allowed, limits)
+        return _serve_dp(args, endpoints, options, allowed, limits, model)
     if args.metrics_port is not None:
         print(f"metrics: http://{args.metrics_host}:{args.metrics_port}/metrics",
               file=sys.stderr)
-    serve_zmq(endpoints, ModelConfig(), max_batch=args.max_batch, options=options,
+    serve_zmq(endpoints, model, max_batch=args.max_batch, options=options,
               curve_clients=allowed, limits=limits, metrics_port=args.metrics_port,
               metrics_host=args.metrics_host)
     return 0
 
 
+def _model(args: argparse.Namespace) -> ModelSpec:
+    """``serve``'s model: the built-in one, or ``--model DIR`` (checked here: one line if wrong)."""
+    if args.model is None:
+        return model_spec(None)
+    return model_spec(HFModelSpec(args.model, None if args.dtype == "auto" else args.dtype,
+                                  args.device))
+
+
 def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOptions,
-              allowed: list[bytes] | None, limits: Limits) -> int:
+              allowed: list[bytes] | None, limits: Limits, model: ModelSpec) -> int:
     """``serve --dp N``: N local replicas (private ipc) behind a dispatcher on ``endpoints``.
 
     A replica that dies is restarted (:mod:`scheduler.launch.respawn`).
@@ -206,9 +225,9 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
     (they got no shutdown: there is nothing to wait for).
     """
     directory = tempfile.mkdtemp(prefix="tsb-dp-")
-    procs, specs = start_replicas(directory, args.dp, ModelConfig(), max_batch=args.max_batch,
+    procs, specs = start_replicas(directory, args.dp, model, max_batch=args.max_batch,
                                   limits=limits)
-    sup = supervise(procs, directory, ModelConfig(), max_batch=args.max_batch, limits=limits)
+    sup = supervise(procs, directory, model, max_batch=args.max_batch, limits=limits)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind like Ctrl-C
     stopped = False
     try:

@@ -7,12 +7,21 @@ them, a long prompt in chunks over several steps), decodes the running
 requests one token, and samples. An embedding request ends when its prompt
 has been read: its embedding is the state it reached. The scheduler loop
 decides what to do with tokens and embeddings; this module knows no channel
-and no output.
+and no output, and of the model only the :class:`~scheduler.models.protocol.Model`
+protocol: each request's model state lives in the model under ``Seq.key``, and
+is freed here whenever a request leaves, however it leaves.
+
+Chunked prefill interleaves: a prompt too long for what is left of a step's
+budget gets one chunk (at most half the budget while others wait) and then
+goes to the back of the queue, so requests behind it are read in between:
+a short request's first token waits for a chunk or two, never for another
+request's whole prompt.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,13 +38,17 @@ from messages import (
     TokenizedGenerateReqInput,
 )
 from scheduler.core.admission import Admission
+from scheduler.models.protocol import Model, PromptChunk
 from scheduler.models.sampling import sample_next
-from scheduler.models.tiny import TinyLM
 
 __all__ = ["Batch", "Seq", "StepFailed"]
 
 #: What admitting a request costs the prefill budget at least, however short its prompt.
 MIN_PREFILL_COST = 16
+
+#: Most waiting requests looked at per step for prompts to read (bounds a step's
+#: bookkeeping however deep the queue).
+_SCAN = 256
 
 
 def as_tensor(ids: TokenIds) -> torch.Tensor:
@@ -59,7 +72,7 @@ class Seq:
     embedding: torch.Tensor | None = None  # an embedding request's answer, once read
     stop: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
-    state: torch.Tensor | None = None
+    key: int = -1  # its model state's key, given when it is queued
     prefilled: int = 0  # prompt tokens read so far (a long prompt takes several steps)
     silenced: bool = False  # aborted by backpressure: its terminal error is already queued
     last: int = -1
@@ -88,11 +101,11 @@ class Batch:
     Args:
         model: the model to run.
         admission: the queue's bounds and totals.
-        max_batch: most requests decoding at once.
+        max_batch: most requests decoding (or part-way through their prompt) at once.
         max_prefill_tokens: most prompt tokens read per step (see the module docstring).
     """
 
-    def __init__(self, model: TinyLM, admission: Admission, *, max_batch: int,
+    def __init__(self, model: Model, admission: Admission, *, max_batch: int,
                  max_prefill_tokens: int) -> None:
         if max_batch < 1 or max_prefill_tokens < 1:
             raise ValueError("max_batch and max_prefill_tokens must be >= 1")
@@ -102,32 +115,52 @@ class Batch:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
+        self._partial = 0  # waiting requests part-way through their prompt
+        self._keys = itertools.count()
+        self._model_stops = frozenset(model.stop_token_ids)
 
     def __bool__(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def unreadable(self, ids: TokenIds, rid: str) -> str:
+        """Why the model cannot read prompt ``ids`` (``""``: it can)."""
+        vocab, most = self.model.vocab_size, self.model.max_prompt_tokens
+        top = int(np.frombuffer(ids, np.uint32).max())
+        if top >= vocab:
+            return f"request {rid!r}: token id {top} is outside the vocabulary (size {vocab})"
+        if most is not None and len(ids) > most:
+            return f"request {rid!r}: {len(ids)} prompt tokens, the model reads at most {most}"
+        return ""
 
     def queue(self, seq: Seq) -> str:
         """Queue ``seq``; returns why it was refused (``""``: queued)."""
         refused = self.admission.refuse(seq.cost)
         if not refused:
+            seq.key = next(self._keys)
             self.waiting.append(seq)
             self.admission.enter(seq.cost)
         return refused
 
     def remove(self, seq: Seq) -> None:
-        """Take ``seq`` out of the queue or the batch, wherever it is."""
+        """Take ``seq`` out of the queue or the batch, wherever it is, and free its state."""
         if seq in self.waiting:
             self.waiting.remove(seq)
             self.admission.leave(seq.cost)
+            if seq.prefilled:
+                self._partial -= 1
         elif seq in self.running:
             self.running.remove(seq)
+        self.model.free(seq.key)
 
     def clear(self) -> list[Seq]:
-        """Empty the batch and the queue; returns what they held."""
+        """Empty the batch and the queue; returns what they held (their states freed)."""
         seqs = [*self.running, *self.waiting]
         self.running.clear()
         self.waiting.clear()
         self.admission.clear()
+        self._partial = 0
+        for s in seqs:
+            self.model.free(s.key)
         return seqs
 
     def step(self, admit_failed: Callable[[Seq, Exception], None], now: float = 0.0
@@ -140,19 +173,19 @@ class Batch:
         failing model step raises :class:`StepFailed` with every request it
         held, all of them out of the batch.
         """
-        new, chunk = self._take_prefill(admit_failed)
+        new, parts = self._take_prefill(admit_failed)
         for s in new:
             s.t_admit = now
         gen = [s for s in new if s.sampling is not _EMBED]
         embedded = [s for s in new if s.sampling is _EMBED] if len(gen) != len(new) else []
         active = self.running + gen
-        if not active and not embedded and chunk is None:
+        if not active and not embedded and not parts:
             return [], []
         try:
-            rows = self._forward(new, chunk)
+            rows = self._forward(new, parts)
             for s in embedded:
-                assert s.state is not None
-                s.embedding = self.model.embed_state(s.state)
+                s.embedding = self.model.embedding(s.key)
+                self.model.free(s.key)
             if not active:
                 return [], embedded
             toks, lps = sample_next(torch.stack(rows), [s.sampling for s in active],
@@ -160,9 +193,12 @@ class Batch:
         except Exception as exc:
             failed = active + embedded
             self.running = []
-            if chunk is not None:
-                self.remove(chunk)
-                failed.append(chunk)
+            for s in failed:
+                self.model.free(s.key)
+            for s, _ in parts:
+                if s in self.waiting:
+                    self.remove(s)
+                    failed.append(s)
             raise StepFailed(failed, exc) from exc
         for s, t, lp in zip(active, toks.tolist(), lps.tolist(), strict=True):
             s.last = t
@@ -173,16 +209,19 @@ class Batch:
                 s.lps.append(lp)
                 if len(s.out) >= s.sampling.max_new_tokens:
                     s.finished = "length"
+            if s.finished is not None:
+                self.model.free(s.key)
         self.running = [s for s in active if s.finished is None]
         return active, embedded
 
     def _admit(self, seq: Seq) -> None:
-        """Make a request's per-request state as it leaves the queue for the batch."""
+        """Make a request's per-request state as its prompt starts being read."""
         sp = seq.sampling
         if sp is _EMBED:
             return
+        seq.stop = self._model_stops
         if sp.stop_token_ids is not None:
-            seq.stop = frozenset(sp.stop_token_ids.tolist())
+            seq.stop = seq.stop | frozenset(sp.stop_token_ids.tolist())
         if sp.temperature > 0 and sp.top_k != 1:
             # No seed: derive one from the rid, so every tensor-parallel rank
             # samples the same tokens for the same request.
@@ -191,63 +230,77 @@ class Batch:
             seq.generator = torch.Generator().manual_seed(seed)
 
     def _take_prefill(self, admit_failed: Callable[[Seq, Exception], None]
-                      ) -> tuple[list[Seq], Seq | None]:
-        """Requests whose prompt ends this step, and one whose long prompt goes on after it.
+                      ) -> tuple[list[Seq], list[tuple[Seq, int]]]:
+        """Requests whose prompt ends this step, and (request, tokens) chunks of longer ones.
 
         At most ``max_prefill_tokens`` prompt tokens are read per step (a
-        request counts at least :data:`MIN_PREFILL_COST`): a prompt longer
-        than what is left of the budget is read in chunks, one per step, at
-        the head of the queue.
+        request counts at least :data:`MIN_PREFILL_COST`). The queue is
+        walked in order: a prompt whose rest fits what is left is read whole;
+        one that fits a whole step waits for the next (where it is ahead of
+        the rest), and one longer than a step gets a chunk (at most half the
+        budget while others wait, so they are read in the same step) and
+        goes to the back of the queue. A request starts only with a free batch slot (one part-way
+        through its prompt holds one).
         """
         new: list[Seq] = []
+        parts: list[tuple[Seq, int]] = []
+        kept: list[Seq] = []  # looked at, left in place
         budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) + len(new) < self.max_batch:
-            seq = self.waiting[0]
+        slots = self.max_batch - len(self.running) - self._partial
+        for _ in range(min(_SCAN, len(self.waiting))):
+            if budget < MIN_PREFILL_COST and (new or parts):
+                break
+            seq = self.waiting.popleft()
             left = len(seq.req.input_ids) - seq.prefilled
-            cost = max(MIN_PREFILL_COST, left)
-            if cost <= budget or left <= budget:
-                budget -= cost
-                self.waiting.popleft()
-                self.admission.leave(seq.cost)
+            fresh = seq.prefilled == 0
+            whole = max(MIN_PREFILL_COST, left) <= budget or left <= budget
+            if (fresh and slots <= 0) or (not whole and left <= self.max_prefill_tokens):
+                kept.append(seq)  # no slot; or it fits a whole step: read it whole next step
+                continue
+            size = left if whole else min(budget, max(1, self.max_prefill_tokens // 2)
+                                          if self.waiting or kept else budget)
+            if not whole and size < MIN_PREFILL_COST and (new or parts):
+                kept.append(seq)
+                continue
+            if fresh:
                 try:
                     self._admit(seq)
                 except Exception as exc:  # e.g. a seed torch refuses: this request alone
+                    self.admission.leave(seq.cost)
                     admit_failed(seq, exc)
                     continue
+                slots -= 1
+            if whole:
+                budget -= max(MIN_PREFILL_COST, left)
+                self.admission.leave(seq.cost)
+                self._partial -= 0 if fresh else 1
                 new.append(seq)
-                continue
-            if budget >= MIN_PREFILL_COST or not new:
-                return new, seq  # read ``budget`` tokens of it now, the rest later
-            break
-        return new, None
+            else:
+                budget -= size
+                self._partial += 1 if fresh else 0
+                parts.append((seq, size))
+        self.waiting.extendleft(reversed(kept))
+        self.waiting.extend(s for s, _ in parts)  # read the others before its next chunk
+        return new, parts
 
-    def _forward(self, new: list[Seq], chunk: Seq | None) -> list[torch.Tensor]:
-        """Decode the running batch, read the new prompts (and a chunk); next-token logits."""
+    def _forward(self, new: list[Seq], parts: list[tuple[Seq, int]]) -> list[torch.Tensor]:
+        """Decode the running batch, read the new prompts and chunks; next-token logits."""
         rows: list[torch.Tensor] = []
         if self.running:
             tokens = torch.tensor([s.last for s in self.running])
-            states = torch.stack([s.state for s in self.running])  # type: ignore[misc]
-            logits, states = self.model.decode(tokens, states)
-            rows.extend(logits)
-            for s, st in zip(self.running, states, strict=True):
-                s.state = st
-        prompts = [as_tensor(s.req.input_ids[s.prefilled :]) for s in new]
-        starts = [s.state for s in new]
-        if chunk is not None:
-            used = sum(max(MIN_PREFILL_COST, len(p)) for p in prompts)
-            size = max(1, self.max_prefill_tokens - used)
-            prompts.append(as_tensor(chunk.req.input_ids[chunk.prefilled : chunk.prefilled
-                                                          + size]))
-            starts.append(chunk.state)
-        if prompts:
-            logits_new, states_new = self.model.prefill_batch(prompts, starts)
-            for s, st in zip([*new, *([chunk] if chunk is not None else [])], states_new,
-                             strict=True):
-                s.state = st
-            if chunk is not None:
-                chunk.prefilled += len(prompts[-1])
+            rows.extend(self.model.decode_step([s.key for s in self.running], tokens))
+        chunks = [PromptChunk(s.key, as_tensor(s.req.input_ids[s.prefilled:]), s.prefilled,
+                              True, s.sampling is _EMBED) for s in new]
+        chunks += [PromptChunk(s.key, as_tensor(s.req.input_ids[s.prefilled:s.prefilled + n]),
+                               s.prefilled, False, s.sampling is _EMBED) for s, n in parts]
+        if chunks:
+            logits = self.model.prefill_chunks(chunks)
+            for s in new:
+                s.prefilled = len(s.req.input_ids)
+            for s, n in parts:
+                s.prefilled += n
             # Sample only for generate requests whose prompt ended (not a
             # mid-prompt chunk, not an embedding).
-            rows.extend(row for s, row in zip(new, logits_new, strict=False)
+            rows.extend(row for s, row in zip(new, logits, strict=False)
                         if s.sampling is not _EMBED)
         return rows

@@ -21,7 +21,7 @@ from messages.rpc_api import ModelInfoResult
 from scheduler.core.admission import Admission
 from scheduler.core.checkpoint import MAX_INDEX_BYTES, load_state, save_state
 from scheduler.core.metrics import chunks, exposition
-from scheduler.models.tiny import TinyLM
+from scheduler.models.protocol import Model
 
 __all__ = ["ControlMethods"]
 
@@ -29,7 +29,7 @@ __all__ = ["ControlMethods"]
 class ControlMethods:
     """The rpc methods every scheduler registers (see :class:`~scheduler.core.loop.Scheduler`)."""
 
-    model: TinyLM
+    model: Model
     rank: int
     world_size: int
     _digest: hashlib.blake2b
@@ -57,7 +57,7 @@ class ControlMethods:
         With several ranks, each writes its own shard ``path.rank<r>-of-<n>``.
         """
         target = self._shard(path)
-        size = save_state(self.model.state_dict(), target)
+        size = save_state(dict(self.model.weights()), target)
         return {"path": str(target), "bytes": size}
 
     def load_checkpoint(self, path: str) -> RpcResult:
@@ -68,8 +68,8 @@ class ControlMethods:
         memory, and a huge file would stall it for seconds.
         """
         target = self._shard(path)
-        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        self.model.load_state_dict(load_state(target, max_bytes=weights + MAX_INDEX_BYTES))
+        weights = sum(t.numel() * t.element_size() for t in self.model.weights().values())
+        self.model.load_weights(load_state(target, max_bytes=weights + MAX_INDEX_BYTES))
         return {"path": str(target)}
 
     def model_facts(self) -> ModelInfoResult:

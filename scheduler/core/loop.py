@@ -44,7 +44,7 @@ from scheduler.core.control import ControlMethods
 from scheduler.core.metrics import SchedulerMetrics, registry_for
 from scheduler.core.outputs import embedding_outputs, token_outputs
 from scheduler.core.rpc_methods import RpcMethods
-from scheduler.models.tiny import TinyLM
+from scheduler.models.protocol import Model
 
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 
@@ -121,7 +121,7 @@ class Scheduler(ControlMethods):
             are stuck), so every rank keeps the same batch.
     """
 
-    def __init__(self, receiver: RequestSource, router: Router[Output], model: TinyLM, *,
+    def __init__(self, receiver: RequestSource, router: Router[Output], model: Model, *,
                  max_batch: int = 64, max_prefill_tokens: int = 512,
                  idle_timeout: float = 1.0, rank: int = 0, world_size: int = 1,
                  rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None,
@@ -425,7 +425,8 @@ class Scheduler(ControlMethods):
     def _check_ids(self, ids: TokenIds, rid: str) -> str:
         if rid in self._live:
             return f"request id {rid!r} is already in flight"
-        return input_ids_problem(rid, ids, self.model_facts().vocab_size)
+        return (input_ids_problem(rid, ids, self.model_facts().vocab_size)
+                or self.batch.unreadable(ids, rid))
 
     def _queue_sizes(self) -> tuple[int, int]:
         return len(self.batch.running), len(self.batch.waiting)

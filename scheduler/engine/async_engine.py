@@ -52,7 +52,7 @@ from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest
 from scheduler.engine.core import EngineCore
 from scheduler.engine.handles import GenerateResult, StreamChunk
 from scheduler.errors import EngineClosed, EngineError, Overloaded, RequestFailed
-from scheduler.models.tiny import ModelConfig
+from scheduler.models.loading import ModelArg
 
 __all__ = ["AsyncEngine", "AsyncHandle", "AsyncRequest"]
 
@@ -70,7 +70,7 @@ class AsyncEngine(EngineCore):
     Arguments are :class:`~scheduler.Engine`'s.
     """
 
-    def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
+    def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0, tp_size: int = 1,
                  dp_size: int = 1, dp_policy: Policy = "least_loaded",
                  limits: Limits | None = None, metrics: bool = True) -> None:

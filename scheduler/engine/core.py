@@ -68,7 +68,8 @@ from scheduler.errors import (
 from scheduler.handshake import hello
 from scheduler.launch.processes import SchedulerProcesses, start_processes
 from scheduler.launch.wiring import Endpoints, serve_ring
-from scheduler.models.tiny import ModelConfig
+from scheduler.models.loading import HFModelSpec, ModelArg, load_model, model_spec
+from scheduler.models.protocol import Model
 
 __all__ = ["EngineCore", "Item", "Pending"]
 
@@ -89,7 +90,7 @@ class EngineCore:
     :attr:`outputs_fd` is readable (or after :meth:`wait_outputs`).
     """
 
-    def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
+    def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, tp_size: int = 1, dp_size: int = 1,
                  dp_policy: Policy = "least_loaded", limits: Limits | None = None,
                  metrics: bool = True) -> None:
@@ -99,10 +100,15 @@ class EngineCore:
             raise ValueError("tp_size > 1 needs mode='zmq' (each rank is a process)")
         if dp_size < 1 or (dp_size > 1 and mode != "zmq"):
             raise ValueError("dp_size > 1 needs mode='zmq' (each replica is a process)")
+        self.model = model_spec(model)
+        if tp_size > 1 and isinstance(self.model, HFModelSpec):
+            raise ValueError(f"tp_size={tp_size}: a Hugging Face model runs on one rank "
+                             f"(use dp_size for more replicas)")
+        # Ring mode loads here, so a failure raises at once (and before any resource).
+        self._loaded: Model | None = load_model(self.model) if mode == "ring" else None
         self.tp_size = tp_size
         self.dp_size = dp_size
         self.mode = mode
-        self.model = model or ModelConfig()
         self.limits = limits or Limits()
         self._metrics = metrics
         self._codec: Codec[Request] = Codec(Request)
@@ -268,7 +274,8 @@ class EngineCore:
         try:
             # Requests are validated at submit (_validated), so the ring need
             # not check them again.
-            serve_ring(ingress, egress, self.endpoints.rpc, self.model, max_batch=max_batch,
+            assert self._loaded is not None
+            serve_ring(ingress, egress, self.endpoints.rpc, self._loaded, max_batch=max_batch,
                        limits=self.limits, validate=False, metrics=self._metrics,
                        ready=ready)
         except BaseException as exc:

@@ -28,7 +28,7 @@ from scheduler.core.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine.core import EngineCore
 from scheduler.engine.handles import GenerateResult, RequestHandle, StreamChunk
-from scheduler.models.tiny import ModelConfig
+from scheduler.models.loading import ModelArg
 
 __all__ = ["Engine", "GenerateResult", "RequestHandle", "StreamChunk"]
 
@@ -40,7 +40,10 @@ class Engine(EngineCore):
         mode: ``"ring"`` (scheduler embedded in this process; requests and
             outputs by reference through rings; rpc over zmq) or ``"zmq"``
             (scheduler in its own process; everything over zmq ``ipc://``).
-        model: the model's shape and seed.
+        model: the built-in model's :class:`~scheduler.ModelConfig` (default),
+            or a Hugging Face model: a local directory (``str`` or ``Path``)
+            or an :class:`~scheduler.HFModelSpec` (dtype, device). ``zmq``
+            mode loads it in the scheduler's process.
         max_batch: most requests decoding at once.
         start_timeout: seconds to wait for the scheduler to answer ``hello``,
             its first rpc (which also checks that it reads our wire layout:
@@ -66,7 +69,7 @@ class Engine(EngineCore):
     request is either refused at once or answered later, never lost.
     """
 
-    def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelConfig | None = None,
+    def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0,
                  tp_size: int = 1, dp_size: int = 1, dp_policy: Policy = "least_loaded",
                  limits: Limits | None = None, metrics: bool = True) -> None:

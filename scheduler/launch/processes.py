@@ -27,7 +27,7 @@ from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
 from scheduler.launch.respawn import ReplicaSupervisor, Standby
 from scheduler.launch.tp import TPConfig
 from scheduler.launch.wiring import Endpoints, serve_follower, serve_zmq
-from scheduler.models.tiny import ModelConfig
+from scheduler.models.loading import ModelSpec
 
 __all__ = ["SchedulerProcesses", "start_processes", "start_replicas", "supervise"]
 
@@ -105,7 +105,7 @@ def _child(parent: int, target: Callable[..., None], *args: object, **kwargs: ob
     target(*args, **kwargs)
 
 
-def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelConfig, *,
+def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelSpec, *,
                      max_batch: int, tp_size: int, limits: Limits, metrics: bool,
                      name: str, attempt: int = 0) -> list[BaseProcess]:
     """A scheduler of ``tp_size`` ranks serving ``endpoints``; rank 0 first.
@@ -130,7 +130,7 @@ def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelConfig, *
     return procs
 
 
-def start_replicas(directory: str, n: int, model: ModelConfig, *, max_batch: int,
+def start_replicas(directory: str, n: int, model: ModelSpec, *, max_batch: int,
                    tp_size: int = 1, limits: Limits | None = None, metrics: bool = True
                    ) -> tuple[list[list[BaseProcess]], list[ReplicaSpec]]:
     """Start ``n`` local replicas, replica ``i`` on ``ipc://`` endpoints in
@@ -148,7 +148,7 @@ def start_replicas(directory: str, n: int, model: ModelConfig, *, max_batch: int
     return procs, specs
 
 
-def _start_replica(directory: str, model: ModelConfig, max_batch: int, tp_size: int,
+def _start_replica(directory: str, model: ModelSpec, max_batch: int, tp_size: int,
                    limits: Limits | None, metrics: bool, i: int, attempt: int
                    ) -> list[BaseProcess]:
     sub = os.path.join(directory, f"r{i}")
@@ -157,7 +157,7 @@ def _start_replica(directory: str, model: ModelConfig, max_batch: int, tp_size: 
                             name=f"replica{i}", attempt=attempt)
 
 
-def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelConfig, *,
+def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, *,
               max_batch: int, tp_size: int = 1, limits: Limits | None = None,
               metrics: bool = True, keep_going: Callable[[], bool] = lambda: True
               ) -> ReplicaSupervisor:
@@ -180,7 +180,7 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelConfig
     return sup
 
 
-def _stand_by(wake: Connection, directory: str, model: ModelConfig, max_batch: int,
+def _stand_by(wake: Connection, directory: str, model: ModelSpec, max_batch: int,
               limits: Limits, metrics: bool) -> None:
     """A standby's body: say it is ready (everything is imported by now), wait for a
     replica index (nothing: stand down), then serve it."""
@@ -195,7 +195,7 @@ def _stand_by(wake: Connection, directory: str, model: ModelConfig, max_batch: i
                   metrics=metrics)
 
 
-def _start_standby(directory: str, model: ModelConfig, max_batch: int, limits: Limits,
+def _start_standby(directory: str, model: ModelSpec, max_batch: int, limits: Limits,
                    metrics: bool) -> Standby:
     ctx = multiprocessing.get_context("spawn")
     wait, wake = ctx.Pipe()
@@ -208,7 +208,7 @@ def _start_standby(directory: str, model: ModelConfig, max_batch: int, limits: L
     return Standby(proc, wake)
 
 
-def start_processes(endpoints: Endpoints, directory: str, model: ModelConfig, *,
+def start_processes(endpoints: Endpoints, directory: str, model: ModelSpec, *,
                     max_batch: int, tp_size: int = 1, dp_size: int = 1,
                     limits: Limits | None = None, metrics: bool = True,
                     dp_policy: Policy = "least_loaded",

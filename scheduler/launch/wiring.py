@@ -38,7 +38,8 @@ from router import RingSink, RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.admission import Limits
 from scheduler.core.loop import RequestSource, Scheduler
 from scheduler.launch.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, rpc_reducer
-from scheduler.models.tiny import ModelConfig, build_model
+from scheduler.models.loading import ModelSpec, load_model
+from scheduler.models.protocol import Model
 
 __all__ = ["Endpoints", "rpc_codec", "serve_follower", "serve_ring", "serve_zmq"]
 
@@ -106,7 +107,7 @@ def _metrics_http(sched: Scheduler, host: str, port: int | None) -> Iterator[Non
 
 
 def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
-               model: ModelConfig, *, max_batch: int = 64,
+               model: ModelSpec | Model, *, max_batch: int = 64,
                rpc_kind: Literal["dealer", "router"] = "router",
                options: SocketOptions = _OPTIONS, limits: Limits | None = None,
                validate: bool = True, metrics: bool = True,
@@ -118,7 +119,7 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
     would (types and constraints); pass ``False`` only when the producer
     validated them already, as ``Engine`` does at submit. ``started`` is
     called with the scheduler before it runs (an engine keeps it to read its
-    metrics).
+    metrics). ``model``: a spec (loaded here) or a model already loaded.
     """
     codec: Codec[Request] = WORK.inbound_codec()  # the work channel's door
     limits = limits or Limits()
@@ -128,7 +129,7 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
         inboxes: list[Inbox[Request]] = [work, rpc]
         router = scheduler_router(RingSink(egress), RpcReplySink(rpc),
                                   max_backlog=limits.max_backlog)
-        sched = Scheduler(Receiver(inboxes), router, build_model(model), max_batch=max_batch,
+        sched = Scheduler(Receiver(inboxes), router, load_model(model), max_batch=max_batch,
                           limits=limits, metrics=metrics)
         if started is not None:
             started(sched)
@@ -138,7 +139,7 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
         return sched
 
 
-def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
+def serve_zmq(endpoints: Endpoints, model: ModelSpec, *, max_batch: int = 64,
               rpc_kind: Literal["dealer", "router"] = "router",
               options: SocketOptions = _OPTIONS, tp: TPConfig | None = None,
               curve_clients: Sequence[bytes] | None = None,
@@ -152,7 +153,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
     holding one of those public keys are served. With ``metrics_port``,
     ``http://metrics_host:metrics_port/metrics`` serves the Prometheus
     metrics (loopback unless told otherwise; under tensor parallelism rank 0
-    serves them: the other ranks run the very batches it broadcasts).
+    serves them: the other ranks run the very batches it broadcasts). The
+    model is loaded here, in the scheduler's process, from its spec.
     """
     codec: Codec[Request] = WORK.inbound_codec()  # each channel's door (messages.channels)
     out_codec: Codec[Output] = OUT.outbound_codec()
@@ -177,7 +179,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
                 # The step broadcast carries what both doors let in.
                 receiver = broadcast = BroadcastReceiver(0, Receiver(inboxes), Codec(Request))
                 tell = broadcast.inject
-            sched = Scheduler(receiver, router, build_model(model), max_batch=max_batch,
+            sched = Scheduler(receiver, router, load_model(model), max_batch=max_batch,
                               world_size=world, limits=limits, tell_ranks=tell,
                               metrics=metrics or metrics_port is not None,
                               rpc_reduce=rpc_reducer(0, world) if tp is not None else None)
@@ -192,14 +194,14 @@ def serve_zmq(endpoints: Endpoints, model: ModelConfig, *, max_batch: int = 64,
             dist.destroy_process_group()
 
 
-def serve_follower(rank: int, tp: TPConfig, model: ModelConfig, *, max_batch: int = 64,
+def serve_follower(rank: int, tp: TPConfig, model: ModelSpec, *, max_batch: int = 64,
                    limits: Limits | None = None) -> None:
     """Run tensor-parallel rank ``rank`` (> 0): same requests as rank 0, no sockets."""
     init_ranks(rank, tp)
     broadcast: BroadcastReceiver | None = None
     try:
         broadcast = BroadcastReceiver(rank, None, Codec(Request))
-        Scheduler(broadcast, null_router(), build_model(model),
+        Scheduler(broadcast, null_router(), load_model(model),
                   max_batch=max_batch, rank=rank, world_size=tp.world_size, limits=limits,
                   metrics=False,
                   rpc_reduce=rpc_reducer(rank, tp.world_size)).run()

@@ -23,15 +23,19 @@ def sample_next(
     row-wise, so a seeded request gets the same tokens whatever else shares
     the batch.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    tokens = logp.argmax(dim=-1)
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    # Greedy picks the argmax of the float32 logits, as ``transformers``'
+    # ``generate`` does: subtracting the log-sum-exp first can round two
+    # near-equal logits together and flip the choice.
+    tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.top_k != 1]
     if rows:
         vocab = logits.shape[-1]
         idx = torch.tensor(rows)
         chosen = [params[i] for i in rows]
         temps = torch.tensor([p.temperature for p in chosen]).unsqueeze(1)
-        sorted_logits, order = torch.sort(logits[idx].float() / temps, dim=-1, descending=True)
+        sorted_logits, order = torch.sort(logits[idx] / temps, dim=-1, descending=True)
         ks = torch.tensor([p.top_k if p.top_k else vocab for p in chosen]).unsqueeze(1)
         ranks = torch.arange(vocab).unsqueeze(0)
         sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))

@@ -8,12 +8,14 @@ bookkeeping. Weights are seeded, so two processes build the same model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+
+from scheduler.models.protocol import PromptChunk
 
 __all__ = ["ModelConfig", "StubLM", "TinyLM", "build_model"]
 
@@ -36,7 +38,14 @@ class ModelConfig:
 
 
 class TinyLM(nn.Module):
-    """The model. ``prefill`` reads a prompt; ``decode`` advances a batch one token."""
+    """The model. ``prefill`` reads a prompt; ``decode`` advances a batch one token.
+
+    It implements :class:`~scheduler.models.protocol.Model` (``prefill_chunks``,
+    ``decode_step``, ...), keeping each request's state under its key.
+    """
+
+    stop_token_ids: tuple[int, ...] = ()  # a random model has no end-of-sequence token
+    max_prompt_tokens: int | None = None  # a GRU reads any length
 
     def __init__(self, config: ModelConfig = ModelConfig()) -> None:
         super().__init__()
@@ -50,6 +59,57 @@ class TinyLM(nn.Module):
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.5 / p.shape[-1] ** 0.5 + 0.02))
         self.eval()
+        self._states: dict[int, torch.Tensor] = {}
+
+    # -- the Model protocol ------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """``tiny-gru`` (or ``stub``)."""
+        return "stub" if self.config.kind == "stub" else "tiny-gru"
+
+    @property
+    def vocab_size(self) -> int:
+        """The configured vocabulary."""
+        return self.config.vocab_size
+
+    @property
+    def live_states(self) -> int:
+        """Requests holding a state."""
+        return len(self._states)
+
+    def prefill_chunks(self, chunks: Sequence[PromptChunk]) -> torch.Tensor:
+        """Read the chunks together (packed), each from its request's state so far."""
+        starts = [self._states.get(c.key) if c.start else None for c in chunks]
+        logits, states = self.prefill_batch([c.token_ids for c in chunks], starts)
+        for c, st in zip(chunks, states, strict=True):
+            self._states[c.key] = st
+        return logits
+
+    def decode_step(self, keys: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One token for each request: its states stacked, one GRU step, unstacked."""
+        logits, states = self.decode(tokens, torch.stack([self._states[k] for k in keys]))
+        for k, st in zip(keys, states, strict=True):
+            self._states[k] = st
+        return logits
+
+    def embedding(self, key: int) -> torch.Tensor:
+        """The embedding of the text read under ``key`` (:meth:`embed_state`)."""
+        return self.embed_state(self._states[key])
+
+    def free(self, key: int) -> None:
+        """Forget ``key``'s state."""
+        self._states.pop(key, None)
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The module's ``state_dict``."""
+        return self.state_dict()
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """``load_state_dict`` (strict)."""
+        self.load_state_dict(weights)
+
+    # -- the network ------------------------------------------------------------
 
     def initial_state(self) -> torch.Tensor:
         """The state of a request before its prompt: ``(layers, hidden)`` zeros."""

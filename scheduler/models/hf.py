@@ -1,0 +1,318 @@
+"""``HFCausalLM``: a Hugging Face causal LM from a local directory, behind the ``Model`` protocol.
+
+Loaded with ``transformers`` (``AutoModelForCausalLM``, local files only,
+safetensors only: a ``.bin`` checkpoint is unpickled by torch, and nothing
+here unpickles). Each request's KV cache lives here, under the key the
+scheduler's batch gives it, and is dropped by :meth:`HFCausalLM.free`.
+
+How a step runs (measured on CPU, ``benchmarks/hf.py``):
+
+* **decode**: the running requests form one *resident* batch: their KV
+  caches left-padded to a common length in one ``DynamicCache``, with a 2D
+  attention mask and per-row positions (what ``generate`` does with a padded
+  batch). While the batch keeps its members the cache is reused step after
+  step and grows by ``transformers``' own append; a request that leaves is
+  dropped by selecting rows, and one that joins rebuilds the batch once.
+  Rebuilding every step instead cost about 2x on 16 requests.
+* **prefill**: new prompts read whole in the step are one left-padded batch;
+  a chunk that continues a prompt (chunked prefill) and embedding prompts run
+  one request at a time, each from its own cache.
+* **embedding**: the mean of the last hidden states (after the final norm)
+  over the whole prompt, unit-normed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from scheduler.models.files import ModelLoadError, check_model_dir
+from scheduler.models.protocol import PromptChunk
+
+__all__ = ["HFCausalLM"]
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, heads, n, dim)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+           "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(slots=True)
+class _Resident:
+    """The decoding batch: one padded cache, its mask, each row's real length."""
+
+    keys: list[int]
+    cache: DynamicCache
+    mask: torch.Tensor  # (B, padded length), 1 where a real token is
+    lens: torch.Tensor  # (B,) real tokens per row: the next position
+    rows: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rows = {k: i for i, k in enumerate(self.keys)}
+
+
+class HFCausalLM:
+    """A ``transformers`` causal LM serving the scheduler (see the module docstring).
+
+    Args:
+        path: a local directory with ``config.json`` and safetensors weights.
+        dtype: ``"float32"``, ``"bfloat16"``, ... (``None``: the checkpoint's own).
+        device: ``"cpu"`` (default) or ``"cuda"``, ``"cuda:1"``, ...
+
+    Raises:
+        ModelLoadError: a file is missing, the dtype is unknown, or the model's
+            cache is not the full-attention kind this adapter batches.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, dtype: str | None = None,
+                 device: str = "cpu") -> None:
+        root = check_model_dir(path)
+        if dtype is not None and dtype not in _DTYPES:
+            raise ModelLoadError(root, f"unknown dtype {dtype!r} (one of {sorted(_DTYPES)})")
+        self.device = torch.device(device)
+        hf: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            root, local_files_only=True, use_safetensors=True,
+            dtype=_DTYPES[dtype] if dtype is not None else "auto")
+        torch.nn.Module.to(hf, self.device)  # in place (a device_map would need accelerate)
+        self.hf = hf  # from_pretrained leaves it in eval mode
+        self.config = self.hf.config
+        probe = DynamicCache(config=self.config)
+        if any(type(layer) is not DynamicLayer for layer in probe.layers):
+            kinds = sorted({type(layer).__name__ for layer in probe.layers})
+            raise ModelLoadError(root, f"its cache layers are {kinds}: only full-attention "
+                                       f"decoders are supported (no sliding window, no "
+                                       f"linear attention)")
+        text = self.config.get_text_config(decoder=True)
+        head = self.hf.get_output_embeddings()  # type: ignore[no-untyped-call]
+        self._name = root.name
+        self._vocab = int(head.weight.shape[0]) if head is not None else int(text.vocab_size)
+        self._stops = _eos_ids(root, self.config.eos_token_id)
+        self._max_prompt = getattr(text, "max_position_embeddings", None)
+        self._kv: dict[int, KV] = {}  # requests not in the resident batch
+        self._sums: dict[int, tuple[torch.Tensor, int]] = {}  # embedding: sum, count
+        self._batch: _Resident | None = None
+        self._sdpa = self.config._attn_implementation == "sdpa"
+
+    # -- what the scheduler reads ----------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The directory's name."""
+        return self._name
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output head (may exceed the tokenizer's vocabulary)."""
+        return self._vocab
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids: ``generation_config.json``'s, else ``config.json``'s."""
+        return self._stops
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """``max_position_embeddings`` of the config, where it says."""
+        return self._max_prompt
+
+    @property
+    def live_states(self) -> int:
+        """Requests holding a KV cache or an embedding sum."""
+        resident = len(self._batch.rows) if self._batch is not None else 0
+        return len(self._kv.keys() | self._sums.keys()) + resident
+
+    # -- the protocol ------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill_chunks(self, chunks: Sequence[PromptChunk]) -> torch.Tensor:
+        """Read prompts: new whole ones as one padded batch, the others one by one."""
+        logits = torch.zeros(len(chunks), self._vocab, dtype=self.hf.dtype)
+        fresh = [i for i, c in enumerate(chunks) if c.start == 0 and c.last and not c.embed]
+        if fresh:
+            logits[fresh] = self._prefill_fresh([chunks[i] for i in fresh])
+        for i, c in enumerate(chunks):
+            if i in fresh:
+                continue
+            if c.embed:
+                self._embed_chunk(c)
+            else:
+                logits[i] = self._prefill_one(c)
+        return logits
+
+    @torch.inference_mode()
+    def decode_step(self, keys: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One token for each request, as one batch over the resident cache."""
+        batch = self._resident(list(keys))
+        ones = torch.ones(len(keys), 1, dtype=batch.mask.dtype, device=self.device)
+        batch.mask = torch.cat([batch.mask, ones], dim=1)
+        # sdpa takes the (B, 1, 1, kv) boolean mask as it is: building it from the 2D
+        # mask in transformers cost ~1.5 ms a step, over 10% of this model's step.
+        mask = batch.mask.bool()[:, None, None, :] if self._sdpa else batch.mask
+        out = self.hf(input_ids=tokens.to(self.device).view(-1, 1), attention_mask=mask,
+                      position_ids=batch.lens.view(-1, 1), cache=batch.cache, use_cache=True,
+                      logits_to_keep=1)
+        batch.lens += 1
+        return _last(out.logits)
+
+    def embedding(self, key: int) -> torch.Tensor:
+        """Mean of the prompt's last hidden states, unit-normed (float32)."""
+        total, count = self._sums[key]
+        mean = (total / count).float().cpu()
+        unit: torch.Tensor = mean / mean.norm().clamp_min(1e-12)
+        return unit
+
+    def free(self, key: int) -> None:
+        """Drop ``key``'s cache wherever it is (its resident row leaves at the next step)."""
+        self._kv.pop(key, None)
+        self._sums.pop(key, None)
+        if self._batch is not None and self._batch.rows.pop(key, None) is not None \
+                and not self._batch.rows:
+            self._batch = None
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The ``transformers`` model's ``state_dict``."""
+        state: dict[str, torch.Tensor] = self.hf.state_dict()
+        return state
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """``load_state_dict`` (strict)."""
+        self.hf.load_state_dict(weights)
+
+    # -- internals ---------------------------------------------------------------
+
+    def _ids(self, c: PromptChunk) -> torch.Tensor:
+        return c.token_ids.to(self.device, torch.long).view(1, -1)
+
+    def _prefill_fresh(self, chunks: list[PromptChunk]) -> torch.Tensor:
+        """New prompts read whole: one batch, left-padded like ``generate`` pads."""
+        width = max(len(c.token_ids) for c in chunks)
+        ids = torch.zeros(len(chunks), width, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            ids[i, width - n:] = c.token_ids
+            mask[i, width - n:] = 1
+        cache = DynamicCache(config=self.config)
+        out = self.hf(input_ids=ids, attention_mask=mask if len(chunks) > 1 else None,
+                      position_ids=(mask.cumsum(-1) - 1).clamp_min(0), cache=cache,
+                      use_cache=True, logits_to_keep=1)
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            self._kv[c.key] = [(k[i:i + 1, :, width - n:], v[i:i + 1, :, width - n:])
+                               for k, v in _layers(cache)]
+        return _last(out.logits)
+
+    def _cache_of(self, c: PromptChunk) -> DynamicCache:
+        if c.start == 0:
+            return DynamicCache(config=self.config)
+        return DynamicCache(ddp_cache_data=self._kv[c.key], config=self.config)
+
+    def _positions(self, c: PromptChunk) -> torch.Tensor:
+        return torch.arange(c.start, c.start + len(c.token_ids), device=self.device).view(1, -1)
+
+    def _prefill_one(self, c: PromptChunk) -> torch.Tensor:
+        """A chunk of one generate prompt, from that request's cache so far."""
+        cache = self._cache_of(c)
+        out = self.hf(input_ids=self._ids(c), position_ids=self._positions(c), cache=cache,
+                      use_cache=True, logits_to_keep=1)
+        self._kv[c.key] = _layers(cache)
+        return _last(out.logits)[0]
+
+    def _embed_chunk(self, c: PromptChunk) -> None:
+        """A chunk of an embedding prompt: add its last hidden states to the request's sum."""
+        cache = self._cache_of(c)
+        out = self.hf.base_model(input_ids=self._ids(c), position_ids=self._positions(c),
+                                 cache=cache, use_cache=not c.last)
+        total, count = self._sums.get(c.key, (0, 0))
+        self._sums[c.key] = (out.last_hidden_state[0].double().sum(0) + total,
+                             count + len(c.token_ids))
+        if c.last:
+            self._kv.pop(c.key, None)  # the sum is all that is left to read
+        else:
+            self._kv[c.key] = _layers(cache)
+
+    def _resident(self, keys: list[int]) -> _Resident:
+        """The resident batch of exactly ``keys``, in this order (reused, cut or rebuilt)."""
+        batch = self._batch
+        if batch is not None and batch.keys == keys:
+            return batch
+        if batch is not None and len(keys) == len(batch.rows) and \
+                all(k in batch.rows for k in keys) and \
+                [batch.rows[k] for k in keys] == sorted(batch.rows[k] for k in keys):
+            # Only departures (freed rows): keep the rows that stay, drop all-pad columns.
+            idx = torch.tensor([batch.rows[k] for k in keys], device=self.device)
+            mask = batch.mask[idx]
+            first = int(mask.any(0).nonzero()[0])
+            layers = [(k[idx, :, first:], v[idx, :, first:]) for k, v in _layers(batch.cache)]
+            self._batch = _Resident(keys, DynamicCache(ddp_cache_data=layers, config=self.config),
+                                    mask[:, first:], batch.lens[idx])
+            return self._batch
+        # Someone joined: rebuild, left-padding every row to the longest.
+        self._evict(keys)
+        kvs = [self._kv.pop(k) for k in keys]
+        lens = [kv[0][0].shape[2] for kv in kvs]
+        width = max(lens)
+        layers = []
+        for li in range(len(kvs[0])):
+            ks = torch.cat([F.pad(kv[li][0], (0, 0, width - n, 0)) for kv, n in zip(kvs, lens,
+                                                                                   strict=True)])
+            vs = torch.cat([F.pad(kv[li][1], (0, 0, width - n, 0)) for kv, n in zip(kvs, lens,
+                                                                                   strict=True)])
+            layers.append((ks, vs))
+        lens_t = torch.tensor(lens, device=self.device)
+        mask = (torch.arange(width, device=self.device).view(1, -1)
+                >= (width - lens_t).view(-1, 1)).long()
+        self._batch = _Resident(keys, DynamicCache(ddp_cache_data=layers, config=self.config),
+                                mask, lens_t)
+        return self._batch
+
+    def _evict(self, keep: list[int]) -> None:
+        """Move the resident rows that are still live back to their own caches."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        width = batch.mask.shape[1]
+        for k, r in batch.rows.items():
+            n = int(batch.lens[r])
+            self._kv[k] = [(ks[r:r + 1, :, width - n:], vs[r:r + 1, :, width - n:])
+                           for ks, vs in _layers(batch.cache)]
+
+
+def _last(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's logits at its last position, on the CPU (where sampling runs)."""
+    return logits[:, -1].to("cpu")
+
+
+def _layers(cache: DynamicCache) -> KV:
+    """Each layer's (keys, values): every layer is a filled ``DynamicLayer`` (checked at load)."""
+    out: KV = []
+    for layer in cache.layers:
+        assert isinstance(layer, DynamicLayer) and layer.keys is not None \
+            and layer.values is not None
+        out.append((layer.keys, layer.values))
+    return out
+
+
+def _eos_ids(root: Path, config_eos: int | list[int] | None) -> tuple[int, ...]:
+    """The end-of-sequence ids ``generate`` would stop at."""
+    eos: object = config_eos
+    gen = root / "generation_config.json"
+    if gen.is_file():
+        try:
+            found = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ModelLoadError(root, f"generation_config.json is unreadable: {exc}") from exc
+        if found is not None:
+            eos = found
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) for i in ids):
+        raise ModelLoadError(root, f"eos_token_id {eos!r} is not an id or a list of ids")
+    return tuple(ids)

@@ -1,0 +1,85 @@
+"""Which model a scheduler runs: a spec that travels to the scheduler process, and its loader.
+
+A spec is small and plain (a :class:`~scheduler.models.tiny.ModelConfig`, or
+an :class:`HFModelSpec` naming a local directory), so ``zmq`` mode passes the
+*path* to the scheduler process and the model is loaded there, once.
+:func:`model_spec` checks what it can cheaply in the caller (the directory,
+its files, that ``transformers`` is installed), so a mistake is one clear
+error at the engine's constructor or the command line, not a dead child.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.models.files import HF_EXTRA, ModelLoadError, check_model_dir
+from scheduler.models.protocol import Model
+from scheduler.models.tiny import ModelConfig, build_model
+
+__all__ = ["HFModelSpec", "ModelArg", "ModelLoadError", "ModelSpec", "check_model_dir",
+           "load_model", "model_spec"]
+
+@dataclass(frozen=True, slots=True)
+class HFModelSpec:
+    """A Hugging Face causal LM in a local directory (never fetched from the hub).
+
+    Attributes:
+        path: the directory (``config.json`` and ``*.safetensors``).
+        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"float64"``;
+            ``None``: the checkpoint's own.
+        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
+    """
+
+    path: str
+    dtype: str | None = None
+    device: str = "cpu"
+
+
+ModelSpec = ModelConfig | HFModelSpec
+#: What ``Engine(model=...)`` accepts: a spec, or a directory (``str`` or ``Path``).
+ModelArg = ModelConfig | HFModelSpec | str | os.PathLike[str] | None
+
+
+def model_spec(model: ModelArg) -> ModelSpec:
+    """The spec for ``model``: the built-in model by default, a directory as a HF model.
+
+    Raises:
+        ModelLoadError: the directory or its files are missing, or
+            ``transformers`` is not installed (the message says what to install).
+    """
+    if model is None:
+        return ModelConfig()
+    if isinstance(model, ModelConfig):
+        return model
+    spec = model if isinstance(model, HFModelSpec) else HFModelSpec(os.fspath(model))
+    root = check_model_dir(spec.path)
+    if importlib.util.find_spec("transformers") is None:
+        raise ModelLoadError(root, f"loading a Hugging Face model needs transformers: "
+                                   f"{HF_EXTRA}")
+    if spec.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(root, f"device {spec.device!r}: no CUDA device here")
+    return HFModelSpec(str(root), spec.dtype, spec.device)
+
+
+def load_model(model: ModelSpec | Model) -> Model:
+    """The model a spec describes (a model passes through as it is).
+
+    Raises:
+        ModelLoadError: as :func:`model_spec`, or the model failed to load.
+    """
+    if isinstance(model, ModelConfig):
+        return build_model(model)
+    if not isinstance(model, HFModelSpec):
+        return model
+    spec = model_spec(model)
+    assert isinstance(spec, HFModelSpec)
+    try:
+        from scheduler.models.hf import HFCausalLM
+    except ImportError as exc:
+        raise ModelLoadError(spec.path, f"loading a Hugging Face model needs transformers "
+                                        f"({exc}): {HF_EXTRA}") from exc
+    return HFCausalLM(spec.path, dtype=spec.dtype, device=spec.device)

@@ -1,0 +1,113 @@
+"""``Model``: what the scheduler asks of a model, and nothing more.
+
+The scheduler's batch (:mod:`scheduler.core.batch`) decides *which* prompt
+tokens are read and *which* requests decode each step; a model decides how.
+Per-request state (a GRU's hidden state, a transformer's KV cache) lives in
+the model, under an integer key the batch gives each request; the batch
+frees it when the request ends, however it ends (finished, aborted, failed,
+shut down), so :attr:`Model.live_states` returns to 0 when nothing runs.
+
+Implementations: :class:`~scheduler.models.tiny.TinyLM` (and its stub) and
+:class:`~scheduler.models.hf.HFCausalLM` (any Hugging Face causal LM from a
+local directory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Model", "PromptChunk"]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptChunk:
+    """A piece of one request's prompt to read this step.
+
+    Attributes:
+        key: the request's state key (unique among live requests).
+        token_ids: the chunk's tokens, int64 ``(T,)``, ``T >= 1``.
+        start: prompt tokens of this request read before (0: a new request).
+        last: the prompt ends with this chunk (a generate request samples next).
+        embed: an embedding request: its state feeds :meth:`Model.embedding`.
+    """
+
+    key: int
+    token_ids: torch.Tensor
+    start: int
+    last: bool
+    embed: bool = False
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A model the scheduler can run with continuous batching and chunked prefill."""
+
+    @property
+    def name(self) -> str:
+        """What the model is called (a directory's name, or the built-in's kind)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits; every input token id must be below it."""
+        ...
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The model's own end-of-sequence ids: a request ends ``stop`` at any of them."""
+        ...
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest context the model was built for, where known."""
+        ...
+
+    @property
+    def live_states(self) -> int:
+        """How many requests hold per-request state now (0 when none is in flight)."""
+        ...
+
+    def prefill_chunks(self, chunks: Sequence[PromptChunk]) -> torch.Tensor:
+        """Read one chunk of each request's prompt, continuing its state.
+
+        Returns:
+            Next-token logits ``(len(chunks), vocab_size)``, row ``i`` for
+            ``chunks[i]``; only rows of chunks that end a generate prompt
+            (``last and not embed``) are meaningful.
+        """
+        ...
+
+    def decode_step(self, keys: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per request (``tokens (B,)``) and return logits ``(B, vocab)``.
+
+        Rows never mix: a request's answer does not depend on the others.
+        """
+        ...
+
+    def embedding(self, key: int) -> torch.Tensor:
+        """The unit-norm embedding of an embedding request whose whole prompt was read.
+
+        Raises:
+            KeyError: ``key`` holds no embedding state.
+        """
+        ...
+
+    def free(self, key: int) -> None:
+        """Drop ``key``'s state (idempotent: an unknown key is ignored)."""
+        ...
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The weights a checkpoint saves, by name."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Replace the weights with ``weights`` (same names and shapes).
+
+        Raises:
+            RuntimeError: a name or a shape does not match.
+        """
+        ...
