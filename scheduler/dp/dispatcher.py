@@ -32,6 +32,8 @@ import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from bus import (
     ChannelError,
     Envelope,

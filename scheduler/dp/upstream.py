@@ -63,7 +63,7 @@ def answer_hello_here(call: RpcReqInput, logs: DispatcherLogs) -> RpcReqOutput:
     hs = logging.getLogger("scheduler.handshake")
     was, hs.disabled = hs.disabled, True
     try:
-        result = answer_hello(version, fp, layout, peer="client of the dispatcher")
+        result = answer_hello(version, fp, layout)
     except ValueError as exc:
         return RpcReqOutput(rid=call.rid, success=False, message=fit_text(f"hello: {exc}"))
     finally:
