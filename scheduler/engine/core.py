@@ -54,7 +54,7 @@ from messages import (
 from scheduler.core.admission import Limits
 from scheduler.core.metrics import label_replicas
 from scheduler.dp import Policy
-from scheduler.engine.pending import Item, Pending, PendingTable
+from scheduler.engine.pending import Forgotten, Item, Pending, PendingTable
 from scheduler.errors import (
     EngineClosed,
     EngineError,
@@ -340,7 +340,7 @@ class EngineCore:
         try:
             self._send(req)
         except BaseException:
-            self._unregister([req])
+            self._table.unregister([handle])
             raise
         return handle
 
@@ -368,20 +368,17 @@ class EngineCore:
                     with self._send_lock:
                         sent += self._work_out.send_many(checked[sent:])
         except WouldBlock as exc:
-            self._unregister(checked[sent:])
+            self._table.unregister(handles[sent:])
             raise Overloaded(checked[sent].rid, "overloaded",
                              f"the scheduler is not taking requests (its work channel is "
                              f"full): {sent} of {len(checked)} were sent: {exc}") from exc
         except BaseException:
-            self._unregister(checked[sent:])
+            self._table.unregister(handles[sent:])
             raise
         return handles
 
     def _register(self, reqs: Sequence[Request], handles: Sequence[Pending]) -> None:
         self._table.register([r.rid for r in reqs], handles, self._check_open)
-
-    def _unregister(self, reqs: Sequence[Request]) -> None:
-        self._table.unregister([r.rid for r in reqs])
 
     def _check_open(self) -> None:
         if self._closed:
@@ -417,9 +414,9 @@ class EngineCore:
             raise Overloaded(req.rid, "overloaded", f"the scheduler is not taking requests "
                                                     f"(its work channel is full): {exc}") from exc
 
-    def _forget(self, rid: str) -> None:
-        """The caller left: see :meth:`PendingTable.forget`."""
-        self._table.forget(rid)
+    def _forget(self, handle: Pending) -> Forgotten | None:
+        """The caller left: see :meth:`PendingTable.forget` (by identity, never by rid)."""
+        return self._table.forget(handle)
 
     @property
     def outputs_fd(self) -> int:
