@@ -50,7 +50,7 @@ async def test_a_stream_left_after_its_final_answer_spares_the_rid_s_next_reques
     # Its final answer arrives (buffered, unread): the rid is free again.
     await _until(lambda: engine.pending == 0, "the first request's final answer")
     second = engine.submit([5, 6, 7], SP, rid="again")
-    await stream.aclose()  # leaves after its final answer: must neither forget nor abort
+    await stream.aclose()  # type: ignore[attr-defined]  # leaves after its final answer: must neither forget nor abort
     result = await asyncio.wait_for(second, ANSWER_S)
     assert result.finish_reason == "length" and len(result.token_ids) == 8
 
@@ -84,7 +84,7 @@ async def test_a_stream_left_mid_way_is_still_aborted(engine: AsyncEngine) -> No
     """The identity check keeps the abort for a request that has not ended."""
     stream = engine.stream([4, 4], SamplingParams(max_new_tokens=2000), rid="long")
     await stream.__anext__()
-    await stream.aclose()
+    await stream.aclose()  # type: ignore[attr-defined]
     await _until(lambda: engine.pending == 0, "the abort's terminal answer")
     again = await asyncio.wait_for(engine.generate([4, 4], SP, rid="long"), ANSWER_S)
     assert again.finish_reason == "length"
