@@ -271,10 +271,16 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
                 if not self._discard():
                     break
                 continue
-            try:
-                if mapper is not None and len(frames) > 2 and \
-                        frames[0][:_MAGIC_LEN] == MAGIC:  # tensor frames in shared memory
+            if mapper is not None and len(frames) > 2 and \
+                    frames[0][:_MAGIC_LEN] == MAGIC:  # tensor frames in shared memory
+                try:
                     frames = mapper.resolve(frames)
+                except DecodeError as exc:  # answered by rid, read from the header
+                    for error in self._from_header(frames[1:], exc.reason):
+                        self.rejected += 1
+                        append(Rejected(error, origin))
+                    continue
+            try:
                 got = decode(frames)
             except DecodeError as exc:
                 if exc.message_type == BURST_TAG or is_burst(frames[0]):
@@ -302,8 +308,13 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
     def _oversized(self, frames: Sequence[Frame]) -> list[DecodeError]:
         """The errors for a message with too many parts: its rid when the header has
         one, or each member's for a burst."""
-        reason = (f"more than max_frames={self.codec.max_frames} frames (the rest were "
-                  "discarded unread)")
+        return self._from_header(frames, f"more than max_frames={self.codec.max_frames} "
+                                         "frames (the rest were discarded unread)")
+
+    def _from_header(self, frames: Sequence[Frame], reason: str) -> list[DecodeError]:
+        """The errors for a message refused for ``reason`` before its body was read
+        (too many parts, a shared-memory handle that does not resolve): its rid
+        when the header (``frames[0]``) has one, or each member's for a burst."""
         rid: str | None = None
         tag: str | None = None
         try:

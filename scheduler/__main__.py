@@ -7,7 +7,6 @@ import os
 import shutil
 import stat
 import sys
-import tempfile
 from collections.abc import Sequence
 
 from bus import CurveKeys, SocketOptions
@@ -15,6 +14,7 @@ from scheduler.cli.demo import demo
 from scheduler.cli.top import run_top
 from scheduler.core.admission import Limits
 from scheduler.dp import ReplicaSpec, serve_dispatch
+from scheduler.launch.leftovers import make_run_dir
 from scheduler.launch.processes import LOCAL_HEARTBEAT_TIMEOUT, start_replicas
 from scheduler.launch.wiring import Endpoints, serve_zmq
 from scheduler.models.tiny import ModelConfig
@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOptions,
               allowed: list[bytes] | None, limits: Limits) -> int:
     """``serve --dp N``: N local replicas (private ipc) behind a dispatcher on ``endpoints``."""
-    directory = tempfile.mkdtemp(prefix="tsb-dp-")
+    directory = make_run_dir("dp")  # named for us: the replicas sweep it if we are killed
     procs, specs = start_replicas(directory, args.dp, ModelConfig(), max_batch=args.max_batch,
                                   limits=limits)
     try:

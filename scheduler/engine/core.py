@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -64,7 +63,9 @@ from scheduler.errors import (
     SchedulerGone,
 )
 from scheduler.handshake import hello
+from scheduler.launch.leftovers import make_run_dir
 from scheduler.launch.processes import SchedulerProcesses, start_processes
+from scheduler.launch.tp import check_tp_room
 from scheduler.launch.wiring import Endpoints, serve_ring
 from scheduler.models.tiny import ModelConfig
 
@@ -94,6 +95,8 @@ class EngineCore:
             raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
         if tp_size < 1 or (tp_size > 1 and mode != "zmq"):
             raise ValueError("tp_size > 1 needs mode='zmq' (each rank is a process)")
+        if tp_size > 1:
+            check_tp_room()  # a clear error now, rather than a rank that fails to start
         if dp_size < 1 or (dp_size > 1 and mode != "zmq"):
             raise ValueError("dp_size > 1 needs mode='zmq' (each replica is a process)")
         self.tp_size = tp_size
@@ -103,7 +106,7 @@ class EngineCore:
         self.limits = limits or Limits()
         self._metrics = metrics
         self._codec: Codec[Request] = Codec(Request)
-        self._dir = tempfile.mkdtemp(prefix="tsb-")
+        self._dir = make_run_dir("engine")  # named for us: swept if we are killed
         self.endpoints = Endpoints.in_dir(self._dir)
         self._table = PendingTable()
         # Unique per engine (random prefix) and cheap per request (a counter).
