@@ -248,6 +248,7 @@ class EngineCore:
         if killed:  # a killed process left its shared-memory segments: unlink them now
             sweep_shm()
         stop_reading()
+        self._release_processes()
         self._fail_all(EngineClosed("the engine closed before the request finished"))
         self._rpc.close()
         self._out_inbox.close()
@@ -259,6 +260,14 @@ class EngineCore:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- internals --------------------------------------------------------------
+
+    def _release_processes(self) -> None:
+        """Release the exited processes' pipes (two per process) now, not at GC."""
+        for proc in self._started.all():
+            if proc.exitcode is not None:  # joined (or killed and joined) just before
+                proc.close()
+        self._started = SchedulerProcesses()
+        self._procs = []
 
     def _new_rid(self) -> str:
         return f"{self._rid_prefix}-{next(self._rid_seq)}"
