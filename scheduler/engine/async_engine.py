@@ -372,9 +372,18 @@ class AsyncEngine(EngineCore):
         if not pending:
             return
         queue: list[Request]
+        tokens: dict[int, Forgotten] = {}  # id(abort) -> the cancelled request's token
         if self._outq_cancels:  # decided now, at the last moment before sending
             self._outq_cancels = 0
-            queue = [r for r in map(self._request_now, pending) if r is not None]
+            queue = []
+            for item in pending:
+                if isinstance(item, Forgotten):
+                    abort = self._abort_now(item)
+                    if abort is None:
+                        continue  # its request ended: nothing to abort
+                    tokens[id(abort)] = item
+                    item = abort
+                queue.append(item)
         else:
             queue = cast(list[Request], pending)
         error: EngineError | None = None
@@ -401,15 +410,13 @@ class AsyncEngine(EngineCore):
             rest = rest[n:]
         for req in rest:
             if isinstance(req, AbortReq) and error is None:
-                self._queue_abort(req)
+                # A cancelled request's abort waits as its token: checked again then.
+                self._queue_abort(tokens.get(id(req), req))
             else:
                 self._put(req.rid, error or Overloaded(
                     req.rid, "overloaded", "the scheduler is not taking requests (its work "
                                            "channel is full)"), final=True)
         self._after_sends(sent)
-
-    def _request_now(self, item: Request | Forgotten) -> Request | None:
-        return self._abort_now(item) if isinstance(item, Forgotten) else item
 
     def _after_sends(self, n: int) -> None:
         # A burst of submits runs in one loop iteration, before the loop polls
