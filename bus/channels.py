@@ -261,12 +261,11 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
                 origin = Origin(name, bytes(frames[0]))
                 frames = frames[1:] if len(frames) > 1 else [b""]
             if too_many:
-                # Answer from the header (it carries the rid, or each member's
-                # in a burst), then drop the surplus parts unseen; what is
-                # left waits for the next poll.
-                for error in self._oversized(frames):
-                    self.rejected += 1
-                    append(Rejected(error, origin))
+                # Answer from the header, then drop the surplus parts unseen;
+                # what is left waits for the next poll.
+                too_many_parts = f"more than max_frames={self.codec.max_frames} frames"
+                self._from_header(frames, too_many_parts + " (the rest were discarded "
+                                  "unread)", origin, out)
                 self._skipping = True
                 if not self._discard():
                     break
@@ -277,7 +276,9 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
                     frames = mapper.resolve(frames)
                 got = decode(frames)
             except DecodeError as exc:
-                if exc.message_type == BURST_TAG or is_burst(frames[0]):
+                if frames[0][:_MAGIC_LEN] == MAGIC:  # unresolved handles: by the header's rid
+                    self._from_header(frames[1:], exc.reason, origin, out)
+                elif exc.message_type == BURST_TAG or is_burst(frames[0]):
                     self._burst_members(frames, origin, out)
                 else:
                     self.rejected += 1
@@ -299,11 +300,10 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
             else:
                 out.append(Envelope(member, origin))
 
-    def _oversized(self, frames: Sequence[Frame]) -> list[DecodeError]:
-        """The errors for a message with too many parts: its rid when the header has
-        one, or each member's for a burst."""
-        reason = (f"more than max_frames={self.codec.max_frames} frames (the rest were "
-                  "discarded unread)")
+    def _from_header(self, frames: Sequence[Frame], reason: str, origin: Origin,
+                     out: list[Envelope[M] | Rejected]) -> None:
+        """Refuse a message before its body is read (too many parts, shared-memory handles
+        that do not resolve): by the header's rid (``frames[0]``), or each burst member's."""
         rid: str | None = None
         tag: str | None = None
         try:
@@ -313,9 +313,10 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
         else:
             found = getattr(head, "rid", None)
             rid, tag = (found if isinstance(found, str) else None), type(head).__name__
-        if tag == BURST_TAG:
-            return self.codec.reject_members(frames[:1], reason)
-        return [DecodeError(reason, rid=rid, message_type=tag)]
+        errors = (self.codec.reject_members(frames[:1], reason) if tag == BURST_TAG
+                  else [DecodeError(reason, rid=rid, message_type=tag)])
+        self.rejected += len(errors)
+        out.extend(Rejected(e, origin) for e in errors)
 
     def _discard(self) -> bool:
         """Drop parts of the oversized message being skipped; True once it has ended."""

@@ -8,7 +8,6 @@ import shutil
 import signal
 import stat
 import sys
-import tempfile
 from collections.abc import Sequence
 
 from bus import CurveKeys, SocketOptions
@@ -17,6 +16,7 @@ from scheduler.cli.rpc import run_rpc
 from scheduler.cli.top import run_top
 from scheduler.core.admission import Limits
 from scheduler.dp import ReplicaSpec, serve_dispatch
+from scheduler.launch.leftovers import make_run_dir
 from scheduler.launch.processes import LOCAL_HEARTBEAT_TIMEOUT, start_replicas, supervise
 from scheduler.launch.wiring import Endpoints, serve_zmq
 from scheduler.models.loading import HFModelSpec, ModelLoadError, ModelSpec, model_spec
@@ -224,7 +224,7 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
     SIGINT or SIGTERM to this process alone stops its replicas at once
     (they got no shutdown: there is nothing to wait for).
     """
-    directory = tempfile.mkdtemp(prefix="tsb-dp-")
+    directory = make_run_dir("dp")  # named for us: the replicas sweep it if we are killed
     procs, specs = start_replicas(directory, args.dp, model, max_batch=args.max_batch,
                                   limits=limits)
     sup = supervise(procs, directory, model, max_batch=args.max_batch, limits=limits)

@@ -24,9 +24,12 @@ compare-and-swap is needed):
 
 * the sender bumps ``sent`` (the generation) and clears ``claim`` before it
   writes the slab; the slab is free again once ``released == sent``;
-* the receiver writes its pid to ``claim``, fences, and checks that ``sent``
-  is still the handle's generation (else the frame is refused as
-  reclaimed); when the last view of the frame is collected, it writes
+* the receiver first checks that ``sent`` is the handle's generation and
+  that nobody claimed it yet (else the handle is refused, and nothing is
+  written: a forged or replayed handle never touches another's claim); then
+  it writes its pid to ``claim``, fences, and checks ``sent`` again (else
+  the frame is refused as reclaimed, and the claim cleared only if it is
+  still its own); when the last view of the frame is collected, it writes
   ``released = generation``;
 * a slab whose claimer died is free (pid liveness, checked when the pool is
   short); a slab never claimed for ``unclaimed_timeout`` seconds (its
@@ -34,12 +37,17 @@ compare-and-swap is needed):
   fencing and checking ``claim``: the receiver and the sender each see the
   other's write, so at most one of them wins.
 
-When the pool is at ``max_bytes`` and nothing can be taken back, the frame
-goes over the socket as before: the shared-memory path never blocks a send.
+When the pool is at ``max_bytes`` and nothing can be taken back, or the
+shared-memory directory is full (a slab's space is reserved when it is
+made, so that is an ``OSError`` there, never a SIGBUS on a write), the frame
+goes over the socket as before: the shared-memory path never blocks or
+kills a send. After a failed allocation the pool makes no new slab for
+:attr:`FramePool.retry_after` seconds (it reuses the slabs it has).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -52,6 +60,7 @@ import msgspec
 import numpy as np
 import torch
 
+from bus.logsummary import LogSummary
 from bus.shm.segment import Segment, fence, pid_alive
 from messages import DecodeError, Frame
 
@@ -68,6 +77,7 @@ _HEADER = 4096
 _MAGIC_W, _SIZE_W, _SENT_W, _RELEASED_W, _CLAIM_W = range(5)
 _SLAB_MAGIC = 0x7473_6273_6C61_6231  # "tsbslab1"
 _HANDLES_ENC = msgspec.msgpack.Encoder()
+log = logging.getLogger("bus.shm")
 
 
 class _Handle(msgspec.Struct, array_like=True, frozen=True):
@@ -83,7 +93,7 @@ _HANDLES_DEC = msgspec.msgpack.Decoder(list[_Handle])
 
 class _Slab:
     def __init__(self, size: int) -> None:
-        self.seg = Segment.create("f", _HEADER + size)
+        self.seg = Segment.create("f", _HEADER + size, what="a tensor frame's slab")
         self.size = size
         self.words = self.seg.buf[:64].cast("Q")
         self.data = self.seg.buf[_HEADER:]
@@ -144,6 +154,9 @@ class FramePool:
             receiver is taken back (its message was lost).
     """
 
+    #: Seconds without trying a new slab after the shared-memory directory was full.
+    retry_after = 1.0
+
     def __init__(self, *, threshold: int = DEFAULT_SHM_THRESHOLD, max_bytes: int = 1 << 30,
                  unclaimed_timeout: float = 60.0) -> None:
         if threshold < 1:
@@ -155,6 +168,10 @@ class FramePool:
         self._classes: dict[int, list[_Slab]] = {}
         self._bytes = 0
         self.fallbacks = 0  # frames sent over the socket because the pool was full
+        self.alloc_failures = 0  # slabs that could not be made (the directory full)
+        self._no_room_until = 0.0
+        self._alloc_log = LogSummary(log, "shared memory full, tensor frames sent over "
+                                          "the socket")
         self.lent_sends = 0  # frames sent by handle from a lent slab (no copy)
         self._lent: dict[int, _Slab] = {}  # data address -> slab lent by empty()
         self._closed = False
@@ -170,15 +187,18 @@ class FramePool:
         for slab in slabs:
             if not slab.lent and slab.free():
                 return slab
-        if self._bytes + size <= self.max_bytes:
+        now = time.monotonic()
+        if self._bytes + size <= self.max_bytes and now >= self._no_room_until:
             try:
                 slab = _Slab(size)
-            except OSError:
-                return None
-            slabs.append(slab)
-            self._bytes += size
-            return slab
-        now = time.monotonic()
+            except OSError as exc:  # no room in /dev/shm: the socket, and retry later
+                self.alloc_failures += 1
+                self._no_room_until = now + self.retry_after
+                self._alloc_log.add("shm", str(exc))
+            else:
+                slabs.append(slab)
+                self._bytes += size
+                return slab
         for slab in slabs:
             if slab.take_back(self.unclaimed_timeout, now):
                 return slab
@@ -369,10 +389,19 @@ class FrameMapper:
         if not (0 <= h.nbytes and 0 <= h.offset and h.offset + h.nbytes <= words[_SIZE_W]):
             raise DecodeError(f"shared-memory handle of {h.nbytes} bytes at {h.offset} for a "
                               f"{words[_SIZE_W]}-byte slab")
+        # Check before claiming, and never overwrite a claim: a forged, stale or
+        # replayed handle is refused having written nothing.
+        if words[_SENT_W] != h.gen:
+            raise DecodeError(f"shared-memory slab {h.slab!r} was reclaimed before this "
+                              "frame was read (or the handle is not current)")
+        if words[_CLAIM_W]:
+            raise DecodeError(f"shared-memory slab {h.slab!r}: this frame was already "
+                              "claimed (a replayed handle)")
         words[_CLAIM_W] = self._pid
         fence()
-        if words[_SENT_W] != h.gen:
-            words[_CLAIM_W] = 0
+        if words[_SENT_W] != h.gen:  # the sender took it back meanwhile
+            if words[_CLAIM_W] == self._pid:
+                words[_CLAIM_W] = 0
             raise DecodeError(f"shared-memory slab {h.slab!r} was reclaimed before this "
                               "frame was read")
         arr = np.frombuffer(seg.mmap, np.uint8, count=h.nbytes, offset=_HEADER + h.offset)

@@ -110,7 +110,8 @@ class ShmWriter:
         self.readers = readers
         self.capacity = capacity
         self._base = _data_offset(readers)
-        self._seg = Segment.create("ring", self._base + capacity, populate=True)
+        self._seg = Segment.create("ring", self._base + capacity, populate=True,
+                                   what=f"the {name!r} ring")
         self.handle = self._seg.name
         self._data = self._seg.buf[self._base :]
         self._w = _Words(self._seg, readers).w

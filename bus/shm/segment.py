@@ -9,7 +9,16 @@ mode 0600, mapped with :mod:`mmap`, has neither problem.
 Every name starts ``tsb-<creator pid>-``. The creator unlinks its segments
 on close (and, failing that, at interpreter exit); after a crash (SIGKILL),
 the next process that creates a segment sweeps every ``tsb-<pid>-*`` whose
-creator is dead. Doorbells (FIFOs a parked reader or writer sleeps on) live
+creator is dead, and a process whose parent died unlinks its own before it
+exits (:func:`unlink_own`, from the parent watch of ``scheduler.launch``).
+
+Space is reserved when a segment is made (``posix_fallocate``), not when
+it is first written: a tmpfs file made by ``ftruncate`` alone is sparse,
+and running out of room would surface as SIGBUS on a write, killing the
+process, instead of an :class:`OSError` at creation that a caller can
+handle (the frame pool falls back to the socket; the tensor-parallel
+start-up names ``/dev/shm``'s size). ``TSB_SHM_DIR`` puts the files in
+another directory (a bigger tmpfs, say). Doorbells (FIFOs a parked reader or writer sleeps on) live
 beside the segments under the same names, so one sweep covers both. The
 directory is world-writable but sticky, ``mkfifo``/``O_EXCL`` refuse a name
 that exists, and every opener checks the file is ours (uid, type), so no
@@ -18,6 +27,7 @@ other user can plant or swap one.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -27,9 +37,11 @@ import tempfile
 import threading
 import weakref
 
-__all__ = ["SHM_DIR", "Segment", "fence", "make_fifo", "open_fifo", "pid_alive", "sweep_stale"]
+__all__ = ["SHM_DIR", "Segment", "ShmSpaceError", "fence", "make_fifo", "open_fifo", "pid_alive",
+           "shm_space", "sweep_stale", "unlink_own"]
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+SHM_DIR = os.environ.get("TSB_SHM_DIR") or (
+    "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 _NAME = re.compile(r"tsb-(\d+)-[a-z]+-[0-9a-f]{12}(\.[a-z0-9]+)?")
 _swept = False
 _sweep_lock = threading.Lock()
@@ -66,6 +78,47 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+class ShmSpaceError(OSError):
+    """No room in the shared-memory directory for a segment: says how big it is.
+
+    An :class:`OSError` (``errno`` as the system gave it, ENOSPC most often),
+    so code that handles a failed allocation keeps handling it.
+
+    Attributes:
+        wanted: bytes the segment needed.
+        free: bytes free in :data:`SHM_DIR` when it failed (``None``: unknown).
+        total: the directory's size in bytes (``None``: unknown).
+    """
+
+    def __init__(self, errno_: int, wanted: int, free: int | None, total: int | None,
+                 what: str, cause: str) -> None:
+        self.wanted, self.free, self.total = wanted, free, total
+        size = ("of unknown size" if total is None or free is None
+                else f"{_mib(free)} free of {_mib(total)}")
+        super().__init__(errno_, f"cannot reserve {_mib(wanted)} of shared memory for {what} "
+                                 f"in {SHM_DIR} ({size}): {cause}. Give it more room "
+                                 f"(docker: --shm-size=1g; or set TSB_SHM_DIR to a bigger "
+                                 f"tmpfs)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def shm_space() -> tuple[int, int] | None:
+    """``(free, total)`` bytes of :data:`SHM_DIR`'s filesystem, or None if unknown."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:  # pragma: no cover
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate ``size`` bytes of the file now (the seam tests fail on purpose)."""
+    os.posix_fallocate(fd, 0, size)
+
+
 def new_name(kind: str) -> str:
     """A fresh segment name for this process: ``tsb-<pid>-<kind>-<random>``."""
     return f"tsb-{os.getpid()}-{kind}-{secrets.token_hex(6)}"
@@ -91,6 +144,29 @@ def sweep_stale() -> list[str]:
             removed.append(name)
         except OSError:
             pass
+    return removed
+
+
+def unlink_own() -> list[str]:
+    """Unlink every ``tsb-<this pid>-*`` segment and doorbell. Returns their names.
+
+    For a process about to exit without running finalizers (``os._exit``
+    once its parent died): what it created must not outlive it. Mappings
+    stay valid, so a thread still using one does not fault.
+    """
+    prefix = f"tsb-{os.getpid()}-"
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:  # pragma: no cover
+        return removed
+    for name in names:
+        if name.startswith(prefix) and _NAME.fullmatch(name) is not None:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
     return removed
 
 
@@ -143,8 +219,9 @@ class Segment:
         return self._mm
 
     @classmethod
-    def create(cls, kind: str, size: int, *, populate: bool = False) -> Segment:
-        """Create and map a fresh segment of ``size`` bytes (zeroed).
+    def create(cls, kind: str, size: int, *, populate: bool = False,
+               what: str = "a segment") -> Segment:
+        """Create and map a fresh segment of ``size`` bytes (zeroed), its space reserved.
 
         The first creation in a process sweeps the leftovers of dead creators.
         ``populate`` faults every page in now (``MAP_POPULATE``) rather than
@@ -152,7 +229,10 @@ class Segment:
         fault per 4 KiB written (4x the cost of a 280 KiB record).
 
         Raises:
-            OSError: no room in ``/dev/shm``.
+            ShmSpaceError: no room in :data:`SHM_DIR` for ``size`` bytes (an
+                ``OSError`` naming ``what`` and the directory's size; never a
+                SIGBUS later, on a write).
+            OSError: the file could not be made (permissions, a full inode table).
         """
         _sweep_once()
         name = new_name(kind)
@@ -160,6 +240,12 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
+            try:
+                _reserve(fd, size)
+            except OSError as exc:
+                free, total = shm_space() or (None, None)
+                raise ShmSpaceError(exc.errno or errno.ENOSPC, size, free, total, what,
+                                    exc.strerror or str(exc)) from exc
             mm = mmap.mmap(fd, size, flags=_flags(populate))
         except BaseException:
             os.unlink(path)

@@ -8,10 +8,12 @@ clear-screen and a table, so it needs nothing but a terminal.
 
 from __future__ import annotations
 
+import http.client
 import math
 import sys
+import threading
 import time
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -20,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.core.metrics import PREFIX
 
-__all__ = ["Snapshot", "metrics_url", "render", "run_top", "scrape"]
+__all__ = ["ScrapeError", "Snapshot", "metrics_url", "render", "run_top", "scrape"]
 
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -45,23 +47,90 @@ class Snapshot:
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)
 
 
+#: Most bytes one page may have (a scheduler's is a few KiB).
+_MAX_PAGE = 16 << 20
+
+
+class ScrapeError(OSError):
+    """The endpoint did not give a metrics page in time: its message is one line for
+    the operator (unreachable, an HTTP error, not Prometheus text, too slow)."""
+
+
+def _get(url: str, timeout: float) -> bytes:
+    """GET ``url`` (each read bounded by ``timeout``); the connection is always closed."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ScrapeError(f"not an http(s) URL: {url}")
+    conn: http.client.HTTPConnection = (
+        http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    )(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
+        with conn.getresponse() as resp:
+            if resp.status != 200:
+                raise ScrapeError(f"{url} answered HTTP {resp.status} {resp.reason}")
+            return resp.read(_MAX_PAGE + 1)
+    finally:
+        conn.close()
+
+
+def _fetch(url: str, timeout: float) -> bytes:
+    """The page's bytes, the whole response within ``timeout`` seconds (not per read:
+    a server that trickles bytes is given up on)."""
+    got: list[bytes | BaseException] = []
+
+    def fetch() -> None:
+        try:
+            got.append(_get(url, timeout))
+        except BaseException as exc:  # handed to the caller's thread
+            got.append(exc)
+
+    # A thread bounds the whole exchange; a socket timeout bounds each read only.
+    # Left behind past the deadline, it ends at its own socket timeout (daemon).
+    worker = threading.Thread(target=fetch, name="top-scrape", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not got:
+        raise ScrapeError(f"no whole answer from {url} within {timeout:g} s")
+    result = got[0]
+    if isinstance(result, ScrapeError):
+        raise result
+    if isinstance(result, ConnectionRefusedError):
+        raise ScrapeError(f"cannot reach {url}: connection refused")
+    if isinstance(result, (OSError, http.client.HTTPException, ValueError)):
+        detail = str(result).replace("\n", " ")[:100]
+        raise ScrapeError(f"cannot read {url} ({type(result).__name__}: {detail}): "
+                          "not an HTTP metrics endpoint?")
+    if isinstance(result, BaseException):
+        raise result
+    if len(result) > _MAX_PAGE:
+        raise ScrapeError(f"{url}: the page is over {_MAX_PAGE >> 20} MiB: not a scheduler's")
+    return result
+
+
 def scrape(url: str, *, timeout: float = 5.0) -> Snapshot:
-    """Fetch and parse one ``/metrics`` page.
+    """Fetch and parse one ``/metrics`` page, the whole response within ``timeout`` seconds.
 
     Raises:
-        OSError: the endpoint did not answer.
+        ScrapeError: (an ``OSError``) the endpoint did not answer in time, answered
+            an HTTP error, or its page is not a scheduler's Prometheus metrics.
     """
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        text = resp.read().decode()
+    body = _fetch(url, timeout)
     snap = Snapshot(time.monotonic())
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.endswith("_bucket"):
-                le = float(s.labels["le"])
-                b = snap.buckets.setdefault(s.name[: -len("_bucket")], {})
-                b[le] = b.get(le, 0.0) + s.value
-            else:
-                snap.values[s.name] = snap.values.get(s.name, 0.0) + s.value
+    try:
+        for fam in text_string_to_metric_families(body.decode()):
+            for s in fam.samples:
+                if s.name.endswith("_bucket"):
+                    le = float(s.labels["le"])
+                    b = snap.buckets.setdefault(s.name[: -len("_bucket")], {})
+                    b[le] = b.get(le, 0.0) + s.value
+                else:
+                    snap.values[s.name] = snap.values.get(s.name, 0.0) + s.value
+    except Exception as exc:  # the parser raises several kinds on foreign text
+        raise ScrapeError(f"{url} is not Prometheus metrics text "
+                          f"({type(exc).__name__}: {str(exc)[:100]})") from None
+    if not any(name.startswith(PREFIX) for name in (*snap.values, *snap.buckets)):
+        raise ScrapeError(f"{url} has no {PREFIX}* metrics: is it a scheduler's /metrics?")
     return snap
 
 
@@ -135,7 +204,8 @@ def run_top(endpoint: str, *, interval: float = 1.0, frames: int | None = None,
             sleep: Callable[[float], None] = time.sleep) -> int:
     """Show the view every ``interval`` seconds (``frames`` times, or until Ctrl-C).
 
-    Returns a process exit status: 0, or 1 when the endpoint cannot be read.
+    Returns a process exit status: 0, or 1 when the endpoint cannot be read (one
+    line on stderr says why).
     """
     url = metrics_url(endpoint)
     old: Snapshot | None = None
@@ -144,8 +214,8 @@ def run_top(endpoint: str, *, interval: float = 1.0, frames: int | None = None,
         while frames is None or shown < frames:
             try:
                 new = scrape(url)
-            except OSError as exc:
-                print(f"cannot read {url}: {exc}", file=sys.stderr)
+            except OSError as exc:  # one line, never a traceback
+                print(f"top: {exc}", file=sys.stderr)
                 return 1
             out.write((_CLEAR if clear else "") + render(new, old, url) + "\n")
             out.flush()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Literal, Self, cast
@@ -37,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
+from bus import LogSummary
 from messages import (
     SEND_BURST,
     AbortReq,
@@ -51,10 +53,13 @@ from scheduler.dp import Policy
 from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest
 from scheduler.engine.core import EngineCore
 from scheduler.engine.handles import GenerateResult, StreamChunk
+from scheduler.engine.pending import Forgotten, Pending
 from scheduler.errors import EngineClosed, EngineError, Overloaded, RequestFailed
 from scheduler.models.loading import ModelArg
 
 __all__ = ["AsyncEngine", "AsyncHandle", "AsyncRequest"]
+
+log = logging.getLogger("scheduler.engine")
 
 #: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._send``).
 _READ_EVERY = 32
@@ -84,8 +89,16 @@ class AsyncEngine(EngineCore):
         self._zmq_out = pollable if isinstance(pollable, zmq.Socket) else None
         self._reading = False  # the loop's reader is registered
         self._sent_unread = 0  # sends since outputs were last read
-        self._unsent_aborts: deque[AbortReq] = deque()  # waiting for room on the channel
-        self._outq: list[Request] = []  # sent in this turn of the loop: one burst at its end
+        # Aborts waiting for room on the channel; a cancelled request's as its
+        # Forgotten token, turned into an AbortReq only while it holds its rid.
+        self._unsent_aborts: deque[AbortReq | Forgotten] = deque()
+        # Sent in this turn of the loop: one burst at its end.
+        self._outq: list[Request | Forgotten] = []
+        self._outq_cancels = 0  # Forgotten tokens in _outq
+        #: Requests that failed (``Overloaded`` above all) and were collected
+        #: without ever being awaited: fire-and-forget submits.
+        self.unawaited_failures = 0
+        self._unseen_log = LogSummary(log, "requests failed with nobody awaiting them")
 
     async def start(self) -> Self:
         """Start reading outputs on the running loop; wait for the scheduler to answer.
@@ -126,7 +139,14 @@ class AsyncEngine(EngineCore):
     def _request(self, rid: str) -> AsyncRequest:
         if self._loop is None:
             raise EngineClosed("the engine is not started (use 'async with' or start())")
-        return AsyncRequest(rid, self._loop, self._cancel)
+        return AsyncRequest(rid, self._loop, self._cancel, self._unseen_failure)
+
+    def _unseen_failure(self, error: EngineError) -> None:
+        """A request failed and was collected without ever being awaited: counted,
+        and summarized in the log (never a traceback per request)."""
+        self.unawaited_failures += 1
+        code = getattr(error, "code", type(error).__name__)
+        self._unseen_log.add("submit", f"{code}: {error}")
 
     async def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                        *, return_logprob: bool = False, rid: str | None = None,
@@ -192,7 +212,7 @@ class AsyncEngine(EngineCore):
                 yield item
         finally:
             if not finished:  # cancelled, broken out of, or collected: free the slot
-                self._cancel(handle.rid)
+                self._cancel(handle)
 
     async def embed(self, input_ids: npt.ArrayLike) -> npt.NDArray[np.float32]:
         """Embed a tokenized text; returns a unit-norm float32 vector.
@@ -203,7 +223,8 @@ class AsyncEngine(EngineCore):
         try:
             item = await answer.future
         except asyncio.CancelledError:
-            self._cancel(answer.rid)
+            answer.cancelled()
+            self._cancel(answer)
             raise
         assert isinstance(item, np.ndarray)
         return item
@@ -217,17 +238,30 @@ class AsyncEngine(EngineCore):
         """
         self._send_abort(self._abort_req(rid))
 
-    def _cancel(self, rid: str) -> None:
-        """The caller left: forget its handle and abort the request, best effort."""
-        self._forget(rid)
-        if self.closed or self._gone is not None:
+    def _cancel(self, handle: Pending) -> None:
+        """The caller of ``handle`` left: forget it and abort its request, best effort.
+
+        By identity: a request that already ended (its final answer is in,
+        perhaps not yet consumed) is not aborted, and its rid, which a new
+        request may hold by now, is left alone. The abort goes out only while
+        the request it is for still holds the rid (:meth:`_abort_now`).
+        """
+        token = self._forget(handle)
+        if token is None or self.closed or self._gone is not None:
             return
         try:
-            self._send_abort(self._abort_req(rid))
+            self._send_abort(token)
         except EngineError:
             pass  # closing or gone: nothing left to free
 
-    def _send_abort(self, req: AbortReq) -> None:
+    def _abort_now(self, item: AbortReq | Forgotten) -> AbortReq | None:
+        """The abort to send for ``item`` now: a cancelled request's only while it has
+        not ended (else its rid may be a new request's)."""
+        if isinstance(item, AbortReq):
+            return item
+        return AbortReq(rid=item.rid) if self._table.owns(item) else None
+
+    def _send_abort(self, req: AbortReq | Forgotten) -> None:
         """Send an abort now, or as soon as the work channel has room: never lost,
         never blocking the loop."""
         if self._unsent_aborts:  # keep order behind those already waiting
@@ -238,7 +272,7 @@ class AsyncEngine(EngineCore):
         except Overloaded:
             self._queue_abort(req)
 
-    def _queue_abort(self, req: AbortReq) -> None:
+    def _queue_abort(self, req: AbortReq | Forgotten) -> None:
         self._unsent_aborts.append(req)
         if len(self._unsent_aborts) == 1:
             assert self._loop is not None
@@ -247,8 +281,12 @@ class AsyncEngine(EngineCore):
     def _retry_aborts(self) -> None:
         waiting = self._unsent_aborts
         while waiting and not self.closed and self._gone is None:
+            req = self._abort_now(waiting[0])
+            if req is None:  # its request ended meanwhile: nothing to abort
+                waiting.popleft()
+                continue
             try:
-                EngineCore._send(self, waiting[0], block=False)  # now, not at the turn's end
+                EngineCore._send(self, req, block=False)  # now, not at the turn's end
             except Overloaded:
                 assert self._loop is not None
                 self._loop.call_later(_RETRY_S, self._retry_aborts)
@@ -307,17 +345,20 @@ class AsyncEngine(EngineCore):
         self._reading = False
         self.read_outputs()  # what arrived last
 
-    def _send(self, req: Request, *, block: bool = False) -> None:
+    def _send(self, req: Request | Forgotten, *, block: bool = False) -> None:
         # Never blocks the loop. What is sent in one turn of the loop leaves at
         # its end, together: over zmq as one burst, on the ring in one put (one
         # lock, one wake-up of the scheduler). The lone request of an idle
         # frontend leaves as soon as its task awaits.
         if self._loop is None:
+            assert not isinstance(req, Forgotten)  # nothing is cancelled before start()
             super()._send(req, block=False)  # a full work channel: Overloaded at once
             self._after_sends(1)
             return
         self._check_open()
         queue = self._outq
+        if isinstance(req, Forgotten):
+            self._outq_cancels += 1
         queue.append(req)
         if len(queue) == 1:
             self._loop.call_soon(self._flush_sends)
@@ -327,9 +368,24 @@ class AsyncEngine(EngineCore):
     def _flush_sends(self) -> None:
         """Send what this turn of the loop submitted, as bursts; what the channel
         does not take fails with Overloaded (an abort waits for room instead)."""
-        queue, self._outq = self._outq, []
-        if not queue:
+        pending, self._outq = self._outq, []
+        if not pending:
             return
+        queue: list[Request]
+        tokens: dict[int, Forgotten] = {}  # id(abort) -> the cancelled request's token
+        if self._outq_cancels:  # decided now, at the last moment before sending
+            self._outq_cancels = 0
+            queue = []
+            for item in pending:
+                if isinstance(item, Forgotten):
+                    abort = self._abort_now(item)
+                    if abort is None:
+                        continue  # its request ended: nothing to abort
+                    tokens[id(abort)] = item
+                    item = abort
+                queue.append(item)
+        else:
+            queue = cast(list[Request], pending)
         error: EngineError | None = None
         rest, sent = queue, 0
         while rest:
@@ -354,7 +410,8 @@ class AsyncEngine(EngineCore):
             rest = rest[n:]
         for req in rest:
             if isinstance(req, AbortReq) and error is None:
-                self._queue_abort(req)
+                # A cancelled request's abort waits as its token: checked again then.
+                self._queue_abort(tokens.get(id(req), req))
             else:
                 self._put(req.rid, error or Overloaded(
                     req.rid, "overloaded", "the scheduler is not taking requests (its work "

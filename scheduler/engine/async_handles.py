@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Generator
 
@@ -131,6 +132,7 @@ class Answer:
             return
         if isinstance(item, EngineError):
             future.set_exception(item)
+            self._failed(item)
         elif isinstance(item, StreamChunk) and (self._ids is not None
                                                 or item.finish_reason is None):
             ids = self._ids = (self._ids or []) + item.token_ids
@@ -141,6 +143,16 @@ class Answer:
         else:
             future.set_result(item)
 
+    def _failed(self, error: EngineError) -> None:
+        """The answer is an error (a hook: see :class:`AsyncRequest`)."""
+
+    def cancelled(self) -> None:
+        """Whoever awaited this left: an error already set is seen (never logged
+        by asyncio as "never retrieved")."""
+        future = self.future
+        if future.done() and not future.cancelled():
+            future.exception()
+
 
 class AsyncRequest(Answer):
     """A submitted generate request: ``await`` it for its :class:`~scheduler.GenerateResult`.
@@ -150,21 +162,43 @@ class AsyncRequest(Answer):
     handles are. Cancelling what awaits it aborts the request; one never
     awaited runs to its end (``await engine.abort(request.rid)`` stops it).
 
+    A request that fails while nobody awaits it (fire and forget: ``submit``
+    and drop) is not logged by asyncio as "Future exception was never
+    retrieved": if it is collected without ever being awaited, ``unseen``
+    is called with its error (the engine counts them). Awaited later, it
+    raises as usual.
+
     Raises (when awaited): as :meth:`AsyncEngine.generate`.
     """
 
-    __slots__ = ("_on_cancel",)
+    __slots__ = ("__weakref__", "_awaited", "_on_cancel", "_unseen", "_watch")
 
     def __init__(self, rid: str, loop: asyncio.AbstractEventLoop,
-                 on_cancel: Callable[[str], None]) -> None:
+                 on_cancel: Callable[[AsyncRequest], None],
+                 unseen: Callable[[EngineError], None] | None = None) -> None:
         super().__init__(rid, loop)
         self._on_cancel = on_cancel
+        self._unseen = unseen
+        self._awaited = False
+        self._watch: weakref.finalize[[EngineError], AsyncRequest] | None = None
+
+    def _failed(self, error: EngineError) -> None:
+        if self._awaited:
+            return  # whoever awaits it gets the error
+        self.future.exception()  # asyncio must not log it; we count it if never awaited
+        if self._unseen is not None:
+            self._watch = weakref.finalize(self, self._unseen, error)
 
     def __await__(self) -> Generator[object, None, GenerateResult]:
+        self._awaited = True
+        if self._watch is not None:
+            self._watch.detach()  # awaited after all: its error is seen
+            self._watch = None
         try:
             item = yield from self.future.__await__()
         except asyncio.CancelledError:
-            self._on_cancel(self.rid)  # its caller left: free its slot
+            self.cancelled()
+            self._on_cancel(self)  # its caller left: free its slot (unless it ended)
             raise
         assert isinstance(item, StreamChunk) and item.finish_reason is not None
         return GenerateResult(item.rid, item.token_ids, item.finish_reason, item.logprobs)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -55,7 +54,7 @@ from messages import (
 from scheduler.core.admission import Limits
 from scheduler.core.metrics import label_replicas
 from scheduler.dp import Policy
-from scheduler.engine.pending import Item, Pending, PendingTable
+from scheduler.engine.pending import Forgotten, Item, Pending, PendingTable
 from scheduler.engine.sending import send_waiting
 from scheduler.errors import (
     EngineClosed,
@@ -66,7 +65,9 @@ from scheduler.errors import (
     SchedulerGone,
 )
 from scheduler.handshake import hello
+from scheduler.launch.leftovers import make_run_dir
 from scheduler.launch.processes import SchedulerProcesses, start_processes
+from scheduler.launch.tp import check_tp_room
 from scheduler.launch.wiring import Endpoints, serve_ring
 from scheduler.models.loading import HFModelSpec, ModelArg, load_model, model_spec
 from scheduler.models.protocol import Model
@@ -98,6 +99,8 @@ class EngineCore:
             raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
         if tp_size < 1 or (tp_size > 1 and mode != "zmq"):
             raise ValueError("tp_size > 1 needs mode='zmq' (each rank is a process)")
+        if tp_size > 1:
+            check_tp_room()  # a clear error now, rather than a rank that fails to start
         if dp_size < 1 or (dp_size > 1 and mode != "zmq"):
             raise ValueError("dp_size > 1 needs mode='zmq' (each replica is a process)")
         self.model = model_spec(model)
@@ -112,7 +115,7 @@ class EngineCore:
         self.limits = limits or Limits()
         self._metrics = metrics
         self._codec: Codec[Request] = Codec(Request)
-        self._dir = tempfile.mkdtemp(prefix="tsb-")
+        self._dir = make_run_dir("engine")  # named for us: swept if we are killed
         self.endpoints = Endpoints.in_dir(self._dir)
         self._table = PendingTable()
         # Unique per engine (random prefix) and cheap per request (a counter).
@@ -254,6 +257,7 @@ class EngineCore:
         if killed:  # a killed process left its shared-memory segments: unlink them now
             sweep_shm()
         stop_reading()
+        self._release_processes()
         self._fail_all(EngineClosed("the engine closed before the request finished"))
         self._rpc.close()
         self._out_inbox.close()
@@ -265,6 +269,14 @@ class EngineCore:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- internals --------------------------------------------------------------
+
+    def _release_processes(self) -> None:
+        """Release the exited processes' pipes (two per process) now, not at GC."""
+        for proc in self._started.all():
+            if proc.exitcode is not None:  # joined (or killed and joined) just before
+                proc.close()
+        self._started = SchedulerProcesses()
+        self._procs = []
 
     def _new_rid(self) -> str:
         return f"{self._rid_prefix}-{next(self._rid_seq)}"
@@ -350,7 +362,7 @@ class EngineCore:
         try:
             self._send(req)
         except BaseException:
-            self._unregister([req])
+            self._table.unregister([handle])
             raise
         return handle
 
@@ -372,23 +384,24 @@ class EngineCore:
                     self._send(req)
                     sent += 1
             else:
-                sent = self._send_zmq(checked)
+                def progressed(n: int) -> None:
+                    nonlocal sent
+                    sent += n
+                self._send_zmq(checked, progressed)
         except BaseException:
-            self._unregister(checked[sent:])
+            self._table.unregister(handles[sent:])
             raise
         return handles
 
-    def _send_zmq(self, reqs: Sequence[Request]) -> int:
+    def _send_zmq(self, reqs: Sequence[Request],
+                  progress: Callable[[int], None] | None = None) -> int:
         """Send ``reqs`` on the work socket (see :func:`send_waiting`); how many were sent."""
         assert self._work_out is not None
         return send_waiting(self._work_out, reqs, self._send_lock, self._check_open,
-                            self._alive, _SEND_TIMEOUT)
+                            self._alive, _SEND_TIMEOUT, progress)
 
     def _register(self, reqs: Sequence[Request], handles: Sequence[Pending]) -> None:
         self._table.register([r.rid for r in reqs], handles, self._check_open)
-
-    def _unregister(self, reqs: Sequence[Request]) -> None:
-        self._table.unregister([r.rid for r in reqs])
 
     def _check_open(self) -> None:
         if self._closed:
@@ -425,9 +438,9 @@ class EngineCore:
             raise Overloaded(req.rid, "overloaded", f"the scheduler is not taking requests "
                                                     f"(its work channel is full): {exc}") from exc
 
-    def _forget(self, rid: str) -> None:
-        """The caller left: see :meth:`PendingTable.forget`."""
-        self._table.forget(rid)
+    def _forget(self, handle: Pending) -> Forgotten | None:
+        """The caller left: see :meth:`PendingTable.forget` (by identity, never by rid)."""
+        return self._table.forget(handle)
 
     @property
     def outputs_fd(self) -> int:

@@ -22,7 +22,7 @@ from messages import BatchEmbeddingOut, BatchTokenIDOut, ErrorOut, Output
 from scheduler.engine.handles import StreamChunk
 from scheduler.errors import EngineError, InvalidRequest, Overloaded, RequestFailed
 
-__all__ = ["Item", "Pending", "PendingTable"]
+__all__ = ["Forgotten", "Item", "Pending", "PendingTable"]
 
 log = logging.getLogger("scheduler.engine")
 
@@ -31,25 +31,47 @@ Item = StreamChunk | npt.NDArray[np.float32] | EngineError
 
 
 class Pending(Protocol):
-    """A request's handle as the table sees it: something to hand outputs to."""
+    """A request's handle as the table sees it: its rid, and something to hand outputs to."""
+
+    @property
+    def rid(self) -> str:
+        """The request id the handle was registered under."""
+        ...
 
     def put(self, item: Item) -> None:
         """Deliver one output (or the error that ends the request)."""
         ...
 
 
-class _Discard:
-    """The entry of a request whose caller left: outputs go nowhere."""
+class Forgotten:
+    """The entry of a request whose caller left: outputs go nowhere.
+
+    It keeps the rid taken until the scheduler's terminal answer for it
+    arrives. Its identity is what an abort for it is checked against: while
+    :meth:`PendingTable.owns` it, the request has not ended and aborting
+    ``rid`` aborts that request, not a later one that reuses the id.
+    """
+
+    __slots__ = ("rid",)
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
 
     def put(self, item: Item) -> None:
         """Drop ``item``."""
 
 
-_DISCARD = _Discard()
-
-
 class PendingTable:
-    """rid -> the handle waiting for its outputs."""
+    """rid -> the handle waiting for its outputs.
+
+    An entry is removed by its owner only, *by identity*: the handle (or
+    :class:`Forgotten` token) that was put there, never whatever happens to
+    sit under the rid now. A rid may be reused as soon as its request ended,
+    so a caller that acts late on a rid (a cancelled stream, a failed send)
+    would otherwise remove or abort the new request that reuses it. The
+    scheduler's answers are the one thing addressed by rid: they are for
+    whichever request holds it, and only its terminal answer frees it.
+    """
 
     def __init__(self) -> None:
         self._handles: dict[str, Pending] = {}
@@ -78,23 +100,40 @@ class PendingTable:
             for rid, handle in zip(rids, handles, strict=True):
                 self._handles[rid] = handle
 
-    def unregister(self, rids: Sequence[str]) -> None:
-        """Forget these rids (their requests were never sent)."""
+    def unregister(self, handles: Sequence[Pending]) -> None:
+        """Remove these handles (their requests were never sent); an entry that is
+        no longer one of them (answered, failed, the rid reused) is left alone."""
         with self._lock:
-            for rid in rids:
-                self._handles.pop(rid, None)
+            table = self._handles
+            for handle in handles:
+                if table.get(handle.rid) is handle:
+                    del table[handle.rid]
 
-    def forget(self, rid: str) -> None:
-        """The caller left: ignore the request's outputs, but keep its rid taken.
+    def forget(self, handle: Pending) -> Forgotten | None:
+        """The caller of ``handle`` left: ignore its outputs, but keep its rid taken.
 
-        The rid stays reserved (an entry that drops everything) until the
-        scheduler's terminal answer for it arrives: a new request reusing it
-        before then would receive the old one's outputs, or be refused by the
-        scheduler as a duplicate and never answered.
+        The rid stays reserved (a :class:`Forgotten` entry that drops
+        everything) until the scheduler's terminal answer for it arrives: a
+        new request reusing it before then would receive the old one's
+        outputs, or be refused by the scheduler as a duplicate and never
+        answered.
+
+        Returns:
+            The token now holding the rid, to abort the request by (send the
+            abort only while :meth:`owns` it); ``None`` when ``handle`` is no
+            longer in the table: its request already ended (final answer,
+            error, the engine closed), so there is nothing to abort, and the
+            rid may already belong to a new request.
         """
         with self._lock:
-            if rid in self._handles:
-                self._handles[rid] = _DISCARD
+            if self._handles.get(handle.rid) is not handle:
+                return None
+            token = self._handles[handle.rid] = Forgotten(handle.rid)
+            return token
+
+    def owns(self, entry: Pending) -> bool:
+        """Whether ``entry`` still holds its rid (its request has not ended)."""
+        return self._handles.get(entry.rid) is entry
 
     def put(self, rid: str, item: Item, *, final: bool) -> None:
         """Hand ``item`` to ``rid``'s handle (``final``: and unregister it)."""

@@ -26,11 +26,13 @@ SLICE = 0.1
 
 def send_waiting(out: PushOutbox[Request], reqs: Sequence[Request], lock: threading.Lock,
                  check_open: Callable[[], None], alive: Callable[[], bool],
-                 timeout: float) -> int:
+                 timeout: float, progress: Callable[[int], None] | None = None) -> int:
     """Send ``reqs`` in order as bursts, waiting for room in slices; how many were sent.
 
     ``check_open()`` raises when the engine is closed or the scheduler gone;
     it is called before each attempt and whenever ``alive()`` says no.
+    ``progress(n)`` is told each time ``n`` more left, so a caller that sees
+    an exception knows exactly which were sent.
     ``lock`` serializes the socket (zmq sockets are not thread-safe), also
     while waiting a slice for room.
 
@@ -46,6 +48,8 @@ def send_waiting(out: PushOutbox[Request], reqs: Sequence[Request], lock: thread
             n = out.send_many_nowait(reqs[sent:])
         if n:
             sent, since = sent + n, time.monotonic()
+            if progress is not None:
+                progress(n)
             continue
         if time.monotonic() - since > timeout:
             raise Overloaded(reqs[sent].rid, "overloaded", "the scheduler is not taking "

@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
+from scheduler.launch.leftovers import leave_files
 from scheduler.launch.respawn import ReplicaSupervisor, Standby
 from scheduler.launch.tp import TPConfig
 from scheduler.launch.wiring import Endpoints, serve_follower, serve_zmq
@@ -51,11 +52,18 @@ class SchedulerProcesses:
         return [*self.essential, *(p for ranks in self.replicas for p in ranks)]
 
 
+def _orphaned() -> None:
+    """The parent died: remove what it and we made (no finalizer runs), then exit."""
+    leave_files()
+    os._exit(1)
+
+
 def _watch_parent(parent: int) -> None:
-    """Exit as soon as ``parent`` does.
+    """Exit as soon as ``parent`` does, removing the files both of them made.
 
     A parent that is SIGKILLed runs no clean-up, and its children would go on
-    serving endpoints nobody owns. A pidfd of the parent becomes readable
+    serving endpoints nobody owns, and leave its run directory and their
+    shared memory behind (:mod:`scheduler.launch.leftovers`). A pidfd of the parent becomes readable
     when it exits, whoever reaps it (unlike ``PR_SET_PDEATHSIG``, which fires
     when the *thread* that started the child ends); a thread parked on it
     costs nothing until then.
@@ -63,19 +71,19 @@ def _watch_parent(parent: int) -> None:
     try:
         fd = os.pidfd_open(parent)
     except ProcessLookupError:
-        os._exit(1)
+        _orphaned()
     except OSError:  # no pidfd here (an old kernel, a seccomp filter): look twice a second
         def poll() -> None:
             while os.getppid() == parent:
                 time.sleep(0.5)  # a liveness poll: there is no fd to park on
-            os._exit(1)
+            _orphaned()
 
         threading.Thread(target=poll, name="parent-watch", daemon=True).start()
         return
 
     def wait() -> None:
         select.select([fd], [], [])
-        os._exit(1)
+        _orphaned()
 
     threading.Thread(target=wait, name="parent-watch", daemon=True).start()
 

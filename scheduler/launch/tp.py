@@ -20,6 +20,7 @@ collectives are untouched.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import socket
 from array import array
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from bus import Envelope, Origin, Receiver, Rejected, ShmReader, ShmWriter
+from bus.shm.segment import ShmSpaceError, shm_space
 from messages import (
     MAX_BURST,
     Codec,
@@ -48,8 +50,8 @@ from messages import (
 )
 from router import CallbackSink, Router
 
-__all__ = ["BroadcastReceiver", "TPConfig", "init_ranks", "null_router", "rpc_reducer"]
-
+__all__ = ["BroadcastReceiver", "TPConfig", "check_tp_room", "init_ranks", "null_router",
+           "rpc_reducer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,23 @@ class TPConfig:
     world_size: int
     init_file: str
     timeout_s: float = 60.0
+
+
+def check_tp_room() -> None:
+    """Refuse a tensor-parallel start at once when ``/dev/shm`` cannot hold its ring.
+
+    Docker's default ``/dev/shm`` is 64 MiB, less than the ring: rank 0 would
+    fail (it reserves the ring's space when it makes it) after every rank
+    started. This check, before anything starts, says so in one line; rank 0
+    still checks for real (another process may take the room meanwhile).
+
+    Raises:
+        ShmSpaceError: less free room than the ring needs (names the size).
+    """
+    space = shm_space()
+    if space is not None and space[0] < _SHM_RING_BYTES:
+        raise ShmSpaceError(errno.ENOSPC, _SHM_RING_BYTES, space[0], space[1],
+                            "the tensor-parallel ring", "not enough free space")
 
 
 def init_ranks(rank: int, tp: TPConfig) -> None:
@@ -166,13 +185,28 @@ class BroadcastReceiver:
         self.transport = "shm" if (self._writer or self._reader) else "collective"
 
     def _open_shm(self) -> None:
-        """Rank 0 makes the ring and broadcasts its name; the others attach (a collective)."""
+        """Rank 0 makes the ring and broadcasts its name; the others attach (a collective).
+
+        Raises:
+            ShmSpaceError: rank 0 could not reserve the ring in ``/dev/shm``
+                (every rank raises: an empty name tells the others).
+        """
         name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+        failed: ShmSpaceError | None = None
         if self.rank == 0:
-            self._writer = ShmWriter(dist.get_world_size() - 1, _SHM_RING_BYTES, name="tp")
-            raw = self._writer.handle.encode()
-            name[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            try:
+                self._writer = ShmWriter(dist.get_world_size() - 1, _SHM_RING_BYTES, name="tp")
+            except ShmSpaceError as exc:
+                failed = exc  # the others must not wait for a name: send an empty one
+            else:
+                raw = self._writer.handle.encode()
+                name[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         dist.broadcast(name, src=0)
+        if failed is not None:
+            raise failed
+        if not int(name[0]):
+            raise ShmSpaceError(errno.ENOSPC, _SHM_RING_BYTES, None, None,
+                                "the tensor-parallel ring", "rank 0 could not make it")
         if self.rank != 0:
             handle = bytes(name.numpy().tobytes()).rstrip(b"\0").decode()
             self._reader = ShmReader.attach(handle, self.rank - 1, name="tp")

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import prometheus_client
 import torch.distributed as dist
 import zmq
 
@@ -37,6 +36,7 @@ from messages import OUT, RPC, WORK, Codec, Output, Request
 from router import RingSink, RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.admission import Limits
 from scheduler.core.loop import RequestSource, Scheduler
+from scheduler.core.metrics_http import MetricsServer
 from scheduler.launch.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, rpc_reducer
 from scheduler.models.loading import ModelSpec, load_model
 from scheduler.models.protocol import Model
@@ -96,14 +96,10 @@ def _metrics_http(sched: Scheduler, host: str, port: int | None) -> Iterator[Non
     if port is None or sched.registry is None:
         yield
         return
-    server, thread = prometheus_client.start_http_server(port, addr=host,
-                                                         registry=sched.registry)
-    try:
+    # Bounded threads, idle connections timed out, a real listen backlog
+    # (prometheus_client's server has none of the three).
+    with MetricsServer(sched.registry, host, port):
         yield
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,

@@ -1,0 +1,76 @@
+"""What a process leaves on disk is removed by someone, whoever dies.
+
+A frontend makes a *run directory* for its ipc endpoints (and the
+tensor-parallel rendezvous file); its schedulers make shared-memory files.
+A process that ends normally removes what it made. One that is killed
+(SIGKILL, or SIGTERM with no handler) runs no clean-up, so every such name
+carries its creator's pid, and the survivors remove a dead creator's
+leftovers:
+
+* a child whose parent died (the parent watch of
+  :mod:`scheduler.launch.processes`) unlinks its own shared-memory files,
+  then sweeps every dead creator's files and run directories (its parent's
+  among them) before it exits;
+* a new run directory or segment sweeps the leftovers of dead creators
+  first, so nothing outlives the next start either.
+
+Run directories are ``<tmp>/tsbrun-<pid>-<kind>-<random>``, mode 0700; a
+sweep removes only directories of this user whose creator is dead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+
+from bus.shm.segment import pid_alive, sweep_stale, unlink_own
+
+__all__ = ["leave_files", "make_run_dir", "sweep_run_dirs"]
+
+_RUN_DIR = re.compile(r"tsbrun-(\d+)-[a-z]+-[a-z0-9_]+")
+
+
+def make_run_dir(kind: str) -> str:
+    """A fresh run directory named for this process (0700), after sweeping dead creators'.
+
+    Raises:
+        OSError: the temp directory is not writable.
+    """
+    sweep_run_dirs()
+    return tempfile.mkdtemp(prefix=f"tsbrun-{os.getpid()}-{kind}-")
+
+
+def sweep_run_dirs() -> list[str]:
+    """Remove every run directory of this user whose creator is dead; returns their paths."""
+    root = tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = os.listdir(root)
+    except OSError:  # pragma: no cover
+        return removed
+    uid = os.getuid()
+    for name in names:
+        m = _RUN_DIR.fullmatch(name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.lstat(path).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def leave_files() -> None:
+    """Before an ``os._exit`` (the parent died): remove what this process made, and
+    what dead creators (the parent among them) left. Never raises."""
+    for step in (unlink_own, sweep_stale, sweep_run_dirs):
+        try:
+            step()
+        except Exception:  # pragma: no cover - exiting anyway: the next start sweeps
+            pass

@@ -1,0 +1,131 @@
+"""Whoever dies, what it created is removed: run directories and /dev/shm files.
+
+A killed frontend's children remove its run directory and their own shared
+memory before they exit; a new run directory sweeps dead creators' ones.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bus import RpcClient
+from bus.shm.segment import SHM_DIR
+from scheduler.launch.leftovers import make_run_dir, sweep_run_dirs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _family(pid: int) -> list[int]:
+    pids = [pid, *_children(pid)]
+    return pids + [k for p in pids[1:] for k in _children(p)]
+
+
+def _wait_gone(pids: list[int], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
+        time.sleep(0.05)  # sleep-ok: pacing of a deadline poll
+
+
+def _left_by(pids: list[int]) -> list[str]:
+    names = set(map(str, pids))
+    shm = [n for n in os.listdir(SHM_DIR)
+           if (m := re.match(r"tsb-(\d+)-", n)) and m.group(1) in names]
+    runs = [n for n in os.listdir(tempfile.gettempdir())
+            if (m := re.match(r"tsbrun-(\d+)-", n)) and m.group(1) in names]
+    return shm + runs
+
+
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout)
+
+
+def test_a_new_run_dir_sweeps_those_of_dead_creators() -> None:
+    dead = _dead_pid()
+    stale = Path(tempfile.gettempdir()) / f"tsbrun-{dead}-engine-abc123"
+    stale.mkdir()
+    (stale / "work").write_text("")
+    mine = make_run_dir("test")
+    try:
+        assert not stale.exists()
+        assert os.path.basename(mine).startswith(f"tsbrun-{os.getpid()}-test-")
+        assert mine not in sweep_run_dirs()  # its creator lives
+    finally:
+        os.rmdir(mine)
+
+
+_FRONTEND = """
+import time
+from messages import SamplingParams
+from scheduler import Engine, ModelConfig
+engine = Engine("zmq", ModelConfig(vocab_size=128, hidden=32, layers=1), tp_size=2)
+engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+print("READY", flush=True)
+time.sleep(600)  # sleep-ok: killed by the test
+"""
+
+
+def test_a_sigkilled_tp_frontend_leaves_no_ring_and_no_run_dir() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", _FRONTEND], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        assert "READY" in proc.stdout.readline()
+        pids = _family(proc.pid)
+        assert len(pids) >= 3 and _left_by(pids)  # the ring, its doorbells, the run dir
+    finally:
+        proc.kill()
+        proc.wait(30)
+    _wait_gone(pids)
+    assert _left_by(pids) == []  # before: the 64 MiB ring, 2 doorbells and the run dir
+
+
+def test_serve_dp_stopped_with_sigterm_leaves_no_run_dir(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    serve = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--dp", "2",
+                              "--endpoint", str(tmp_path / "ep")], env=env,
+                             stderr=subprocess.DEVNULL)
+    try:
+        with RpcClient(f"ipc://{tmp_path}/ep/rpc") as rpc:
+            assert rpc.call("get_load", timeout=120).success
+        pids = _family(serve.pid)
+        assert _left_by(pids)  # its run dir, while it runs
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(60)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait(30)
+    _wait_gone(pids)
+    assert _left_by(pids) == []

@@ -1,0 +1,150 @@
+"""A rid reused once its request ended is answered: late cancels act by identity, never by rid.
+
+Both engine modes (ring, zmq). Before the fix, a stream or an awaited
+request left *after* its final answer had arrived forgot the rid and sent an
+abort for it, which removed and aborted the new request holding the rid:
+that one was never answered, even by ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from messages import SamplingParams
+from scheduler import AsyncEngine, ModelConfig, Overloaded
+from scheduler.core.admission import Limits
+from scheduler.engine.async_handles import AsyncRequest
+from scheduler.engine.pending import Forgotten, Item, PendingTable
+
+SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
+SP = SamplingParams(max_new_tokens=8)
+ANSWER_S = 20.0  # generous: a loaded 2-core box; the failure mode is "never"
+
+
+@pytest_asyncio.fixture(params=["ring", "zmq"])
+async def engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
+    async with AsyncEngine(request.param, SMALL, max_batch=16) as e:
+        yield e
+
+
+async def _until(cond: Any, what: str, timeout: float = ANSWER_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.002)  # sleep-ok: pacing of a deadline poll
+
+
+@pytest.mark.asyncio
+async def test_a_stream_left_after_its_final_answer_spares_the_rid_s_next_request(
+        engine: AsyncEngine) -> None:
+    stream = engine.stream([5, 6, 7], SP, rid="again")
+    first = await stream.__anext__()
+    assert first.finish_reason is None
+    # Its final answer arrives (buffered, unread): the rid is free again.
+    await _until(lambda: engine.pending == 0, "the first request's final answer")
+    second = engine.submit([5, 6, 7], SP, rid="again")
+    await stream.aclose()  # type: ignore[attr-defined]  # leaves after its final answer: must neither forget nor abort
+    result = await asyncio.wait_for(second, ANSWER_S)
+    assert result.finish_reason == "length" and len(result.token_ids) == 8
+
+
+@pytest.mark.asyncio
+async def test_an_await_cancelled_after_its_answer_spares_the_rid_s_next_request(
+        engine: AsyncEngine) -> None:
+    first = engine.submit([1, 2, 3], SP, rid="twice")
+    seconds: list[AsyncRequest] = []
+
+    async def wait_first() -> object:
+        return await first
+
+    # This callback is registered before the task awaits, so it runs between the
+    # answer and the task's wake-up: the rid is free, the task not yet resumed.
+    def on_answer(_: object) -> None:
+        seconds.append(engine.submit([1, 2, 3], SP, rid="twice"))
+        task.cancel()
+
+    first.future.add_done_callback(on_answer)
+    task = asyncio.ensure_future(wait_first())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(seconds) == 1
+    result = await asyncio.wait_for(seconds[0], ANSWER_S)
+    assert result.finish_reason == "length" and len(result.token_ids) == 8
+
+
+@pytest.mark.asyncio
+async def test_a_stream_left_mid_way_is_still_aborted(engine: AsyncEngine) -> None:
+    """The identity check keeps the abort for a request that has not ended."""
+    stream = engine.stream([4, 4], SamplingParams(max_new_tokens=2000), rid="long")
+    await stream.__anext__()
+    await stream.aclose()  # type: ignore[attr-defined]
+    await _until(lambda: engine.pending == 0, "the abort's terminal answer")
+    again = await asyncio.wait_for(engine.generate([4, 4], SP, rid="long"), ANSWER_S)
+    assert again.finish_reason == "length"
+
+
+@pytest.mark.asyncio
+async def test_fire_and_forget_failures_are_counted_not_logged() -> None:
+    """An Overloaded answer nobody awaits is counted, never a "never retrieved" log."""
+    contexts: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: contexts.append(ctx))
+    try:
+        async with AsyncEngine("ring", SMALL, max_batch=1,
+                               limits=Limits(max_queued_requests=1)) as engine:
+            awaited = [engine.submit([3, 3], SamplingParams(max_new_tokens=64))
+                       for _ in range(20)]
+            for _ in range(200):
+                engine.submit([3, 3], SamplingParams(max_new_tokens=64))  # dropped at once
+            failed = 0
+            for req in awaited:  # these are awaited: they raise, as ever
+                try:
+                    await asyncio.wait_for(req, ANSWER_S)
+                except Overloaded:
+                    failed += 1
+            assert failed > 0
+            await _until(lambda: engine.pending == 0, "every request's answer")
+            del awaited, req
+            gc.collect()
+            assert engine.unawaited_failures > 0
+            assert engine.unawaited_failures <= 200
+    finally:
+        loop.set_exception_handler(None)
+    gc.collect()
+    assert not [c for c in contexts if "never retrieved" in str(c.get("message"))]
+
+
+class _Handle:
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.items: list[Item] = []
+
+    def put(self, item: Item) -> None:
+        self.items.append(item)
+
+
+def _ok() -> None:
+    pass
+
+
+def test_the_table_removes_an_entry_only_by_its_owner() -> None:
+    table = PendingTable()
+    old, new = _Handle("r"), _Handle("r")
+    table.register(["r"], [old], _ok)
+    table.put("r", Overloaded("r", "overloaded", "busy"), final=True)  # old ended
+    table.register(["r"], [new], _ok)
+    assert table.forget(old) is None  # ended: nothing to abort, the new one untouched
+    table.unregister([old])
+    assert len(table) == 1
+    token = table.forget(new)
+    assert isinstance(token, Forgotten) and table.owns(token)
+    assert table.forget(new) is None  # once
+    table.put("r", Overloaded("r", "overloaded", "busy"), final=True)
+    assert not table.owns(token) and len(table) == 0 and not new.items
