@@ -24,6 +24,7 @@ from bus.shm.frames import DEFAULT_SHM_THRESHOLD
 from bus.shm.inbox import ShmInbox, ShmOutbox
 from bus.shm.reader import ShmReader
 from bus.shm.ring import ShmRingStats, ShmWriter, open_shm_ring
+from bus.shm.segment import ShmSpaceError
 from bus.shm.segment import sweep_stale as sweep_shm
 from bus.sockets import SocketOptions, check_endpoint
 
@@ -56,6 +57,7 @@ __all__ = [
     "ShmOutbox",
     "ShmReader",
     "ShmRingStats",
+    "ShmSpaceError",
     "ShmWriter",
     "SocketOptions",
     "WouldBlock",

@@ -37,6 +37,8 @@ import tempfile
 import threading
 import weakref
 
+from messages.errors import BusError
+
 __all__ = ["SHM_DIR", "Segment", "ShmSpaceError", "fence", "make_fifo", "open_fifo", "pid_alive",
            "shm_space", "sweep_stale", "unlink_own"]
 
@@ -78,11 +80,12 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-class ShmSpaceError(OSError):
+class ShmSpaceError(BusError, OSError):
     """No room in the shared-memory directory for a segment: says how big it is.
 
-    An :class:`OSError` (``errno`` as the system gave it, ENOSPC most often),
-    so code that handles a failed allocation keeps handling it.
+    A :class:`~messages.BusError`, and an :class:`OSError` (``errno`` as the
+    system gave it, ENOSPC most often), so code that handles a failed
+    allocation keeps handling it.
 
     Attributes:
         wanted: bytes the segment needed.

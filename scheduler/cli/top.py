@@ -20,6 +20,7 @@ from typing import TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from messages import BusError
 from scheduler.core.metrics import PREFIX
 
 __all__ = ["ScrapeError", "Snapshot", "metrics_url", "render", "run_top", "scrape"]
@@ -51,7 +52,7 @@ class Snapshot:
 _MAX_PAGE = 16 << 20
 
 
-class ScrapeError(OSError):
+class ScrapeError(BusError, OSError):
     """The endpoint did not give a metrics page in time: its message is one line for
     the operator (unreachable, an HTTP error, not Prometheus text, too slow)."""
 

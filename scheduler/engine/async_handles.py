@@ -188,6 +188,7 @@ class AsyncRequest(Answer):
         self.future.exception()  # asyncio must not log it; we count it if never awaited
         if self._unseen is not None:
             self._watch = weakref.finalize(self, self._unseen, error)
+            self._watch.atexit = False  # counted when collected, not at interpreter exit
 
     def __await__(self) -> Generator[object, None, GenerateResult]:
         self._awaited = True
