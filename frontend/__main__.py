@@ -13,7 +13,8 @@ from bus import CurveKeys, SocketOptions
 from frontend.app import MAX_BODY_BYTES, Frontend, Settings
 from frontend.errors import TokenizerError
 from frontend.tokenizer import load_tokenizer
-from scheduler import Limits, ModelConfig
+from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
+from scheduler.models.files import check_model_dir
 
 log = logging.getLogger("frontend")
 
@@ -43,7 +44,11 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "tokenizer_config.json); default: --model's directory, else the "
                         "built-in byte-level tokenizer")
     p.add_argument("--model", metavar="DIR", default=None,
-                   help="a Hugging Face model directory (needs the engine's model support)")
+                   help="a Hugging Face causal LM in a local directory (config.json and "
+                        "safetensors; needs the [hf] extra); its tokenizer is the default")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"],
+                   default="auto", help="--model's weights dtype (auto: the checkpoint's)")
+    p.add_argument("--device", default="cpu", help="--model's device: cpu or cuda[:N]")
     p.add_argument("--tiny-model", choices=["gru", "stub"], default="gru",
                    help="without --model: the small seeded GRU, or a zero-cost stub "
                         "(benchmarks)")
@@ -68,14 +73,16 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _model(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+def _model(args: argparse.Namespace, vocab_size: int) -> ModelConfig | HFModelSpec:
+    """``--model DIR`` (loaded by the scheduler, in whichever process it runs), else the
+    tiny model with its vocabulary sized to the tokenizer."""
     if args.model is not None:
-        # SEAM(models): `AsyncEngine(model=DIR)` (Hugging Face models from a local
-        # directory) is another helper's work; pass args.model through here once it
-        # exists. Until then a model directory only provides the tokenizer.
-        raise SystemExit("--model DIR needs the engine's Hugging Face model support, "
-                         "which this build does not have yet; use --tokenizer DIR for "
-                         "the tokenizer alone")
+        try:  # one line now, not a traceback from the engine's start-up
+            check_model_dir(os.path.expanduser(args.model))
+        except ModelLoadError as exc:
+            raise SystemExit(str(exc)) from exc
+        return HFModelSpec(os.path.expanduser(args.model),
+                           None if args.dtype == "auto" else args.dtype, args.device)
     return ModelConfig(vocab_size=vocab_size, kind=args.tiny_model)
 
 

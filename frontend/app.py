@@ -59,7 +59,14 @@ from frontend.schemas import (
     encode,
 )
 from frontend.tokenizer import Tokenizer
-from scheduler import AsyncEngine, EngineError, Limits, ModelConfig, SchedulerGone
+from scheduler import (
+    AsyncEngine,
+    EngineError,
+    HFModelSpec,
+    Limits,
+    ModelConfig,
+    SchedulerGone,
+)
 
 __all__ = ["Frontend", "Settings"]
 
@@ -81,7 +88,7 @@ class Settings:
     """
 
     mode: Literal["ring", "zmq"] = "ring"
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig | HFModelSpec = field(default_factory=ModelConfig)
     model_name: str = "tiny"
     max_batch: int = 64
     tp_size: int = 1
@@ -261,10 +268,6 @@ class Frontend:
         req = decode(body, EmbeddingRequest)
         gen = self._generator()
         gen.check_model(req.model)
-        if req.dimensions is not None and req.dimensions != self.settings.model.hidden:
-            raise bad_request(f"dimensions: this model's embeddings have "
-                              f"{self.settings.model.hidden} dimensions", param="dimensions",
-                              code="unsupported_value")
         texts = await self._embedding_inputs(gen, req)
         engine = gen.engine
 
@@ -273,6 +276,10 @@ class Frontend:
                 vectors = await asyncio.gather(*(engine.embed(ids) for ids in texts))
             except EngineError as exc:
                 raise from_engine(exc) from None
+            width = len(vectors[0]) if vectors else 0
+            if req.dimensions is not None and req.dimensions != width:
+                raise bad_request(f"dimensions: this model's embeddings have {width} "
+                                  "dimensions", param="dimensions", code="unsupported_value")
             data = [EmbeddingData(i, base64.b64encode(np.ascontiguousarray(
                 v, "<f4").tobytes()).decode() if req.encoding_format == "base64"
                 else v.tolist()) for i, v in enumerate(vectors)]

@@ -1,0 +1,60 @@
+"""The front door over a real Hugging Face model: ``python -m frontend --model DIR``'s
+settings, driven by the official ``openai`` client, answer what ``transformers``'
+own greedy ``generate`` answers, decoded by the model's own tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+
+from frontend.__main__ import parse, settings_from
+from scheduler.models.tiny_hf import build_tiny_hf
+from tests.frontend.server import Server
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_hf(tmp_path_factory.mktemp("hf") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    settings, app = settings_from(parse(["--model", str(model_dir), "--endpoint",
+                                         str(tmp_path_factory.mktemp("ep") / "ep")]))
+    s = Server(settings, app.tokenizer)
+    yield s
+    s.stop()
+
+
+def test_completion_is_transformers_greedy_text(server: Server, model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    prompt = "the scheduler reads a long prompt"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             do_sample=False, pad_token_id=0)
+    new = out[0, ids.shape[1]:].tolist()
+    if 2 in new:  # the model's end of sequence: not part of the text
+        new = new[:new.index(2)]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                       temperature=0.0)
+    assert answer.choices[0].text == tok.decode(new)
+    assert answer.usage is not None and answer.usage.prompt_tokens == ids.shape[1]
+
+
+def test_a_missing_model_directory_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        settings_from(parse(["--model", str(tmp_path / "nowhere"),
+                             "--endpoint", str(tmp_path / "ep")]))
+    assert "nowhere" in str(info.value)
