@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from frontend.__main__ import parse, settings_from
+from scheduler import ModelConfig
 from tests.frontend.bpe import train_byte_level
 
 
@@ -19,6 +20,7 @@ def test_defaults_are_loopback_ring_byte_level(tmp_path: Path) -> None:
     assert settings.rpc_endpoint == f"ipc://{tmp_path}/ep/rpc"
     assert stat.S_IMODE(os.stat(tmp_path / "ep").st_mode) == 0o700
     assert app.tokenizer.name == "byte-level"
+    assert isinstance(settings.model, ModelConfig)
     assert settings.model.vocab_size == app.tokenizer.vocab_size == 259
 
 
@@ -26,6 +28,7 @@ def test_a_tokenizer_directory_sizes_the_model(tmp_path: Path) -> None:
     directory = train_byte_level(tmp_path / "tok", vocab_size=400)
     settings, app = settings_from(parse(["--tokenizer", str(directory),
                                          "--endpoint", str(tmp_path / "ep")]))
+    assert isinstance(settings.model, ModelConfig)
     assert settings.model.vocab_size == app.tokenizer.vocab_size == 400
 
 
