@@ -2,7 +2,9 @@
 
 * ``demo``: encode and decode a few messages, showing frames and timings;
 * ``schema``: print the catalogue as JSON Schema (stdout), with its wire
-  layout and fingerprint; the fingerprint goes to stderr too;
+  layout and fingerprint, the types each channel carries (``x-channels``) and
+  every rpc method's parameters and result (``x-rpc``); the fingerprint goes
+  to stderr too;
 * ``check OLD.json``: compare a saved schema with the current catalogue, one
   line per difference; exit status 1 if any is breaking (2: OLD.json
   unreadable).

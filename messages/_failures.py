@@ -18,7 +18,7 @@ import msgspec
 from messages.base import ABSTRACT_MESSAGE_TYPES, Message, Rid
 from messages.errors import DecodeError, EncodeError, NotCarried
 
-__all__ = ["FailureNamer", "find_field", "invalid", "unencodable"]
+__all__ = ["HOMES", "FailureNamer", "find_field", "invalid", "unencodable"]
 
 Frame = bytes | bytearray | memoryview
 _PATH_TOKENS: Final = re.compile(r"\[(\d+|\"(?:[^\"\\]|\\.)*\"|\.\.\.)\]|\.(\w+)")
@@ -86,9 +86,7 @@ class FailureNamer:
     def _not_carried(self, tag: str) -> str:
         where = f"the {self.channel!r} channel" if self.channel else "this channel"
         text = f"{tag} is not carried on {where} (it carries {', '.join(self.carried)})"
-        from messages.channels import inbound_channel  # the cold path; channels imports us
-
-        home = inbound_channel(tag)
+        home = HOMES.get(tag)
         return f"{text}; send it on the {home!r} channel" if home else text
 
     def _foreign_tags(self) -> dict[str, int | None]:
@@ -183,6 +181,10 @@ class FailureNamer:
         return "".join(parts)
 
 
+#: Tag -> the channel that carries it to a scheduler, for error texts; filled by
+#: :mod:`messages.channels` when it declares them (it imports this module, not
+#: the other way round).
+HOMES: Final[dict[str, str]] = {}
 #: Most cached (tag, path) -> name entries before the cache starts over.
 _MAX_NAMES: Final = 4096
 # The top-level items of frame 0 as raw views: enough for the tag and the rid,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
+import typing
 import warnings
 from typing import Final
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "BadArray",
     "DTYPE_CODES",
     "EXT_NUMPY_INLINE",
     "EXT_NUMPY_OOB",
@@ -37,6 +39,7 @@ __all__ = [
     "EXT_TORCH_OOB",
     "MAX_NDIM",
     "TensorFormatError",
+    "array_field",
     "parse_header",
 ]
 
@@ -229,3 +232,30 @@ def to_torch(
         flat = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, offset=offset).copy())
         return flat.view(dtype).reshape(shape)
     return torch.frombuffer(buf, dtype=dtype, offset=offset).reshape(shape)
+
+
+class BadArray:
+    """Returned by the codec's ext hook for a bad array, so msgspec reports its path.
+
+    The ext hook cannot raise usefully (msgspec would lose the path); the
+    dec hook that follows raises ``reason`` with the path attached.
+    """
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def array_field(tp: object) -> tuple[type, np.dtype[np.generic] | None]:
+    """(class, numpy dtype or None) of an array field's annotation."""
+    origin = typing.get_origin(tp) or tp
+    if origin is np.ndarray:
+        args = typing.get_args(tp)
+        scalar = typing.get_args(args[1]) if len(args) == 2 else ()
+        if scalar and isinstance(scalar[0], type) and issubclass(scalar[0], np.generic):
+            return np.ndarray, np.dtype(scalar[0])
+        return np.ndarray, None
+    if isinstance(origin, type):
+        return origin, None
+    raise TypeError(f"unsupported field type {tp!r}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from messages._failures import HOMES
 from messages.base import Output, Request
 from messages.catalogue import (
     AbortReq,
@@ -106,9 +107,9 @@ OUT: Final = Channel("out", (), (BatchTokenIDOut, BatchEmbeddingOut, ErrorOut))
 CHANNELS: Final = (WORK, RPC, OUT)
 
 
+HOMES.update({t.__name__: ch.name for ch in CHANNELS for t in ch.inbound})
+
+
 def inbound_channel(tag: str) -> str | None:
-    """The channel that carries type ``tag`` to a scheduler, if any (for error texts)."""
-    for ch in CHANNELS:
-        if any(t.__name__ == tag for t in ch.inbound):
-            return ch.name
-    return None
+    """The channel that carries type ``tag`` to a scheduler, if any."""
+    return HOMES.get(tag)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import operator
 import threading
-import typing
 from collections.abc import Iterable, Sequence
 from typing import Final, Generic, TypeVar
 
@@ -79,19 +78,6 @@ Frame = bytes | bytearray | memoryview
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
-
-
-class _Bad:
-    """Returned by the ext hook for a bad array, so msgspec reports its path.
-
-    The ext hook cannot raise usefully (msgspec would lose the path); the
-    dec hook that follows raises ``reason`` with the path attached.
-    """
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
 
 
 class _Refused(Exception):
@@ -452,11 +438,11 @@ class Codec(Generic[M]):
         # tp, so the id cannot be reused while cached.
         field = self._fields.get(id(tp))
         if field is None:
-            field = self._fields[id(tp)] = (*_array_field(tp), tp)
+            field = self._fields[id(tp)] = (*tz.array_field(tp), tp)
         cls, dtype, _ = field
         if type(obj) is bytes and cls is np.ndarray:
             return tz.from_compact(obj, dtype)
-        if type(obj) is _Bad:
+        if type(obj) is tz.BadArray:
             raise tz.TensorFormatError(obj.reason)
         if isinstance(obj, cls):
             if dtype is not None and obj.dtype != dtype:  # type: ignore[attr-defined]
@@ -468,13 +454,13 @@ class Codec(Generic[M]):
         try:
             return self._unpack(code, data, self._in)
         except (tz.TensorFormatError, ValueError, TypeError, RuntimeError) as exc:
-            return _Bad(str(exc))  # the dec hook raises it where msgspec knows the path
+            return tz.BadArray(str(exc))  # the dec hook raises it where msgspec knows the path
 
     def _ext_hook_single(self, code: int, data: memoryview) -> object:
         try:
             return self._unpack(code, data, ())
         except (tz.TensorFormatError, ValueError, TypeError, RuntimeError) as exc:
-            return _Bad(str(exc))
+            return tz.BadArray(str(exc))
 
     def _unpack(self, code: int, data: memoryview, frames: Sequence[Frame]) -> object:
         dtype, shape, nbytes, off = tz.parse_header(data)
@@ -504,20 +490,6 @@ class Codec(Generic[M]):
         if code == tz.EXT_NUMPY_INLINE or code == tz.EXT_NUMPY_OOB:
             return tz.to_numpy(dtype, shape, buf, off)
         return tz.to_torch(dtype, shape, buf, off, copy=copy)
-
-
-def _array_field(tp: object) -> tuple[type, np.dtype[np.generic] | None]:
-    """(class, numpy dtype or None) of an array field's annotation."""
-    origin = typing.get_origin(tp) or tp
-    if origin is np.ndarray:
-        args = typing.get_args(tp)
-        scalar = typing.get_args(args[1]) if len(args) == 2 else ()
-        if scalar and isinstance(scalar[0], type) and issubclass(scalar[0], np.generic):
-            return np.ndarray, np.dtype(scalar[0])
-        return np.ndarray, None
-    if isinstance(origin, type):
-        return origin, None
-    raise TypeError(f"unsupported field type {tp!r}")
 
 
 def _union(types: Sequence[type[M]]) -> object:

@@ -37,7 +37,9 @@ import numpy as np
 import torch
 
 from messages.base import Message
+from messages.channels import CHANNELS
 from messages.codec import concrete_types
+from messages.rpc_api import RPC_METHODS
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -271,9 +273,6 @@ def catalogue_schema(types: Sequence[type[Message]] | None = None) -> dict[str, 
     and result (:mod:`messages.rpc_api`, whose structs join ``$defs``; they
     are maps on the wire, not part of the layout).
     """
-    from messages.channels import CHANNELS  # both import this package's codec
-    from messages.rpc_api import RPC_METHODS
-
     roots = tuple(types) if types is not None else catalogue_types()
     rpc_types: list[type] = []
     for spec in RPC_METHODS:
