@@ -13,7 +13,10 @@ How a step runs (measured on CPU, ``benchmarks/hf.py``):
   batch). While the batch keeps its members the cache is reused step after
   step and grows by ``transformers``' own append; a request that leaves is
   dropped by selecting rows, and one that joins rebuilds the batch once.
-  Rebuilding every step instead cost about 2x on 16 requests.
+  16 prompts, 32 tokens each, the tiny test model on 2 busy cores: 0.75 s
+  resident; 1.18 s rebuilding the padded cache every step; 7.3 s decoding
+  one request at a time. Passing sdpa a ready boolean mask (not the 2D one
+  ``transformers`` expands every step) saves about 1.5 ms a step.
 * **prefill**: new prompts read whole in the step are one left-padded batch;
   a chunk that continues a prompt (chunked prefill) and embedding prompts run
   one request at a time, each from its own cache.
