@@ -112,7 +112,8 @@ class HFCausalLM:
         head = self.hf.get_output_embeddings()  # type: ignore[no-untyped-call]
         self._name = root.name
         self._vocab = int(head.weight.shape[0]) if head is not None else int(text.vocab_size)
-        self._stops = _eos_ids(root, self.config.eos_token_id)
+        self._stops = _eos_ids(root, getattr(self.config, "eos_token_id", None)
+                               or getattr(text, "eos_token_id", None))
         self._max_prompt = getattr(text, "max_position_embeddings", None)
         self._kv: dict[int, KV] = {}  # requests not in the resident batch
         self._sums: dict[int, tuple[torch.Tensor, int]] = {}  # embedding: sum, count
