@@ -44,7 +44,7 @@ from scheduler import Engine
 from scheduler.models.tiny_hf import build_tiny_hf
 
 MAX_NEW = 32
-ROUNDS = 5
+ROUNDS = 7
 EOS = 2
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
 

@@ -11,11 +11,11 @@ and no output, and of the model only the :class:`~scheduler.models.protocol.Mode
 protocol: each request's model state lives in the model under ``Seq.key``, and
 is freed here whenever a request leaves, however it leaves.
 
-Chunked prefill interleaves: a prompt too long for what is left of a step's
-budget gets one chunk (at most half the budget while others wait) and then
-goes to the back of the queue, so requests behind it are read in between:
-a short request's first token waits for a chunk or two, never for another
-request's whole prompt.
+Chunked prefill interleaves: a prompt longer than a step's budget gets one
+chunk a step (at most half the budget while others wait) and goes to the back
+of the queue after each, so requests behind it are read in between: a short
+request's first token waits for a chunk or two, never for another request's
+whole prompt.
 """
 
 from __future__ import annotations

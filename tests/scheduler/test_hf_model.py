@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from messages import SamplingParams
+from messages import SamplingParams, token_ids
 from scheduler import Engine, HFModelSpec, ModelLoadError
 from scheduler.__main__ import main
 from scheduler.models.hf import HFCausalLM
@@ -232,3 +232,22 @@ def test_async_engine_takes_a_model_directory(
             return result.token_ids
 
     assert asyncio.run(run()) == _expected(reference(prompt, MAX_NEW))[0]
+
+
+def test_serve_model_dir_answers_like_transformers(
+        model_dir: Path, reference: Callable[[list[int], int], list[int]],
+        tmp_path: Path) -> None:
+    from messages import BatchTokenIDOut, Codec, Output, Request, TokenizedGenerateReqInput
+    from tests.scheduler.served import Served
+    prompt = _prompts()[10]
+    served = Served(tmp_path, "--model", str(model_dir))
+    try:
+        served.work.send_multipart(Codec(Request).encode(TokenizedGenerateReqInput(
+            rid="r", input_ids=token_ids(prompt),
+            sampling=SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))))
+        assert served.out.poll(120_000), "no output from serve --model"
+        out = Codec(Output).decode(served.out.recv_multipart())
+        assert isinstance(out, BatchTokenIDOut) and out.finished_reasons[0] is not None
+        assert out.output_ids.tolist() == _expected(reference(prompt, MAX_NEW))[0]
+    finally:
+        served.close()
