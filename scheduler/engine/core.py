@@ -51,6 +51,7 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
+from messages.channels import OUT, WORK
 from scheduler.core.admission import Limits
 from scheduler.core.metrics import label_replicas
 from scheduler.dp import Policy
@@ -114,7 +115,7 @@ class EngineCore:
         self.mode = mode
         self.limits = limits or Limits()
         self._metrics = metrics
-        self._codec: Codec[Request] = Codec(Request)
+        self._codec: Codec[Request] = WORK.inbound_codec()  # what the work channel carries
         self._dir = make_run_dir("engine")  # named for us: swept if we are killed
         self.endpoints = Endpoints.in_dir(self._dir)
         self._table = PendingTable()
@@ -142,8 +143,8 @@ class EngineCore:
             self._thread.start()
             out_inbox = RingInbox(egress, name="out")
         else:
-            out_inbox = PullInbox(Codec(Output), self.endpoints.out, name="out")
-            self._work_out = PushOutbox(Codec(Request), self.endpoints.work, name="work")
+            out_inbox = PullInbox(OUT.outbound_codec(), self.endpoints.out, name="out")
+            self._work_out = PushOutbox(WORK.inbound_codec(), self.endpoints.work, name="work")
             self._started = start_processes(self.endpoints, self._dir, self.model,
                                             max_batch=max_batch, tp_size=tp_size,
                                             dp_size=dp_size, limits=self.limits,
