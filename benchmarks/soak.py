@@ -226,7 +226,7 @@ def _flood(endpoint: str, n: int) -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.LINGER, -1)
+    sock.setsockopt(zmq.LINGER, 300_000)  # deliver all, but not for ever to a dead server
     sock.connect(endpoint)
     ids = token_ids(range(1, 17))
     sp = SamplingParams(max_new_tokens=64, temperature=0.8)

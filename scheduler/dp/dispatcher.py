@@ -404,7 +404,7 @@ class Dispatcher:
             if now >= rep.next_beat:
                 rep.next_beat = now + self.heartbeat_interval
                 self._hb_seq += 1
-                rep.health.probed(awake)
+                rep.health.probed(awake, rep.cpu_wait)
                 try:  # a probe while not live: the first answer (re)joins it
                     rep.rpc.send_nowait(RpcReqInput(rid=f"hb{self._hb_seq}", method="get_load"))
                 except ChannelError:
@@ -416,13 +416,13 @@ class Dispatcher:
         """Why ``rep`` is lost now, judged on what it showed us while we ran; a silence
         verdict is checked against its replies waiting right now (probe before judging)."""
         sent_before = functools.partial(self.ledger.older, rep.index)
-        why = rep.health.verdict(awake, self.heartbeat_timeout, sent_before)
+        why = rep.health.verdict(awake, self.heartbeat_timeout, sent_before, rep.cpu_wait)
         if why is None or rep.health.probe_since is None:
             return why
         for env in rep.rpc.drain(64):  # what it already answered, unread by us
             if isinstance(env, Envelope):
                 self._on_replica_rpc(rep, env.message, env.origin)
-        return rep.health.verdict(awake, self.heartbeat_timeout, sent_before)
+        return rep.health.verdict(awake, self.heartbeat_timeout, sent_before, rep.cpu_wait)
 
     def _join(self, rep: Replica, pid: int | None) -> None:
         if pid is not None and pid != rep.pid:

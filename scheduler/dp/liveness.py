@@ -13,7 +13,11 @@ Three kinds of evidence, and what is *not* evidence:
   by at most ``max_gap`` per tick. A dispatcher that was stopped (Ctrl-Z,
   SIGSTOP), paused by a long GC or swapped out for seconds counts those
   seconds as ``max_gap``: its own stall is not the replicas' silence, and
-  the replies that arrived meanwhile are read before anyone is judged.
+  the replies that arrived meanwhile are read before anyone is judged. For
+  a local replica, the time its process spent *runnable but waiting for a
+  CPU* (``/proc/<pid>/schedstat``) is taken off too: a host so busy that a
+  healthy replica gets no CPU is not that replica falling silent, while a
+  hung (sleeping) or stopped replica accrues no such time and is lost.
 * **Its outputs never arrive** (a second consumer on its output endpoint,
   or a peer that swallows work): it reports itself *idle* (nothing running,
   nothing queued) in every heartbeat for a whole timeout of awake time,
@@ -74,6 +78,8 @@ class Health:
 
     #: Awake time of the oldest probe not answered yet (``None``: none waits).
     probe_since: float | None = None
+    #: Its CPU wait (seconds runnable, not running) when that probe went out.
+    wait_since: float = 0.0
     #: Awake time from which every report said idle while ours were in flight.
     idle_since: float | None = None
 
@@ -81,10 +87,11 @@ class Health:
         """A new incarnation (or a lost one): nothing is known of it yet."""
         self.probe_since = self.idle_since = None
 
-    def probed(self, now: float) -> None:
-        """A probe went out at ``now``."""
+    def probed(self, now: float, cpu_wait: Callable[[], float] = lambda: 0.0) -> None:
+        """A probe went out at ``now``; ``cpu_wait()``: its CPU wait so far (seconds)."""
         if self.probe_since is None:
             self.probe_since = now
+            self.wait_since = cpu_wait()
 
     def answered(self) -> None:
         """It answered an rpc (a probe or a broadcast): not silent."""
@@ -102,16 +109,19 @@ class Health:
         """An output of it arrived (or we held its outputs back): not a black hole."""
         self.idle_since = None
 
-    def verdict(self, now: float, timeout: float, sent_before: Callable[[float], int]
-                ) -> str | None:
+    def verdict(self, now: float, timeout: float, sent_before: Callable[[float], int],
+                cpu_wait: Callable[[], float] = lambda: 0.0) -> str | None:
         """Why it is lost at awake time ``now``, or ``None``.
 
         ``sent_before(t)``: how many of our requests on it, still unanswered,
-        were sent before awake time ``t``.
+        were sent before awake time ``t``; ``cpu_wait()``: its CPU wait so far.
         """
         if self.probe_since is not None and now - self.probe_since > timeout:
-            return (f"silent for {now - self.probe_since:.2f} s while this dispatcher ran "
-                    f"(heartbeat timeout {timeout} s)")
+            starved = max(0.0, cpu_wait() - self.wait_since)  # read only when needed
+            silent = now - self.probe_since - starved
+            if silent > timeout:
+                return (f"silent for {silent:.2f} s while this dispatcher ran and it could "
+                        f"have (heartbeat timeout {timeout} s)")
         if self.idle_since is not None and now - self.idle_since > timeout:
             n = sent_before(self.idle_since)
             if n:

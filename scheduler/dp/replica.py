@@ -127,6 +127,17 @@ class Replica:
         """Whether its processes are known (and so can be watched and stopped)."""
         return bool(self._pidfds)
 
+    def cpu_wait(self) -> float:
+        """Seconds its (main) process has spent runnable but waiting for a CPU; 0 if
+        not known (a remote replica, or no ``/proc/<pid>/schedstat``)."""
+        if not self._pids:
+            return 0.0
+        try:
+            with open(f"/proc/{self._pids[0]}/schedstat", "rb") as f:
+                return int(f.read().split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
     def abort_orphans(self) -> None:
         """Back after a silence: abort what it may still run for the requests it lost."""
         for rid in sorted(self.orphans):

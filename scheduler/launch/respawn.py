@@ -14,9 +14,10 @@ one exits abnormally:
   given up on is logged as an error;
 * where a *standby* can be had (one rank per replica), a process started
   ahead, imported and waiting, takes the dead replica's place at once and
-  a new standby is started behind it; the first standby is started once
-  every replica has started (``started()``), and not before
-  :data:`STANDBY_AFTER` seconds (it must not slow the replicas' own start);
+  a new standby is started behind it; the first standby is started
+  :data:`STANDBY_AFTER` seconds after every replica has started
+  (``started()``): it must not slow their start, and a process that is
+  still importing cannot yet see its parent die;
 * a clean exit (code 0: the ``shutdown`` rpc reached it) is not restarted,
   nor anything once :meth:`stop` was called or ``keep_going()`` says no
   (the dispatcher is gone: the engine is closing).
@@ -50,8 +51,8 @@ BACKOFF = 0.1
 BACKOFF_MAX = 5.0
 #: Seconds a restarted replica must stay up for its tries to be counted from 0 again.
 STABLE = 60.0
-#: Seconds after the supervisor starts before the first standby may be started.
-STANDBY_AFTER = 2.0
+#: Seconds after every replica started before the first standby is started.
+STANDBY_AFTER = 10.0
 #: Seconds between two looks at the processes (an exit is restarted this late at most).
 _LOOK = 0.05
 
@@ -117,7 +118,7 @@ class ReplicaSupervisor:
         self._make_standby = standby
         self._all_started = started
         self._standby: Standby | None = None
-        self._since = time.monotonic()
+        self._up_since: float | None = None  # when every replica had started
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replica-supervisor",
                                         daemon=True)
@@ -152,10 +153,11 @@ class ReplicaSupervisor:
             if not self._keep_going():
                 return
             now = time.monotonic()
-            if self._make_standby is not None and (
+            if self._up_since is None and self._all_started():
+                self._up_since = now
+            if self._make_standby is not None and self._up_since is not None and (
                     self._standby is None or self._standby.process.exitcode is not None) \
-                    and now - self._since >= STANDBY_AFTER and self._all_started():
-                self._all_started = lambda: True  # once: later, right behind each take-over
+                    and now - self._up_since >= STANDBY_AFTER:
                 self._standby = self._make_standby()
             for i, ranks in enumerate(self.replicas):
                 if i in self.given_up:

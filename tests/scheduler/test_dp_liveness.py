@@ -260,6 +260,14 @@ def test_awake_clock_counts_a_long_gap_as_one_short_one() -> None:
     assert awake.tick() == pytest.approx(0.65) and awake.stalls == 1
 
 
+def test_health_silence_leaves_out_the_time_it_waited_for_a_cpu() -> None:
+    h = Health()
+    h.probed(0.0, lambda: 5.0)  # it had waited 5 s for a CPU in its life so far
+    assert h.verdict(4.0, 3.0, lambda t: 0, lambda: 7.5) is None  # 2.5 of the 4 starved
+    assert h.verdict(4.0, 3.0, lambda t: 0, lambda: 5.5) is not None  # hardly: silent
+    assert h.verdict(4.0, 3.0, lambda t: 0) is not None  # not known: the awake time
+
+
 def test_health_silence_counts_from_the_oldest_unanswered_probe() -> None:
     h = Health()
     h.probed(1.0)
