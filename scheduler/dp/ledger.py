@@ -34,14 +34,16 @@ __all__ = ["Cost", "Entry", "Ledger", "NoLiveReplica", "Policy", "cost_of"]
 Policy = Literal["least_loaded", "round_robin"]
 
 #: A replica's time to read one prompt token, and to sample one token in a
-#: running batch, in microseconds: the default model, one replica, measured
-#: by ``python -m benchmarks.dp`` (``prefill_us_per_token``,
-#: ``decode_us_per_token``; 2 busy cores, medians of 3). A prompt token is
-#: dearer: a recurrent prefill runs token after token for one request,
-#: where a decode step serves every running request at once. Only the ratio
-#: matters to the choice.
-PREFILL_US_PER_TOKEN = 40
-DECODE_US_PER_TOKEN = 12
+#: running batch of 32, in microseconds: the default model, one replica,
+#: measured by ``python -m benchmarks.dp`` (``prefill_us_per_token``,
+#: ``decode_us_per_token``: 1590 and 9117 on the 2-core CI box with a load
+#: average of ~15, so both far above a quiet machine's; only their ratio
+#: steers the choice). On this model a sampled token costs ~5.7 prompt
+#: tokens: a prompt is read in chunks of 512 by one recurrent pass, while
+#: every step samples each running request in Python. Re-measure for
+#: another model (on a GPU transformer the ratio is the other way round).
+PREFILL_US_PER_TOKEN = 1590
+DECODE_US_PER_TOKEN = 9117
 
 #: Tokens one reported request counts as, beside the work we know of: a
 #: request queued on a replica by someone else is worth about a short prompt.

@@ -17,17 +17,16 @@ from scheduler.dp.ledger import (
 )
 
 
-def test_shorts_do_not_queue_behind_a_replica_reading_a_long_prompt() -> None:
-    ledger = Ledger(2)
-    long = ledger.add("long", ledger.pick(), 0, Cost(32_000, 16), None)
-    # Each short asks for many tokens: counted like prompt tokens, 17 of them
-    # would outweigh the 32k prompt and the next would join its replica.
-    picks = []
-    for n in range(20):
-        i = ledger.pick()
-        picks.append(i)
-        ledger.add(f"s{n}", i, 0, Cost(16, 2048), None)
-    assert picks == [1 - long.replica] * 20
+def test_prompt_and_decode_tokens_weigh_what_each_costs() -> None:
+    # Equal token counts, one replica reading them, the other sampling them:
+    # the next request goes where the measured cost is lower, not to either in turn.
+    for _ in range(2):
+        ledger = Ledger(2)
+        ledger.add("read", 0, 0, Cost(1000, 0), None)
+        ledger.add("sample", 1, 0, Cost(0, 1000), None)
+        cheaper = 0 if PREFILL_US_PER_TOKEN < DECODE_US_PER_TOKEN else 1
+        assert ledger.tokens[0] == ledger.tokens[1]
+        assert [ledger.pick() for _ in range(2)] == [cheaper, cheaper]
 
 
 def test_a_started_request_owes_only_its_decode() -> None:
