@@ -9,13 +9,13 @@ Run: ``python -m benchmarks.dp``. The last line is one JSON object:
   on this 2-core machine two replicas, a dispatcher and the frontend share
   two cores, so it shows the contention more than the hop.
 * ``prefill_us_per_token`` / ``decode_us_per_token``: what a replica of the
-  default model spends reading one prompt token (8 prompts of 2048, one
+  default model spends reading one prompt token (4 prompts of 1024, one
   token out) and sampling one token in a running batch of 32 (1-token
-  prompts, 128 tokens out), one scheduler, medians of 3: the weights of the
+  prompts, 32 tokens out), one scheduler, medians of 3: the weights of the
   ledger's score (``scheduler/dp/ledger.py``).
 * ``makespan_ratio_ours_vs_round_robin``: the default (real) model, 2
-  replicas, 160 requests sent at once, 40 of them long (a 2048-token
-  prompt) at random positions, the rest 32-token prompts, 8/32/128 tokens
+  replicas, 80 requests sent at once, 20 of them long (a 1024-token
+  prompt) at random positions, the rest 32-token prompts, 4/16/64 tokens
   out at random. Makespan: from the first submit to the last answer. Per
   seed, least loaded and round robin in turns (who goes first alternates),
   each on its own engine; the figure is the median over the seeds of ours
@@ -95,19 +95,19 @@ def calibrate(rounds: int = 3) -> tuple[float, float]:
     """(us per prompt token read, us per token sampled in a batch of 32), default model."""
     pre: list[float] = []
     dec: list[float] = []
-    with Engine("zmq", ModelConfig(), max_batch=64) as engine:
+    with Engine("zmq", ModelConfig(), max_batch=64, start_timeout=600) as engine:
         engine.generate([1] * 600, SamplingParams(max_new_tokens=8))  # warm up
         for _ in range(rounds):
             t0 = time.perf_counter()
-            for h in [engine.submit([1 + k] * 2048, SamplingParams(max_new_tokens=1))
-                      for k in range(8)]:
+            for h in [engine.submit([1 + k] * 1024, SamplingParams(max_new_tokens=1))
+                      for k in range(4)]:
                 h.result(300)
-            pre.append((time.perf_counter() - t0) / (8 * 2048) * 1e6)
-            sp = SamplingParams(max_new_tokens=128, temperature=0.0)
+            pre.append((time.perf_counter() - t0) / (4 * 1024) * 1e6)
+            sp = SamplingParams(max_new_tokens=32, temperature=0.0)
             t0 = time.perf_counter()
             for h in [engine.submit([1 + k], sp) for k in range(32)]:
                 h.result(300)
-            dec.append((time.perf_counter() - t0) / (32 * 128) * 1e6)
+            dec.append((time.perf_counter() - t0) / (32 * 32) * 1e6)
     return statistics.median(pre), statistics.median(dec)
 
 
@@ -121,14 +121,14 @@ def _cpu_seconds(pids: tuple[int, ...]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def workload(seed: int, n: int = 160, long: int = 40
+def workload(seed: int, n: int = 80, long: int = 20
              ) -> list[tuple[list[int], SamplingParams]]:
-    """``n`` requests, ``long`` of them with a 2048-token prompt, at random positions."""
+    """``n`` requests, ``long`` of them with a 1024-token prompt, at random positions."""
     rng = random.Random(seed)
     kinds = [True] * long + [False] * (n - long)
     rng.shuffle(kinds)
-    return [([1 + rng.randrange(100)] * (2048 if k else 32),
-             SamplingParams(max_new_tokens=rng.choice([8, 32, 128]), temperature=0.0))
+    return [([1 + rng.randrange(100)] * (1024 if k else 32),
+             SamplingParams(max_new_tokens=rng.choice([4, 16, 64]), temperature=0.0))
             for k in kinds]
 
 
@@ -149,7 +149,11 @@ def balance(seeds: int) -> dict[str, float]:
     ratios: list[float] = []
     spans: dict[str, list[float]] = {"least_loaded": [], "round_robin": []}
     busy: dict[str, list[float]] = {"least_loaded": [], "round_robin": []}
-    engines = {policy: Engine("zmq", ModelConfig(), max_batch=64, dp_size=2,
+    # A 60 s heartbeat: on a saturated box a healthy replica is otherwise
+    # declared lost (#18), which would measure the liveness bug, not balance.
+    slow_heartbeat = mock.patch.object(processes, "LOCAL_HEARTBEAT_TIMEOUT", 60.0)
+    slow_heartbeat.start()
+    engines = {policy: Engine("zmq", ModelConfig(), max_batch=64, dp_size=2, start_timeout=600,
                               dp_policy=policy)
                for policy in ("least_loaded", "round_robin")}
     try:
@@ -171,6 +175,7 @@ def balance(seeds: int) -> dict[str, float]:
     finally:
         for engine in engines.values():
             engine.close()
+        slow_heartbeat.stop()
     return {
         "makespan_ratio_ours_vs_round_robin": round(statistics.median(ratios), 3),
         "makespan_s_ours": round(statistics.median(spans["least_loaded"]), 2),
@@ -250,7 +255,7 @@ def balance_part(res: dict[str, float]) -> None:
     res["prefill_us_per_token"] = round(pre, 1)
     res["decode_us_per_token"] = round(dec, 1)
     seeds = int(os.environ.get("BENCH_SEEDS", 5))
-    say(f"makespan, 160 requests (40 long at random positions), {seeds} seeds:")
+    say(f"makespan, 80 requests (20 long at random positions), {seeds} seeds:")
     res.update(balance(seeds))
 
 
