@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, TypeVar
+from itertools import repeat
+from typing import Generic, NamedTuple, TypeVar, cast
 
 from messages import DecodeError, Message
 
@@ -41,3 +44,20 @@ class Rejected(NamedTuple):
 
     error: DecodeError
     origin: Origin
+
+
+_new_envelope = cast(Callable[[tuple[Message, Origin]], "Envelope[Message] | Rejected"],
+                     functools.partial(tuple.__new__, Envelope))
+
+
+def envelopes(msgs: Iterable[M], origin: Origin) -> list[Envelope[M] | Rejected]:
+    """One :class:`Envelope` per message, all from ``origin``: the burst path.
+
+    Typed as an inbox's drain (envelopes or rejections), so that it is one.
+
+    Built in C (``tuple.__new__`` over a zip), with no Python frame per
+    message: ``Envelope(m, origin)`` runs the named tuple's Python
+    ``__new__``, ~0.2 us a message, a tenth of a small request's whole
+    receive (measured with ``benchmarks.bus``'s bursts).
+    """
+    return list(map(_new_envelope, zip(msgs, repeat(origin))))  # type: ignore[arg-type]

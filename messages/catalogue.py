@@ -110,7 +110,12 @@ class TokenizedGenerateReqInput(Request):
     dp_rank: DpRank | None = None
 
     def __post_init__(self) -> None:
-        self.input_ids = packed_u32(self.input_ids, field="input_ids")
+        ids = self.input_ids
+        if type(ids) is memoryview and ids.format == "B" and not ids.nbytes & 3 \
+                and ids.nbytes <= _MAX_PACKED_BYTES:  # packed_u32's decode path, inline:
+            self.input_ids = ids.cast("I")  # a call less per request (~0.1 us of ~1 in a burst)
+        else:
+            self.input_ids = packed_u32(ids, field="input_ids")
 
 
 class TokenizedEmbeddingReqInput(Request):
@@ -120,7 +125,12 @@ class TokenizedEmbeddingReqInput(Request):
     dp_rank: DpRank | None = None
 
     def __post_init__(self) -> None:
-        self.input_ids = packed_u32(self.input_ids, field="input_ids")
+        ids = self.input_ids
+        if type(ids) is memoryview and ids.format == "B" and not ids.nbytes & 3 \
+                and ids.nbytes <= _MAX_PACKED_BYTES:  # packed_u32's decode path, inline:
+            self.input_ids = ids.cast("I")  # a call less per request (~0.1 us of ~1 in a burst)
+        else:
+            self.input_ids = packed_u32(ids, field="input_ids")
 
 
 class AbortReq(Request):

@@ -62,7 +62,7 @@ from messages import (
 from router import RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.backpressure import collapse
 from scheduler.dp.fanout import CallerQueue, Fanout, merge_replies
-from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy
+from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy, cost_of
 from scheduler.dp.liveness import AwakeClock
 from scheduler.dp.outputs import OutputGate, OutputThrottle
 from scheduler.dp.replica import Replica, ReplicaSpec
@@ -288,10 +288,7 @@ class Dispatcher:
             self._error(msg.rid, origin, "replica_lost", f"request {msg.rid!r}: {rep.name}: "
                         f"{exc}")
             return
-        cost = len(msg.input_ids)
-        if isinstance(msg, TokenizedGenerateReqInput):
-            cost += msg.sampling.max_new_tokens
-        self.ledger.add(msg.rid, i, rep.generation, cost, msg, pinned=pin is not None,
+        self.ledger.add(msg.rid, i, rep.generation, cost_of(msg), msg, pinned=pin is not None,
                         at=self.awake.now)
         self.stats["dispatched"] += 1
 

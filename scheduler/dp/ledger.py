@@ -6,11 +6,15 @@ Pure bookkeeping, no sockets, so its rules are tested as properties:
   replica's generation, so a reply from an earlier incarnation is told
   apart). An abort goes to the owner only; an output from anyone else is
   stale.
-* **Load.** Per replica: requests and tokens outstanding (prompt +
-  ``max_new_tokens``), added at dispatch, removed at the terminal output;
-  plus what the replica last *reported* (its ``get_load``: requests from
-  other clients, or queued behind ours). The least-loaded live replica wins,
-  ties broken by rotation, so equal replicas take turns.
+* **Load.** Per replica: the work it still owes us, in microseconds of its
+  own time (:class:`Cost`): each request's prompt weighs what reading it
+  costs (:data:`PREFILL_US_PER_TOKEN` a token) until its first output shows
+  it read, and its ``max_new_tokens`` what sampling them in a running batch
+  costs (:data:`DECODE_US_PER_TOKEN` a token) until it ends; plus what the
+  replica last *reported* (its ``get_load``: requests from other clients,
+  or queued behind ours). The least-loaded live replica wins, ties broken
+  by rotation, so equal replicas take turns. Requests and tokens
+  (prompt + ``max_new_tokens``) are counted too, for ``get_load``.
 * **Liveness.** A replica that is not live is never picked, whatever the
   policy or pin. Losing one hands back its entries: started ones must fail,
   unstarted ones may run elsewhere.
@@ -20,22 +24,48 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
-from messages import Request
+from messages import Request, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput
 
-__all__ = ["Entry", "Ledger", "NoLiveReplica", "Policy"]
+__all__ = ["Cost", "Entry", "Ledger", "NoLiveReplica", "Policy", "cost_of"]
 
 #: How a balanced request picks its replica.
 Policy = Literal["least_loaded", "round_robin"]
 
-#: Tokens one reported request counts as, beside the tokens we know of: a
+#: A replica's time to read one prompt token, and to sample one token in a
+#: running batch of 32, in microseconds: the default model, one replica,
+#: measured by ``python -m benchmarks.dp`` (``prefill_us_per_token``,
+#: ``decode_us_per_token``: 1590 and 9117 on the 2-core CI box with a load
+#: average of ~15, so both far above a quiet machine's; only their ratio
+#: steers the choice). On this model a sampled token costs ~5.7 prompt
+#: tokens: a prompt is read in chunks of 512 by one recurrent pass, while
+#: every step samples each running request in Python. Re-measure for
+#: another model (on a GPU transformer the ratio is the other way round).
+PREFILL_US_PER_TOKEN = 1590
+DECODE_US_PER_TOKEN = 9117
+
+#: Tokens one reported request counts as, beside the work we know of: a
 #: request queued on a replica by someone else is worth about a short prompt.
 REPORTED_REQUEST_TOKENS = 256
 
 
 class NoLiveReplica(Exception):
     """No replica can take the request (none live, or the pinned one is not)."""
+
+
+class Cost(NamedTuple):
+    """What a request will cost its replica, in tokens of each kind."""
+
+    prompt: int  #: tokens to read (prefill)
+    decode: int  #: tokens to sample, at most (``max_new_tokens``; 0 for an embedding)
+
+
+def cost_of(request: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput) -> Cost:
+    """The :class:`Cost` of a balanced request."""
+    if isinstance(request, TokenizedGenerateReqInput):
+        return Cost(len(request.input_ids), request.sampling.max_new_tokens)
+    return Cost(len(request.input_ids), 0)
 
 
 @dataclass(slots=True)
@@ -45,7 +75,7 @@ class Entry:
     rid: str
     replica: int
     generation: int
-    cost: int
+    cost: int  # tokens: prompt + max_new_tokens
     #: Kept until the first output arrives, so a lost replica's unstarted
     #: requests can run elsewhere; dropped then (it may hold tensors).
     request: Request | None
@@ -53,6 +83,8 @@ class Entry:
     started: bool = False
     aborted: bool = False
     at: float = 0.0  # when it was dispatched (monotonic)
+    prefill_us: int = 0  # work still owed: reading the prompt (0 once started)
+    decode_us: int = 0  # and sampling its tokens
 
 
 class Ledger:
@@ -68,6 +100,7 @@ class Ledger:
         self.live = [True] * n
         self.requests = [0] * n
         self.tokens = [0] * n
+        self.work = [0] * n  # microseconds of replica time owed (see Cost)
         self.reported = [0] * n  # running + queued, from the replica's last get_load
         self.dispatched = [0] * n  # requests ever dispatched to each
         self.dispatched_tokens = [0] * n  # and their tokens (prompt + max_new_tokens)
@@ -89,9 +122,9 @@ class Ledger:
         return (e for e in self._entries.values() if e.replica == replica)
 
     def score(self, replica: int) -> int:
-        """Its load in tokens: ours outstanding, plus what it reports beyond ours."""
+        """Its load in microseconds of its time: ours owed, plus what it reports beyond ours."""
         extra = max(0, self.reported[replica] - self.requests[replica])
-        return self.tokens[replica] + extra * REPORTED_REQUEST_TOKENS
+        return self.work[replica] + extra * REPORTED_REQUEST_TOKENS * PREFILL_US_PER_TOKEN
 
     def pick(self, pin: int | None = None, exclude: Container[int] = ()) -> int:
         """The replica for a new request, never one in ``exclude``.
@@ -127,22 +160,39 @@ class Ledger:
         self._next = best + 1 if self.policy == "round_robin" else (start + 1) % n
         return best
 
-    def add(self, rid: str, replica: int, generation: int, cost: int,
+    def add(self, rid: str, replica: int, generation: int, cost: Cost | int,
             request: Request | None, *, pinned: bool = False, at: float = 0.0) -> Entry:
         """Record ``rid`` as dispatched to ``replica`` (at monotonic time ``at``).
+
+        ``cost``: the request's :class:`Cost` (a bare int counts as prompt tokens).
 
         Raises:
             KeyError: ``rid`` is already in flight.
         """
         if rid in self._entries:
             raise KeyError(rid)
-        entry = Entry(rid, replica, generation, cost, request, pinned, at=at)
+        if isinstance(cost, int):
+            cost = Cost(cost, 0)
+        tokens = cost.prompt + cost.decode
+        entry = Entry(rid, replica, generation, tokens, request, pinned, at=at,
+                      prefill_us=cost.prompt * PREFILL_US_PER_TOKEN,
+                      decode_us=cost.decode * DECODE_US_PER_TOKEN)
         self._entries[rid] = entry
         self.requests[replica] += 1
-        self.tokens[replica] += cost
+        self.tokens[replica] += tokens
+        self.work[replica] += entry.prefill_us + entry.decode_us
         self.dispatched[replica] += 1
-        self.dispatched_tokens[replica] += cost
+        self.dispatched_tokens[replica] += tokens
         return entry
+
+    def start(self, entry: Entry) -> None:
+        """``entry``'s first output arrived: its prompt is read (its work is released),
+        and it can no longer run elsewhere (its request is dropped)."""
+        if not entry.started:
+            entry.started, entry.request = True, None
+            if self._entries.get(entry.rid) is entry:
+                self.work[entry.replica] -= entry.prefill_us
+            entry.prefill_us = 0
 
     def finish(self, rid: str) -> Entry | None:
         """``rid`` got its terminal output: forget it and release its load."""
@@ -150,6 +200,7 @@ class Ledger:
         if entry is not None:
             self.requests[entry.replica] -= 1
             self.tokens[entry.replica] -= entry.cost
+            self.work[entry.replica] -= entry.prefill_us + entry.decode_us
         return entry
 
     def older(self, replica: int, before: float) -> int:
@@ -163,5 +214,5 @@ class Ledger:
         lost = [e for e in self._entries.values() if e.replica == replica]
         for e in lost:
             del self._entries[e.rid]
-        self.requests[replica] = self.tokens[replica] = 0
+        self.requests[replica] = self.tokens[replica] = self.work[replica] = 0
         return lost

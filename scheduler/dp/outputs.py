@@ -49,7 +49,7 @@ class OutputGate:
                 else:
                     entry = ledger.get(rid)
                     if entry is not None and not entry.started:
-                        entry.started, entry.request = True, None
+                        ledger.start(entry)
             return out
         if isinstance(out, BatchEmbeddingOut):
             keep = [self._owned(rep, rid) for rid in out.rids]

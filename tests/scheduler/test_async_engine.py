@@ -162,12 +162,25 @@ async def test_a_disconnecting_client_while_hundreds_stream(engine: AsyncEngine)
 
 @pytest.mark.asyncio
 async def test_rpc_is_answered_while_streams_flood(engine: AsyncEngine) -> None:
+    started = time.perf_counter()
     flood = [asyncio.create_task(engine.generate([1 + i % 100], SamplingParams(
         max_new_tokens=64))) for i in range(300)]
+    deadline = time.monotonic() + 30
+    while True:  # until the scheduler holds the flood: an rpc before it proves nothing
+        load = (await engine.collective_rpc("get_load")).result
+        assert load is not None
+        if isinstance(load["queued"], int) and load["queued"] > 0:  # the batch (64) is full
+            break
+        assert time.monotonic() < deadline, f"the flood never queued: {load}"
+        await asyncio.sleep(0.001)  # sleep-ok: pacing of a deadline poll
     t0 = time.perf_counter()
     reply = await engine.collective_rpc("get_load")
-    assert reply.success and time.perf_counter() - t0 < 5
+    rpc_s = time.perf_counter() - t0
+    assert reply.success and reply.result is not None
+    assert reply.result["queued"] != 0, "answered only once the flood was gone"
     await asyncio.gather(*flood)
+    flood_s = time.perf_counter() - started
+    assert rpc_s < flood_s / 2, f"the rpc took {rpc_s:.3f} s of a {flood_s:.3f} s flood"
 
 
 @pytest.mark.asyncio
