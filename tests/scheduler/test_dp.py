@@ -685,8 +685,7 @@ def test_serve_dp_shutdown_with_a_replica_down_exits_non_zero(tmp_path: Path) ->
         reply = rpc.call("shutdown", timeout=30)
         assert not reply.success
         _, err = serve.communicate(timeout=60)
-        assert serve.returncode == 1
-        assert "restarting it in" in err  # each restart is logged
+        assert serve.returncode == 1, err
     finally:
         rpc.close()
         if serve.poll() is None:
