@@ -67,6 +67,18 @@ _READ_EVERY = 32
 _RETRY_S = 0.005
 
 
+
+class _AbortOf:
+    """An abort waiting in this turn's sends for the entry it is for (a cancelled
+    request's token, or the handle an explicit abort was for): it becomes an
+    ``AbortReq`` at the last moment, and only while that entry holds its rid."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: Pending) -> None:
+        self.entry = entry
+
+
 class AsyncEngine(EngineCore):
     """The engine for asyncio code: the same modes, options and errors as ``Engine``.
 
@@ -91,10 +103,10 @@ class AsyncEngine(EngineCore):
         self._sent_unread = 0  # sends since outputs were last read
         # Aborts waiting for room on the channel; a cancelled request's as its
         # Forgotten token, turned into an AbortReq only while it holds its rid.
-        self._unsent_aborts: deque[AbortReq | Forgotten] = deque()
+        self._unsent_aborts: deque[Pending | AbortReq] = deque()
         # Sent in this turn of the loop: one burst at its end.
-        self._outq: list[Request | Forgotten] = []
-        self._outq_cancels = 0  # Forgotten tokens in _outq
+        self._outq: list[Request | _AbortOf] = []
+        self._outq_cancels = 0  # _AbortOf items in _outq
         #: Requests that failed (``Overloaded`` above all) and were collected
         #: without ever being awaited: fire-and-forget submits.
         self.unawaited_failures = 0
@@ -232,11 +244,18 @@ class AsyncEngine(EngineCore):
     async def abort(self, rid: str) -> None:
         """Abort a queued or running request (idempotent).
 
+        Aborts the request that holds ``rid`` now; one that already ended is
+        left alone, and so is a later request that reuses the rid while this
+        abort waits for room on the work channel.
+
         Raises:
             InvalidRequest: ``rid`` is not a valid request id.
             EngineClosed, SchedulerGone: as :meth:`generate`.
         """
-        self._send_abort(self._abort_req(rid))
+        req = self._abort_req(rid)
+        holder = self._table.holder(rid)
+        if holder is not None:  # none: it ended (its answer is in): nothing to abort
+            self._send_abort(req, holder)
 
     def _cancel(self, handle: Pending) -> None:
         """The caller of ``handle`` left: forget it and abort its request, best effort.
@@ -254,26 +273,30 @@ class AsyncEngine(EngineCore):
         except EngineError:
             pass  # closing or gone: nothing left to free
 
-    def _abort_now(self, item: AbortReq | Forgotten) -> AbortReq | None:
-        """The abort to send for ``item`` now: a cancelled request's only while it has
-        not ended (else its rid may be a new request's)."""
+    def _abort_now(self, item: Pending | AbortReq) -> AbortReq | None:
+        """The abort to send for ``item`` (a cancelled request's token, or the handle
+        an explicit abort was for) now: only while it still holds its rid (else
+        its request ended, and the rid may be a new request's)."""
         if isinstance(item, AbortReq):
             return item
         return AbortReq(rid=item.rid) if self._table.owns(item) else None
 
-    def _send_abort(self, req: AbortReq | Forgotten) -> None:
+    def _send_abort(self, req: AbortReq | Forgotten, holder: Pending | None = None) -> None:
         """Send an abort now, or as soon as the work channel has room: never lost,
-        never blocking the loop."""
+        never blocking the loop. One that must wait is kept as the entry it is for
+        (``req`` itself for a cancelled request, else ``holder``) and is sent
+        only while that entry still holds the rid."""
+        entry: Pending | AbortReq = req if isinstance(req, Forgotten) else holder or req
         if self._unsent_aborts:  # keep order behind those already waiting
-            self._unsent_aborts.append(req)
+            self._unsent_aborts.append(entry)
             return
         try:
-            self._send(req)
+            self._send(entry if isinstance(entry, AbortReq) else _AbortOf(entry))
         except Overloaded:
-            self._queue_abort(req)
+            self._queue_abort(entry)
 
-    def _queue_abort(self, req: AbortReq | Forgotten) -> None:
-        self._unsent_aborts.append(req)
+    def _queue_abort(self, entry: Pending | AbortReq) -> None:
+        self._unsent_aborts.append(entry)
         if len(self._unsent_aborts) == 1:
             assert self._loop is not None
             self._loop.call_later(_RETRY_S, self._retry_aborts)
@@ -345,19 +368,19 @@ class AsyncEngine(EngineCore):
         self._reading = False
         self.read_outputs()  # what arrived last
 
-    def _send(self, req: Request | Forgotten, *, block: bool = False) -> None:
+    def _send(self, req: Request | _AbortOf, *, block: bool = False) -> None:
         # Never blocks the loop. What is sent in one turn of the loop leaves at
         # its end, together: over zmq as one burst, on the ring in one put (one
         # lock, one wake-up of the scheduler). The lone request of an idle
         # frontend leaves as soon as its task awaits.
         if self._loop is None:
-            assert not isinstance(req, Forgotten)  # nothing is cancelled before start()
+            assert not isinstance(req, _AbortOf)  # nothing is cancelled before start()
             super()._send(req, block=False)  # a full work channel: Overloaded at once
             self._after_sends(1)
             return
         self._check_open()
         queue = self._outq
-        if isinstance(req, Forgotten):
+        if isinstance(req, _AbortOf):
             self._outq_cancels += 1
         queue.append(req)
         if len(queue) == 1:
@@ -372,16 +395,16 @@ class AsyncEngine(EngineCore):
         if not pending:
             return
         queue: list[Request]
-        tokens: dict[int, Forgotten] = {}  # id(abort) -> the cancelled request's token
+        tokens: dict[int, Pending] = {}  # id(abort) -> the entry it is for
         if self._outq_cancels:  # decided now, at the last moment before sending
             self._outq_cancels = 0
             queue = []
             for item in pending:
-                if isinstance(item, Forgotten):
-                    abort = self._abort_now(item)
+                if isinstance(item, _AbortOf):
+                    abort = self._abort_now(item.entry)
                     if abort is None:
                         continue  # its request ended: nothing to abort
-                    tokens[id(abort)] = item
+                    tokens[id(abort)] = item.entry
                     item = abort
                 queue.append(item)
         else:
@@ -410,7 +433,7 @@ class AsyncEngine(EngineCore):
             rest = rest[n:]
         for req in rest:
             if isinstance(req, AbortReq) and error is None:
-                # A cancelled request's abort waits as its token: checked again then.
+                # An abort waits as the entry it is for: checked again then.
                 self._queue_abort(tokens.get(id(req), req))
             else:
                 self._put(req.rid, error or Overloaded(

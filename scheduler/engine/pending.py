@@ -131,6 +131,10 @@ class PendingTable:
             token = self._handles[handle.rid] = Forgotten(handle.rid)
             return token
 
+    def holder(self, rid: str) -> Pending | None:
+        """The entry that holds ``rid`` now (``None``: no request of ours has it)."""
+        return self._handles.get(rid)
+
     def owns(self, entry: Pending) -> bool:
         """Whether ``entry`` still holds its rid (its request has not ended)."""
         return self._handles.get(entry.rid) is entry

@@ -148,3 +148,29 @@ def test_the_table_removes_an_entry_only_by_its_owner() -> None:
     assert table.forget(new) is None  # once
     table.put("r", Overloaded("r", "overloaded", "busy"), final=True)
     assert not table.owns(token) and len(table) == 0 and not new.items
+
+
+
+
+@pytest.mark.asyncio
+async def test_an_explicit_abort_waiting_for_room_spares_the_rid_s_next_request() -> None:
+    # Outside probe: an abort() of a request that had ended, kept for a retry by
+    # a full channel, was sent after a new request reused the rid, and aborted it.
+    async with AsyncEngine("ring", SMALL, max_batch=16) as engine:
+        assert (await engine.generate([1, 2], SP, rid="v")).finish_reason == "length"
+        running = engine.stream([1, 2], SamplingParams(max_new_tokens=100_000), rid="w")
+        await anext(running)  # w is running
+        ring = engine._ingress
+        assert ring is not None
+        real = ring.put_many_nowait
+        ring.put_many_nowait = lambda items: 0  # type: ignore[method-assign,assignment]
+        await engine.abort("v")  # ended: nothing to abort
+        await engine.abort("w")  # running: its abort waits for room
+        await asyncio.sleep(0)  # sleep-ok: one turn of the loop, the flush finds no room
+        ring.put_many_nowait = real  # type: ignore[method-assign]
+        # The rid reused at once: it leaves now, before the waiting aborts' retry.
+        again = await asyncio.wait_for(engine.generate(
+            [1, 2], SamplingParams(max_new_tokens=50), rid="v"), ANSWER_S)
+        assert again.finish_reason == "length" and len(again.token_ids) == 50
+        ends = [chunk.finish_reason async for chunk in running]
+        assert ends[-1] == "abort"  # the abort that waited for room still went
