@@ -253,6 +253,7 @@ class AsyncEngine(EngineCore):
             EngineClosed, SchedulerGone: as :meth:`generate`.
         """
         req = self._abort_req(rid)
+        self._check_open()
         holder = self._table.holder(rid)
         if holder is not None:  # none: it ended (its answer is in): nothing to abort
             self._send_abort(req, holder)

@@ -163,7 +163,7 @@ async def test_an_explicit_abort_waiting_for_room_spares_the_rid_s_next_request(
         ring = engine._ingress
         assert ring is not None
         real = ring.put_many_nowait
-        ring.put_many_nowait = lambda items: 0  # type: ignore[method-assign,assignment]
+        ring.put_many_nowait = lambda items: 0  # type: ignore[method-assign]
         await engine.abort("v")  # ended: nothing to abort
         await engine.abort("w")  # running: its abort waits for room
         await asyncio.sleep(0)  # sleep-ok: one turn of the loop, the flush finds no room
