@@ -221,21 +221,22 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
 
     A replica that dies is restarted (:mod:`scheduler.launch.respawn`).
     Exits 0 once a ``shutdown`` reached every replica, 1 if one was down;
-    SIGINT or SIGTERM to this process alone stops its replicas at once
-    (they got no shutdown: there is nothing to wait for).
+    SIGINT or SIGTERM to this process alone stops its replicas at once and
+    exits 0 (a stop asked for is not a failure).
     """
     directory = make_run_dir("dp")  # named for us: the replicas sweep it if we are killed
     procs, specs = start_replicas(directory, args.dp, model, max_batch=args.max_batch,
                                   limits=limits)
     sup = supervise(procs, directory, model, max_batch=args.max_batch, limits=limits)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind like Ctrl-C
-    stopped = False
+    stopped = interrupted = False
     try:
         stopped = serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
                                  policy=args.dp_policy, max_backlog=limits.max_backlog,
                                  heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # asked to stop: not a failure
         print("interrupted: stopping the replicas", file=sys.stderr)
+        interrupted = True
     finally:
         sup.stop()
         ranks = [p for r in procs for p in r]
@@ -248,7 +249,7 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
                 proc.kill()
                 proc.join()
         shutil.rmtree(directory, ignore_errors=True)
-    return 0 if stopped else 1
+    return 0 if stopped or interrupted else 1
 
 
 if __name__ == "__main__":

@@ -116,10 +116,16 @@ def scrape(url: str, *, timeout: float = 5.0) -> Snapshot:
         ScrapeError: (an ``OSError``) the endpoint did not answer in time, answered
             an HTTP error, or its page is not a scheduler's Prometheus metrics.
     """
+    end = time.monotonic() + timeout
     body = _fetch(url, timeout)
+    if PREFIX.encode() not in body:  # before parsing: a foreign page can be slow to parse
+        raise ScrapeError(f"{url} has no {PREFIX}* metrics: is it a scheduler's /metrics?")
     snap = Snapshot(time.monotonic())
     try:
         for fam in text_string_to_metric_families(body.decode()):
+            if time.monotonic() > end:  # the deadline holds for the whole scrape
+                raise ScrapeError(f"{url}: its page took over {timeout:g} s to read and "
+                                  "parse: not a scheduler's /metrics?")
             for s in fam.samples:
                 if s.name.endswith("_bucket"):
                     le = float(s.labels["le"])
@@ -127,6 +133,8 @@ def scrape(url: str, *, timeout: float = 5.0) -> Snapshot:
                     b[le] = b.get(le, 0.0) + s.value
                 else:
                     snap.values[s.name] = snap.values.get(s.name, 0.0) + s.value
+    except ScrapeError:
+        raise
     except Exception as exc:  # the parser raises several kinds on foreign text
         raise ScrapeError(f"{url} is not Prometheus metrics text "
                           f"({type(exc).__name__}: {str(exc)[:100]})") from None

@@ -357,6 +357,7 @@ class AsyncEngine(EngineCore):
         # delivering the terminal answers meanwhile.
         await loop.run_in_executor(None, self._shutdown, timeout,
                                    functools.partial(self._stop_reading, loop))
+        self._unseen_log.flush()  # the last ones counted, not left unsaid
 
     def _stop_reading(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is None:

@@ -75,7 +75,10 @@ def check_tp_room() -> None:
         ShmSpaceError: less free room than the ring needs (names the size).
     """
     space = shm_space()
-    if space is not None and space[0] < _SHM_RING_BYTES:
+    if space is None:  # a TSB_SHM_DIR that does not exist: say so now, not in a rank
+        raise ShmSpaceError(errno.ENOENT, _SHM_RING_BYTES, None, None,
+                            "the tensor-parallel ring", "the directory cannot be read")
+    if space[0] < _SHM_RING_BYTES:
         raise ShmSpaceError(errno.ENOSPC, _SHM_RING_BYTES, space[0], space[1],
                             "the tensor-parallel ring", "not enough free space")
 
