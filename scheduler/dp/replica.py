@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from bus import ChannelError, PullInbox, PushOutbox, RpcCaller, SocketOptions
-from messages import AbortReq, Codec, Output, Request
+from messages import OUT, WORK, AbortReq, Output, Request
 from scheduler.dp.liveness import Health
 from scheduler.launch.wiring import Endpoints
 
@@ -93,10 +93,11 @@ class Replica:
 
     def _open(self, out: bool = True) -> None:
         ep, opts = self.spec.endpoints, self.spec.options
-        self.work = PushOutbox(Codec(Request), ep.work, name=f"{self.name}.work", options=opts)
+        self.work = PushOutbox(WORK.inbound_codec(), ep.work, name=f"{self.name}.work",
+                               options=opts)
         if out:
-            self.out = PullInbox(Codec(Output), ep.out, name=f"{self.name}.out", options=opts,
-                                 bind=not ep.server_binds_out)
+            self.out = PullInbox(OUT.outbound_codec(), ep.out, name=f"{self.name}.out",
+                                 options=opts, bind=not ep.server_binds_out)
         self.rpc = RpcCaller(ep.rpc, name=f"{self.name}.rpc", options=opts)
 
     def reopen(self) -> None:

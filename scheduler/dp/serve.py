@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import zmq
 
 from bus import CurveAuthenticator, PullInbox, PushOutbox, RpcServer, SocketOptions
-from messages import Codec, Output, Request
+from messages import OUT, WORK
 from scheduler.dp.dispatcher import Dispatcher
 from scheduler.dp.ledger import Policy
 from scheduler.dp.replica import ReplicaSpec
@@ -52,11 +52,11 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
     auth = CurveAuthenticator(zmq.Context.instance(), curve_clients) \
         if curve_clients is not None else None
     try:
-        with PullInbox(Codec(Request), endpoints.work, options=options) as work, \
+        with PullInbox(WORK.inbound_codec(), endpoints.work, options=options) as work, \
                 RpcServer(rpc_codec(), endpoints.rpc,
                           options=dataclasses.replace(options, hwm=min(options.hwm, RPC_HWM))
                           ) as rpc, \
-                PushOutbox(Codec(Output), endpoints.out, options=options,
+                PushOutbox(OUT.outbound_codec(), endpoints.out, options=options,
                            bind=endpoints.server_binds_out) as out:
             dispatcher = Dispatcher(work, rpc, out, replicas, policy=policy,
                                     rpc_timeout=rpc_timeout,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import msgspec
 
 from bus import LogSummary, Rejected
-from messages import ErrorOut, Output, RpcReqInput, RpcReqOutput, fit_text
+from messages import ErrorOut, NotCarried, Output, RpcReqInput, RpcReqOutput, fit_text
 from scheduler.dp.fanout import Fanout
 from scheduler.dp.ledger import Ledger
 from scheduler.dp.replica import Replica
@@ -89,7 +89,8 @@ def answer_rejected(env: Rejected, upstream: bool, ledger: Ledger, stats: dict[s
     if err.rid is None or err.rid in ledger:  # no one to answer (or not that one)
         logs.rejected.add(env.origin.inbox, str(err))
         return None
-    if err.message_type == RpcReqInput.__name__:
+    if err.message_type == RpcReqInput.__name__ and not isinstance(err, NotCarried):
+        # an rpc call's own failure; one sent on the work channel is answered there
         return RpcReqOutput(rid=err.rid, success=False, message=fit_text(str(err)))
     return ErrorOut(rid=err.rid, code="decode_error", message=fit_text(str(err)))
 

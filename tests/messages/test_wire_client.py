@@ -292,3 +292,18 @@ def test_an_abort_ends_with_abort_and_one_of_an_unknown_rid_gets_nothing(
     got = _read(served, {"long", "after"})
     assert got.ended["long"][0] == "abort"
     assert "no-such-rid" not in got.ended and "no-such-rid" not in got.tokens
+
+
+def test_the_dispatcher_keeps_the_same_doors(tmp_path: Path) -> None:
+    # Its work inbox decoded every request type: an rpc sent there was broadcast
+    # to the replicas, and its reply could go nowhere.
+    target = tmp_path / "never.ckpt"
+    served = Served(tmp_path, "--dp", "2")
+    try:
+        served.work.send(_pack(["RpcReqInput", "dp-rpc-on-work", "save_checkpoint",
+                                {"path": str(target)}]))
+        code, message = _read(served, {"dp-rpc-on-work"}).ended["dp-rpc-on-work"]
+        assert code == "decode_error" and "not carried on the 'work' channel" in message
+        assert not target.exists(), "the call was executed"
+    finally:
+        served.close()
