@@ -6,9 +6,8 @@ scheduler from N. Downstream it holds each replica's channels
 (:class:`~scheduler.dp.replica.Replica`). One :class:`~bus.Receiver` drains
 all of them fairly and parks on one poll.
 
-* A request is routed by the dispatch table (:mod:`scheduler.dp.table`):
-  balanced by the ledger (:mod:`scheduler.dp.ledger`), to its owner, or
-  broadcast (:mod:`scheduler.dp.fanout`).
+* A request is routed by the dispatch table (:mod:`scheduler.dp.table`): balanced
+  by the ledger (:mod:`~scheduler.dp.ledger`), to its owner, or broadcast.
 * A replica's output is accepted only for a rid the ledger says that
   replica (in its current generation) owns; anything else is stale, dropped
   and counted. Terminal outputs release the ledger entry.
