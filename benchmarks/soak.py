@@ -46,12 +46,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import zmq
 
-from benchmarks import soak_dp
+from benchmarks import soak_dp, soak_files
 from benchmarks._fuzz import fuzz_codec, mutate, valid_frames
 from benchmarks._timing import percentiles
 from bus import RpcClient
@@ -339,9 +339,9 @@ def codec_fuzz() -> dict[str, float]:
 
 
 #: Every scenario, in the order a full run takes them.
-SCENARIOS: list[Callable[[], dict[str, float]]] = [
+SCENARIOS: list[Callable[[], Mapping[str, object]]] = [
     codec_fuzz, serve_fuzz, overload, long_prompt, slow_consumer, kill_pending,
-    *soak_dp.SCENARIOS]
+    *soak_dp.SCENARIOS, *soak_files.SCENARIOS]
 
 #: key -> (comparison, bound): what every run must hold (checked for the keys it printed).
 BOUNDS: dict[str, tuple[str, float]] = {
@@ -361,16 +361,18 @@ BOUNDS: dict[str, tuple[str, float]] = {
     "dp_short_behind_long_ttft_p50_ms": ("<=", 500),
     "dp_replica_respawn_ms": ("<=", 5000),
     "log_lines_per_1000_garbage_frames": ("<=", 5),
+    "shm_full_sender_alive": ("==", 1),
+    "leaked_files_after_kills": ("==", 0),
 }
 
 _CMP: dict[str, Callable[[float, float], bool]] = {
     "==": lambda a, b: a == b, "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b}
 
 
-def violations(out: dict[str, float]) -> list[str]:
+def violations(out: Mapping[str, object]) -> list[str]:
     """Each bound of :data:`BOUNDS` that a printed key breaks, named with its value."""
     return [f"{k} = {out[k]} (must be {op} {bound})" for k, (op, bound) in BOUNDS.items()
-            if k in out and not _CMP[op](out[k], bound)]
+            if k in out and not (isinstance(v := out[k], int | float) and _CMP[op](v, bound))]
 
 
 def main(argv: list[str]) -> int:
@@ -380,7 +382,7 @@ def main(argv: list[str]) -> int:
         print(f"unknown scenarios {sorted(unknown)}; known: "
               f"{[s.__name__ for s in SCENARIOS]}", file=sys.stderr)
         return 2
-    out: dict[str, float] = {}
+    out: dict[str, object] = {}
     for part in chosen:
         t0 = time.perf_counter()
         got = part()

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from bus import RpcClient
@@ -186,6 +187,11 @@ def leaked_files_after_kills() -> dict[str, object]:
         print(f"left behind: {tp + dp}", file=sys.stderr)
     return {"leaked_files_after_kills": len(tp) + len(dp),
             "leaked_after_tp_frontend_kill": len(tp), "leaked_after_dp_sigterm": len(dp)}
+
+
+#: The scenarios :mod:`benchmarks.soak` runs from here (its bounds are there).
+SCENARIOS: list[Callable[[], Mapping[str, object]]] = [shm_full_sender_alive,
+                                                     leaked_files_after_kills]
 
 
 def main() -> None:
