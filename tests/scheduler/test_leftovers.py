@@ -18,40 +18,22 @@ from pathlib import Path
 from bus import RpcClient
 from bus.shm.segment import SHM_DIR
 from scheduler.launch.leftovers import make_run_dir, sweep_run_dirs
+from tests.procs import alive, children
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _family(pid: int) -> list[int]:
-    pids = [pid, *_children(pid)]
-    return pids + [k for p in pids[1:] for k in _children(p)]
+    pids = [pid, *children(pid)]
+    return pids + [k for p in pids[1:] for k in children(p)]
 
 
 def _wait_gone(pids: list[int], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if alive(p)]
         time.sleep(0.05)  # sleep-ok: pacing of a deadline poll
 
 
