@@ -89,6 +89,8 @@ def test_a_sigkilled_tp_frontend_leaves_no_ring_and_no_run_dir() -> None:
     finally:
         proc.kill()
         proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
     _wait_gone(pids)
     assert _left_by(pids) == []  # before: the 64 MiB ring, 2 doorbells and the run dir
 
