@@ -47,6 +47,7 @@ from messages import (
     RpcReqOutput,
     SamplingParams,
     Scalar,
+    TokenIds,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     token_ids,
@@ -327,15 +328,14 @@ class EngineCore:
                       dp_rank: int | None = None) -> TokenizedGenerateReqInput:
         rid = rid if rid is not None else self._new_rid()
         return TokenizedGenerateReqInput(
-            rid=rid, input_ids=token_ids(input_ids, field="input_ids"),
+            rid=rid, input_ids=_packed(rid, input_ids),
             sampling=sampling or SamplingParams(), stream=stream, return_logprob=return_logprob,
             dp_rank=self._check_dp_rank(rid, dp_rank))
 
     def _embed_req(self, input_ids: npt.ArrayLike, dp_rank: int | None = None
                    ) -> TokenizedEmbeddingReqInput:
         rid = self._new_rid()
-        return TokenizedEmbeddingReqInput(rid=rid,
-                                          input_ids=token_ids(input_ids, field="input_ids"),
+        return TokenizedEmbeddingReqInput(rid=rid, input_ids=_packed(rid, input_ids),
                                           dp_rank=self._check_dp_rank(rid, dp_rank))
 
     def _check_dp_rank(self, rid: str, dp_rank: int | None) -> int | None:
@@ -480,3 +480,12 @@ class EngineCore:
 
     def _fail_all(self, error: EngineError) -> None:
         self._table.fail_all(error)
+
+
+def _packed(rid: str, input_ids: npt.ArrayLike) -> TokenIds:
+    """``input_ids`` packed for the wire, or ``InvalidRequest`` naming why not (too many,
+    negative, not integers): a caller's bad prompt, like any other field's."""
+    try:
+        return token_ids(input_ids, field="input_ids")
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidRequest(rid, str(exc)) from exc

@@ -110,3 +110,4 @@ def test_status_counted_in_metrics(server: Server) -> None:
     post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "n": 3})
     text = httpx.get(f"{server.url}/metrics").text
     assert 'tsb_http_requests_total{endpoint="completions",status="400"}' in text
+
