@@ -32,7 +32,7 @@ from bus import (
     SocketOptions,
 )
 from bus.channels import Inbox
-from messages import Codec, Message, Request, RpcReqInput, RpcReqOutput
+from messages import Codec, Message, Request, RpcReqInput, RpcReqOutput, fit_text
 
 __all__ = ["RpcDoor"]
 
@@ -77,6 +77,11 @@ class RpcDoor:
                 for env in self._receiver.poll():
                     if not isinstance(env, Envelope):
                         self._rejected.add(env.origin.inbox, env.error.reason)
+                        if env.error.rid is not None and env.origin.inbox == "door":
+                            # answered, as the scheduler answers it (an invalid method name)
+                            self._reply(RpcReqOutput(rid=env.error.rid, success=False,
+                                                     message=fit_text(str(env.error))),
+                                        env.origin)
                     elif isinstance(env.message, RpcReqInput):
                         self._forward(env.message, env.origin)
                     elif isinstance(env.message, RpcReqOutput):

@@ -133,6 +133,15 @@ def test_rpc_cli(small: tuple[Server, RpcClient], tmp_path: Path) -> None:
     assert bad.returncode == 1, bad.stderr
     reply = msgspec.json.decode(bad.stdout)
     assert reply["success"] is False and "no_such_method" in reply["message"]
+    # A method name the wire refuses is answered at the door, not left to time out
+    # (outside probe: silence for the whole timeout).
+    t0 = time.monotonic()
+    invalid = subprocess.run([sys.executable, "-m", "scheduler", "rpc", "--timeout", "30",
+                              str(tmp_path), "not-an-identifier"], capture_output=True,
+                             text=True, env=ENV, timeout=90)
+    assert invalid.returncode == 1, invalid.stderr
+    assert msgspec.json.decode(invalid.stdout)["success"] is False
+    assert time.monotonic() - t0 < 25  # the reply, not the timeout
 
 
 def test_rpc_cli_parameters() -> None:
