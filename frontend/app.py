@@ -136,6 +136,7 @@ class Frontend:
             ("POST", "/v1/chat/completions"): ("chat", self._chat),
             ("POST", "/v1/embeddings"): ("embeddings", self._embeddings),
             ("GET", "/v1/models"): ("models", self._models),
+            ("GET", f"/v1/models/{settings.model_name}"): ("models", self._model),
             ("GET", "/health"): ("health", self._health),
             ("GET", "/metrics"): ("metrics", self._metrics),
         }
@@ -315,6 +316,12 @@ class Frontend:
     async def _models(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
         card = ModelCard(self.settings.model_name, self._started)
         await send_bytes(send, 200, encode(ModelList([card])))
+        return 200
+
+    async def _model(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+        """``GET /v1/models/{name}`` (the openai client's ``models.retrieve``); another
+        name has no route: 404."""
+        await send_bytes(send, 200, encode(ModelCard(self.settings.model_name, self._started)))
         return 200
 
     async def _health(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
