@@ -101,9 +101,10 @@ def test_embeddings_float_and_base64(server: Server) -> None:
 def test_models_health_metrics(server: Server) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    assert client(server).models.retrieve("tiny").id == "tiny"
-    with pytest.raises(openai.NotFoundError):
-        client(server).models.retrieve("other")
+    with client(server) as c:
+        assert c.models.retrieve("tiny").id == "tiny"
+        with pytest.raises(openai.NotFoundError):
+            c.models.retrieve("other")
     assert httpx.get(f"{server.url}/health").status_code == 200
     text = httpx.get(f"{server.url}/metrics").text
     assert "tsb_http_requests_total" in text and "tsb_running_requests" in text
