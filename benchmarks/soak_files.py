@@ -33,6 +33,7 @@ from pathlib import Path
 
 from bus import RpcClient
 from bus.shm.segment import SHM_DIR
+from tests.procs import alive, children
 
 __all__ = ["leaked_files_after_kills", "main", "shm_full_sender_alive"]
 
@@ -91,32 +92,13 @@ def shm_full_sender_alive() -> dict[str, object]:
             "shm_full_sender_rc": proc.returncode}
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _wait_gone(pids: list[int], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids):
+    while any(alive(p) for p in pids):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"processes still alive: {[p for p in pids if _alive(p)]}")
+            raise RuntimeError(f"processes still alive: {[p for p in pids if alive(p)]}")
         time.sleep(0.05)  # sleep-ok: pacing of a deadline poll
 
 
@@ -149,8 +131,8 @@ def _tp_frontend_kill() -> list[str]:
         line = proc.stdout.readline()
         if "READY" not in line:
             raise RuntimeError(f"the TP frontend did not start: {line!r}")
-        pids = [proc.pid, *_children(proc.pid)]
-        pids += [k for p in pids[1:] for k in _children(p)]
+        pids = [proc.pid, *children(proc.pid)]
+        pids += [k for p in pids[1:] for k in children(p)]
     finally:
         proc.kill()
         proc.wait(30)
@@ -167,8 +149,8 @@ def _dp_sigterm() -> list[str]:
             with RpcClient(f"ipc://{d}/ep/rpc") as rpc:
                 if not rpc.call("get_load", timeout=120).success:
                     raise RuntimeError("serve --dp did not answer")
-            pids = [serve.pid, *_children(serve.pid)]
-            pids += [k for p in pids[1:] for k in _children(p)]
+            pids = [serve.pid, *children(serve.pid)]
+            pids += [k for p in pids[1:] for k in children(p)]
             serve.send_signal(signal.SIGTERM)
             serve.wait(60)
         finally:
