@@ -127,24 +127,35 @@ def new_name(kind: str) -> str:
     return f"tsb-{os.getpid()}-{kind}-{secrets.token_hex(6)}"
 
 
+def dead_creators(root: str, pattern: re.Pattern[str]) -> list[str]:
+    """This user's entries of ``root`` whose name matches ``pattern`` and whose
+    creator (the pid in its first group) is dead: what a sweep may remove."""
+    try:
+        names = os.listdir(root)
+    except OSError:  # pragma: no cover
+        return []
+    uid = os.getuid()
+    found: list[str] = []
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.lstat(path).st_uid == uid:
+                found.append(path)
+        except OSError:
+            continue
+    return found
+
+
 def sweep_stale() -> list[str]:
     """Unlink every ``tsb-*`` segment or doorbell whose creator is dead. Returns their names."""
     removed: list[str] = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:  # pragma: no cover
-        return removed
-    uid = os.getuid()
-    for name in names:
-        m = _NAME.fullmatch(name)
-        if m is None or pid_alive(int(m.group(1))):
-            continue
-        path = os.path.join(SHM_DIR, name)
+    for path in dead_creators(SHM_DIR, _NAME):
         try:
-            if os.lstat(path).st_uid != uid:
-                continue
             os.unlink(path)
-            removed.append(name)
+            removed.append(os.path.basename(path))
         except OSError:
             pass
     return removed

@@ -25,7 +25,7 @@ import re
 import shutil
 import tempfile
 
-from bus.shm.segment import pid_alive, sweep_stale, unlink_own
+from bus.shm.segment import dead_creators, sweep_stale, unlink_own
 
 __all__ = ["leave_files", "make_run_dir", "sweep_run_dirs"]
 
@@ -44,25 +44,9 @@ def make_run_dir(kind: str) -> str:
 
 def sweep_run_dirs() -> list[str]:
     """Remove every run directory of this user whose creator is dead; returns their paths."""
-    root = tempfile.gettempdir()
-    removed: list[str] = []
-    try:
-        names = os.listdir(root)
-    except OSError:  # pragma: no cover
-        return removed
-    uid = os.getuid()
-    for name in names:
-        m = _RUN_DIR.fullmatch(name)
-        if m is None or pid_alive(int(m.group(1))):
-            continue
-        path = os.path.join(root, name)
-        try:
-            if os.lstat(path).st_uid != uid:
-                continue
-        except OSError:
-            continue
+    removed = dead_creators(tempfile.gettempdir(), _RUN_DIR)
+    for path in removed:
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
     return removed
 
 
