@@ -187,8 +187,8 @@ def ring_rate(n: int) -> float:
     return n / dt
 
 
-def simplequeue_rate(n: int) -> float:
-    q: queue.SimpleQueue[int] = queue.SimpleQueue()  # unbounded: a producer never waits
+def _stdlib_queue_rate(q: queue.SimpleQueue[int] | queue.Queue[int], n: int) -> float:
+    """Items/s from one producer thread to this thread through ``q`` (put/get, no batching)."""
     def produce() -> None:
         put = q.put
         for i in range(n):
@@ -202,23 +202,14 @@ def simplequeue_rate(n: int) -> float:
     dt = time.perf_counter() - t0
     t.join()
     return n / dt
+
+
+def simplequeue_rate(n: int) -> float:
+    return _stdlib_queue_rate(queue.SimpleQueue(), n)  # unbounded: a producer never waits
 
 
 def queue_rate(n: int) -> float:
-    q: queue.Queue[int] = queue.Queue(1 << 14)
-    def produce() -> None:
-        put = q.put
-        for i in range(n):
-            put(i)
-    t = threading.Thread(target=produce)
-    t0 = time.perf_counter()
-    t.start()
-    get = q.get
-    for _ in range(n):
-        get()
-    dt = time.perf_counter() - t0
-    t.join()
-    return n / dt
+    return _stdlib_queue_rate(queue.Queue(1 << 14), n)
 
 
 # -- (c) idle wake latency ----------------------------------------------------------
