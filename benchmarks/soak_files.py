@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from bus import RpcClient
-from bus.shm.segment import SHM_DIR
-from tests.procs import alive, children
+from tests.procs import children, left_by, wait_gone
 
 __all__ = ["leaked_files_after_kills", "main", "shm_full_sender_alive"]
 
@@ -94,22 +91,6 @@ def shm_full_sender_alive() -> dict[str, object]:
 
 
 
-def _wait_gone(pids: list[int], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"processes still alive: {[p for p in pids if alive(p)]}")
-        time.sleep(0.05)  # sleep-ok: pacing of a deadline poll
-
-
-def _left_by(pids: list[int]) -> list[str]:
-    """``/dev/shm`` entries and run directories named for any of ``pids``."""
-    names = set(map(str, pids))
-    shm = [n for n in os.listdir(SHM_DIR)
-           if (m := re.match(r"tsb-(\d+)-", n)) and m.group(1) in names]
-    runs = [n for n in os.listdir(tempfile.gettempdir())
-            if (m := re.match(r"tsbrun-(\d+)-", n)) and m.group(1) in names]
-    return shm + runs
 
 
 _FRONTEND = """
@@ -136,8 +117,8 @@ def _tp_frontend_kill() -> list[str]:
     finally:
         proc.kill()
         proc.wait(30)
-    _wait_gone(pids)
-    return _left_by(pids)
+    wait_gone(pids)
+    return left_by(pids)
 
 
 def _dp_sigterm() -> list[str]:
@@ -157,8 +138,8 @@ def _dp_sigterm() -> list[str]:
             if serve.poll() is None:
                 serve.kill()
                 serve.wait(30)
-        _wait_gone(pids)
-        return _left_by(pids)
+        wait_gone(pids)
+        return left_by(pids)
 
 
 def leaked_files_after_kills() -> dict[str, object]:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
+import tempfile
+import time
 from pathlib import Path
+
+from bus.shm.segment import SHM_DIR
 
 
 def children(pid: int) -> list[int]:
@@ -27,3 +32,26 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout: float = 60.0) -> None:
+    """Poll until none of ``pids`` runs.
+
+    Raises:
+        TimeoutError: some still run after ``timeout`` seconds (naming them).
+    """
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes still alive: {[p for p in pids if alive(p)]}")
+        time.sleep(0.05)  # sleep-ok: pacing of a deadline poll
+
+
+def left_by(pids: list[int]) -> list[str]:
+    """``/dev/shm`` entries and run directories named for any of ``pids``."""
+    names = set(map(str, pids))
+    shm = [n for n in os.listdir(SHM_DIR)
+           if (m := re.match(r"tsb-(\d+)-", n)) and m.group(1) in names]
+    runs = [n for n in os.listdir(tempfile.gettempdir())
+            if (m := re.match(r"tsbrun-(\d+)-", n)) and m.group(1) in names]
+    return shm + runs

@@ -7,18 +7,15 @@ memory before they exit; a new run directory sweeps dead creators' ones.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bus import RpcClient
-from bus.shm.segment import SHM_DIR
 from scheduler.launch.leftovers import make_run_dir, sweep_run_dirs
-from tests.procs import alive, children
+from tests.procs import children, left_by, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,20 +27,6 @@ def _family(pid: int) -> list[int]:
     return pids + [k for p in pids[1:] for k in children(p)]
 
 
-def _wait_gone(pids: list[int], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if alive(p)]
-        time.sleep(0.05)  # sleep-ok: pacing of a deadline poll
-
-
-def _left_by(pids: list[int]) -> list[str]:
-    names = set(map(str, pids))
-    shm = [n for n in os.listdir(SHM_DIR)
-           if (m := re.match(r"tsb-(\d+)-", n)) and m.group(1) in names]
-    runs = [n for n in os.listdir(tempfile.gettempdir())
-            if (m := re.match(r"tsbrun-(\d+)-", n)) and m.group(1) in names]
-    return shm + runs
 
 
 def _dead_pid() -> int:
@@ -85,14 +68,14 @@ def test_a_sigkilled_tp_frontend_leaves_no_ring_and_no_run_dir() -> None:
         assert proc.stdout is not None
         assert "READY" in proc.stdout.readline()
         pids = _family(proc.pid)
-        assert len(pids) >= 3 and _left_by(pids)  # the ring, its doorbells, the run dir
+        assert len(pids) >= 3 and left_by(pids)  # the ring, its doorbells, the run dir
     finally:
         proc.kill()
         proc.wait(30)
         if proc.stdout is not None:
             proc.stdout.close()
-    _wait_gone(pids)
-    assert _left_by(pids) == []  # before: the 64 MiB ring, 2 doorbells and the run dir
+    wait_gone(pids)
+    assert left_by(pids) == []  # before: the 64 MiB ring, 2 doorbells and the run dir
 
 
 def test_serve_dp_stopped_with_sigterm_leaves_no_run_dir(tmp_path: Path) -> None:
@@ -104,12 +87,12 @@ def test_serve_dp_stopped_with_sigterm_leaves_no_run_dir(tmp_path: Path) -> None
         with RpcClient(f"ipc://{tmp_path}/ep/rpc") as rpc:
             assert rpc.call("get_load", timeout=120).success
         pids = _family(serve.pid)
-        assert _left_by(pids)  # its run dir, while it runs
+        assert left_by(pids)  # its run dir, while it runs
         serve.send_signal(signal.SIGTERM)
         serve.wait(60)
     finally:
         if serve.poll() is None:
             serve.kill()
             serve.wait(30)
-    _wait_gone(pids)
-    assert _left_by(pids) == []
+    wait_gone(pids)
+    assert left_by(pids) == []
