@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 
 from bus import CurveKeys, SocketOptions
@@ -14,6 +13,7 @@ from frontend.app import MAX_BODY_BYTES, Frontend, Settings
 from frontend.errors import TokenizerError
 from frontend.tokenizer import load_tokenizer
 from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
+from scheduler.launch.leftovers import make_run_dir
 from scheduler.models.files import check_model_dir
 
 log = logging.getLogger("frontend")
@@ -91,8 +91,8 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
     spec: str | None = args.endpoint
     if spec is not None and spec.startswith("tcp://"):
         return spec
-    if spec is None:
-        spec = tempfile.mkdtemp(prefix="tsb-frontend-")
+    if spec is None:  # named for this process: swept by the next start once we are gone
+        spec = make_run_dir("frontend")
     from scheduler.__main__ import private_dir  # the check `serve --endpoint DIR` makes
     try:
         return f"ipc://{private_dir(spec)}/rpc"
