@@ -13,6 +13,7 @@ sink, it cannot skip the rpc channel or misroute its replies.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from scheduler.core.admission import Limits
 from scheduler.core.loop import RequestSource, Scheduler
 from scheduler.core.metrics_http import MetricsServer
 from scheduler.launch.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, rpc_reducer
-from scheduler.models.loading import ModelSpec, load_model
+from scheduler.models.loading import ModelSpec, load_model, own_process_threads
 from scheduler.models.protocol import Model
 
 __all__ = ["Endpoints", "rpc_codec", "serve_follower", "serve_ring", "serve_zmq"]
@@ -155,6 +156,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec, *, max_batch: int = 64,
     codec: Codec[Request] = WORK.inbound_codec()  # each channel's door (messages.channels)
     out_codec: Codec[Output] = OUT.outbound_codec()
     limits = limits or Limits()
+    own_process_threads(model)
     if tp is not None:
         init_ranks(0, tp)
     auth = CurveAuthenticator(zmq.Context.instance(), curve_clients) \
@@ -179,6 +181,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec, *, max_batch: int = 64,
                               world_size=world, limits=limits, tell_ranks=tell,
                               metrics=metrics or metrics_port is not None,
                               rpc_reduce=rpc_reducer(0, world) if tp is not None else None)
+            _settled()
             with _metrics_http(sched, metrics_host, metrics_port):
                 sched.run()
     finally:
@@ -193,15 +196,31 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec, *, max_batch: int = 64,
 def serve_follower(rank: int, tp: TPConfig, model: ModelSpec, *, max_batch: int = 64,
                    limits: Limits | None = None) -> None:
     """Run tensor-parallel rank ``rank`` (> 0): same requests as rank 0, no sockets."""
+    own_process_threads(model)
     init_ranks(rank, tp)
     broadcast: BroadcastReceiver | None = None
     try:
         broadcast = BroadcastReceiver(rank, None, Codec(Request))
-        Scheduler(broadcast, null_router(), load_model(model),
-                  max_batch=max_batch, rank=rank, world_size=tp.world_size, limits=limits,
-                  metrics=False,
-                  rpc_reduce=rpc_reducer(rank, tp.world_size)).run()
+        follower = Scheduler(broadcast, null_router(), load_model(model),
+                             max_batch=max_batch, rank=rank, world_size=tp.world_size,
+                             limits=limits, metrics=False,
+                             rpc_reduce=rpc_reducer(rank, tp.world_size))
+        _settled()
+        follower.run()
     finally:
         if broadcast is not None:
             broadcast.close()
         dist.destroy_process_group()
+
+
+def _settled() -> None:
+    """Hide what start-up built (torch, the model) from the garbage collector.
+
+    A scheduler process holds some 200k objects once torch is imported; a
+    full collection walks them all (about 100 ms here), and the loop's own
+    allocations trigger one every so often: a stall of every request in
+    flight. ``gc.freeze()`` moves them to a generation no collection scans
+    (SGLang and vLLM do the same after start-up); what the loop allocates
+    later is collected as usual.
+    """
+    gc.freeze()
