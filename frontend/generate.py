@@ -244,41 +244,51 @@ class Generator:
     async def _stream(self, shape: _Shape, ids: list[int], sampling: SamplingParams,
                       detok: Detokenizer, logprobs: bool, stream: bool, include_usage: bool,
                       send: Send, t0: float, endpoint: str) -> int:
-        chunks = cast(AsyncGenerator[StreamChunk, None],
-                      self.engine.stream(ids, sampling, return_logprob=logprobs))
-        it = aiter(chunks)
+        # Steps, not chunks: what arrived while this task waited for the loop
+        # goes out in one write (one event per step in it), and the loop gets
+        # a turn between two writes.
+        steps = cast(AsyncGenerator[list[StreamChunk], None],
+                     self.engine.stream_steps(ids, sampling, return_logprob=logprobs))
+        it = aiter(steps)
         started = False
         pieces: list[str] = []  # the non-streamed answer with stop strings
         out_ids: list[int] = []
         out_lps: list[float] | None = [] if logprobs else None
+        finish: str | None = None
         try:
-            chunk: StreamChunk = await anext(it)  # a refusal is still an HTTP error here
+            chunks = await anext(it)  # a refusal is still an HTTP error here
             while True:
-                text = detok.push(chunk.token_ids)
-                finish = "stop" if detok.stopped else chunk.finish_reason
-                if finish is not None:
-                    text += detok.finish()
-                if not stream:
-                    pieces.append(text)
-                    out_ids.extend(chunk.token_ids)
-                    if out_lps is not None and chunk.logprobs is not None:
-                        out_lps.extend(chunk.logprobs)
-                elif text or finish is not None or chunk.logprobs:
-                    data = shape.event(text, finish, chunk.token_ids, chunk.logprobs, None)
+                events: list[bytes] = []
+                for chunk in chunks:
+                    text = detok.push(chunk.token_ids)
+                    finish = "stop" if detok.stopped else chunk.finish_reason
+                    if finish is not None:
+                        text += detok.finish()
+                    if not stream:
+                        pieces.append(text)
+                        out_ids.extend(chunk.token_ids)
+                        if out_lps is not None and chunk.logprobs is not None:
+                            out_lps.extend(chunk.logprobs)
+                    elif text or finish is not None or chunk.logprobs:
+                        events.append(shape.event(text, finish, chunk.token_ids,
+                                                  chunk.logprobs, None))
+                    if finish is not None:
+                        break
+                if events:
                     if finish is not None:
                         if include_usage:
-                            data += shape.usage_event(self._usage(ids, detok))
-                        data += _DONE
+                            events.append(shape.usage_event(self._usage(ids, detok)))
+                        events.append(_DONE)
                     if not started:
                         started = True
                         self._first_token(endpoint, t0)
                         await send({"type": "http.response.start", "status": 200,
                                     "headers": SSE})
-                    await send({"type": "http.response.body", "body": data,
+                    await send({"type": "http.response.body", "body": b"".join(events),
                                 "more_body": finish is None})
                 if finish is not None:
                     break
-                chunk = await anext(it)
+                chunks = await anext(it)
         except EngineError as exc:
             if not started:
                 raise
@@ -287,8 +297,9 @@ class Generator:
                         + b"\n\n" + _DONE})
             return 200
         finally:
-            await chunks.aclose()  # not finished (a stop string, a client gone): abort
+            await steps.aclose()  # not finished (a stop string, a client gone): abort
         if not stream:
+            assert finish is not None
             self._first_token(endpoint, t0)
             await send_bytes(send, 200, shape.whole(
                 "".join(pieces), finish, out_ids[:detok.tokens], out_lps, self._usage(ids, detok)))

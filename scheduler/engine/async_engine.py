@@ -200,12 +200,26 @@ class AsyncEngine(EngineCore):
 
         Raises (while iterating): as :meth:`generate`.
         """
-        return self._chunks(input_ids, sampling, True, return_logprob, rid)
+        return self._chunks(input_ids, sampling, return_logprob, rid)
+
+    def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
+                     *, return_logprob: bool = False, rid: str | None = None
+                     ) -> AsyncIterator[list[StreamChunk]]:
+        """As :meth:`stream`, but yield every chunk that has arrived, oldest first, as one
+        list (never empty; one chunk per scheduler step in it).
+
+        For a consumer that writes to a socket: what arrived while it was busy
+        is written at once, one write for many steps, not one a step. Leaving
+        early aborts the request.
+
+        Raises (while iterating): as :meth:`generate`; chunks that arrived
+        before an error are yielded first.
+        """
+        return self._steps(input_ids, sampling, return_logprob, rid)
 
     async def _chunks(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
-                      stream: bool, return_logprob: bool, rid: str | None
-                      ) -> AsyncIterator[StreamChunk]:
-        req = self._generate_req(input_ids, sampling, stream, return_logprob, rid)
+                      return_logprob: bool, rid: str | None) -> AsyncIterator[StreamChunk]:
+        req = self._generate_req(input_ids, sampling, True, return_logprob, rid)
         handle = self._submit(req, self._handle)
         finished = False
         try:
@@ -222,6 +236,32 @@ class AsyncEngine(EngineCore):
                 assert isinstance(item, StreamChunk)
                 finished = item.finish_reason is not None
                 yield item
+        finally:
+            if not finished:  # cancelled, broken out of, or collected: free the slot
+                self._cancel(handle)
+
+    async def _steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
+                     return_logprob: bool, rid: str | None) -> AsyncIterator[list[StreamChunk]]:
+        req = self._generate_req(input_ids, sampling, True, return_logprob, rid)
+        handle = self._submit(req, self._handle)
+        finished = False
+        try:
+            while not finished:
+                items = handle.take()
+                if not items:
+                    await handle.arrival()
+                    continue
+                chunks: list[StreamChunk] = []
+                for item in items:  # (an error or a final chunk is the last item)
+                    if isinstance(item, EngineError):
+                        finished = True
+                        if chunks:
+                            yield chunks
+                        raise item
+                    assert isinstance(item, StreamChunk)
+                    chunks.append(item)
+                    finished = item.finish_reason is not None
+                yield chunks
         finally:
             if not finished:  # cancelled, broken out of, or collected: free the slot
                 self._cancel(handle)
@@ -456,7 +496,12 @@ class AsyncEngine(EngineCore):
         if not self._reading:  # a call scheduled before the reader was removed
             return
         self._sent_unread = 0
-        self.read_outputs()
+        # One poll, then the requests it woke run before the next: a flood of
+        # outputs never holds the loop for longer than a poll's worth.
+        if self.read_outputs(polls=1) >= self._outputs.budget:
+            assert self._loop is not None
+            self._loop.call_soon(self._on_readable)
+            return
         sock = self._zmq_out
         # zmq's FD is edge-triggered: it fires again only after EVENTS is read
         # with nothing left; if messages slipped in meanwhile, go again.

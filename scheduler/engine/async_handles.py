@@ -91,6 +91,17 @@ class AsyncHandle:
             return StreamChunk(self.rid, item.token_ids, item.finish_reason, item.logprobs)
         return item
 
+    def take(self) -> list[Item]:
+        """Every output waiting now, oldest first (at most :attr:`max_buffered` and what
+        merged past it); empty if none."""
+        items = self._items
+        if not items:
+            return []
+        out = [StreamChunk(self.rid, item.token_ids, item.finish_reason, item.logprobs)
+               if isinstance(item, _Merged) else item for item in items]
+        items.clear()
+        return out
+
     def arrival(self) -> asyncio.Future[None]:
         """A future done when the next output arrives (await it only while empty)."""
         waiter = self._waiter

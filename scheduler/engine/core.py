@@ -453,13 +453,16 @@ class EngineCore:
         """Park until outputs wait or ``timeout`` passes."""
         return self._outputs.wait(timeout)
 
-    def read_outputs(self) -> int:
-        """Deliver every output waiting now to its request; returns how many were read.
+    def read_outputs(self, polls: int | None = None) -> int:
+        """Deliver outputs waiting now to their requests; returns how many were read.
 
-        Drains until the inbox is empty, as an edge-triggered zmq fd requires.
+        Drains until the inbox is empty, or for at most ``polls`` polls (of up
+        to 1024 outputs each): an event loop reads a poll at a time, so the
+        requests woken get a turn before the next (an edge-triggered zmq fd
+        then needs its ``EVENTS`` read: see ``AsyncEngine._on_readable``).
         """
         total = 0
-        while True:
+        while polls is None or polls > 0:
             got = self._outputs.poll()
             for env in got:
                 if isinstance(env, Envelope):
@@ -468,7 +471,10 @@ class EngineCore:
                     log.error("undecodable output from the scheduler: %s", env.error)
             total += len(got)
             if len(got) < self._outputs.budget:
-                return total
+                break
+            if polls is not None:
+                polls -= 1
+        return total
 
     def _check_alive(self) -> None:
         """Fail every pending request if the scheduler is gone."""

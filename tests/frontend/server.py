@@ -63,21 +63,24 @@ class ScriptedEngine(AsyncEngine):
 
     script: Sequence[int] = ()
 
-    def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-               return_logprob: bool = False, rid: str | None = None
-               ) -> AsyncIterator[StreamChunk]:
-        return self._scripted(super().stream(input_ids, sampling,
-                                             return_logprob=return_logprob, rid=rid))
+    def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
+                     *, return_logprob: bool = False, rid: str | None = None
+                     ) -> AsyncIterator[list[StreamChunk]]:
+        return self._scripted(super().stream_steps(input_ids, sampling,
+                                                   return_logprob=return_logprob, rid=rid))
 
-    async def _scripted(self, chunks: AsyncIterator[StreamChunk]
-                        ) -> AsyncIterator[StreamChunk]:
+    async def _scripted(self, steps: AsyncIterator[list[StreamChunk]]
+                        ) -> AsyncIterator[list[StreamChunk]]:
         k = 0
         script = self.script
         try:
-            async for chunk in chunks:
-                n = len(chunk.token_ids)
-                ids = [script[(k + i) % len(script)] for i in range(n)]
-                k += n
-                yield StreamChunk(chunk.rid, ids, chunk.finish_reason, chunk.logprobs)
+            async for chunks in steps:
+                out = []
+                for chunk in chunks:
+                    n = len(chunk.token_ids)
+                    ids = [script[(k + i) % len(script)] for i in range(n)]
+                    k += n
+                    out.append(StreamChunk(chunk.rid, ids, chunk.finish_reason, chunk.logprobs))
+                yield out
         finally:
-            await cast(AsyncGenerator[StreamChunk, None], chunks).aclose()
+            await cast(AsyncGenerator[list[StreamChunk], None], steps).aclose()

@@ -204,6 +204,47 @@ async def test_a_slow_consumer_is_bounded_and_loses_nothing() -> None:
 
 
 @pytest.mark.asyncio
+async def test_stream_steps_hands_over_what_arrived_as_one_list() -> None:
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0)
+    async with AsyncEngine("ring", SMALL) as engine:
+        want = [t async for c in engine.stream([1], sp) for t in c.token_ids]
+        steps = engine.stream_steps([1], sp)
+        first = await anext(steps)
+        deadline = time.monotonic() + 30
+        while True:  # the rest is produced while nobody reads
+            load = (await engine.collective_rpc("get_load")).result
+            assert load is not None
+            if load["running"] == 0:
+                break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+        rest = [chunks async for chunks in steps]
+        assert len(rest) == 1  # all of it at once, one chunk per step in it
+        chunks = first + rest[0]
+        assert all(len(c.token_ids) == 1 for c in chunks)
+        assert [t for c in chunks for t in c.token_ids] == want
+        assert chunks[-1].finish_reason == "length"
+        assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+@pytest.mark.asyncio
+async def test_leaving_stream_steps_early_frees_the_slot() -> None:
+    async with AsyncEngine("ring", SMALL) as engine:
+        steps = engine.stream_steps([1], SamplingParams(max_new_tokens=100_000))
+        await anext(steps)
+        await steps.aclose()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 30
+        while True:
+            load = (await engine.collective_rpc("get_load")).result
+            assert load is not None
+            if load["running"] == 0 and load["queued"] == 0:
+                break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+        assert engine.pending == 0
+
+
+@pytest.mark.asyncio
 async def test_a_dead_scheduler_fails_every_waiting_task_promptly() -> None:
     engine = AsyncEngine("zmq", SMALL)
     await engine.start()
