@@ -121,17 +121,21 @@ class ContentPart(_Body, kw_only=True):
 
 
 class ChatMessage(_Body, kw_only=True):
-    """One message of a conversation."""
+    """One message of a conversation.
+
+    ``content`` is required in every message and is never null: OpenAI lets
+    an assistant message leave it out only beside ``tool_calls``, which this
+    server does not take (an unknown field). Missing or null is a 400 naming
+    ``messages[i].content``, not a turn rendered as empty text.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=1024)] | None = None
+    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=1024)]
     name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
         content = self.content
-        if content is None:
-            return ""
         return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
