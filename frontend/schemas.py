@@ -148,6 +148,23 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
 
+    def max_new_tokens(self, default: int) -> int:
+        """The answer's token budget: ``max_completion_tokens`` (OpenAI's name now) or
+        ``max_tokens`` (its deprecated one), else ``default``.
+
+        Both may be given when they agree (a client that fills both from one setting).
+
+        Raises:
+            ApiError: 400 naming both fields when both are given and differ: which
+                one the client meant is not ours to guess.
+        """
+        new, old = self.max_completion_tokens, self.max_tokens
+        if new is not None and old is not None and new != old:
+            raise bad_request(f"max_tokens ({old}) and max_completion_tokens ({new}) "
+                              "disagree: give one (max_tokens is its deprecated name)",
+                              param="max_completion_tokens", code="conflicting_values")
+        return new if new is not None else old if old is not None else default
+
 
 class EmbeddingRequest(_Body, kw_only=True):
     """``POST /v1/embeddings``: one text, a batch of texts, or token ids."""

@@ -88,6 +88,27 @@ def test_chat_400_names_the_field(server: Server, body: object, param: str) -> N
     assert error(r)["param"] == param
 
 
+def test_max_tokens_and_max_completion_tokens_that_differ_are_400(server: Server) -> None:
+    # Outside probe: both were accepted and one silently won.
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    r = post(server, "/v1/chat/completions", {**chat, "max_tokens": 3,
+                                              "max_completion_tokens": 5})
+    assert r.status_code == 400, r.text
+    err = error(r)
+    assert err["param"] == "max_completion_tokens"
+    assert "max_tokens" in str(err["message"]) and "max_completion_tokens" in str(err["message"])
+    # The same value twice is no conflict (a client that fills both from one setting).
+    for body in ({**chat, "max_tokens": 3, "max_completion_tokens": 3},
+                 {**chat, "max_tokens": 3}, {**chat, "max_completion_tokens": 3}):
+        r = post(server, "/v1/chat/completions", {**body, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+    # Completions have only max_tokens (as OpenAI's legacy endpoint).
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3,
+                                         "max_completion_tokens": 3})
+    assert r.status_code == 400 and error(r)["param"] == "max_completion_tokens"
+
+
 def test_malformed_json_is_400(server: Server) -> None:
     r = post(server, "/v1/completions", b'{"model": "tiny", "prompt": ')
     assert r.status_code == 400
