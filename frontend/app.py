@@ -12,6 +12,9 @@ Routes::
     GET  /health                200 while the scheduler answers, 503 once it is gone
     GET  /metrics               the scheduler's families, then the HTTP ones
 
+Each GET route answers HEAD as GET without the body (a load balancer's
+health check often sends ``HEAD /health``).
+
 Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
 ``max_body_bytes`` is a 413 before it is read; a client that leaves aborts
 its request (:class:`~frontend.asgi.Conn`).
@@ -42,6 +45,7 @@ from frontend.asgi import (
     read_body,
     send_bytes,
     send_error,
+    without_body,
 )
 from frontend.errors import ApiError, bad_request, from_engine
 from frontend.generate import GenerateSettings, Generator
@@ -141,6 +145,9 @@ class Frontend:
             ("GET", "/health"): ("health", self._health),
             ("GET", "/metrics"): ("metrics", self._metrics),
         }
+        # HEAD is GET without the body: a load balancer's health check often sends it.
+        self._routes.update({("HEAD", path): route for (method, path), route
+                             in list(self._routes.items()) if method == "GET"})
         self._paths = {path for _, path in self._routes}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -206,6 +213,8 @@ class Frontend:
         method, path = scope["method"], scope["path"]
         assert isinstance(method, str) and isinstance(path, str)
         route = self._routes.get((method, path))
+        if method == "HEAD":
+            send = without_body(send)
         endpoint = route[0] if route is not None else "other"
         metrics = self.metrics
         if metrics is not None:

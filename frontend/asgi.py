@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 
 from frontend.errors import ApiError
 
-__all__ = ["Conn", "Receive", "Scope", "Send", "read_body", "send_bytes"]
+__all__ = ["Conn", "Receive", "Scope", "Send", "read_body", "send_bytes", "without_body"]
 
 Scope = MutableMapping[str, object]
 Event = MutableMapping[str, object]
@@ -77,6 +77,19 @@ async def send_error(send: Send, error: ApiError) -> None:
     headers = JSON if error.retry_after is None else \
         [*JSON, (b"retry-after", str(error.retry_after).encode())]
     await send_bytes(send, error.status, error.body(), headers)
+
+
+def without_body(send: Send) -> Send:
+    """``send`` for a HEAD request: the status and headers a GET gets, no body.
+
+    uvicorn drops a HEAD response's body itself; the app does not count on
+    its server for that.
+    """
+    async def head(event: Event) -> None:
+        if event["type"] == "http.response.body" and event.get("body"):
+            event = {**event, "body": b""}
+        await send(event)
+    return head
 
 
 class Conn:

@@ -137,6 +137,22 @@ def test_routes(server: Server) -> None:
     assert r.status_code == 400 and error(r)["param"] == "dimensions"
 
 
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/tiny", "/metrics"])
+def test_head_is_get_without_a_body(server: Server, path: str) -> None:
+    # A load balancer's health check often sends HEAD (outside probe: 405).
+    get = httpx.get(f"{server.url}{path}")
+    head = httpx.head(f"{server.url}{path}")
+    assert head.status_code == get.status_code == 200, head.text
+    assert head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_head_where_get_is_not_allowed(server: Server) -> None:
+    r = httpx.head(f"{server.url}/v1/completions")
+    assert r.status_code == 405 and r.content == b""
+    assert httpx.head(f"{server.url}/v1/nowhere").status_code == 404
+
+
 def test_status_counted_in_metrics(server: Server) -> None:
     post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "n": 3})
     text = httpx.get(f"{server.url}/metrics").text
