@@ -16,8 +16,9 @@ Each GET route answers HEAD as GET without the body (a load balancer's
 health check often sends ``HEAD /health``).
 
 Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
-``max_body_bytes`` is a 413 before it is read; a client that leaves aborts
-its request (:class:`~frontend.asgi.Conn`).
+``max_body_bytes`` is a 413 before it is read, and one not read whole
+``body_timeout`` seconds after its headers is a 408 (slowloris); a client
+that leaves aborts its request (:class:`~frontend.asgi.Conn`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ log = logging.getLogger("frontend")
 
 #: The default bound on a request body (bytes): 4 MiB, a 1M-token prompt as ids.
 MAX_BODY_BYTES = 4 << 20
+#: The default deadline (seconds) for reading a request body whole, from its headers on.
+BODY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,10 @@ class Settings:
     """How the server runs: the engine's mode and limits, the model, the HTTP bounds.
 
     Attributes:
+        max_body_bytes: a request body past this is answered 413.
+        body_timeout: seconds from a request's headers to its whole body; past
+            them it is answered 408 (and counted, ``status="408"``), so a client
+            that dribbles its body (or never sends it) does not hold a handler.
         rpc_endpoint: where the rpc door listens (``ipc://DIR/rpc`` or
             ``tcp://``); None for no door.
         rpc_options, curve_clients: the door's socket options and the CURVE
@@ -101,6 +108,7 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
     metrics: bool = True
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout: float = BODY_TIMEOUT_S
     default_max_tokens: int = 256
     rpc_endpoint: str | None = None
     rpc_options: SocketOptions = field(default_factory=SocketOptions)
@@ -259,6 +267,10 @@ class Frontend:
         finally:
             conn.close()
 
+    def _body(self, scope: Scope, receive: Receive) -> Awaitable[bytes]:
+        s = self.settings
+        return read_body(scope, receive, s.max_body_bytes, s.body_timeout)
+
     def _generator(self) -> Generator:
         if self._gen is None or self._gone:
             raise ApiError(503, "the scheduler is not available", type="server_error",
@@ -266,19 +278,19 @@ class Frontend:
         return self._gen
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        body = await read_body(scope, receive, self.settings.max_body_bytes)
+        body = await self._body(scope, receive)
         req = decode(body, CompletionRequest)
         gen = self._generator()
         return await self._guarded(receive, lambda _: gen.completion(req, send, t0))
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        body = await read_body(scope, receive, self.settings.max_body_bytes)
+        body = await self._body(scope, receive)
         req = decode(body, ChatCompletionRequest)
         gen = self._generator()
         return await self._guarded(receive, lambda _: gen.chat(req, send, t0))
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        body = await read_body(scope, receive, self.settings.max_body_bytes)
+        body = await self._body(scope, receive)
         req = decode(body, EmbeddingRequest)
         gen = self._generator()
         gen.check_model(req.model)
