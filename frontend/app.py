@@ -180,7 +180,7 @@ class Frontend:
         self.engine = engine
         if s.rpc_endpoint is not None:
             self.door = RpcDoor(s.rpc_endpoint, engine.endpoints.rpc, options=s.rpc_options,
-                                curve_clients=s.curve_clients)
+                                curve_clients=s.curve_clients, gone=lambda: engine.gone)
         self._gen = Generator(engine, self.tokenizer,
                               GenerateSettings(s.model_name, s.default_max_tokens), self.metrics)
         if self.metrics is not None:
