@@ -18,7 +18,9 @@ health check often sends ``HEAD /health``).
 Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
 ``max_body_bytes`` is a 413 before it is read, and one not read whole
 ``body_timeout`` seconds after its headers is a 408 (slowloris); a client
-that leaves aborts its request (:class:`~frontend.asgi.Conn`).
+that leaves aborts its request (:class:`~frontend.asgi.Conn`). Once the
+scheduler is gone, ``/health`` and requests are 503, and the rpc door answers
+each call at once with a failure (:mod:`frontend.rpc_door`).
 """
 
 from __future__ import annotations
