@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from bus import CurveKeys, SocketOptions
-from frontend.app import MAX_BODY_BYTES, Frontend, Settings
+from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.errors import TokenizerError
 from frontend.tokenizer import load_tokenizer
 from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
@@ -37,6 +37,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-backlog", type=int, default=Limits().max_backlog)
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="request bodies past this are answered 413")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="SECONDS",
+                   help="a request body not read whole this long after its headers is "
+                        "answered 408 (a client that dribbles it holds no handler longer)")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of a chat request that gives none")
     p.add_argument("--tokenizer", metavar="DIR_OR_FILE", default=None,
@@ -125,12 +128,14 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
+    if not args.body_timeout > 0:  # (NaN too)
+        raise SystemExit(f"--body-timeout must be above 0 seconds, not {args.body_timeout}")
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "tiny")
     settings = Settings(
         mode=args.mode, model=_model(args, tokenizer.vocab_size), model_name=name,
         max_batch=args.max_batch, tp_size=args.tp_size, dp_size=args.dp_size, limits=limits,
-        metrics=args.metrics, max_body_bytes=args.max_body_bytes,
+        metrics=args.metrics, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
         default_max_tokens=args.default_max_tokens, rpc_endpoint=_rpc_endpoint(SystemExit, args),
         rpc_options=SocketOptions(allow_remote=args.allow_remote, curve_keys=keys),
         curve_clients=allowed)

@@ -12,9 +12,15 @@ Routes::
     GET  /health                200 while the scheduler answers, 503 once it is gone
     GET  /metrics               the scheduler's families, then the HTTP ones
 
+Each GET route answers HEAD as GET without the body (a load balancer's
+health check often sends ``HEAD /health``).
+
 Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
-``max_body_bytes`` is a 413 before it is read; a client that leaves aborts
-its request (:class:`~frontend.asgi.Conn`).
+``max_body_bytes`` is a 413 before it is read, and one not read whole
+``body_timeout`` seconds after its headers is a 408 (slowloris); a client
+that leaves aborts its request (:class:`~frontend.asgi.Conn`). Once the
+scheduler is gone, ``/health`` and requests are 503, and the rpc door answers
+each call at once with a failure (:mod:`frontend.rpc_door`).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from frontend.asgi import (
     read_body,
     send_bytes,
     send_error,
+    without_body,
 )
 from frontend.errors import ApiError, bad_request, from_engine
 from frontend.generate import GenerateSettings, Generator
@@ -75,6 +82,8 @@ log = logging.getLogger("frontend")
 
 #: The default bound on a request body (bytes): 4 MiB, a 1M-token prompt as ids.
 MAX_BODY_BYTES = 4 << 20
+#: The default deadline (seconds) for reading a request body whole, from its headers on.
+BODY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +91,10 @@ class Settings:
     """How the server runs: the engine's mode and limits, the model, the HTTP bounds.
 
     Attributes:
+        max_body_bytes: a request body past this is answered 413.
+        body_timeout: seconds from a request's headers to its whole body; past
+            them it is answered 408 (and counted, ``status="408"``), so a client
+            that dribbles its body (or never sends it) does not hold a handler.
         rpc_endpoint: where the rpc door listens (``ipc://DIR/rpc`` or
             ``tcp://``); None for no door.
         rpc_options, curve_clients: the door's socket options and the CURVE
@@ -97,6 +110,7 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
     metrics: bool = True
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout: float = BODY_TIMEOUT_S
     default_max_tokens: int = 256
     rpc_endpoint: str | None = None
     rpc_options: SocketOptions = field(default_factory=SocketOptions)
@@ -141,6 +155,9 @@ class Frontend:
             ("GET", "/health"): ("health", self._health),
             ("GET", "/metrics"): ("metrics", self._metrics),
         }
+        # HEAD is GET without the body: a load balancer's health check often sends it.
+        self._routes.update({("HEAD", path): route for (method, path), route
+                             in list(self._routes.items()) if method == "GET"})
         self._paths = {path for _, path in self._routes}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -165,7 +182,7 @@ class Frontend:
         self.engine = engine
         if s.rpc_endpoint is not None:
             self.door = RpcDoor(s.rpc_endpoint, engine.endpoints.rpc, options=s.rpc_options,
-                                curve_clients=s.curve_clients)
+                                curve_clients=s.curve_clients, gone=lambda: engine.gone)
         self._gen = Generator(engine, self.tokenizer,
                               GenerateSettings(s.model_name, s.default_max_tokens), self.metrics)
         if self.metrics is not None:
@@ -206,6 +223,8 @@ class Frontend:
         method, path = scope["method"], scope["path"]
         assert isinstance(method, str) and isinstance(path, str)
         route = self._routes.get((method, path))
+        if method == "HEAD":
+            send = without_body(send)
         endpoint = route[0] if route is not None else "other"
         metrics = self.metrics
         if metrics is not None:
@@ -250,6 +269,10 @@ class Frontend:
         finally:
             conn.close()
 
+    def _body(self, scope: Scope, receive: Receive) -> Awaitable[bytes]:
+        s = self.settings
+        return read_body(scope, receive, s.max_body_bytes, s.body_timeout)
+
     def _generator(self) -> Generator:
         if self._gen is None or self._gone:
             raise ApiError(503, "the scheduler is not available", type="server_error",
@@ -257,19 +280,19 @@ class Frontend:
         return self._gen
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        body = await read_body(scope, receive, self.settings.max_body_bytes)
+        body = await self._body(scope, receive)
         req = decode(body, CompletionRequest)
         gen = self._generator()
         return await self._guarded(receive, lambda _: gen.completion(req, send, t0))
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        body = await read_body(scope, receive, self.settings.max_body_bytes)
+        body = await self._body(scope, receive)
         req = decode(body, ChatCompletionRequest)
         gen = self._generator()
         return await self._guarded(receive, lambda _: gen.chat(req, send, t0))
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        body = await read_body(scope, receive, self.settings.max_body_bytes)
+        body = await self._body(scope, receive)
         req = decode(body, EmbeddingRequest)
         gen = self._generator()
         gen.check_model(req.model)

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 
 from frontend.errors import ApiError
 
-__all__ = ["Conn", "Receive", "Scope", "Send", "read_body", "send_bytes"]
+__all__ = ["Conn", "Receive", "Scope", "Send", "read_body", "send_bytes", "without_body"]
 
 Scope = MutableMapping[str, object]
 Event = MutableMapping[str, object]
@@ -30,12 +30,17 @@ class Disconnected(Exception):
     """The client went away before its request was read whole."""
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole request body, at most ``limit`` bytes.
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) -> bytes:
+    """The whole request body, at most ``limit`` bytes, read within ``timeout`` seconds.
+
+    The deadline covers the whole body, not each piece: a client that sends
+    its headers and then dribbles the body (or never sends it) would
+    otherwise hold a handler for ever (slowloris).
 
     Raises:
         ApiError: 413 past ``limit`` (told by ``content-length`` before
-            anything is read, or counted as it arrives).
+            anything is read, or counted as it arrives); 408 when the body is
+            not whole ``timeout`` seconds after its read began.
         Disconnected: the client left first.
     """
     headers = scope.get("headers")
@@ -43,26 +48,53 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         for name, value in headers:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 raise too_large(limit)
+    # asyncio.timeout()'s mechanics at a third of its cost (measured under uvloop: +1.7 us
+    # a request, not +5.3): a timer that cancels this task, told apart from any other
+    # cancellation by ``late`` and the task's cancel count.
+    task = asyncio.current_task()
+    assert task is not None
+    late = False
+
+    def expire() -> None:
+        nonlocal late
+        late = True
+        task.cancel()
+
+    cancelling = task.cancelling()
+    timer = asyncio.get_running_loop().call_later(timeout, expire)
     parts: list[bytes] = []
     size = 0
-    while True:
-        event = await receive()
-        if event["type"] == "http.disconnect":
-            raise Disconnected
-        body = event.get("body", b"")
-        assert isinstance(body, bytes)
-        size += len(body)
-        if size > limit:
-            raise too_large(limit)
-        parts.append(body)
-        if not event.get("more_body"):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
+    try:
+        while True:
+            event = await receive()
+            if event["type"] == "http.disconnect":
+                raise Disconnected
+            body = event.get("body", b"")
+            assert isinstance(body, bytes)
+            size += len(body)
+            if size > limit:
+                raise too_large(limit)
+            parts.append(body)
+            if not event.get("more_body"):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+    except asyncio.CancelledError:
+        if not late or task.uncancel() > cancelling:
+            raise  # not (only) ours: a shutdown
+        raise too_slow(timeout) from None
+    finally:
+        timer.cancel()
 
 
 def too_large(limit: int) -> ApiError:
     """The 413 for a body past ``limit`` bytes."""
     return ApiError(413, f"the request body is larger than this server's limit of {limit} "
                          f"bytes (--max-body-bytes)", code="body_too_large")
+
+
+def too_slow(timeout: float) -> ApiError:
+    """The 408 for a body not read whole within ``timeout`` seconds."""
+    return ApiError(408, f"the request body did not arrive whole within {timeout:g} s "
+                         f"(--body-timeout)", code="body_timeout")
 
 
 async def send_bytes(send: Send, status: int, body: bytes,
@@ -73,10 +105,29 @@ async def send_bytes(send: Send, status: int, body: bytes,
 
 
 async def send_error(send: Send, error: ApiError) -> None:
-    """``error`` in OpenAI's shape, with ``Retry-After`` when it has one."""
+    """``error`` in OpenAI's shape, with ``Retry-After`` when it has one.
+
+    A 408 closes the connection (as RFC 9110 advises): the rest of that
+    body may still be on its way, and nothing more on it will be read.
+    """
     headers = JSON if error.retry_after is None else \
         [*JSON, (b"retry-after", str(error.retry_after).encode())]
+    if error.status == 408:
+        headers = [*headers, (b"connection", b"close")]
     await send_bytes(send, error.status, error.body(), headers)
+
+
+def without_body(send: Send) -> Send:
+    """``send`` for a HEAD request: the status and headers a GET gets, no body.
+
+    uvicorn drops a HEAD response's body itself; the app does not count on
+    its server for that.
+    """
+    async def head(event: Event) -> None:
+        if event["type"] == "http.response.body" and event.get("body"):
+            event = {**event, "body": b""}
+        await send(event)
+    return head
 
 
 class Conn:

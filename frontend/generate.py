@@ -189,11 +189,9 @@ class Generator:
         """
         check_supported(req)
         self.check_model(req.model)
+        max_tokens = req.max_new_tokens(self.settings.default_max_tokens)
         text = self.template.render(req.messages, req.add_generation_prompt)
         ids = await self.tokenize(text, special=False)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens if req.max_tokens is not None \
-            else self.settings.default_max_tokens
         return await self._answer(_Shape(True, str(next(self._seq)), req.model, self.tokenizer),
                                   ids, req, max_tokens, [*req.stops(), *self.template.stops],
                                   self.template.stop_ids, req.logprobs, send, t0, "chat")

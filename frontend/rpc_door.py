@@ -9,6 +9,13 @@ that asked (by identity, never by payload). A thread of its own waits on
 both sockets (one :class:`~bus.Receiver`), so a call is answered however busy
 the event loop is, and the scheduler sees it on its rpc channel, as any
 other caller's.
+
+Once the engine reports the scheduler gone (``gone``, asked before each
+call is forwarded and every 0.2 s while calls wait), each call after it is
+answered at once, and each call still waiting within half a second (a reply
+the scheduler sent before it died gets 0.1 s to arrive), with ``success=False``
+and a message that says the scheduler is gone and why: none waits out its
+caller's timeout.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -42,8 +50,19 @@ log = logging.getLogger("frontend.rpc")
 MAX_IN_FLIGHT = 1024
 
 
+#: Seconds between two looks at whether the scheduler is gone, while calls wait for it.
+GONE_CHECK_S = 0.2
+#: Seconds a reply the scheduler sent before it died gets to arrive, before the calls
+#: still waiting are answered with a failure.
+REPLY_GRACE_S = 0.1
+
+
 class RpcDoor:
     """Forwards rpc calls from ``endpoint`` to the scheduler's ``upstream``; a context manager.
+
+    ``gone`` tells why the scheduler is gone, or None while it runs (the
+    engine's :attr:`~scheduler.AsyncEngine.gone`); without it, a call to a
+    dead scheduler waits out its caller's timeout.
 
     Raises (at construction):
         EndpointInUse: a live listener already serves ``endpoint``.
@@ -52,8 +71,12 @@ class RpcDoor:
 
     def __init__(self, endpoint: str, upstream: str, *,
                  options: SocketOptions | None = None,
-                 curve_clients: Sequence[bytes] | None = None) -> None:
+                 curve_clients: Sequence[bytes] | None = None,
+                 gone: Callable[[], str | None] | None = None) -> None:
         self.endpoint = endpoint
+        self._gone = gone
+        self._why_gone: str | None = None  # once seen, for good: a scheduler does not return
+        self._gone_since = 0.0
         self._auth = CurveAuthenticator(zmq.Context.instance(), curve_clients) \
             if curve_clients is not None else None
         self._server: RpcServer[Request] = RpcServer(Codec(Request, types=[RpcReqInput]),
@@ -73,7 +96,7 @@ class RpcDoor:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._receiver.wait(0.2)
+                self._receiver.wait(GONE_CHECK_S)
                 for env in self._receiver.poll():
                     if not isinstance(env, Envelope):
                         self._rejected.add(env.origin.inbox, env.error.reason)
@@ -86,13 +109,38 @@ class RpcDoor:
                         self._forward(env.message, env.origin)
                     elif isinstance(env.message, RpcReqOutput):
                         self._answer(env.message)
+                if self._waiting and self._scheduler_gone() is not None \
+                        and time.monotonic() - self._gone_since >= REPLY_GRACE_S:
+                    self._fail_waiting()
         finally:
             self._server.close()
             self._caller.close()
             if self._auth is not None:
                 self._auth.stop()
 
+    def _scheduler_gone(self) -> str | None:
+        """Why the scheduler is gone (asked of the engine until it is), or None."""
+        if self._why_gone is None and self._gone is not None:
+            why = self._gone()
+            if why is not None:
+                self._why_gone, self._gone_since = why, time.monotonic()
+        return self._why_gone
+
+    def _fail_waiting(self) -> None:
+        """Answer every call still waiting for a scheduler that is gone."""
+        waiting, self._waiting = self._waiting, {}
+        for origin, rid in waiting.values():
+            self._reply(RpcReqOutput(rid=rid, success=False, message=fit_text(
+                f"the scheduler is gone, so this call will not be answered: "
+                f"{self._why_gone}")), origin)
+
     def _forward(self, call: RpcReqInput, origin: Origin) -> None:
+        why = self._scheduler_gone()
+        if why is not None:
+            self._reply(RpcReqOutput(rid=call.rid, success=False, message=fit_text(
+                f"the scheduler is gone, so rpc {call.method!r} was not forwarded: {why}")),
+                origin)
+            return
         if len(self._waiting) >= MAX_IN_FLIGHT:
             self._reply(RpcReqOutput(rid=call.rid, success=False,
                                      message=f"rpc door: {MAX_IN_FLIGHT} calls already wait "
@@ -121,6 +169,11 @@ class RpcDoor:
             self._server.reply(self._codec.encode(reply), origin, block=False)
         except ChannelError as exc:  # the caller left or stopped reading: its loss only
             self._rejected.add("door", f"reply to a peer that is gone: {exc}")
+
+    @property
+    def in_flight(self) -> int:
+        """Calls forwarded to the scheduler and not yet answered."""
+        return len(self._waiting)
 
     def close(self) -> None:
         """Stop forwarding and close both sockets (idempotent)."""

@@ -121,17 +121,21 @@ class ContentPart(_Body, kw_only=True):
 
 
 class ChatMessage(_Body, kw_only=True):
-    """One message of a conversation."""
+    """One message of a conversation.
+
+    ``content`` is required in every message and is never null: OpenAI lets
+    an assistant message leave it out only beside ``tool_calls``, which this
+    server does not take (an unknown field). Missing or null is a 400 naming
+    ``messages[i].content``, not a turn rendered as empty text.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=1024)] | None = None
+    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=1024)]
     name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
         content = self.content
-        if content is None:
-            return ""
         return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
@@ -143,6 +147,23 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
+
+    def max_new_tokens(self, default: int) -> int:
+        """The answer's token budget: ``max_completion_tokens`` (OpenAI's name now) or
+        ``max_tokens`` (its deprecated one), else ``default``.
+
+        Both may be given when they agree (a client that fills both from one setting).
+
+        Raises:
+            ApiError: 400 naming both fields when both are given and differ: which
+                one the client meant is not ours to guess.
+        """
+        new, old = self.max_completion_tokens, self.max_tokens
+        if new is not None and old is not None and new != old:
+            raise bad_request(f"max_tokens ({old}) and max_completion_tokens ({new}) "
+                              "disagree: give one (max_tokens is its deprecated name)",
+                              param="max_completion_tokens", code="conflicting_values")
+        return new if new is not None else old if old is not None else default
 
 
 class EmbeddingRequest(_Body, kw_only=True):

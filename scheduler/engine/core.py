@@ -165,6 +165,20 @@ class EngineCore:
         """Whether :meth:`close` has begun."""
         return self._closed
 
+    @property
+    def gone(self) -> str | None:
+        """Why the scheduler is gone (a process exited, the embedded thread stopped, the
+        engine closed), or None while it runs: what ``SchedulerGone`` would say.
+
+        Checked when asked (a ``waitpid`` per process, no rpc), from any thread:
+        for whoever forwards to the scheduler on its own (the frontend's rpc
+        door) and must fail fast rather than wait out a timeout.
+        """
+        if self._closed:
+            return self._gone or "the engine is closed"
+        self._alive()
+        return self._gone
+
     def _call_rpc(self, method: str, *, timeout: float = 30.0,
                   **params: Scalar) -> RpcReqOutput:
         """Call an rpc method on the scheduler and return its reply (blocks).

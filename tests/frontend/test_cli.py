@@ -22,6 +22,9 @@ def test_defaults_are_loopback_ring_byte_level(tmp_path: Path) -> None:
     assert app.tokenizer.name == "byte-level"
     assert isinstance(settings.model, ModelConfig)
     assert settings.model.vocab_size == app.tokenizer.vocab_size == 259
+    assert settings.body_timeout == 30.0
+    assert settings_from(parse(["--endpoint", str(tmp_path / "ep"), "--body-timeout",
+                                "2.5"]))[0].body_timeout == 2.5
 
 
 def test_a_tokenizer_directory_sizes_the_model(tmp_path: Path) -> None:
@@ -37,6 +40,8 @@ def test_a_tokenizer_directory_sizes_the_model(tmp_path: Path) -> None:
     (["--tokenizer", "/nonexistent/dir"], "no tokenizer.json"),
     (["--curve-keys", "x.key_secret"], "CURVE keys"),
     (["--max-queued-requests", "0"], "limit"),
+    (["--body-timeout", "0"], "--body-timeout"),
+    (["--body-timeout", "nan"], "--body-timeout"),
 ])
 def test_bad_arguments_exit_with_a_reason(tmp_path: Path, argv: list[str], says: str) -> None:
     with pytest.raises(SystemExit) as info:

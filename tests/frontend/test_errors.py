@@ -71,11 +71,42 @@ def test_completion_400_names_the_field(server: Server, body: object, param: str
       "response_format": {"type": "json_object"}}, "response_format"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
      "top_logprobs"),
+    # Content is required in every message, null included: OpenAI allows it absent only
+    # beside tool_calls, which this server does not take (outside probe: accepted as "").
+    ({"model": "tiny", "messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": None}]},
+     "messages[0].content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"},
+                                    {"role": "assistant", "content": None}]},
+     "messages[1].content"),
+    ({"model": "tiny", "messages": [{"role": "system"}, {"role": "user", "content": "x"}]},
+     "messages[0].content"),
 ])
 def test_chat_400_names_the_field(server: Server, body: object, param: str) -> None:
     r = post(server, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert error(r)["param"] == param
+
+
+def test_max_tokens_and_max_completion_tokens_that_differ_are_400(server: Server) -> None:
+    # Outside probe: both were accepted and one silently won.
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    r = post(server, "/v1/chat/completions", {**chat, "max_tokens": 3,
+                                              "max_completion_tokens": 5})
+    assert r.status_code == 400, r.text
+    err = error(r)
+    assert err["param"] == "max_completion_tokens"
+    assert "max_tokens" in str(err["message"]) and "max_completion_tokens" in str(err["message"])
+    # The same value twice is no conflict (a client that fills both from one setting).
+    for body in ({**chat, "max_tokens": 3, "max_completion_tokens": 3},
+                 {**chat, "max_tokens": 3}, {**chat, "max_completion_tokens": 3}):
+        r = post(server, "/v1/chat/completions", {**body, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+    # Completions have only max_tokens (as OpenAI's legacy endpoint).
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3,
+                                         "max_completion_tokens": 3})
+    assert r.status_code == 400 and error(r)["param"] == "max_completion_tokens"
 
 
 def test_malformed_json_is_400(server: Server) -> None:
@@ -104,6 +135,22 @@ def test_routes(server: Server) -> None:
     assert r.status_code == 400 and error(r)["param"] == "input"
     r = post(server, "/v1/embeddings", {"model": "tiny", "input": "a", "dimensions": 3})
     assert r.status_code == 400 and error(r)["param"] == "dimensions"
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/tiny", "/metrics"])
+def test_head_is_get_without_a_body(server: Server, path: str) -> None:
+    # A load balancer's health check often sends HEAD (outside probe: 405).
+    get = httpx.get(f"{server.url}{path}")
+    head = httpx.head(f"{server.url}{path}")
+    assert head.status_code == get.status_code == 200, head.text
+    assert head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_head_where_get_is_not_allowed(server: Server) -> None:
+    r = httpx.head(f"{server.url}/v1/completions")
+    assert r.status_code == 405 and r.content == b""
+    assert httpx.head(f"{server.url}/v1/nowhere").status_code == 404
 
 
 def test_status_counted_in_metrics(server: Server) -> None:

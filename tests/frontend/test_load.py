@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,7 @@ from scheduler import Limits, ModelConfig
 from scheduler.cli.rpc import parse_params, rpc_endpoint
 from tests.conftest import eventually
 from tests.frontend.server import Server
+from tests.procs import children, wait_gone
 
 TOK = ByteTokenizer()
 STUB = ModelConfig(vocab_size=TOK.vocab_size, kind="stub")
@@ -123,6 +126,43 @@ def test_dead_scheduler_is_503(small: tuple[Server, RpcClient]) -> None:
                    json={"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "scheduler_unavailable"
+
+
+def test_the_rpc_door_fails_fast_once_the_scheduler_is_gone(tmp_path: Path) -> None:
+    """A killed scheduler process: the call waiting at the door, and each one after it,
+    is answered at once with a failure naming the scheduler as gone (outside probe: each
+    waited out its whole timeout)."""
+    before = set(children(os.getpid()))
+    server = Server(Settings(mode="zmq", model=STUB, rpc_endpoint=f"ipc://{tmp_path}/rpc"),
+                    TOK)
+    rpc = RpcClient(f"ipc://{tmp_path}/rpc")
+    try:
+        load = rpc.call("get_load", timeout=60.0).result
+        assert load is not None and isinstance(load["pid"], int)
+        pid = load["pid"]
+        assert pid in set(children(os.getpid())) - before  # the scheduler, started for us
+        door = server.app.door
+        assert door is not None and server.engine.gone is None
+        os.kill(pid, signal.SIGSTOP)  # it reads no more: the next call waits at the door
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(rpc.call, "get_load", timeout=30.0)
+            eventually(lambda: door.in_flight == 1, 30.0, "the call to be forwarded")
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            reply = waiting.result(timeout=60.0)
+        took = time.monotonic() - t0
+        wait_gone([pid])
+        assert not reply.success and "scheduler is gone" in reply.message, reply
+        assert took < 10.0, took  # not the call's 30 s
+        for method in ("get_load", "flush_cache"):  # the next ones are not forwarded at all
+            t0 = time.monotonic()
+            reply = rpc.call(method, timeout=30.0)
+            assert not reply.success and "scheduler is gone" in reply.message, reply
+            assert time.monotonic() - t0 < 10.0
+        assert door.in_flight == 0
+    finally:
+        rpc.close()
+        server.stop()
 
 
 def test_rpc_cli(small: tuple[Server, RpcClient], tmp_path: Path) -> None:
