@@ -48,6 +48,7 @@ __all__ = [
     "check_supported",
     "decode",
     "encode",
+    "encode_str",
 ]
 
 #: The most tokens one answer may ask for (the scheduler's own bound).
@@ -378,6 +379,11 @@ def _field_error(text: str) -> ApiError:
 def encode(body: msgspec.Struct) -> bytes:
     """A response body as JSON."""
     return _ENCODER.encode(body)
+
+
+def encode_str(text: str) -> bytes:
+    """A string as a JSON string."""
+    return _ENCODER.encode(text)
 
 
 def check_supported(req: _Sampling) -> None:

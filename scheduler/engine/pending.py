@@ -162,10 +162,18 @@ class PendingTable:
             bounds = out.offsets()
             ids = out.output_ids.tolist()  # one conversion for the whole batch
             lps = out.logprobs.tolist() if out.logprobs is not None else None
-            for i, (rid, fin) in enumerate(zip(out.rids, out.finished_reasons, strict=True)):
+            rids, fins = list(out.rids), out.finished_reasons
+            with self._lock:  # once for the batch, not once a request
+                table = self._handles
+                handles = [table.pop(rid, None) if fin is not None else table.get(rid)
+                           for rid, fin in zip(rids, fins, strict=True)]
+            for i, handle in enumerate(handles):
+                if handle is None:
+                    log.debug("output for unknown request %r dropped", rids[i])
+                    continue
                 a, b = bounds[i], bounds[i + 1]
-                self.put(rid, StreamChunk(rid, ids[a:b], fin, None if lps is None else lps[a:b]),
-                         final=fin is not None)
+                handle.put(StreamChunk(rids[i], ids[a:b], fins[i],
+                                       None if lps is None else lps[a:b]))
         elif isinstance(out, BatchEmbeddingOut):
             rows = out.embeddings.float().numpy()
             for i, rid in enumerate(out.rids):

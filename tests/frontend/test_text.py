@@ -9,8 +9,11 @@ import httpx
 import msgspec
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from frontend import ByteTokenizer, ChatTemplate, Detokenizer, HFTokenizer, Settings, Tokenizer
+from frontend.generate import _Shape
 from frontend.schemas import ChatMessage
 from scheduler import AsyncEngine, ModelConfig
 from tests.frontend.bpe import TEXT, train_byte_level, train_metaspace
@@ -159,3 +162,13 @@ def test_stop_string_spanning_tokens_over_http(scripted_server: tuple[Server, To
         text, finish = choice["text"], choice["finish_reason"]
     assert text == TEXT[:TEXT.index(stop)]
     assert finish == "stop"
+
+
+@given(texts=st.lists(st.text(), min_size=1, max_size=5), chat=st.booleans())
+def test_an_event_spliced_around_its_text_is_the_event_encoded_whole(texts: list[str],
+                                                                      chat: bool) -> None:
+    shape = _Shape(chat, "7", 'tiny "model" \u00e9', ByteTokenizer())
+    for i, text in enumerate(texts):
+        role = "assistant" if chat and i == 0 else None
+        assert shape.event(text, None, [], None, None) == \
+            shape._event(text, None, None, None, role)
