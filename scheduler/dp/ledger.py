@@ -36,14 +36,15 @@ Policy = Literal["least_loaded", "round_robin"]
 #: A replica's time to read one prompt token, and to sample one token in a
 #: running batch of 32, in microseconds: the default model, one replica,
 #: measured by ``python -m benchmarks.dp`` (``prefill_us_per_token``,
-#: ``decode_us_per_token``: 1590 and 9117 on the 2-core CI box with a load
-#: average of ~15, so both far above a quiet machine's; only their ratio
-#: steers the choice). On this model a sampled token costs ~5.7 prompt
-#: tokens: a prompt is read in chunks of 512 by one recurrent pass, while
-#: every step samples each running request in Python. Re-measure for
-#: another model (on a GPU transformer the ratio is the other way round).
-PREFILL_US_PER_TOKEN = 1590
-DECODE_US_PER_TOKEN = 9117
+#: ``decode_us_per_token``: 41.3 and 33.6 on the quiet 2-core box, the
+#: scheduler on one torch thread; only their ratio steers the choice). On
+#: this model a sampled token costs ~0.8 of a prompt token: a prompt is read
+#: in chunks of 512 by one recurrent pass, a step samples 32 requests at
+#: once. (The 1590 and 9117 quoted before were taken at a load average of
+#: ~15 with two OpenMP threads spin-waiting per scheduler: they measured the
+#: box.) Re-measure for another model (a GPU transformer differs again).
+PREFILL_US_PER_TOKEN = 41
+DECODE_US_PER_TOKEN = 34
 
 #: Tokens one reported request counts as, beside the work we know of: a
 #: request queued on a replica by someone else is worth about a short prompt.
