@@ -47,6 +47,7 @@ from frontend.schemas import (
     encode_str,
 )
 from frontend.tokenizer import Tokenizer
+from frontend.turns import Turns
 from messages import SamplingParams, packed_u32
 from scheduler import AsyncEngine, EngineError, StreamChunk
 
@@ -155,6 +156,7 @@ class Generator:
         self.metrics = metrics
         self._seq = itertools.count()
         self._vocab = tokenizer.vocab_size
+        self.turns = Turns()  # each request's start and each stream's batch take a turn
 
     def check_model(self, model: str) -> None:
         """Raises: ApiError: 404 when ``model`` is not the one served."""
@@ -179,6 +181,7 @@ class Generator:
         """
         check_supported(req)
         self.check_model(req.model)
+        await self.turns.take()
         prompt = req.prompt
         if isinstance(prompt, str):
             ids = await self.tokenize(prompt, special=True)
@@ -207,6 +210,7 @@ class Generator:
         check_supported(req)
         self.check_model(req.model)
         max_tokens = req.max_new_tokens(self.settings.default_max_tokens)
+        await self.turns.take()
         text = self.template.render(req.messages, req.add_generation_prompt)
         ids = await self.tokenize(text, special=False)
         return await self._answer(_Shape(True, str(next(self._seq)), req.model, self.tokenizer),
@@ -273,6 +277,7 @@ class Generator:
         try:
             chunks = await anext(it)  # a refusal is still an HTTP error here
             while True:
+                await self.turns.take()
                 events: list[bytes] = []
                 for chunk in chunks:
                     text = detok.push(chunk.token_ids)

@@ -1,0 +1,76 @@
+"""Turns on the event loop: work past a slice waits, a few takers per iteration."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from frontend.turns import Turns
+
+
+async def _iterations(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)  # one loop iteration each
+
+
+@pytest.mark.asyncio
+async def test_within_a_slice_a_take_does_not_wait() -> None:
+    turns = Turns(slice_s=60.0)
+    order: list[int] = []
+
+    async def work(i: int) -> None:
+        await turns.take()
+        order.append(i)
+
+    tasks = [asyncio.create_task(work(i)) for i in range(100)]
+    await asyncio.sleep(0)  # the tasks' first steps: all within the slice
+    assert order == list(range(100)) and turns.waiting == 0
+    await asyncio.gather(*tasks)
+
+
+@pytest.mark.asyncio
+async def test_past_the_slice_takers_go_a_few_per_iteration_in_order() -> None:
+    turns = Turns(slice_s=1e-12, release=4)  # every take after the first is past it
+    order: list[int] = []
+
+    async def work(i: int) -> None:
+        await turns.take()
+        order.append(i)
+
+    tasks = [asyncio.create_task(work(i)) for i in range(13)]
+    await asyncio.sleep(0)
+    assert order == [0] and turns.waiting == 12  # the first opened the slice
+    seen = [len(order)]
+    while len(order) < 13:
+        await _iterations(1)
+        seen.append(len(order))
+    assert order == list(range(13))  # first come, first served
+    steps = [b - a for a, b in itertools.pairwise(seen)]
+    assert max(steps) == 4  # at most 4 an iteration, and 4 when that many wait
+    await asyncio.gather(*tasks)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_taker_leaves_the_queue_and_takes_no_turn() -> None:
+    turns = Turns(slice_s=1e-12, release=1)
+    order: list[int] = []
+
+    async def work(i: int) -> None:
+        await turns.take()
+        order.append(i)
+
+    tasks = [asyncio.create_task(work(i)) for i in range(4)]
+    await asyncio.sleep(0)
+    tasks[1].cancel()  # its client left while it waited
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert order == [0, 2, 3] and turns.waiting == 0
+    assert tasks[1].cancelled()
+
+
+def test_a_bad_slice_or_release_is_refused() -> None:
+    with pytest.raises(ValueError):
+        Turns(slice_s=0)
+    with pytest.raises(ValueError):
+        Turns(release=0)
