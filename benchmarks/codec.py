@@ -62,6 +62,7 @@ class ListSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     top_k: int = 0
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    ignore_eos: bool = False
 
 
 class ListGenerate(msgspec.Struct, tag=True, kw_only=True, array_like=True):
@@ -82,6 +83,7 @@ class PickledSampling:
     top_k: int = 0
     stop_token_ids: np.ndarray | None = None
     seed: int | None = None
+    ignore_eos: bool = False
 
 
 @dataclasses.dataclass
@@ -106,7 +108,7 @@ def pickled_twin(req: TokenizedGenerateReqInput) -> PickledGenerate:
     s = req.sampling
     return PickledGenerate(req.rid, bytes(req.input_ids),
                            PickledSampling(s.max_new_tokens, s.temperature, s.top_p, s.top_k,
-                                           None, s.seed))
+                                           None, s.seed, s.ignore_eos))
 
 
 @dataclasses.dataclass

@@ -219,6 +219,8 @@ class Generator:
 
     def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                   extra_stop_ids: Sequence[int]) -> SamplingParams:
+        # ignore_eos: no EOS added here (the tokenizer's, a chat template's), and the
+        # scheduler leaves out the model's own stop ids (SamplingParams.ignore_eos).
         stop_ids = list(req.stop_token_ids or ())
         if not req.ignore_eos:
             eos = self.tokenizer.eos_token_id
@@ -227,7 +229,8 @@ class Generator:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=max(req.top_k, 0),
                                   stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
-                                  if stop_ids else None, seed=req.seed)
+                                  if stop_ids else None, seed=req.seed,
+                                  ignore_eos=req.ignore_eos)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"sampling: {exc}") from None
 

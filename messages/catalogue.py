@@ -82,9 +82,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     """How to pick the next token.
 
     ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1``
-    disable those filters; ``stop_token_ids=None`` means no stop tokens.
-    ``seed`` makes sampling reproducible per request, whatever else shares
-    the batch.
+    disable those filters; ``stop_token_ids=None`` adds no stop tokens to
+    the model's own. ``seed`` makes sampling reproducible per request,
+    whatever else shares the batch. ``ignore_eos`` runs past the model's own
+    stop tokens (its end-of-sequence ids): only ``stop_token_ids`` and
+    ``max_new_tokens`` end the request (a benchmark asking for exactly N
+    tokens).
+
+    Fields travel by position: a new one is appended, never inserted, so a
+    shorter (older) array still decodes, the missing items taking their
+    defaults, and an older reader ignores the items past its last field.
+    Every field is written, defaults included (``omit_defaults`` does not
+    shorten an ``array_like`` struct).
     """
 
     max_new_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 16
@@ -93,6 +102,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
     stop_token_ids: TokenIds | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is not None:

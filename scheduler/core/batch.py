@@ -70,7 +70,7 @@ class Seq:
     stream: bool = False
     logprobs: bool = False
     embedding: torch.Tensor | None = None  # an embedding request's answer, once read
-    stop: frozenset[int] = frozenset()
+    stop: frozenset[int] = frozenset()  # the model's stop ids (unless ignore_eos) and its own
     generator: torch.Generator | None = None
     key: int = -1  # its model state's key, given when it is queued
     prefilled: int = 0  # prompt tokens read so far (a long prompt takes several steps)
@@ -219,7 +219,8 @@ class Batch:
         sp = seq.sampling
         if sp is _EMBED:
             return
-        seq.stop = self._model_stops
+        # The stop set is resolved here, once: a step only asks ``t in seq.stop``.
+        seq.stop = frozenset() if sp.ignore_eos else self._model_stops
         if sp.stop_token_ids is not None:
             seq.stop = seq.stop | frozenset(sp.stop_token_ids.tolist())
         if sp.temperature > 0 and sp.top_k != 1:

@@ -4,6 +4,8 @@ own greedy ``generate`` answers, decoded by the model's own tokenizer."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,6 +53,42 @@ def test_completion_is_transformers_greedy_text(server: Server, model_dir: Path)
                                        temperature=0.0)
     assert answer.choices[0].text == tok.decode(new)
     assert answer.usage is not None and answer.usage.prompt_tokens == ids.shape[1]
+
+
+def test_ignore_eos_gives_exactly_max_tokens_where_the_model_would_stop(
+        model_dir: Path, tmp_path: Path) -> None:
+    """``ignore_eos`` reaches the scheduler: the model's own EOS (its
+    ``generation_config.json``, not the tokenizer's) no longer ends the answer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    n = 12
+    prompt = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)(
+        "a model loads its weights").input_ids
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                             max_new_tokens=n, do_sample=False, pad_token_id=0)
+    ref = out[0, len(prompt):].tolist()
+    assert len(ref) == n and 2 not in ref, ref
+    at = next(i for i in range(n - 1, 0, -1) if ref[i] not in ref[:i])  # its first time
+    eos_dir = tmp_path / "tiny"  # the model's name: the directory's
+    shutil.copytree(model_dir, eos_dir)
+    gen = json.loads((eos_dir / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, ref[at]]  # the model's stop ids, where the tokenizer's is 2
+    (eos_dir / "generation_config.json").write_text(json.dumps(gen))
+    settings, app = settings_from(parse(["--model", str(eos_dir), "--endpoint",
+                                         str(tmp_path / "ep")]))
+    server = Server(settings, app.tokenizer)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        stopped, ignored = (client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=n, temperature=0.0,
+            extra_body={"ignore_eos": True} if ignore else None) for ignore in (False, True))
+    finally:
+        server.stop()
+    assert stopped.usage is not None and ignored.usage is not None
+    assert (stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("stop", at)
+    assert (ignored.choices[0].finish_reason, ignored.usage.completion_tokens) == ("length", n)
 
 
 def test_a_missing_model_directory_is_one_line(tmp_path: Path) -> None:

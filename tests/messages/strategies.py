@@ -41,6 +41,7 @@ sampling = st.builds(
     top_k=st.integers(0, 100),
     stop_token_ids=st.none() | ids,
     seed=st.none() | st.integers(0, 2**63 - 1),
+    ignore_eos=st.booleans(),
 )
 
 generate = st.builds(

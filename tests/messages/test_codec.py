@@ -184,11 +184,18 @@ def test_typed_codec_decodes_only_its_family() -> None:
 # -- golden bytes: the wire format is pinned; change it deliberately -----------
 
 GOLDEN = {
-    "generate": (
+    "generate": (  # sampling: 7 items (97), the last ignore_eos=false (c2)
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
         "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009608cb0000000000000000cb3ff000000000000000c0c0c2c2c0c0",
+        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c2c2c2c0c0",
+    ),
+    "generate_ignore_eos": (
+        TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
+                                  sampling=SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                          ignore_eos=True)),
+        "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
+        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c3c2c2c0c0",
     ),
     "rpc": (
         RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
@@ -211,6 +218,61 @@ def test_golden_bytes(name: str) -> None:
     assert len(frames) == 1
     assert bytes(memoryview(frames[0])).hex() == hexed
     assert isinstance(CODEC.decode([bytes.fromhex(hexed)]), type(msg))
+
+
+# -- SamplingParams.ignore_eos, appended: both directions stay readable --------
+
+#: "generate" as written before ignore_eos was appended: sampling has 6 items (96).
+BEFORE_IGNORE_EOS = (
+    "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
+    "2c0100009608cb0000000000000000cb3ff000000000000000c0c0c2c2c0c0")
+
+
+class SamplingBefore(msgspec.Struct, kw_only=True, array_like=True):
+    """SamplingParams as a reader written before ``ignore_eos`` has it: six fields."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: bytes | None = None
+    seed: int | None = None
+
+
+def test_an_encoding_from_before_ignore_eos_decodes_with_it_false() -> None:
+    back = CODEC.decode([bytes.fromhex(BEFORE_IGNORE_EOS)])
+    assert isinstance(back, TokenizedGenerateReqInput)
+    assert back.sampling == SamplingParams(max_new_tokens=8, temperature=0.0)
+    assert back.sampling.ignore_eos is False
+
+
+_OLD_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed")
+
+
+@given(sampling=st.builds(
+    SamplingParams, max_new_tokens=st.integers(0, 1 << 20), temperature=st.floats(0.0, 1e4),
+    top_p=st.floats(1e-6, 1.0), top_k=st.integers(0, 1 << 20),
+    stop_token_ids=st.none() | st.lists(st.integers(0, 2**32 - 1), max_size=8).map(token_ids),
+    seed=st.none() | st.integers(0, 2**63 - 1), ignore_eos=st.booleans()))
+@settings(max_examples=200, deadline=None)
+def test_ignore_eos_is_one_item_appended_and_both_sides_read_each_other(
+        sampling: SamplingParams) -> None:
+    before = [getattr(sampling, name) for name in _OLD_FIELDS]
+    before[4] = None if before[4] is None else bytes(before[4])
+    msg = TokenizedGenerateReqInput(rid="r", input_ids=token_ids([1]), sampling=sampling)
+    frame = bytes(memoryview(CODEC.encode(msg)[0]))
+    # What we write is the old encoding with one more item (a bool) in sampling.
+    head = ["TokenizedGenerateReqInput", "r", token_ids([1]).tobytes()]
+    assert frame == msgspec.msgpack.encode([*head, [*before, sampling.ignore_eos],
+                                            False, False, None, None])
+    # A reader from before ignore_eos reads everything else (the extra item ignored).
+    sampling_item = msgspec.msgpack.encode([*before, sampling.ignore_eos])
+    assert msgspec.msgpack.decode(sampling_item, type=SamplingBefore) == SamplingBefore(
+        **dict(zip(_OLD_FIELDS, before, strict=True)))
+    # A writer from before ignore_eos is read with it false.
+    old = CODEC.decode([msgspec.msgpack.encode([*head, before, False, False, None, None])])
+    assert isinstance(old, TokenizedGenerateReqInput)
+    assert old.sampling == msgspec.structs.replace(sampling, ignore_eos=False)
 
 
 # -- malformed input: a DecodeError, never anything else -----------------------

@@ -30,7 +30,8 @@ VECTORS: list[dict[str, Any]] = json.loads(PATH.read_text())
 NO_DEFAULT = object()
 SAMPLING: list[tuple[str, str, object]] = [
     ("max_new_tokens", "int", 16), ("temperature", "float", 1.0), ("top_p", "float", 1.0),
-    ("top_k", "int", 0), ("stop_token_ids", "packed_u32", None), ("seed", "int", None)]
+    ("top_k", "int", 0), ("stop_token_ids", "packed_u32", None), ("seed", "int", None),
+    ("ignore_eos", "bool", False)]
 FIELDS: dict[str, list[tuple[str, str, object]]] = {
     "TokenizedGenerateReqInput": [
         ("rid", "str", NO_DEFAULT), ("input_ids", "packed_u32", NO_DEFAULT),

@@ -101,3 +101,13 @@ def test_the_documented_fingerprint_recipe_gives_the_published_fingerprint() -> 
     exec(block, scope)  # the document's own code, run as a reader would
     doc = catalogue_schema()
     assert scope["fingerprint"](doc) == doc["x-fingerprint"]  # type: ignore[operator]
+
+
+def test_the_newest_catalogue_change_names_the_published_fingerprint() -> None:
+    """A layout change is deliberate: it is listed, with its fingerprint, in section 8."""
+    rows = re.findall(r"^\| `([0-9a-f]{16})` \| (.+) \|$", _section("### Catalogue changes"),
+                      re.M)
+    assert rows, "no catalogue changes listed"
+    assert len({fp for fp, _ in rows}) == len(rows)
+    assert rows[-1][0] == catalogue_schema()["x-fingerprint"], (
+        "the layout changed: add a row to PROTOCOL.md's 'Catalogue changes'")

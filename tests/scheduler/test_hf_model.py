@@ -100,6 +100,7 @@ def test_a_request_stops_at_the_models_eos_as_generate_does(
         tmp_path: Path) -> None:
     prompt = _prompts()[5]
     ref = reference(prompt, MAX_NEW)
+    assert len(ref) == MAX_NEW and 2 not in ref, ref  # transformers ran to max_new_tokens
     fresh = [i for i in range(1, MAX_NEW) if ref[i] not in ref[:i]]  # first time seen
     assert len(fresh) >= 2, ref
     asked_at, at = fresh[0], fresh[-1]
@@ -114,8 +115,12 @@ def test_a_request_stops_at_the_models_eos_as_generate_does(
         asked = engine.generate(prompt, SamplingParams(
             max_new_tokens=MAX_NEW, temperature=0.0,
             stop_token_ids=[ref[asked_at]]), timeout=60)  # type: ignore[arg-type]
+        ignored = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW,
+                                                         temperature=0.0, ignore_eos=True),
+                                  timeout=60)
     assert (result.token_ids, result.finish_reason) == (ref[:at], "stop")
     assert (asked.token_ids, asked.finish_reason) == (ref[:asked_at], "stop")
+    assert (ignored.token_ids, ignored.finish_reason) == (ref, "length")  # past its EOS
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(eos_dir, local_files_only=True)
     with torch.inference_mode():

@@ -24,7 +24,8 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
-from tests.scheduler.rig import Loop
+from scheduler import TinyLM
+from tests.scheduler.rig import SMALL, Loop
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,6 +129,40 @@ def test_generation_rules(rig: Rig) -> None:
                   stop_token_ids=token_ids([first])))
     rig.run_until(lambda: "stop" in rig.finished())
     assert rig.finished()["stop"] == ([], "stop")  # the stop token is not emitted
+
+
+def test_ignore_eos_runs_past_the_models_stop_tokens_not_the_requests(
+        ctx: zmq.Context[zmq.Socket[bytes]], ipc: Callable[[str], str]) -> None:
+    def finish(loop: Loop, req: TokenizedGenerateReqInput) -> None:
+        loop.send(req)
+        loop.run_until(lambda: req.rid in loop.finished())
+
+    def answers(model: TinyLM, *reqs: TokenizedGenerateReqInput
+                ) -> dict[str, tuple[list[int], str]]:
+        loop = Loop("ring", ctx, ipc, model=model)
+        try:
+            for req in reqs:  # one at a time, as the reference was
+                finish(loop, req)
+            return loop.finished()
+        finally:
+            loop.close()
+
+    n = 12
+    sp = {"max_new_tokens": n, "seed": 5}  # seeded: the same tokens every time, alone or not
+    ref, reason = answers(TinyLM(SMALL), _gen("ref", [1, 2, 3], **sp))["ref"]
+    assert reason == "length" and len(ref) == n
+    fresh = [i for i in range(1, n) if ref[i] not in ref[:i]]  # first time seen
+    assert len(fresh) >= 2, ref
+    asked_at, at = fresh[0], fresh[-1]
+    with_eos = TinyLM(SMALL)  # the same weights, and an end-of-sequence token it will write
+    with_eos.stop_token_ids = (ref[at],)
+    got = answers(with_eos, _gen("eos", [1, 2, 3], **sp),
+                  _gen("ignore", [1, 2, 3], **sp, ignore_eos=True),
+                  _gen("own", [1, 2, 3], **sp, ignore_eos=True,
+                       stop_token_ids=token_ids([ref[asked_at]])))
+    assert got["eos"] == (ref[:at], "stop")
+    assert got["ignore"] == (ref, "length")  # exactly max_new_tokens, the model's EOS among them
+    assert got["own"] == (ref[:asked_at], "stop")  # the request's own stop ids still end it
 
 
 def test_abort_queued_and_running(rig: Rig) -> None:

@@ -47,7 +47,8 @@ def samples() -> dict[str, Message]:
         "generate": TokenizedGenerateReqInput(
             rid="g-1", input_ids=token_ids([1, 2, 300, 70000]),
             sampling=SamplingParams(max_new_tokens=8, temperature=0.0, top_k=5,
-                                    stop_token_ids=token_ids([2]), seed=7),
+                                    stop_token_ids=token_ids([2]), seed=7,
+                                    ignore_eos=True),
             stream=True),
         "generate_defaults": TokenizedGenerateReqInput(rid="g-2", input_ids=token_ids([5])),
         "generate_embeds_inline": TokenizedGenerateReqInput(
