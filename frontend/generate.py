@@ -56,6 +56,8 @@ __all__ = ["Generator", "GenerateSettings"]
 #: Prompts longer than this (characters) are tokenized off the event loop.
 _TOKENIZE_INLINE = 16384
 _DONE = b"data: [DONE]\n\n"
+#: Chunks a stream turns into events per turn on the loop (frontend.turns).
+_CHUNKS_A_TURN = 16
 #: Stands for an event's text while the bytes around it are encoded.
 _MARK = "\x00text\x00"
 _MARK_JSON = msgspec.json.encode(_MARK)
@@ -282,7 +284,9 @@ class Generator:
             while True:
                 await self.turns.take()
                 events: list[bytes] = []
-                for chunk in chunks:
+                for n, chunk in enumerate(chunks, 1):
+                    if not n % _CHUNKS_A_TURN:  # a long backlog: another turn for the rest
+                        await self.turns.take()
                     text = detok.push(chunk.token_ids)
                     finish = "stop" if detok.stopped else chunk.finish_reason
                     if finish is not None:
