@@ -248,6 +248,9 @@ class EngineCore:
         if self._closed:
             return
         self._closed = True
+        supervisor = self._started.supervisor
+        if supervisor is not None:  # restart nothing that is being shut down
+            supervisor.stop()
         if self._alive():
             try:
                 self._rpc.call("shutdown", timeout=timeout, alive=self._alive)

@@ -593,6 +593,24 @@ def test_a_killed_local_replica_is_restarted_rejoins_and_stays() -> None:
         assert engine._started.supervisor.restarts == [1, 0]
 
 
+def test_closing_a_dp_engine_stops_its_supervisor_first() -> None:
+    # It went on watching processes close() had closed: its next look raised
+    # "process object is closed" in its thread (seen at the end of benchmarks.dp).
+    errors: list[threading.ExceptHookArgs] = []
+    old_hook = threading.excepthook
+    threading.excepthook = errors.append
+    try:
+        engine = Engine("zmq", STUB_MODEL, dp_size=2)
+        sup = engine._started.supervisor
+        assert sup is not None
+        engine.close()
+        assert sup._stop.is_set()  # told to stop, not left to notice the dispatcher gone
+        assert not sup._thread.is_alive()
+    finally:
+        threading.excepthook = old_hook
+    assert errors == []
+
+
 def test_a_replica_that_keeps_dying_is_given_up_after_its_tries() -> None:
     from multiprocessing.process import BaseProcess
 
