@@ -47,6 +47,18 @@ async def _until_idle(engine: AsyncEngine, timeout: float = 10.0) -> dict[str, o
         await asyncio.sleep(0.005)  # sleep-ok: pacing of a deadline poll
 
 
+async def _produced(engine: AsyncEngine, timeout: float = 30.0) -> None:
+    """Until the scheduler runs nothing (what it made may still wait, unread)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = (await engine.collective_rpc("get_load")).result
+        assert load is not None
+        if load["running"] == 0:
+            return
+        assert time.monotonic() < deadline, f"still running: {load}"
+        await asyncio.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+
+
 @pytest.mark.asyncio
 async def test_generate_stream_embed_and_the_same_tokens_as_sync(engine: AsyncEngine) -> None:
     from scheduler import Engine
@@ -189,14 +201,7 @@ async def test_a_slow_consumer_is_bounded_and_loses_nothing() -> None:
         stream = engine.stream([1], SamplingParams(max_new_tokens=400, temperature=0.0))
         first = await stream.__anext__()
         # Do not read while the rest is produced: the handle merges chunks.
-        deadline = time.monotonic() + 30
-        while True:
-            load = (await engine.collective_rpc("get_load")).result
-            assert load is not None
-            if load["running"] == 0:
-                break
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+        await _produced(engine)
         rest = [c async for c in stream]
         assert len(rest) <= AsyncHandle.max_buffered
         assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 400
@@ -210,14 +215,7 @@ async def test_stream_steps_hands_over_what_arrived_as_one_list() -> None:
         want = [t async for c in engine.stream([1], sp) for t in c.token_ids]
         steps = engine.stream_steps([1], sp)
         first = await anext(steps)
-        deadline = time.monotonic() + 30
-        while True:  # the rest is produced while nobody reads
-            load = (await engine.collective_rpc("get_load")).result
-            assert load is not None
-            if load["running"] == 0:
-                break
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+        await _produced(engine)  # the rest is produced while nobody reads
         rest = [chunks async for chunks in steps]
         assert len(rest) == 1  # all of it at once, one chunk per step in it
         chunks = first + rest[0]
@@ -233,14 +231,7 @@ async def test_leaving_stream_steps_early_frees_the_slot() -> None:
         steps = engine.stream_steps([1], SamplingParams(max_new_tokens=100_000))
         await anext(steps)
         await steps.aclose()  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 30
-        while True:  # the slot is freed, and the abort's answer reaches the engine
-            load = (await engine.collective_rpc("get_load")).result
-            assert load is not None
-            if load["running"] == 0 and load["queued"] == 0 and engine.pending == 0:
-                break
-            assert time.monotonic() < deadline, (load, engine.pending)
-            await asyncio.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+        await _until_idle(engine)  # the slot is freed, and the abort's answer reached us
 
 
 @pytest.mark.asyncio
