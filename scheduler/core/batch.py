@@ -15,7 +15,9 @@ Chunked prefill interleaves: a prompt longer than a step's budget gets one
 chunk a step (at most half the budget while others wait) and goes to the back
 of the queue after each, so requests behind it are read in between: a short
 request's first token waits for a chunk or two, never for another request's
-whole prompt.
+whole prompt. Requests not started wait apart from prompts part-way read
+(the queue's order kept by tickets): with every batch slot held, a step
+goes straight to the prompts part-way read, however many wait to start.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Seq:
     generator: torch.Generator | None = None
     key: int = -1  # its model state's key, given when it is queued
     prefilled: int = 0  # prompt tokens read so far (a long prompt takes several steps)
+    ticket: int = 0  # its place in the queue's order (renewed after each chunk)
     silenced: bool = False  # aborted by backpressure: its terminal error is already queued
     last: int = -1
     out: list[int] = field(default_factory=list)
@@ -113,14 +116,25 @@ class Batch:
         self.admission = admission
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: deque[Seq] = deque()
+        self.waiting: deque[Seq] = deque()  # not started: no prompt token read yet
+        #: Part-way through their prompt; each holds a batch slot. Kept apart from
+        #: ``waiting`` so a step always reaches them: behind more not-started
+        #: requests than one step looks at, with every slot held by them, nothing
+        #: could move (330 embeddings of 513 tokens spun for ever). One order
+        #: over both: ``Seq.ticket``.
+        self.partial: deque[Seq] = deque()
         self.running: list[Seq] = []
-        self._partial = 0  # waiting requests part-way through their prompt
         self._keys = itertools.count()
+        self._tickets = itertools.count()
         self._model_stops = frozenset(model.stop_token_ids)
 
     def __bool__(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.partial)
+
+    @property
+    def queued(self) -> int:
+        """Requests whose prompt is not read whole yet (not started, or part-way)."""
+        return len(self.waiting) + len(self.partial)
 
     def unreadable(self, ids: TokenIds, rid: str) -> str:
         """Why the model cannot read prompt ``ids`` (``""``: it can)."""
@@ -137,6 +151,7 @@ class Batch:
         refused = self.admission.refuse(seq.cost)
         if not refused:
             seq.key = next(self._keys)
+            seq.ticket = next(self._tickets)
             self.waiting.append(seq)
             self.admission.enter(seq.cost)
         return refused
@@ -146,19 +161,20 @@ class Batch:
         if seq in self.waiting:
             self.waiting.remove(seq)
             self.admission.leave(seq.cost)
-            if seq.prefilled:
-                self._partial -= 1
+        elif seq in self.partial:
+            self.partial.remove(seq)
+            self.admission.leave(seq.cost)
         elif seq in self.running:
             self.running.remove(seq)
         self.model.free(seq.key)
 
     def clear(self) -> list[Seq]:
         """Empty the batch and the queue; returns what they held (their states freed)."""
-        seqs = [*self.running, *self.waiting]
+        seqs = [*self.running, *self.partial, *self.waiting]
         self.running.clear()
+        self.partial.clear()
         self.waiting.clear()
         self.admission.clear()
-        self._partial = 0
         for s in seqs:
             self.model.free(s.key)
         return seqs
@@ -196,7 +212,7 @@ class Batch:
             for s in failed:
                 self.model.free(s.key)
             for s, _ in parts:
-                if s in self.waiting:
+                if s in self.partial:
                     self.remove(s)
                     failed.append(s)
             raise StepFailed(failed, exc) from exc
@@ -235,31 +251,45 @@ class Batch:
         """Requests whose prompt ends this step, and (request, tokens) chunks of longer ones.
 
         At most ``max_prefill_tokens`` prompt tokens are read per step (a
-        request counts at least :data:`MIN_PREFILL_COST`). The queue is
-        walked in order: a prompt whose rest fits what is left is read whole;
-        one that fits a whole step waits for the next (where it is ahead of
-        the rest), and one longer than a step gets a chunk (at most half the
-        budget while others wait, so they are read in the same step) and
-        goes to the back of the queue. A request starts only with a free batch slot (one part-way
-        through its prompt holds one).
+        request counts at least :data:`MIN_PREFILL_COST`). The queue (two
+        deques, requests not started and prompts part-way read, walked as one
+        in ticket order) is walked in order: a prompt whose rest fits what is
+        left is read whole; one that fits a whole step waits for the next
+        (ahead of the rest); one longer than a step gets a chunk (at most half
+        the budget while others wait, so they are read in the same step) and
+        goes to the back. A request starts only with a free batch slot (one
+        part-way through its prompt holds one); with none free, only the
+        prompts part-way read are walked.
         """
         new: list[Seq] = []
         parts: list[tuple[Seq, int]] = []
-        kept: list[Seq] = []  # looked at, left in place
         budget = self.max_prefill_tokens
-        slots = self.max_batch - len(self.running) - self._partial
-        for _ in range(min(_SCAN, len(self.waiting))):
+        slots = self.max_batch - len(self.running) - len(self.partial)
+        waiting, partial = self.waiting, self.partial
+        kept_new: list[Seq] = []  # looked at, left in place
+        kept_partial: list[Seq] = []
+        for _ in range(_SCAN):
             if budget < MIN_PREFILL_COST and (new or parts):
                 break
-            seq = self.waiting.popleft()
+            # One queue's order (the tickets'), walked over both deques; a
+            # request not started is looked at only while a slot is free, so
+            # with none free the step goes straight to the prompts part-way read.
+            fresh = bool(waiting) and slots > 0 and (
+                not partial or waiting[0].ticket < partial[0].ticket)
+            if fresh:
+                seq, kept = waiting.popleft(), kept_new
+            elif partial:
+                seq, kept = partial.popleft(), kept_partial
+            else:
+                break
             left = len(seq.req.input_ids) - seq.prefilled
-            fresh = seq.prefilled == 0
             whole = max(MIN_PREFILL_COST, left) <= budget or left <= budget
-            if (fresh and slots <= 0) or (not whole and left <= self.max_prefill_tokens):
-                kept.append(seq)  # no slot; or it fits a whole step: read it whole next step
+            if not whole and left <= self.max_prefill_tokens:
+                kept.append(seq)  # it fits a whole step: read it whole next step
                 continue
+            others = bool(waiting or partial or kept_new or kept_partial)
             size = left if whole else min(budget, max(1, self.max_prefill_tokens // 2)
-                                          if self.waiting or kept else budget)
+                                          if others else budget)
             if not whole and size < MIN_PREFILL_COST and (new or parts):
                 kept.append(seq)
                 continue
@@ -274,14 +304,15 @@ class Batch:
             if whole:
                 budget -= max(MIN_PREFILL_COST, left)
                 self.admission.leave(seq.cost)
-                self._partial -= 0 if fresh else 1
                 new.append(seq)
             else:
                 budget -= size
-                self._partial += 1 if fresh else 0
                 parts.append((seq, size))
-        self.waiting.extendleft(reversed(kept))
-        self.waiting.extend(s for s, _ in parts)  # read the others before its next chunk
+        waiting.extendleft(reversed(kept_new))
+        partial.extendleft(reversed(kept_partial))
+        for seq, _ in parts:  # to the back: the others are read before its next chunk
+            seq.ticket = next(self._tickets)
+            partial.append(seq)
         return new, parts
 
     def _forward(self, new: list[Seq], parts: list[tuple[Seq, int]]) -> list[torch.Tensor]:

@@ -429,7 +429,7 @@ class Scheduler(ControlMethods):
                 or self.batch.unreadable(ids, rid))
 
     def _queue_sizes(self) -> tuple[int, int]:
-        return len(self.batch.running), len(self.batch.waiting)
+        return len(self.batch.running), self.batch.queued
 
     def statistics(self) -> SchedulerStats:
         """A snapshot of the counters."""

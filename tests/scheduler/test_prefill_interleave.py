@@ -73,6 +73,26 @@ def test_several_long_prompts_take_turns_and_answer_as_if_alone(
     mixed.close()
 
 
+def test_prompts_part_way_read_are_reached_however_many_wait_to_start(
+        ctx: zmq.Context[zmq.Socket[bytes]], ipc: Callable[[str], str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each prompt is a step and one token: read in two chunks, holding a slot
+    # between them. With every slot held by prompts part-way read and more
+    # not-started requests ahead of them than a step looks at, the scheduler
+    # spun for ever (an outside probe: 330 embeddings of 513 tokens, _SCAN 256).
+    monkeypatch.setattr("scheduler.core.batch._SCAN", 4)
+    lp = Loop("ring", ctx, ipc, max_prefill_tokens=BUDGET, max_batch=2)
+    try:
+        rids = [f"r{i}" for i in range(12)]
+        for i, rid in enumerate(rids):
+            lp.send(_gen(rid, [(i + j) % 64 for j in range(BUDGET + 1)], 2))
+        lp.run_until(lambda: len(lp.finished()) == len(rids))
+        assert all(fin == "length" for _, fin in lp.finished().values())
+        assert lp.sched.batch.queued == 0 and lp.sched.batch.model.live_states == 0
+    finally:
+        lp.close()
+
+
 def test_an_abort_frees_the_state_of_a_prompt_read_part_way(loop: Loop) -> None:
     from messages import AbortReq
     loop.send(_gen("long", [1] * (BUDGET * 10)))
