@@ -95,8 +95,13 @@ class _Shape:
             return None
         pieces = [self._tok.piece(i) for i in ids]
         if self.chat:
-            return ChatLogprobs([TokenLogprob(p, lp, list(p.encode()))
-                                 for p, lp in zip(pieces, lps, strict=True)])
+            # ``bytes`` is the token's own bytes where the tokenizer knows them (a
+            # byte token's piece is an escape like "\\xda", not its byte).
+            table = self._tok.token_bytes()
+            raw = [list(table[i]) if table is not None and i < len(table) and table[i]
+                   else list(p.encode()) for i, p in zip(ids, pieces, strict=True)]
+            return ChatLogprobs([TokenLogprob(p, lp, b)
+                                 for p, lp, b in zip(pieces, lps, raw, strict=True)])
         return CompletionLogprobs(pieces, list(lps))
 
     def event(self, text: str, finish: str | None, ids: Sequence[int],

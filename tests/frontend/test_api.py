@@ -80,6 +80,21 @@ def test_logprobs(server: Server) -> None:
     assert all(v <= 0 for v in lp.token_logprobs)
 
 
+def test_chat_logprobs_carry_each_tokens_own_bytes(server: Server) -> None:
+    out = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=32, seed=3,
+        temperature=1.0, logprobs=True, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.content is not None
+    entries = [(e.token, e.bytes) for e in lp.content]
+    assert any(b and b[0] >= 128 for _, b in entries)  # some bytes are not ASCII
+    for token, raw in entries:
+        if token.startswith("<|"):  # a special token: its name
+            continue
+        assert raw is not None and len(raw) == 1, (token, raw)  # a byte token is one byte
+        assert token == (chr(raw[0]) if raw[0] < 128 else f"\\x{raw[0]:02x}")
+
+
 def test_embeddings_float_and_base64(server: Server) -> None:
     c = client(server)
     out = c.embeddings.create(model="tiny", input=["hello", "world"])  # base64 by default
