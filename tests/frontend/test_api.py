@@ -95,6 +95,17 @@ def test_chat_logprobs_carry_each_tokens_own_bytes(server: Server) -> None:
         assert token == (chr(raw[0]) if raw[0] < 128 else f"\\x{raw[0]:02x}")
 
 
+def test_a_long_id_prompt_is_checked_off_the_loop_as_a_short_one_is(server: Server) -> None:
+    long = [i % 250 for i in range(20_000)]  # past the inline bound: checked in a thread
+    ok = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                    json={"model": "tiny", "prompt": long, "max_tokens": 1})
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 20_000
+    bad = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                     json={"model": "tiny", "prompt": [*long, 100_000], "max_tokens": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    assert "100000 is outside the vocabulary" in bad.json()["error"]["message"]
+
+
 def test_embeddings_float_and_base64(server: Server) -> None:
     c = client(server)
     out = c.embeddings.create(model="tiny", input=["hello", "world"])  # base64 by default
