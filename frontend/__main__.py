@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from bus import CurveKeys, SocketOptions
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.errors import TokenizerError
+from frontend.serving import http_protocol
 from frontend.tokenizer import load_tokenizer
 from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
 from scheduler.launch.leftovers import make_run_dir
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{settings.mode} mode) on http://{args.host}:{args.port}/v1; scheduler rpc at "
           f"{settings.rpc_endpoint}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, loop=args.loop, http=args.http, lifespan="on",
+                access_log=False, loop=args.loop, http=http_protocol(args.http), lifespan="on",
                 # X-Forwarded-For is a claim from the wire: nothing here reads a client
                 # address, and the middleware that would believe it costs every request.
                 proxy_headers=False,

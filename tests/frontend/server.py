@@ -16,6 +16,7 @@ import numpy.typing as npt
 import uvicorn
 
 from frontend import Frontend, Settings, Tokenizer
+from frontend.serving import http_protocol
 from messages import SamplingParams
 from scheduler import AsyncEngine, StreamChunk
 from tests.conftest import eventually
@@ -25,7 +26,8 @@ class Server:
     """One frontend server, started at construction, stopped by :meth:`stop`."""
 
     def __init__(self, settings: Settings, tokenizer: Tokenizer, *,
-                 engine: Callable[[Settings], AsyncEngine] | None = None) -> None:
+                 engine: Callable[[Settings], AsyncEngine] | None = None,
+                 timeout_keep_alive: int = 5) -> None:
         self.app = Frontend(settings, tokenizer, engine=engine)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -33,7 +35,8 @@ class Server:
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, lifespan="on", log_level="warning",
-                                access_log=False)
+                                access_log=False, http=http_protocol(),
+                                timeout_keep_alive=timeout_keep_alive)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, args=([self._sock],),
                                         name="frontend-test-server", daemon=True)

@@ -30,7 +30,7 @@ HEAD = (b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: applicati
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     s = Server(Settings(model=ModelConfig(vocab_size=TOK.vocab_size, kind="stub"),
-                        body_timeout=BODY_TIMEOUT), TOK)
+                        body_timeout=BODY_TIMEOUT), TOK, timeout_keep_alive=1)
     yield s
     s.stop()
 
@@ -116,3 +116,13 @@ def test_a_shutdown_while_reading_stays_a_cancellation() -> None:
         assert late.cancelling() == 0  # its own cancel taken back
 
     asyncio.run(main())
+
+
+def test_a_connection_that_never_sends_a_byte_is_closed(server: Server) -> None:
+    # uvicorn armed its idle timer only after a response: ~20,000 silent
+    # connections took every file descriptor and turned everyone away.
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        t0 = time.monotonic()
+        assert answer(sock, dribble=False) == b""  # closed, nothing said
+        assert time.monotonic() - t0 < WAIT
+    assert httpx.get(f"{server.url}/health", timeout=WAIT).status_code == 200
