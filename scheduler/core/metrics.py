@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # the loop imports this module; only types flow back
     from scheduler.core.batch import Seq
     from scheduler.core.loop import Scheduler
 
-__all__ = ["PREFIX", "Histogram", "SchedulerCollector", "SchedulerMetrics", "reject_reason"]
+__all__ = ["PREFIX", "Histogram", "SchedulerCollector", "SchedulerMetrics", "metrics_text",
+           "reject_reason"]
 
 PREFIX = "tsb_"
 
@@ -287,3 +288,21 @@ def label_replicas(texts: Mapping[str, str]) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(families.values())))
     return exposition(registry)
+
+
+def metrics_text(result: Mapping[str, object], dp_size: int) -> str | None:
+    """The exposition a ``metrics`` rpc result carries (None: it carries none).
+
+    With ``dp_size > 1``, each replica that answered, its samples labelled
+    ``replica`` (:func:`label_replicas`): one lost must not blind the
+    dashboard to the others.
+    """
+    def text(key: str) -> str | None:
+        pieces = result.get(key)
+        return "".join(str(p) for p in pieces) if isinstance(pieces, list) else None
+
+    if dp_size == 1:
+        return text("text")
+    parts = {f"replica{i}": text(f"replica{i}.text") for i in range(dp_size)}
+    answered = {name: t for name, t in parts.items() if t is not None}
+    return label_replicas(answered) if answered else None

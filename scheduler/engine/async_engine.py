@@ -31,7 +31,7 @@ import asyncio
 import functools
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Literal, Self, cast
 
 import numpy as np
@@ -50,7 +50,7 @@ from messages import (
 )
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest
+from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest, chunks, steps
 from scheduler.engine.core import EngineCore
 from scheduler.engine.handles import GenerateResult, StreamChunk
 from scheduler.engine.pending import Forgotten, Pending
@@ -200,7 +200,8 @@ class AsyncEngine(EngineCore):
 
         Raises (while iterating): as :meth:`generate`.
         """
-        return self._chunks(input_ids, sampling, return_logprob, rid)
+        return chunks(self._stream_start(input_ids, sampling, return_logprob, rid),
+                      self._cancel)
 
     def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                      *, return_logprob: bool = False, rid: str | None = None
@@ -215,56 +216,14 @@ class AsyncEngine(EngineCore):
         Raises (while iterating): as :meth:`generate`; chunks that arrived
         before an error are yielded first.
         """
-        return self._steps(input_ids, sampling, return_logprob, rid)
+        return steps(self._stream_start(input_ids, sampling, return_logprob, rid),
+                     self._cancel)
 
-    async def _chunks(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
-                      return_logprob: bool, rid: str | None) -> AsyncIterator[StreamChunk]:
-        req = self._generate_req(input_ids, sampling, True, return_logprob, rid)
-        handle = self._submit(req, self._handle)
-        finished = False
-        try:
-            while not finished:
-                # What is buffered is taken without a coroutine; a bare future
-                # is awaited only when nothing waits (the per-token hot path).
-                item = handle.get_nowait()
-                if item is None:
-                    await handle.arrival()
-                    continue
-                if isinstance(item, EngineError):
-                    finished = True
-                    raise item
-                assert isinstance(item, StreamChunk)
-                finished = item.finish_reason is not None
-                yield item
-        finally:
-            if not finished:  # cancelled, broken out of, or collected: free the slot
-                self._cancel(handle)
-
-    async def _steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
-                     return_logprob: bool, rid: str | None) -> AsyncIterator[list[StreamChunk]]:
-        req = self._generate_req(input_ids, sampling, True, return_logprob, rid)
-        handle = self._submit(req, self._handle)
-        finished = False
-        try:
-            while not finished:
-                items = handle.take()
-                if not items:
-                    await handle.arrival()
-                    continue
-                chunks: list[StreamChunk] = []
-                for item in items:  # (an error or a final chunk is the last item)
-                    if isinstance(item, EngineError):
-                        finished = True
-                        if chunks:
-                            yield chunks
-                        raise item
-                    assert isinstance(item, StreamChunk)
-                    chunks.append(item)
-                    finished = item.finish_reason is not None
-                yield chunks
-        finally:
-            if not finished:  # cancelled, broken out of, or collected: free the slot
-                self._cancel(handle)
+    def _stream_start(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
+                      return_logprob: bool, rid: str | None) -> Callable[[], AsyncHandle]:
+        """Sends the stream's request when called (at its first iteration, not before)."""
+        return lambda: self._submit(self._generate_req(input_ids, sampling, True,
+                                                       return_logprob, rid), self._handle)
 
     async def embed(self, input_ids: npt.ArrayLike) -> npt.NDArray[np.float32]:
         """Embed a tokenized text; returns a unit-norm float32 vector.

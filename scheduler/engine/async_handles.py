@@ -14,7 +14,7 @@ import asyncio
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +24,7 @@ from scheduler.engine.handles import GenerateResult, StreamChunk
 from scheduler.engine.pending import Item
 from scheduler.errors import EngineError
 
-__all__ = ["AsyncHandle", "AsyncRequest", "Answer"]
+__all__ = ["AsyncHandle", "AsyncRequest", "Answer", "chunks", "steps"]
 
 
 class _Merged:
@@ -214,3 +214,54 @@ class AsyncRequest(Answer):
             raise
         assert isinstance(item, StreamChunk) and item.finish_reason is not None
         return GenerateResult(item.rid, item.token_ids, item.finish_reason, item.logprobs)
+
+
+async def chunks(start: Callable[[], AsyncHandle], cancel: Callable[[AsyncHandle], None]
+                 ) -> AsyncIterator[StreamChunk]:
+    """A stream's chunks, one at a time: ``start()`` sends the request (at the first
+    iteration) and returns its handle; leaving before the end calls ``cancel``."""
+    handle = start()
+    finished = False
+    try:
+        while not finished:
+            # What is buffered is taken without a coroutine; a bare future
+            # is awaited only when nothing waits (the per-token hot path).
+            item = handle.get_nowait()
+            if item is None:
+                await handle.arrival()
+                continue
+            if isinstance(item, EngineError):
+                finished = True
+                raise item
+            assert isinstance(item, StreamChunk)
+            finished = item.finish_reason is not None
+            yield item
+    finally:
+        if not finished:  # cancelled, broken out of, or collected: free the slot
+            cancel(handle)
+
+async def steps(start: Callable[[], AsyncHandle], cancel: Callable[[AsyncHandle], None]
+                ) -> AsyncIterator[list[StreamChunk]]:
+    """As :func:`chunks`, but every chunk that has arrived, as one list."""
+    handle = start()
+    finished = False
+    try:
+        while not finished:
+            items = handle.take()
+            if not items:
+                await handle.arrival()
+                continue
+            chunks: list[StreamChunk] = []
+            for item in items:  # (an error or a final chunk is the last item)
+                if isinstance(item, EngineError):
+                    finished = True
+                    if chunks:
+                        yield chunks
+                    raise item
+                assert isinstance(item, StreamChunk)
+                chunks.append(item)
+                finished = item.finish_reason is not None
+            yield chunks
+    finally:
+        if not finished:  # cancelled, broken out of, or collected: free the slot
+            cancel(handle)

@@ -25,7 +25,6 @@ import zmq
 
 from bus import (
     ChannelClosed,
-    Envelope,
     PeerGone,
     PullInbox,
     PushOutbox,
@@ -54,7 +53,7 @@ from messages import (
 )
 from messages.channels import OUT, WORK
 from scheduler.core.admission import Limits
-from scheduler.core.metrics import label_replicas
+from scheduler.core.metrics import metrics_text
 from scheduler.dp import Policy
 from scheduler.engine.pending import Forgotten, Item, Pending, PendingTable
 from scheduler.engine.sending import send_waiting
@@ -224,24 +223,10 @@ class EngineCore:
             EngineClosed, SchedulerGone, RpcTimeout: as :meth:`_call_rpc`.
         """
         reply = self._call_rpc("metrics", timeout=timeout)
-        result = reply.result or {}
-
-        def text(key: str) -> str | None:
-            pieces = result.get(key)
-            return "".join(str(p) for p in pieces) if isinstance(pieces, list) else None
-
-        if self.dp_size == 1:
-            whole = text("text")
-            if not reply.success or whole is None:
-                raise RequestFailed(reply.rid, "metrics", reply.message)
-            return whole
-        # Data parallel: each replica that answered, labelled (one lost must not
-        # blind the dashboard to the others).
-        parts = {f"replica{i}": text(f"replica{i}.text") for i in range(self.dp_size)}
-        answered = {name: t for name, t in parts.items() if t is not None}
-        if not answered:
+        text = metrics_text(reply.result or {}, self.dp_size)
+        if not reply.success or text is None:
             raise RequestFailed(reply.rid, "metrics", reply.message)
-        return label_replicas(answered)
+        return text
 
     def _shutdown(self, timeout: float, stop_reading: Callable[[], None]) -> None:
         """Finish every accepted request with a terminal answer, then stop (once)."""
@@ -481,11 +466,7 @@ class EngineCore:
         total = 0
         while polls is None or polls > 0:
             got = self._outputs.poll()
-            for env in got:
-                if isinstance(env, Envelope):
-                    self._table.deliver(env.message)
-                else:
-                    log.error("undecodable output from the scheduler: %s", env.error)
+            self._table.deliver_all(got)
             total += len(got)
             if len(got) < self._outputs.budget:
                 break

@@ -18,6 +18,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from bus import Envelope, Rejected
 from messages import BatchEmbeddingOut, BatchTokenIDOut, ErrorOut, Output
 from scheduler.engine.handles import StreamChunk
 from scheduler.errors import EngineError, InvalidRequest, Overloaded, RequestFailed
@@ -155,6 +156,14 @@ class PendingTable:
             self._handles.clear()
         for h in handles:
             h.put(error)
+
+    def deliver_all(self, got: Sequence[Envelope[Output] | Rejected]) -> None:
+        """Deliver a poll's outputs; one that did not decode is logged (no rid to fail)."""
+        for env in got:
+            if isinstance(env, Envelope):
+                self.deliver(env.message)
+            else:
+                log.error("undecodable output from the scheduler: %s", env.error)
 
     def deliver(self, out: Output) -> None:
         """Turn one output into its requests' items."""
