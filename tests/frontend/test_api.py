@@ -95,8 +95,11 @@ def test_chat_logprobs_carry_each_tokens_own_bytes(server: Server) -> None:
         assert token == (chr(raw[0]) if raw[0] < 128 else f"\\x{raw[0]:02x}")
 
 
-def test_a_long_id_prompt_is_checked_off_the_loop_as_a_short_one_is(server: Server) -> None:
-    long = [i % 250 for i in range(20_000)]  # past the inline bound: checked in a thread
+def test_a_long_id_prompt_takes_the_threaded_check_and_is_answered_as_a_short_one(
+        server: Server) -> None:
+    # Past the inline bound (checked in a thread): the same answers as inline. That it
+    # keeps the loop free is measured by hand (1M ids: 150-240 ms of lag before), not here.
+    long = [i % 250 for i in range(20_000)]
     ok = httpx.post(f"{server.url}/v1/completions", timeout=60,
                     json={"model": "tiny", "prompt": long, "max_tokens": 1})
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 20_000
