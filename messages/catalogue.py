@@ -78,7 +78,8 @@ else:
     RidSeq = Annotated[str, msgspec.Meta(max_length=(MAX_RID + 1) * MAX_BATCH)]
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True,
+                     gc=False):
     """How to pick the next token.
 
     ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1``

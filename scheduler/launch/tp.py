@@ -27,8 +27,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
-from operator import itemgetter
+from operator import attrgetter
 from typing import Literal, cast
 
 import msgspec
@@ -122,11 +121,8 @@ _SHM_RING_BYTES = 64 << 20  # a poll of up to 32 MiB goes through shared memory
 _SHM_SEND_TIMEOUT = 60.0  # rank 0 waits this long for a follower that stopped reading
 _VIA_SHM, _VIA_COLLECTIVE = b"S", b"G"
 _NAME_BYTES = 256
-_ORIGIN_OF = itemgetter(1)  # Envelope and Rejected alike: (message or error, origin)
-_MESSAGE_OF = itemgetter(0)
-# Envelope(m, o) without the named tuple's Python __new__: a poll builds hundreds.
-_ENVELOPE: Callable[[tuple[Request, Origin]], Envelope[Request]] = partial(
-    tuple.__new__, Envelope)
+_ORIGIN_OF = attrgetter("origin")  # Envelope and Rejected alike
+_MESSAGE_OF = attrgetter("message")
 
 
 def _node_id() -> int:
@@ -413,7 +409,7 @@ def _unpack_poll(codec: Codec[Request], outline: Frame,
             msgs.append(got)
     if not plan.refused and not failed and len(msgs) == len(where):
         ok = cast(list[Request], msgs)  # no DecodeError among them: checked just above
-        return list(map(_ENVELOPE, zip(ok, map(origins.__getitem__, where), strict=True)))
+        return list(map(Envelope, ok, map(origins.__getitem__, where)))
     refused = {r.position: r for r in plan.refused}
     out: list[Envelope[Request] | Rejected] = []
     it = iter(msgs)
