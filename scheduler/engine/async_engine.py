@@ -38,11 +38,12 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from bus import LogSummary
+from bus import Envelope, LogSummary, Rejected
 from messages import (
     SEND_BURST,
     AbortReq,
     EncodeError,
+    Output,
     Request,
     RpcReqOutput,
     SamplingParams,
@@ -63,6 +64,8 @@ log = logging.getLogger("scheduler.engine")
 
 #: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._send``).
 _READ_EVERY = 32
+#: Requests handed an output per loop callback (PendingTable.deliver_rows).
+_ROWS_PER_TURN = 512
 #: Seconds between two tries to send aborts a full work channel refused.
 _RETRY_S = 0.005
 
@@ -101,6 +104,7 @@ class AsyncEngine(EngineCore):
         self._zmq_out = pollable if isinstance(pollable, zmq.Socket) else None
         self._reading = False  # the loop's reader is registered
         self._sent_unread = 0  # sends since outputs were last read
+        self._backlog: deque[Envelope[Output] | Rejected] = deque()  # read, not yet delivered
         # Aborts waiting for room on the channel; a cancelled request's as its
         # Forgotten token, turned into an AbortReq only while it holds its rid.
         self._unsent_aborts: deque[Pending | AbortReq] = deque()
@@ -367,7 +371,9 @@ class AsyncEngine(EngineCore):
         assert self._loop is not None
         self._loop.remove_reader(self._fd)
         self._reading = False
-        self.read_outputs()  # what arrived last
+        self._table.deliver_all(self._backlog)  # read but not yet delivered: first, in order
+        self._backlog.clear()
+        self.read_outputs()  # then what arrived last
 
     def _send(self, req: Request | _AbortOf, *, block: bool = False) -> None:
         # Never blocks the loop. What is sent in one turn of the loop leaves at
@@ -455,9 +461,16 @@ class AsyncEngine(EngineCore):
         if not self._reading:  # a call scheduled before the reader was removed
             return
         self._sent_unread = 0
-        # One poll, then the requests it woke run before the next: a flood of
-        # outputs never holds the loop for longer than a poll's worth.
-        if self.read_outputs(polls=1) >= self._outputs.budget:
+        # A poll at a time, delivered a share of rows at a time: the requests
+        # woken run before the next share, and a flood of outputs never holds
+        # the loop for longer than one share (PendingTable.deliver_rows).
+        backlog, more = self._backlog, False
+        if not backlog:
+            got = self._outputs.poll()
+            backlog.extend(got)
+            more = len(got) >= self._outputs.budget
+        self._table.deliver_rows(backlog, _ROWS_PER_TURN)
+        if backlog or more:
             assert self._loop is not None
             self._loop.call_soon(self._on_readable)
             return

@@ -37,6 +37,12 @@ class _Merged:
         self.logprobs = logprobs
         self.finish_reason: FinishReason | None = None
 
+    def chunk(self, rid: str) -> StreamChunk:
+        """The merged chunks as one."""
+        lps = self.logprobs
+        return StreamChunk(rid, tuple(self.token_ids), self.finish_reason,
+                           None if lps is None else tuple(lps))
+
 
 class AsyncHandle:
     """A request's outputs on the event loop, bounded (see the module docstring)."""
@@ -88,7 +94,7 @@ class AsyncHandle:
             return None
         item = self._items.popleft()
         if isinstance(item, _Merged):
-            return StreamChunk(self.rid, item.token_ids, item.finish_reason, item.logprobs)
+            return item.chunk(self.rid)
         return item
 
     def take(self) -> list[Item]:
@@ -97,8 +103,7 @@ class AsyncHandle:
         items = self._items
         if not items:
             return []
-        out = [StreamChunk(self.rid, item.token_ids, item.finish_reason, item.logprobs)
-               if isinstance(item, _Merged) else item for item in items]
+        out = [item.chunk(self.rid) if isinstance(item, _Merged) else item for item in items]
         items.clear()
         return out
 
@@ -146,11 +151,15 @@ class Answer:
             self._failed(item)
         elif isinstance(item, StreamChunk) and (self._ids is not None
                                                 or item.finish_reason is None):
-            ids = self._ids = (self._ids or []) + item.token_ids
+            ids = self._ids = self._ids if self._ids is not None else []
+            ids.extend(item.token_ids)
             if item.logprobs is not None:
-                self._lps = (self._lps or []) + item.logprobs
+                self._lps = self._lps if self._lps is not None else []
+                self._lps.extend(item.logprobs)
             if item.finish_reason is not None:
-                future.set_result(StreamChunk(self.rid, ids, item.finish_reason, self._lps))
+                lps = self._lps
+                future.set_result(StreamChunk(self.rid, tuple(ids), item.finish_reason,
+                                              None if lps is None else tuple(lps)))
         else:
             future.set_result(item)
 
@@ -213,7 +222,8 @@ class AsyncRequest(Answer):
             self._on_cancel(self)  # its caller left: free its slot (unless it ended)
             raise
         assert isinstance(item, StreamChunk) and item.finish_reason is not None
-        return GenerateResult(item.rid, item.token_ids, item.finish_reason, item.logprobs)
+        return GenerateResult(item.rid, list(item.token_ids), item.finish_reason,
+                              None if item.logprobs is None else list(item.logprobs))
 
 
 async def chunks(start: Callable[[], AsyncHandle], cancel: Callable[[AsyncHandle], None]

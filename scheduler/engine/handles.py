@@ -10,6 +10,7 @@ import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -19,14 +20,20 @@ from scheduler.errors import EngineError
 __all__ = ["GenerateResult", "RequestHandle", "StreamChunk"]
 
 
-@dataclass(frozen=True, slots=True)
-class StreamChunk:
-    """New tokens of one request (a streamed step, or the whole answer at the end)."""
+class StreamChunk(msgspec.Struct, frozen=True, gc=False):
+    """New tokens of one request (a streamed step, or the whole answer at the end).
+
+    Immutable, and never tracked by the cycle collector (tuples of numbers
+    and a str cannot form a cycle): a stream's chunks wait in its buffer
+    while the consumer catches up, and 256 streams' buffered chunks and
+    their id lists, tracked, made one full collection hold the event loop
+    45 ms (measured with 256 HTTP streams).
+    """
 
     rid: str
-    token_ids: list[int]
+    token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
-    logprobs: list[float] | None
+    logprobs: tuple[float, ...] | None
 
 
 @dataclass(frozen=True, slots=True)

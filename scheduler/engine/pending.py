@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -165,12 +166,34 @@ class PendingTable:
             else:
                 log.error("undecodable output from the scheduler: %s", env.error)
 
+    def deliver_rows(self, backlog: deque[Envelope[Output] | Rejected], rows: int) -> None:
+        """Deliver outputs from the front of ``backlog`` until about ``rows`` requests
+        were handed an item (at least one output; a batch is never split).
+
+        An event loop's share of a poll: one poll can hold a thousand step
+        outputs of 256 requests each when the loop fell behind, and
+        delivering them in one callback held the loop (and every timer,
+        socket and health check on it) for 100 ms (measured with 256 HTTP
+        streams). The rest waits in ``backlog`` for the next callback.
+        """
+        done = 0
+        while backlog and done < rows:
+            env = backlog.popleft()
+            if isinstance(env, Envelope):
+                out = env.message
+                self.deliver(out)
+                done += len(out.rids) if isinstance(out, BatchTokenIDOut | BatchEmbeddingOut) \
+                    else 1
+            else:
+                log.error("undecodable output from the scheduler: %s", env.error)
+                done += 1
+
     def deliver(self, out: Output) -> None:
         """Turn one output into its requests' items."""
         if isinstance(out, BatchTokenIDOut):
             bounds = out.offsets()
-            ids = out.output_ids.tolist()  # one conversion for the whole batch
-            lps = out.logprobs.tolist() if out.logprobs is not None else None
+            ids = tuple(out.output_ids)  # one conversion for the whole batch; sliced below
+            lps = tuple(out.logprobs.tolist()) if out.logprobs is not None else None
             rids, fins = list(out.rids), out.finished_reasons
             with self._lock:  # once for the batch, not once a request
                 table = self._handles

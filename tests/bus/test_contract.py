@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import pytest
@@ -124,7 +125,8 @@ def test_nothing_lost_across_a_clean_end(rig: Rig) -> None:
         rig.send(AbortReq(rid=f"r{i}"))
     rig.end()  # at once: the 50 are still on their way, none read yet
     got = _take(receiver, 50)
-    assert [e.message.rid for e in got if isinstance(e, Envelope)] == [f"r{i}" for i in range(50)]
+    assert [cast(AbortReq, e.message).rid for e in got if isinstance(e, Envelope)] == \
+        [f"r{i}" for i in range(50)]
     if isinstance(rig.inbox, RingInbox):  # a ring's end is observable: clean end of stream
         receiver.wait(1.0)
         assert receiver.poll() == []

@@ -81,7 +81,7 @@ class ScriptedEngine(AsyncEngine):
                 out = []
                 for chunk in chunks:
                     n = len(chunk.token_ids)
-                    ids = [script[(k + i) % len(script)] for i in range(n)]
+                    ids = tuple(script[(k + i) % len(script)] for i in range(n))
                     k += n
                     out.append(StreamChunk(chunk.rid, ids, chunk.finish_reason, chunk.logprobs))
                 yield out
