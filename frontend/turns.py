@@ -14,6 +14,12 @@ at once; past it, takers queue, first come first served, and each later
 iteration lets :data:`RELEASE` of them through, so the loop comes back to
 its timers and sockets between slices. Total work is unchanged; what
 changes is that nobody waits for everybody.
+
+How many are let through adapts to what their turns cost: a batch whose
+turns took longer than a slice halves the next one, a batch that took less
+than half a slice grows the next by one, between 1 and :data:`RELEASE`. A
+fixed 16 let 16 streams' turns of 16 events each run in one iteration:
+10-12 ms of loop time, the lag's p99 (measured with 256 HTTP streams).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ __all__ = ["RELEASE", "SLICE_S", "Turns"]
 
 #: Seconds of the loop's time one slice may take before takers queue.
 SLICE_S = 0.002
-#: Queued takers let through per later loop iteration.
+#: Most queued takers let through per later loop iteration.
 RELEASE = 16
 
 
@@ -36,7 +42,8 @@ class Turns:
     Bound to the loop that first calls :meth:`take`; used only from it.
     """
 
-    __slots__ = ("_loop", "_queue", "_release", "_slice", "_start", "_ticking")
+    __slots__ = ("_batch", "_let_at", "_loop", "_queue", "_release", "_slice", "_start",
+                 "_ticking")
 
     def __init__(self, slice_s: float = SLICE_S, release: int = RELEASE) -> None:
         if slice_s <= 0 or release < 1:
@@ -47,6 +54,8 @@ class Turns:
         self._queue: deque[asyncio.Future[None]] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticking = False
+        self._batch = release  # takers the next tick lets through (adapts; see the module)
+        self._let_at: float | None = None  # when the last batch was let through
 
     @property
     def waiting(self) -> int:
@@ -81,14 +90,22 @@ class Turns:
         """A new loop iteration: close the slice, let the next few takers through."""
         self._ticking = False
         self._start = None
+        let_at = self._let_at
+        if let_at is not None:  # the last batch ran since: fit the next one to the slice
+            spent = time.perf_counter() - let_at
+            if spent > self._slice:
+                self._batch = max(1, self._batch // 2)
+            elif spent < self._slice / 2:
+                self._batch = min(self._release, self._batch + 1)
+            self._let_at = None
         queue = self._queue
         n = 0
-        while queue and n < self._release:
+        while queue and n < self._batch:
             turn = queue.popleft()
             if not turn.done():
                 turn.set_result(None)
                 n += 1
         if n:
             # Those just let through run in the next iteration: they are its slice.
-            self._start = time.perf_counter()
+            self._start = self._let_at = time.perf_counter()
             self._tick_soon()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
@@ -74,3 +75,37 @@ def test_a_bad_slice_or_release_is_refused() -> None:
         Turns(slice_s=0)
     with pytest.raises(ValueError):
         Turns(release=0)
+
+
+@pytest.mark.asyncio
+async def test_slow_turns_let_fewer_through_an_iteration_and_cheap_ones_more() -> None:
+    """How many go through adapts to what their turns cost: each iteration's turns
+    stay near the slice, not ``release`` turns of whatever length."""
+    turns = Turns(slice_s=0.002, release=16)
+    done: list[int] = []
+    cost = [0.001]  # seconds of work per turn
+
+    async def work(i: int) -> None:
+        await turns.take()
+        end = time.perf_counter() + cost[0]
+        while time.perf_counter() < end:  # busy: loop time, as a stream's events are
+            pass
+        done.append(i)
+
+    tasks = [asyncio.create_task(work(i)) for i in range(300)]
+    await asyncio.sleep(0)
+    seen = [len(done)]
+    for _ in range(12):
+        await _iterations(1)
+        seen.append(len(done))
+    slow = [b - a for a, b in itertools.pairwise(seen)]
+    assert max(slow[:3]) == 16  # the first batch, before anything was measured
+    assert max(slow[6:]) <= 2, slow  # 1 ms turns, a 2 ms slice: one or two a time
+    cost[0] = 0.0
+    seen = [len(done)]
+    while len(done) < 300:
+        await _iterations(1)
+        seen.append(len(done))
+    cheap = [b - a for a, b in itertools.pairwise(seen)]
+    assert max(cheap) > max(slow[6:]), cheap  # grows back, one more a tick
+    await asyncio.gather(*tasks)
