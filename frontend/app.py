@@ -250,12 +250,13 @@ class Frontend:
                 metrics.in_flight -= 1
                 metrics.answered(endpoint, status)
 
-    async def _guarded(self, receive: Receive, run: Callable[[Conn], Awaitable[int]]) -> int:
-        """Run ``run`` while watching the connection: a client that leaves cancels it
-        (its request is aborted) and the answer is 499."""
+    async def _guarded(self, receive: Receive, send: Send,
+                       run: Callable[[Send], Awaitable[int]]) -> int:
+        """Run ``run`` (given ``send``) while watching the connection: a client that
+        leaves cancels it (its request is aborted) and the answer is 499."""
         conn = Conn(receive)
         try:
-            return await run(conn)
+            return await run(conn.watch(send))
         except asyncio.CancelledError:
             if not conn.gone:
                 raise
@@ -283,13 +284,13 @@ class Frontend:
         body = await self._body(scope, receive)
         req = decode(body, CompletionRequest)
         gen = self._generator()
-        return await self._guarded(receive, lambda _: gen.completion(req, send, t0))
+        return await self._guarded(receive, send, lambda out: gen.completion(req, out, t0))
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
         body = await self._body(scope, receive)
         req = decode(body, ChatCompletionRequest)
         gen = self._generator()
-        return await self._guarded(receive, lambda _: gen.chat(req, send, t0))
+        return await self._guarded(receive, send, lambda out: gen.chat(req, out, t0))
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
         body = await self._body(scope, receive)
@@ -299,7 +300,7 @@ class Frontend:
         texts = await self._embedding_inputs(gen, req)
         engine = gen.engine
 
-        async def run(_: Conn) -> int:
+        async def run(send: Send) -> int:
             try:
                 vectors = await asyncio.gather(*(engine.embed(ids) for ids in texts))
             except EngineError as exc:
@@ -316,7 +317,7 @@ class Frontend:
                 data, req.model, EmbeddingUsage(n, n))))
             return 200
 
-        return await self._guarded(receive, run)
+        return await self._guarded(receive, send, run)
 
     async def _embedding_inputs(self, gen: Generator, req: EmbeddingRequest) -> list[list[int]]:
         raw = req.input

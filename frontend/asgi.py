@@ -138,6 +138,13 @@ class Conn:
     and cancels the handler's task, whose ``await`` on the engine then aborts
     the request (the scheduler frees the slot). :attr:`gone` tells the
     handler that the cancellation was this, not a shutdown.
+
+    The watcher is never cancelled: uvicorn's ``receive()`` returns once the
+    answer's last message is sent, and the watcher then ends by itself. A
+    cancelled watcher kept its ``CancelledError``, whose traceback held its
+    frames, the request's task and its connection in a reference cycle: 35
+    objects of cyclic garbage per request, and full collections of them
+    held the event loop 30-45 ms under 256 streams.
     """
 
     __slots__ = ("_done", "_task", "_watch", "gone")
@@ -156,7 +163,16 @@ class Conn:
             self.gone = True
             self._task.cancel()
 
+    def watch(self, send: Send) -> Send:
+        """``send``, noting the answer's last message: the ``http.disconnect`` that
+        uvicorn's ``receive()`` returns after it is not the client leaving."""
+        async def sending(event: Event) -> None:
+            if event["type"] == "http.response.body" and not event.get("more_body"):
+                self._done = True
+            await send(event)
+        return sending
+
     def close(self) -> None:
-        """The answer is sent (or abandoned): stop watching."""
+        """The answer is sent (or abandoned): stop watching (the watcher ends when
+        the answer's last message is sent, or the client leaves)."""
         self._done = True
-        self._watch.cancel()
