@@ -47,7 +47,7 @@ from frontend.schemas import (
     encode_str,
 )
 from frontend.tokenizer import Tokenizer
-from frontend.turns import Turns
+from frontend.turns import loop_turns
 from messages import SamplingParams, packed_u32
 from scheduler import AsyncEngine, EngineError, StreamChunk
 
@@ -163,7 +163,7 @@ class Generator:
         self.metrics = metrics
         self._seq = itertools.count()
         self._vocab = tokenizer.vocab_size
-        self.turns = Turns()  # each request's start and each stream's batch take a turn
+        self.turns = loop_turns()  # the protocol, each request and each stream take turns
 
     def check_model(self, model: str) -> None:
         """Raises: ApiError: 404 when ``model`` is not the one served."""
@@ -188,7 +188,6 @@ class Generator:
         """
         check_supported(req)
         self.check_model(req.model)
-        await self.turns.take()
         prompt = req.prompt
         if isinstance(prompt, str):
             ids = await self.tokenize(prompt, special=True)
@@ -229,7 +228,6 @@ class Generator:
         check_supported(req)
         self.check_model(req.model)
         max_tokens = req.max_new_tokens(self.settings.default_max_tokens)
-        await self.turns.take()
         text = self.template.render(req.messages, req.add_generation_prompt)
         ids = await self.tokenize(text, special=False)
         return await self._answer(_Shape(True, str(next(self._seq)), req.model, self.tokenizer),

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections import deque
+from collections.abc import Callable
 
-__all__ = ["RELEASE", "SLICE_S", "Turns"]
+__all__ = ["RELEASE", "SLICE_S", "Turns", "loop_turns"]
 
 #: Seconds of the loop's time one slice may take before takers queue.
 SLICE_S = 0.002
@@ -51,7 +53,7 @@ class Turns:
         self._slice = slice_s
         self._release = release
         self._start: float | None = None  # when the open slice began (None: none open)
-        self._queue: deque[asyncio.Future[None]] = deque()
+        self._queue: deque[asyncio.Future[None] | Callable[[], None]] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticking = False
         self._batch = release  # takers the next tick lets through (adapts; see the module)
@@ -64,13 +66,7 @@ class Turns:
 
     async def take(self) -> None:
         """Return when this task may do its next unit of work (at once, mostly)."""
-        now = time.perf_counter()
-        start = self._start
-        if start is None:  # the first taker of an iteration opens a slice
-            self._start = now
-            self._tick_soon()
-            return
-        if not self._queue and now - start < self._slice:
+        if self._now():
             return
         loop = self._loop
         assert loop is not None
@@ -78,6 +74,26 @@ class Turns:
         self._queue.append(turn)
         self._tick_soon()
         await turn  # (cancelled with its task: the tick skips it)
+
+    def call(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` now if the slice allows, else in its turn (a callback's
+        :meth:`take`: a protocol's ``data_received`` has no task to await in).
+        Returns whether it ran now."""
+        if self._now():
+            fn()
+            return True
+        self._queue.append(fn)
+        self._tick_soon()
+        return False
+
+    def _now(self) -> bool:
+        """Whether the next unit of work may run now (opening a slice if none is open)."""
+        start = self._start
+        if start is None:  # the first taker of an iteration opens a slice
+            self._start = time.perf_counter()
+            self._tick_soon()
+            return True
+        return not self._queue and time.perf_counter() - start < self._slice
 
     def _tick_soon(self) -> None:
         if not self._ticking:
@@ -102,10 +118,27 @@ class Turns:
         n = 0
         while queue and n < self._batch:
             turn = queue.popleft()
-            if not turn.done():
+            if not isinstance(turn, asyncio.Future):
+                turn()  # a callback's turn: it runs here, in this iteration
+                n += 1
+            elif not turn.done():
                 turn.set_result(None)
                 n += 1
         if n:
             # Those just let through run in the next iteration: they are its slice.
             self._start = self._let_at = time.perf_counter()
             self._tick_soon()
+
+
+_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Turns] = \
+    weakref.WeakKeyDictionary()
+
+
+def loop_turns() -> Turns:
+    """The running loop's one :class:`Turns`: the server's protocol (a request's bytes)
+    and the app (its work, its stream's events) take turns in one line."""
+    loop = asyncio.get_running_loop()
+    turns = _BY_LOOP.get(loop)
+    if turns is None:
+        turns = _BY_LOOP[loop] = Turns()
+    return turns

@@ -109,3 +109,22 @@ async def test_slow_turns_let_fewer_through_an_iteration_and_cheap_ones_more() -
     cheap = [b - a for a, b in itertools.pairwise(seen)]
     assert max(cheap) > max(slow[6:]), cheap  # grows back, one more a tick
     await asyncio.gather(*tasks)
+
+
+@pytest.mark.asyncio
+async def test_a_callback_runs_now_within_the_slice_and_in_its_turn_past_it() -> None:
+    turns = Turns(slice_s=1e-12, release=2)
+    order: list[str] = []
+
+    async def work(i: int) -> None:
+        await turns.take()
+        order.append(f"t{i}")
+
+    assert turns.call(lambda: order.append("c0"))  # the first opens the slice: at once
+    task = asyncio.create_task(work(1))  # its first step (its take) runs later
+    assert not turns.call(lambda: order.append("c2"))  # past the slice: queued
+    assert order == ["c0"] and turns.waiting == 1
+    while len(order) < 3:
+        await _iterations(1)
+    assert order == ["c0", "c2", "t1"]  # first come, first served, callbacks and tasks alike
+    await task
