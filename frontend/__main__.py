@@ -8,12 +8,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from bus import CurveKeys, SocketOptions
+from bus import SocketOptions
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.errors import TokenizerError
 from frontend.serving import http_protocol
 from frontend.tokenizer import load_tokenizer
 from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
+from scheduler.cli.options import add_curve_options, curve_options
 from scheduler.launch.leftovers import make_run_dir
 from scheduler.models.files import check_model_dir
 
@@ -63,12 +64,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--endpoint", metavar="DIR_OR_TCP", default=None,
                    help="serve the scheduler's rpc endpoint here: ipc://DIR/rpc (DIR made "
                         "0700), or a tcp:// endpoint; default: a private temporary directory")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="allow a tcp rpc endpoint beyond loopback (use CURVE then)")
-    p.add_argument("--curve-keys", metavar="SECRET_FILE",
-                   help="the rpc endpoint's CURVE key pair (a zmq .key_secret file)")
-    p.add_argument("--curve-allow", metavar="PUBLIC_FILE", nargs="*", default=None,
-                   help="client public key files admitted (with --curve-keys)")
+    add_curve_options(p, what="the rpc endpoint")
     p.add_argument("--log-level", default="info")
     p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                    help="uvicorn's event loop (auto: uvloop when installed)")
@@ -118,11 +114,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     except TokenizerError as exc:
         raise SystemExit(str(exc)) from exc
     try:
-        keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
-        if (args.curve_allow is not None) != (keys is not None):
-            raise SystemExit("--curve-keys and --curve-allow go together")
-        allowed = [CurveKeys.public_of(f) for f in args.curve_allow] \
-            if keys is not None else None
+        keys, allowed = curve_options(args)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"CURVE keys: {exc}") from exc
     try:

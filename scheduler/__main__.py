@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from bus import CurveKeys, SocketOptions
 from scheduler.cli.demo import demo
+from scheduler.cli.options import add_curve_options, curve_options
 from scheduler.cli.rpc import run_rpc
 from scheduler.cli.top import run_top
 from scheduler.core.admission import Limits
@@ -65,12 +66,7 @@ def _add_upstream(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-backlog", type=int, default=Limits().max_backlog,
                    help="outputs kept for a consumer that is not reading before its "
                         "requests are aborted")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="allow binding tcp beyond loopback (use CURVE then)")
-    p.add_argument("--curve-keys", metavar="SECRET_FILE",
-                   help="this server's CURVE key pair (a zmq .key_secret file)")
-    p.add_argument("--curve-allow", metavar="PUBLIC_FILE", nargs="*", default=None,
-                   help="client public key files admitted (with --curve-keys)")
+    add_curve_options(p, what="this server's endpoints")
     p.add_argument("--curve-out-server", metavar="PUBLIC_FILE",
                    help="the output receiver's public key, when outputs connect to it")
 
@@ -82,10 +78,10 @@ def _upstream(parser: argparse.ArgumentParser, args: argparse.Namespace
         endpoints = Endpoints.parse(ep if ep.startswith("tcp://") else private_dir(ep))
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
-    keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
-    if (args.curve_allow is not None) != (keys is not None):
-        parser.error("--curve-keys and --curve-allow go together")
-    allowed = [CurveKeys.public_of(f) for f in args.curve_allow] if keys is not None else None
+    try:
+        keys, allowed = curve_options(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     out_server = CurveKeys.public_of(args.curve_out_server) if args.curve_out_server else None
     options = SocketOptions(hwm=args.hwm, allow_remote=args.allow_remote, curve_keys=keys,
                             curve_server_public=out_server)

@@ -1,2 +1,3 @@
-"""The command line's own commands (``demo``, ``top``); ``scheduler/__main__``
-parses the arguments. Nothing imports this package but ``__main__``."""
+"""The command line's own commands (``demo``, ``top``, ``rpc``) and the options two
+command lines share (``options``); ``scheduler/__main__`` parses the arguments.
+Nothing imports this package but ``scheduler/__main__`` and ``frontend/__main__``."""
