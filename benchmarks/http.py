@@ -9,13 +9,19 @@ The last line is one JSON object, the stub model throughout:
   ``floor_starlette_rps`` is that floor written with Starlette (how the ASGI
   stack was chosen: a framework costs more per request than our handler).
 * ``stream_tokens_ratio_vs_async``: tokens per second over 256 concurrent
-  HTTP streams, divided by 256 concurrent ``AsyncEngine`` streams of the same
-  workload (zmq mode, max_batch 256) with no HTTP, alternating rounds.
+  HTTP streams of 256 tokens each, divided by 256 concurrent ``AsyncEngine``
+  streams of the same workload (zmq mode, max_batch 256) with no HTTP,
+  alternating rounds. The reference process hides its start-up objects from
+  the collector (``gc.freeze()``) as the server does.
+  ``stream_tokens_ratio_vs_async_32_tokens`` is the same with 32-token
+  answers: there each stream's connection and request cost about as much
+  as its streaming, and that figure says so.
 * ``ttft_overhead_ms_p50``: time to first token over HTTP (request sent to
   first SSE event read) minus the same through ``AsyncEngine`` (``stream()``
   to its first chunk), concurrency 1, p50 of each.
-* ``loop_lag_ms_p99``: the server's event-loop lag while the 256 streams run
-  (its ``tsb_http_loop_lag_seconds`` histogram: the p99 is a bucket's bound).
+* ``loop_lag_ms_p99``: the server's event-loop lag while the 256 streams run,
+  both lengths (its ``tsb_http_loop_lag_seconds`` histogram, a 20 ms probe:
+  the p99 is a bucket's bound).
 * ``cpu_ratio_vs_floor``: the floor's CPU time per request over the
   frontend's (its scheduler process included), from ``/proc``: on a shared
   box where other work takes the cores, what each request *costs* is
@@ -34,6 +40,7 @@ request, so on a 2-core box it measures the server rather than itself.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
@@ -49,7 +56,8 @@ MODEL = "tiny"
 ROUNDS = 3
 CONCURRENCY = 64
 STREAMS = 256
-STREAM_TOKENS = 32
+STREAM_TOKENS = 256  # an answer's length (vLLM's serving benchmark: 128; SGLang's: 1024)
+SHORT_STREAM_TOKENS = 32
 RPS_SECONDS = 1.5
 TTFT_SAMPLES = 100
 DISCONNECTS = 20
@@ -239,7 +247,8 @@ def client(args: list[str]) -> None:
     if kind == "rps":
         result = asyncio.run(_rps(port, CONCURRENCY, RPS_SECONDS))
     elif kind == "streams":
-        result = asyncio.run(_streams(port, STREAMS, STREAM_TOKENS))
+        result = asyncio.run(_streams(port, STREAMS, int(args[2]) if len(args) > 2
+                                      else STREAM_TOKENS))
     elif kind == "ttft":
         result = asyncio.run(_ttft(port, TTFT_SAMPLES))
     else:
@@ -385,18 +394,23 @@ async def run() -> dict[str, object]:
         # The reference: the same scheduler (zmq, stub, max_batch) with no HTTP, in this
         # process, its rounds alternating with the HTTP ones (the box's noise hits both).
         async with AsyncEngine("zmq", model, max_batch=STREAMS) as engine:
+            gc.freeze()  # the reference runs as the server does (frontend.app)
             await _run_client("rps", ports["frontend"])  # warm-up
             rps: dict[str, list[tuple[float, float]]] = {k: [] for k in ports}
             for _ in range(ROUNDS):
                 for name in ("floor", "frontend", "starlette"):
                     rps[name].append(await _rps_round(ports[name], pids[name]))
-            http_streams, async_streams = [], []
+            streams: dict[int, tuple[list[float], list[float]]] = {
+                n: ([], []) for n in (STREAM_TOKENS, SHORT_STREAM_TOKENS)}
             bounds, before = _loop_lag_counts(ports["frontend"])
             for _ in range(ROUNDS):
-                http_streams.append(float(await _run_client(  # type: ignore[arg-type]
-                    "streams", ports["frontend"])))
-                async_streams.append(await _async_streams(engine, STREAMS, STREAM_TOKENS))
+                for n, (http_rates, async_rates) in streams.items():
+                    http_rates.append(float(await _run_client(  # type: ignore[arg-type]
+                        "streams", ports["frontend"], n)))
+                    async_rates.append(await _async_streams(engine, STREAMS, n))
             _, after = _loop_lag_counts(ports["frontend"])
+            http_streams, async_streams = streams[STREAM_TOKENS]
+            short_http, short_async = streams[SHORT_STREAM_TOKENS]
             http_ttft: list[float] = []
             async_ttft: list[float] = []
             for _ in range(ROUNDS):
@@ -437,6 +451,9 @@ async def run() -> dict[str, object]:
         "stream_tokens_ratio_vs_async": round(med(http_streams) / med(async_streams), 3),
         "http_stream_tokens_per_s": round(med(http_streams)),
         "async_stream_tokens_per_s": round(med(async_streams)),
+        "stream_tokens_ratio_vs_async_32_tokens": round(med(short_http) / med(short_async), 3),
+        "http_stream_tokens_per_s_32_tokens": round(med(short_http)),
+        "async_stream_tokens_per_s_32_tokens": round(med(short_async)),
         "ttft_overhead_ms_p50": round(http_ttft_p50 - async_ttft_p50, 3),
         "http_ttft_ms_p50": round(http_ttft_p50, 3),
         "async_ttft_ms_p50": round(async_ttft_p50, 3),
