@@ -88,7 +88,7 @@ def test_per_producer_order(rig: Rig) -> None:
     for i in range(300):
         rig.send(AbortReq(rid=f"r{i}"))
     got = _take(receiver, 300)
-    assert [e.message.rid for e in got if isinstance(e, Envelope)
+    assert [cast(AbortReq, e.message).rid for e in got if isinstance(e, Envelope)
             ] == [f"r{i}" for i in range(300)]
 
 
