@@ -11,7 +11,9 @@ and then stops is uvicorn's to bound; ``--body-timeout`` covers the body.)
 
 Its received bytes also take their turn on the loop (:mod:`frontend.turns`):
 past the iteration's slice, a connection's bytes wait, unread, for a later
-iteration, so a burst of arriving requests is parsed a share at a time.
+iteration, so a burst of arriving requests is parsed a share at a time. And
+a client that leaves is seen by every request of its connection, not only
+the last one it pipelined (uvicorn tells that one alone).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def http_protocol(name: str = "auto") -> type[asyncio.Protocol]:
 
     base: Any = import_from_string(HTTP_PROTOCOLS[name])
 
-    class FirstByteDeadline(base):  # type: ignore[misc]
+    class Guarded(base):  # type: ignore[misc]
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             me: Any = self  # (uvicorn's attributes, untyped here)
@@ -42,6 +44,32 @@ def http_protocol(name: str = "auto") -> type[asyncio.Protocol]:
                     me.timeout_keep_alive, me.timeout_keep_alive_handler)
 
         _paced = False  # reading paused until its bytes' turn
+
+        # A request pipelined behind one still answering becomes the
+        # connection's ``cycle``, and uvicorn tells only that one when the
+        # client leaves: the earlier one never saw its disconnect, so it held
+        # its slot to its end (outside probe: a non-streamed request, or any
+        # stream on the asyncio loop, ran to max_tokens). The earlier ones are
+        # kept here (until answered) and told too.
+        @property
+        def cycle(self) -> Any:
+            return self.__dict__.get("_cycle")
+
+        @cycle.setter
+        def cycle(self, new: Any) -> None:
+            old = self.__dict__.get("_cycle")
+            if old is not None and old is not new and not old.response_complete:
+                earlier = self.__dict__.setdefault("_earlier", [])
+                earlier[:] = [c for c in earlier if not c.response_complete]
+                earlier.append(old)
+            self.__dict__["_cycle"] = new
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            for c in self.__dict__.pop("_earlier", ()):
+                if not c.response_complete:
+                    c.disconnected = True
+                    c.message_event.set()
 
         def data_received(self, data: bytes) -> None:
             # Bytes take their turn on the loop (frontend.turns): 256 requests
@@ -61,5 +89,5 @@ def http_protocol(name: str = "auto") -> type[asyncio.Protocol]:
                 transport.resume_reading()
             super().data_received(data)
 
-    FirstByteDeadline.__name__ = f"FirstByteDeadline{base.__name__}"
-    return FirstByteDeadline
+    Guarded.__name__ = f"Guarded{base.__name__}"
+    return Guarded

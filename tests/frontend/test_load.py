@@ -257,3 +257,21 @@ async def _streams_and_rpc(server: Server, tmp_path: Path) -> None:
     assert (tmp_path / "ckpt").is_file()
     assert in_flight_at_reply > 0, "the rpc should be answered while streams run"
     assert streams >= 200 and in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_frees_a_request_with_another_pipelined_behind_it(
+        small: tuple[Server, RpcClient], stream: bool) -> None:
+    """uvicorn tells only a connection's last pipelined request that its client left:
+    the one answering before it held its slot to its end (outside probe)."""
+    import json
+    import socket
+
+    server, rpc = small
+    body = json.dumps({**ENDLESS, "stream": stream}).encode()
+    req = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+           b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(req + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        eventually(lambda: load(rpc) == (1, 0), 10.0, "the request to run")
+    eventually(lambda: load(rpc) == (0, 0), 10.0, "the slot to be freed")
