@@ -263,12 +263,19 @@ class Frontend:
         try:
             return await run(conn.watch(send))
         except asyncio.CancelledError:
-            if not conn.gone:
-                raise
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
-            return 499
+            if conn.gone:
+                return 499
+            # Cancelled from outside: the server is shutting down (uvicorn
+            # cancels what is still answering after its grace period). A
+            # stream ends with an error event, not cut mid-answer.
+            error = ApiError(503, "the server is shutting down", type="server_error",
+                             code="shutting_down")
+            if await conn.cut_short(send, error.body()):
+                return 503
+            raise error from None
         except SchedulerGone:
             self._gone = True
             raise

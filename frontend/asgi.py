@@ -23,7 +23,9 @@ Headers = Sequence[tuple[bytes, bytes]]
 
 JSON = [(b"content-type", b"application/json")]
 TEXT = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
-SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+#: The content type of a stream of Server-Sent Events.
+SSE_TYPE = b"text/event-stream"
+SSE = [(b"content-type", SSE_TYPE), (b"cache-control", b"no-cache")]
 
 
 class Disconnected(Exception):
@@ -150,7 +152,7 @@ class Conn:
     connection's disconnect; outside probe: 778 watchers left of 1,500).
     """
 
-    __slots__ = ("_done", "_sent", "_task", "_watch", "gone")
+    __slots__ = ("_done", "_events", "_sent", "_started", "_task", "_watch", "gone")
 
     def __init__(self, receive: Receive) -> None:
         task = asyncio.current_task()
@@ -158,6 +160,8 @@ class Conn:
         self._task = task
         self._done = False
         self._sent = False  # the answer's last message was sent
+        self._started = False  # its status and headers were sent
+        self._events = False  # ... as a stream of Server-Sent Events
         self.gone = False
         self._watch = asyncio.get_running_loop().create_task(self._wait(receive))
 
@@ -172,12 +176,30 @@ class Conn:
         uvicorn's ``receive()`` returns after it is not the client leaving."""
         async def sending(event: Event) -> None:
             last = event["type"] == "http.response.body" and not event.get("more_body")
+            if event["type"] == "http.response.start":
+                self._started = True
+                headers = event.get("headers", ())
+                self._events = isinstance(headers, list | tuple) and \
+                    (b"content-type", SSE_TYPE) in headers
             if last:
                 self._done = True
             await send(event)
             if last:
                 self._sent = True
         return sending
+
+    async def cut_short(self, send: Send, error: bytes) -> bool:
+        """The answer was cancelled from outside (the server shutting down): end a
+        stream of events with ``error`` (an event's data) and ``[DONE]`` rather than
+        cut it. Returns whether an answer had begun (else the caller answers)."""
+        if not self._started:
+            return False
+        if self._events and not self._done:
+            self._done = True
+            await send({"type": "http.response.body",
+                        "body": b"data: " + error + b"\n\ndata: [DONE]\n\n"})
+            self._sent = True
+        return True
 
     def close(self) -> None:
         """The answer is sent (or abandoned): stop watching. After a sent answer the

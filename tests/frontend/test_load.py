@@ -275,3 +275,38 @@ def test_a_client_that_leaves_frees_a_request_with_another_pipelined_behind_it(
         sock.sendall(req + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
         eventually(lambda: load(rpc) == (1, 0), 10.0, "the request to run")
     eventually(lambda: load(rpc) == (0, 0), 10.0, "the slot to be freed")
+
+
+def test_a_stream_cancelled_by_the_server_shutting_down_ends_with_an_error_event(
+        small: tuple[Server, RpcClient]) -> None:
+    """uvicorn cancels what still answers after its grace period: a stream then ends
+    with an error event and [DONE] (it was cut mid-answer, and a traceback logged)."""
+    import asyncio
+    import json
+    import socket
+
+    server, rpc = small
+    body = json.dumps(LONG).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        got = sock.recv(1 << 16)
+        assert got.startswith(b"HTTP/1.1 200")
+        loop = server.engine._loop
+        assert loop is not None
+
+        async def cancel() -> int:  # as uvicorn's shutdown does, past its grace period
+            tasks = [t for t in asyncio.all_tasks() if getattr(
+                t.get_coro(), "__qualname__", "") == "RequestResponseCycle.run_asgi"]
+            for t in tasks:
+                t.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+            return len(tasks)
+
+        assert asyncio.run_coroutine_threadsafe(cancel(), loop).result(30) == 1
+        while not got.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
+            data = sock.recv(1 << 16)
+            assert data, got[-300:]
+            got += data
+    assert b'"code":"shutting_down"' in got and got.rstrip().endswith(b"0")
+    assert b"data: [DONE]" in got[-200:]
+    eventually(lambda: load(rpc) == (0, 0), 10.0, "the slot to be freed")
