@@ -84,6 +84,9 @@ log = logging.getLogger("frontend")
 MAX_BODY_BYTES = 4 << 20
 #: The default deadline (seconds) for reading a request body whole, from its headers on.
 BODY_TIMEOUT_S = 30.0
+#: Seconds a stream cancelled by the server's shutdown may take to write its last
+#: event (a client that is not reading gets none, rather than hold the exit).
+CUT_SHORT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +205,10 @@ class Frontend:
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
-            event = await receive()
+            try:
+                event = await receive()
+            except asyncio.CancelledError:  # a forced exit (a second Ctrl-C): no
+                return  # shutdown event comes; the engine's own exit hooks clean up
             if event["type"] == "lifespan.startup":
                 try:
                     await self.start()
@@ -273,7 +279,14 @@ class Frontend:
             # stream ends with an error event, not cut mid-answer.
             error = ApiError(503, "the server is shutting down", type="server_error",
                              code="shutting_down")
-            if await conn.cut_short(send, error.body()):
+            try:  # bounded: a client that is not reading must not hold the shutdown
+                async with asyncio.timeout(CUT_SHORT_S):
+                    begun = await conn.cut_short(send, error.body())
+            except (TimeoutError, asyncio.CancelledError):  # (cancelled again: teardown)
+                if task is not None and task.cancelling():
+                    task.uncancel()
+                return 503
+            if begun:
                 return 503
             raise error from None
         except SchedulerGone:
