@@ -114,12 +114,16 @@ class Turns:
             elif spent < self._slice / 2:
                 self._batch = min(self._release, self._batch + 1)
             self._let_at = None
-        queue = self._queue
+        queue, loop = self._queue, self._loop
+        assert loop is not None
         n = 0
         while queue and n < self._batch:
             turn = queue.popleft()
             if not isinstance(turn, asyncio.Future):
-                turn()  # a callback's turn: it runs here, in this iteration
+                # A callback runs in the next iteration, in order with the tasks let
+                # through: its time is counted in the batch's, and what it raises
+                # goes to the loop's exception handler, not through this tick.
+                loop.call_soon(turn)
                 n += 1
             elif not turn.done():
                 turn.set_result(None)

@@ -128,3 +128,25 @@ async def test_a_callback_runs_now_within_the_slice_and_in_its_turn_past_it() ->
         await _iterations(1)
     assert order == ["c0", "c2", "t1"]  # first come, first served, callbacks and tasks alike
     await task
+
+
+@pytest.mark.asyncio
+async def test_a_callback_that_raises_stalls_nobody_behind_it() -> None:
+    turns = Turns(slice_s=1e-12, release=4)
+    order: list[str] = []
+    raised: list[object] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: raised.append(context.get("exception")))
+
+    def boom() -> None:
+        raise RuntimeError("a protocol's parse failed")
+
+    try:
+        assert turns.call(lambda: order.append("first"))  # opens the slice
+        assert not turns.call(boom)
+        assert not turns.call(lambda: order.append("after"))  # queued behind it
+        await _iterations(5)
+        assert order == ["first", "after"] and turns.waiting == 0
+        assert len(raised) == 1 and isinstance(raised[0], RuntimeError)
+    finally:
+        loop.set_exception_handler(None)
