@@ -67,6 +67,7 @@ from frontend.schemas import (
     encode,
 )
 from frontend.tokenizer import Tokenizer
+from frontend.turns import loop_turns
 from scheduler import (
     AsyncEngine,
     EngineError,
@@ -241,11 +242,11 @@ class Frontend:
                 raise ApiError(405, f"{method} is not allowed on {path}", code="bad_method") \
                     if path in self._paths else \
                     ApiError(404, f"no route {method} {path}", code="not_found")
-            if method == "POST" and self._gen is not None:
+            if method == "POST":
                 # A request's work takes its turn before any of it runs: 256
                 # requests arriving at once held the loop 20-30 ms between
                 # their bodies and their tokenizing (frontend.turns).
-                await self._gen.turns.take()
+                await loop_turns().take()
             status = await route[1](scope, receive, send, t0)
         except ApiError as exc:
             status = exc.status

@@ -38,6 +38,7 @@ def http_protocol(name: str = "auto") -> type[asyncio.Protocol]:
     class Guarded(base):  # type: ignore[misc]
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
+            self._turns = loop_turns()  # (looked up once, not per read)
             me: Any = self  # (uvicorn's attributes, untyped here)
             if me.timeout_keep_alive_task is None and not transport.is_closing():
                 me.timeout_keep_alive_task = me.loop.call_later(
@@ -76,7 +77,7 @@ def http_protocol(name: str = "auto") -> type[asyncio.Protocol]:
             # arriving at once were all parsed, and their tasks made, in one
             # iteration (~50 us each: 13 ms of held loop). A connection whose
             # bytes wait is not read meanwhile (nothing piles up unparsed).
-            if not loop_turns().call(functools.partial(self._in_turn, data)):
+            if not self._turns.call(functools.partial(self._in_turn, data)):
                 self.transport.pause_reading()
                 self._paced = True
 
