@@ -151,14 +151,16 @@ class Answer:
             self._failed(item)
         elif isinstance(item, StreamChunk) and (self._ids is not None
                                                 or item.finish_reason is None):
-            ids = self._ids = self._ids if self._ids is not None else []
-            ids.extend(item.token_ids)
+            if self._ids is None:
+                self._ids = []
+            self._ids.extend(item.token_ids)
             if item.logprobs is not None:
-                self._lps = self._lps if self._lps is not None else []
+                if self._lps is None:
+                    self._lps = []
                 self._lps.extend(item.logprobs)
             if item.finish_reason is not None:
                 lps = self._lps
-                future.set_result(StreamChunk(self.rid, tuple(ids), item.finish_reason,
+                future.set_result(StreamChunk(self.rid, tuple(self._ids), item.finish_reason,
                                               None if lps is None else tuple(lps)))
         else:
             future.set_result(item)

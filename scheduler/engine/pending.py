@@ -161,10 +161,7 @@ class PendingTable:
     def deliver_all(self, got: Sequence[Envelope[Output] | Rejected]) -> None:
         """Deliver a poll's outputs; one that did not decode is logged (no rid to fail)."""
         for env in got:
-            if isinstance(env, Envelope):
-                self.deliver(env.message)
-            else:
-                log.error("undecodable output from the scheduler: %s", env.error)
+            self._deliver_envelope(env)
 
     def deliver_rows(self, backlog: deque[Envelope[Output] | Rejected], rows: int) -> None:
         """Deliver outputs from the front of ``backlog`` until about ``rows`` requests
@@ -178,15 +175,16 @@ class PendingTable:
         """
         done = 0
         while backlog and done < rows:
-            env = backlog.popleft()
-            if isinstance(env, Envelope):
-                out = env.message
-                self.deliver(out)
-                done += len(out.rids) if isinstance(out, BatchTokenIDOut | BatchEmbeddingOut) \
-                    else 1
-            else:
-                log.error("undecodable output from the scheduler: %s", env.error)
-                done += 1
+            done += self._deliver_envelope(backlog.popleft())
+
+    def _deliver_envelope(self, env: Envelope[Output] | Rejected) -> int:
+        """Deliver one received output; returns how many requests it was for."""
+        if isinstance(env, Rejected):
+            log.error("undecodable output from the scheduler: %s", env.error)
+            return 1
+        out = env.message
+        self.deliver(out)
+        return len(out.rids) if isinstance(out, BatchTokenIDOut | BatchEmbeddingOut) else 1
 
     def deliver(self, out: Output) -> None:
         """Turn one output into its requests' items."""
