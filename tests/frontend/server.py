@@ -7,10 +7,12 @@ uvicorn to exit (the lifespan closes the engine) and joins the thread.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import socket
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy.typing as npt
 import uvicorn
@@ -20,6 +22,17 @@ from frontend.serving import http_protocol
 from messages import SamplingParams
 from scheduler import AsyncEngine, StreamChunk
 from tests.conftest import eventually
+
+T = TypeVar("T")
+
+
+def raw_post(path: str, body: object, *, close: bool = False) -> bytes:
+    """The bytes of one POST of ``body`` as JSON, for tests that speak HTTP by hand
+    (pipelining, leaving mid-answer); ``close``: ask the server to close after it."""
+    data = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/1.1", "host: test", "content-type: application/json",
+            f"content-length: {len(data)}", *(["connection: close"] if close else [])]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
 
 
 class Server:
@@ -51,6 +64,21 @@ class Server:
     def engine(self) -> AsyncEngine:
         assert self.app.engine is not None
         return self.app.engine
+
+    def on_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()``, run on the server's event loop (its tasks are the loop's to touch)."""
+        loop = self.engine._loop
+        assert loop is not None
+
+        async def run() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(30)
+
+    def tasks(self, qualname: str) -> list[asyncio.Task[object]]:
+        """The server's tasks running a coroutine of ``qualname`` (call on its loop)."""
+        return [t for t in asyncio.all_tasks()
+                if getattr(t.get_coro(), "__qualname__", "") == qualname]
 
     def stop(self) -> None:
         self._server.should_exit = True

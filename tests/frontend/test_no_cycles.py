@@ -8,22 +8,19 @@ frontend's objects must be freed by their reference counts alone.
 from __future__ import annotations
 
 import gc
-import json
 import socket
 from collections import Counter
 
 from tests.conftest import eventually
-from tests.frontend.server import Server
+from tests.frontend.server import Server, raw_post
 
 _OURS = ("frontend", "uvicorn", "scheduler")
 
 
-def _ask(server: Server, path: str, body: bytes) -> bytes:
+def _ask(server: Server, path: str, body: object) -> bytes:
     """One request on its own connection (closed by the server after the answer)."""
-    head = (f"POST {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
-            f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(head + body)
+        sock.sendall(raw_post(path, body, close=True))
         out = b""
         while data := sock.recv(1 << 16):
             out += data
@@ -46,7 +43,7 @@ def test_answered_requests_leave_no_cyclic_garbage(server: Server) -> None:
     try:
         for _ in range(3):
             for path, body in asks:
-                out = _ask(server, path, json.dumps(body).encode())
+                out = _ask(server, path, body)
                 assert out.startswith((b"HTTP/1.1 200", b"HTTP/1.1 400")), out[:200]
         eventually(lambda: metrics.in_flight == 0, 30.0, "every request to be answered")
         gc.collect()
@@ -62,25 +59,11 @@ def test_a_client_that_leaves_with_a_request_pipelined_leaves_no_watcher(server:
     """A stream, a request pipelined behind it, then the client leaves: uvicorn gives the
     disconnect to the second one, and the first one's watcher used to wait for ever
     (outside probe: 778 left of 1,500 such clients)."""
-    import asyncio
-
-    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 100000,
-                       "ignore_eos": True, "stream": True}).encode()
-    req = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-           b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    req = raw_post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 100000,
+                                       "ignore_eos": True, "stream": True})
     for _ in range(10):
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
             sock.sendall(req + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
             assert sock.recv(100)  # the stream started
-
-    loop = server.engine._loop
-    assert loop is not None
-
-    async def watchers() -> int:
-        return sum(1 for t in asyncio.all_tasks()
-                   if getattr(t.get_coro(), "__qualname__", "") == "Conn._wait")
-
-    def none_left() -> bool:
-        return asyncio.run_coroutine_threadsafe(watchers(), loop).result(30) == 0
-
-    eventually(none_left, 30.0, "every watcher to end")
+    eventually(lambda: not server.on_loop(lambda: server.tasks("Conn._wait")), 30.0,
+               "every watcher to end")
