@@ -40,7 +40,8 @@ Scalar = None | bool | int | float | Annotated[str, msgspec.Meta(max_length=MAX_
 #: format ``"I"``. msgspec encodes and decodes it natively (a msgpack ``bin``,
 #: no Python call either way), and a decoded one is a read-only view of the
 #: received frame (no copy). ``np.asarray(ids)`` or ``ids.tolist()`` read it.
-PackedU32 = memoryview
+#: At most :data:`MAX_TOKENS` values: the decoder refuses more, in C.
+PackedU32 = Annotated[memoryview, msgspec.Meta(max_length=4 * MAX_TOKENS)]
 #: Token ids, packed. Unsigned, so "ids are >= 0" is a property of the type,
 #: free at decode, unlike a scan for negatives.
 TokenIds = PackedU32

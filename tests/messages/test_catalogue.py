@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from messages import (
     BatchTokenIDOut,
     Codec,
+    MAX_TOKENS,
     DecodeError,
     Message,
     RidColumn,
@@ -48,6 +49,35 @@ def test_token_ids_normalizes_and_validates() -> None:
 def test_request_accepts_lists_at_runtime() -> None:
     req = TokenizedGenerateReqInput(rid="a", input_ids=[5, 6])  # type: ignore[arg-type]
     assert req.input_ids.format == "I" and req.input_ids.tolist() == [5, 6]
+    packed = token_ids([7, 8])
+    assert TokenizedGenerateReqInput(rid="b", input_ids=packed).input_ids is packed
+    as_bytes = TokenizedGenerateReqInput(rid="c", input_ids=memoryview(packed.tobytes()))
+    assert as_bytes.input_ids.format == "I" and as_bytes.input_ids.tolist() == [7, 8]
+    with pytest.raises(ValueError, match="input_ids.*whole number"):
+        TokenizedGenerateReqInput(rid="d", input_ids=memoryview(b"abcde"))
+    # A view of signed bytes holds one id per byte, never four bytes read as one id.
+    signed = memoryview(np.array([1, 2, 3, 4], np.int8))
+    assert TokenizedGenerateReqInput(rid="s", input_ids=signed).input_ids.tolist() == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="input_ids.*negative"):
+        TokenizedGenerateReqInput(rid="e", input_ids=np.array([1, -1]))  # type: ignore[arg-type]
+
+
+def test_received_token_ids_are_bounded_and_whole() -> None:
+    # The decoder's checks, in C: at most MAX_TOKENS ids, whole uint32 values.
+    codec: Codec[Message] = Codec(Message, max_message_bytes=1 << 24)
+    too_many = memoryview(bytes(4 * MAX_TOKENS + 4))
+    with pytest.raises(ValueError, match="input_ids holds 1048577 values"):
+        TokenizedGenerateReqInput(rid="big", input_ids=too_many)  # refused where made, too
+    big = msgspec.msgpack.encode(["TokenizedGenerateReqInput", "big", too_many])
+    with pytest.raises(DecodeError, match="input_ids") as info:
+        codec.decode([big])
+    assert info.value.rid == "big"
+    odd = msgspec.msgpack.encode(["TokenizedGenerateReqInput", "odd", b"abcde"])
+    with pytest.raises(DecodeError, match="input_ids.*whole number") as info:
+        codec.decode([odd])
+    assert info.value.rid == "odd"
+    ok = codec.decode(codec.encode(TokenizedGenerateReqInput(rid="ok", input_ids=token_ids([3]))))
+    assert ok.input_ids.format == "I" and ok.input_ids.tolist() == [3]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
