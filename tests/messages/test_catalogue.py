@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from messages import (
+    MAX_TOKENS,
     BatchTokenIDOut,
     Codec,
-    MAX_TOKENS,
     DecodeError,
     Message,
     RidColumn,
@@ -53,12 +53,12 @@ def test_request_accepts_lists_at_runtime() -> None:
     assert TokenizedGenerateReqInput(rid="b", input_ids=packed).input_ids is packed
     as_bytes = TokenizedGenerateReqInput(rid="c", input_ids=memoryview(packed.tobytes()))
     assert as_bytes.input_ids.format == "I" and as_bytes.input_ids.tolist() == [7, 8]
-    with pytest.raises(ValueError, match="input_ids.*whole number"):
+    with pytest.raises(ValueError, match=r"input_ids.*whole number"):
         TokenizedGenerateReqInput(rid="d", input_ids=memoryview(b"abcde"))
     # A view of signed bytes holds one id per byte, never four bytes read as one id.
     signed = memoryview(np.array([1, 2, 3, 4], np.int8))
     assert TokenizedGenerateReqInput(rid="s", input_ids=signed).input_ids.tolist() == [1, 2, 3, 4]
-    with pytest.raises(ValueError, match="input_ids.*negative"):
+    with pytest.raises(ValueError, match=r"input_ids.*negative"):
         TokenizedGenerateReqInput(rid="e", input_ids=np.array([1, -1]))  # type: ignore[arg-type]
 
 
@@ -73,7 +73,7 @@ def test_received_token_ids_are_bounded_and_whole() -> None:
         codec.decode([big])
     assert info.value.rid == "big"
     odd = msgspec.msgpack.encode(["TokenizedGenerateReqInput", "odd", b"abcde"])
-    with pytest.raises(DecodeError, match="input_ids.*whole number") as info:
+    with pytest.raises(DecodeError, match=r"input_ids.*whole number") as info:
         codec.decode([odd])
     assert info.value.rid == "odd"
     ok = codec.decode(codec.encode(TokenizedGenerateReqInput(rid="ok", input_ids=token_ids([3]))))
