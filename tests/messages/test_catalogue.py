@@ -56,7 +56,7 @@ def test_request_accepts_lists_at_runtime() -> None:
     with pytest.raises(ValueError, match=r"input_ids.*whole number"):
         TokenizedGenerateReqInput(rid="d", input_ids=memoryview(b"abcde"))
     # A view of signed bytes holds one id per byte, never four bytes read as one id.
-    signed = memoryview(np.array([1, 2, 3, 4], np.int8))
+    signed = memoryview(np.array([1, 2, 3, 4], np.int8).tobytes()).cast("b")
     assert TokenizedGenerateReqInput(rid="s", input_ids=signed).input_ids.tolist() == [1, 2, 3, 4]
     with pytest.raises(ValueError, match=r"input_ids.*negative"):
         TokenizedGenerateReqInput(rid="e", input_ids=np.array([1, -1]))  # type: ignore[arg-type]
