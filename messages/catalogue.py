@@ -26,6 +26,7 @@ from messages.base import (
     MAX_TOKENS,
     Output,
     PackedU32,
+    PackingMeta,
     Request,
     Rid,
     Scalar,
@@ -68,6 +69,13 @@ RpcResult = dict[
 
 _MAX_PACKED_BYTES = 4 * MAX_TOKENS
 
+
+def _cast_u32(view: memoryview, field: str) -> memoryview:
+    """A received byte view (msgspec checked its type and size) as uint32, or ValueError."""
+    if view.nbytes & 3:
+        raise ValueError(f"{field}: {view.nbytes} bytes is not a whole number of uint32 values")
+    return view.cast("I")
+
 if TYPE_CHECKING:
     # What a reader gets and a writer may pass: a column reads as a sequence
     # of str, and __post_init__ packs any sequence of str into a column.
@@ -79,7 +87,7 @@ else:
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True,
-                     gc=False):
+                     gc=False, metaclass=PackingMeta):
     """How to pick the next token.
 
     ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1``
@@ -105,12 +113,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
     ignore_eos: bool = False
 
-    def __post_init__(self) -> None:
+    def _pack(self) -> None:  # on construction (PackingMeta)
         if self.stop_token_ids is not None:
             self.stop_token_ids = packed_u32(self.stop_token_ids, field="stop_token_ids")
 
+    def _unpack(self) -> None:  # after a decode, by the request that carries it
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = _cast_u32(self.stop_token_ids, "sampling.stop_token_ids")
 
-class TokenizedGenerateReqInput(Request):
+
+class TokenizedGenerateReqInput(Request, metaclass=PackingMeta):
     """Generate tokens for an already-tokenized prompt."""
 
     input_ids: TokenIds
@@ -120,46 +132,30 @@ class TokenizedGenerateReqInput(Request):
     input_embeds: torch.Tensor | None = None
     dp_rank: DpRank | None = None
 
-    def __post_init__(self) -> None:
-        # Once per request received, so the decode path (a byte view of whole
-        # uint32s, bounded) is tested inline with the fewest operations: no
-        # type() call, one nbytes-free cast that refuses a ragged length
-        # (TypeError). Everything else, or a failed check, goes to packed_u32,
-        # which reads it or refuses it naming the field.
-        ids = self.input_ids
-        try:
-            if ids.format == "B":
-                ids = ids.cast("I")
-                if len(ids) <= MAX_TOKENS:
-                    self.input_ids = ids
-                    return
-        except (TypeError, AttributeError):
-            pass
+    def _pack(self) -> None:  # on construction (PackingMeta)
         self.input_ids = packed_u32(self.input_ids, field="input_ids")
 
+    def _unpack(self) -> None:  # once per request received (PackingMeta)
+        try:  # one C call: msgspec checked the type (a byte view) and bounded it
+            self.input_ids = self.input_ids.cast("I")
+        except TypeError:  # a length that is not whole uint32 values
+            self.input_ids = _cast_u32(self.input_ids, "input_ids")
+        sampling = self.sampling
+        if sampling.stop_token_ids is not None:
+            sampling._unpack()
 
-class TokenizedEmbeddingReqInput(Request):
+
+class TokenizedEmbeddingReqInput(Request, metaclass=PackingMeta):
     """Embed an already-tokenized text."""
 
     input_ids: TokenIds
     dp_rank: DpRank | None = None
 
-    def __post_init__(self) -> None:
-        # Once per request received, so the decode path (a byte view of whole
-        # uint32s, bounded) is tested inline with the fewest operations: no
-        # type() call, one nbytes-free cast that refuses a ragged length
-        # (TypeError). Everything else, or a failed check, goes to packed_u32,
-        # which reads it or refuses it naming the field.
-        ids = self.input_ids
-        try:
-            if ids.format == "B":
-                ids = ids.cast("I")
-                if len(ids) <= MAX_TOKENS:
-                    self.input_ids = ids
-                    return
-        except (TypeError, AttributeError):
-            pass
+    def _pack(self) -> None:  # on construction (PackingMeta)
         self.input_ids = packed_u32(self.input_ids, field="input_ids")
+
+    def _unpack(self) -> None:  # once per request received (PackingMeta)
+        self.input_ids = _cast_u32(self.input_ids, "input_ids")
 
 
 class AbortReq(Request):

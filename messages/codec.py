@@ -50,7 +50,7 @@ import torch
 
 from messages import _tensors as tz
 from messages._failures import FailureNamer, find_field, invalid, unencodable
-from messages.base import ABSTRACT_MESSAGE_TYPES, Message
+from messages.base import ABSTRACT_MESSAGE_TYPES, Message, PackingMeta
 from messages.burst import BURST_TAG, MAX_BURST, burst_type, split
 from messages.errors import DecodeError, EncodeError
 from messages.rids import RidColumn
@@ -155,6 +155,9 @@ class Codec(Generic[M]):
         self._carried: frozenset[type] | None = (
             frozenset(self.types) if channel is not None else None)
         self._namer = FailureNamer(self.types, channel)  # the cold path: what failed, where
+        #: The types whose decoded messages ``_unpack()`` finishes (PackingMeta).
+        self._unpacking: frozenset[type] = frozenset(
+            t for t in self.types if isinstance(t, PackingMeta))
         union = self.types[0] if len(self.types) == 1 else _union(self.types)
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(
@@ -293,11 +296,13 @@ class Codec(Generic[M]):
         # bug in a helper), it leaves as a DecodeError. A try costs nothing
         # on the way through, so the one-frame fast path stays as it was.
         try:
-            if len(frames) == 1:
-                head = frames[0]
-                if len(head) <= self.max_message_bytes:
-                    return self._single.decode(head)
-            return self._decode_frames(frames, self._decoder)
+            if len(frames) == 1 and len(frames[0]) <= self.max_message_bytes:
+                msg = self._single.decode(frames[0])
+            else:
+                msg = self._decode_frames(frames, self._decoder)
+            if type(msg) in self._unpacking:
+                msg._unpack()  # type: ignore[attr-defined]
+            return msg
         except Exception as exc:
             raise self._namer.failure(frames, exc) from exc
 
@@ -317,10 +322,17 @@ class Codec(Generic[M]):
                     got = self._decode_frames(frames, self._decoder_any)
             else:
                 got = self._decode_frames(frames, self._decoder_any)
+            unpacking = self._unpacking
+            if type(got) is self._burst:
+                got = got.items  # type: ignore[attr-defined]
+                if unpacking:
+                    for msg in got:
+                        if type(msg) in unpacking:
+                            msg._unpack()
+            elif type(got) in unpacking:
+                got._unpack()  # type: ignore[attr-defined]
         except Exception as exc:
             raise self._namer.failure(frames, exc) from exc
-        if type(got) is self._burst:
-            return got.items  # type: ignore[attr-defined,no-any-return]
         return got  # type: ignore[return-value]
 
     def decode_members(self, frames: Sequence[Frame], /) -> list[M | DecodeError]:
@@ -351,10 +363,10 @@ class Codec(Generic[M]):
                     out.append(exc)
             return out
         try:
-            self._decode_frames(frames, self._decoder_any)
+            self.decode_any(frames)
             why = "decode failed"
-        except Exception as exc:
-            why = self._namer.failure(frames, exc).reason
+        except DecodeError as exc:
+            why = exc.reason
         return list(self.reject_members(frames, f"in a burst with tensor frames that failed "
                                                 f"to decode ({why})"))
 

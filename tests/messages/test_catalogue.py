@@ -76,6 +76,15 @@ def test_received_token_ids_are_bounded_and_whole() -> None:
     with pytest.raises(DecodeError, match=r"input_ids.*whole number") as info:
         codec.decode([odd])
     assert info.value.rid == "odd"
+    # In a burst, the ragged member is refused alone, by its rid (the codec's
+    # cold path), and the others decode with their ids as uint32.
+    good = codec.encode(TokenizedGenerateReqInput(rid="good", input_ids=token_ids([5, 6])))[0]
+    burst = b"\x92\xa5Burst\x93" + bytes(good) + odd + bytes(good)
+    with pytest.raises(DecodeError):
+        codec.decode_any([burst])
+    members = codec.decode_members([burst])
+    assert isinstance(members[1], DecodeError) and members[1].rid == "odd"
+    assert [m.input_ids.tolist() for m in (members[0], members[2])] == [[5, 6], [5, 6]]  # type: ignore[union-attr]
     ok = codec.decode(codec.encode(TokenizedGenerateReqInput(rid="ok", input_ids=token_ids([3]))))
     assert ok.input_ids.format == "I" and ok.input_ids.tolist() == [3]  # type: ignore[attr-defined]
 
