@@ -83,7 +83,10 @@ class PackingMeta(msgspec.StructMeta):
 
     Decoding such a type with ``msgspec`` directly, not through a ``Codec``,
     leaves its packed fields as byte views until ``_unpack()`` is called.
-    ``msgspec.structs.replace`` runs neither hook: replace other fields.
+    ``msgspec.structs.replace`` and attribute assignment run neither hook:
+    give them packed values (:func:`token_ids`), as msgspec encodes any
+    memoryview as its raw bytes. A subclass has no ``__post_init__`` to
+    extend: override ``_pack`` / ``_unpack`` and call ``super()``'s.
     """
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
