@@ -18,6 +18,7 @@ from messages.base import (
     fit_text,
     packed_u32,
     token_ids,
+    unpack_received,
 )
 from messages.burst import MAX_BURST, SEND_BURST
 from messages.catalogue import (
@@ -128,5 +129,6 @@ __all__ = [
     "layout_to_json",
     "packed_u32",
     "token_ids",
+    "unpack_received",
     "wire_layout",
 ]

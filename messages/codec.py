@@ -50,7 +50,7 @@ import torch
 
 from messages import _tensors as tz
 from messages._failures import FailureNamer, find_field, invalid, unencodable
-from messages.base import ABSTRACT_MESSAGE_TYPES, Message, PackingMeta
+from messages.base import ABSTRACT_MESSAGE_TYPES, Message, PackingMeta, unpack_received
 from messages.burst import BURST_TAG, MAX_BURST, burst_type, split
 from messages.errors import DecodeError, EncodeError
 from messages.rids import RidColumn
@@ -155,9 +155,7 @@ class Codec(Generic[M]):
         self._carried: frozenset[type] | None = (
             frozenset(self.types) if channel is not None else None)
         self._namer = FailureNamer(self.types, channel)  # the cold path: what failed, where
-        #: The types whose decoded messages ``_unpack()`` finishes (PackingMeta).
-        self._unpacking: frozenset[type] = frozenset(
-            t for t in self.types if isinstance(t, PackingMeta))
+        self._unpacking = PackingMeta.types_in(self.types)  # finished after a decode
         union = self.types[0] if len(self.types) == 1 else _union(self.types)
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(
@@ -300,8 +298,7 @@ class Codec(Generic[M]):
                 msg = self._single.decode(frames[0])
             else:
                 msg = self._decode_frames(frames, self._decoder)
-            if type(msg) in self._unpacking:
-                msg._unpack()  # type: ignore[attr-defined]
+            unpack_received(msg, self._unpacking)
             return msg
         except Exception as exc:
             raise self._namer.failure(frames, exc) from exc
@@ -322,15 +319,9 @@ class Codec(Generic[M]):
                     got = self._decode_frames(frames, self._decoder_any)
             else:
                 got = self._decode_frames(frames, self._decoder_any)
-            unpacking = self._unpacking
             if type(got) is self._burst:
                 got = got.items  # type: ignore[attr-defined]
-                if unpacking:
-                    for msg in got:
-                        if type(msg) in unpacking:
-                            msg._unpack()
-            elif type(got) in unpacking:
-                got._unpack()  # type: ignore[attr-defined]
+            unpack_received(got, self._unpacking)
         except Exception as exc:
             raise self._namer.failure(frames, exc) from exc
         return got  # type: ignore[return-value]
