@@ -162,7 +162,9 @@ class Frontend:
         # HEAD is GET without the body: a load balancer's health check often sends it.
         self._routes.update({("HEAD", path): route for (method, path), route
                              in list(self._routes.items()) if method == "GET"})
-        self._paths = {path for _, path in self._routes}
+        # Each path's methods, for a 405's Allow header.
+        self._paths = {path: ", ".join(sorted(m for m, p in self._routes if p == path))
+                       for _, path in self._routes}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -239,8 +241,9 @@ class Frontend:
         status = 500
         try:
             if route is None:
-                raise ApiError(405, f"{method} is not allowed on {path}", code="bad_method") \
-                    if path in self._paths else \
+                allow = self._paths.get(path)
+                raise ApiError(405, f"{method} is not allowed on {path} (allowed: {allow})",
+                               code="bad_method", allow=allow) if allow is not None else \
                     ApiError(404, f"no route {method} {path}", code="not_found")
             if method == "POST":
                 # A request's work takes its turn before any of it runs: 256

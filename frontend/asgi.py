@@ -107,13 +107,15 @@ async def send_bytes(send: Send, status: int, body: bytes,
 
 
 async def send_error(send: Send, error: ApiError) -> None:
-    """``error`` in OpenAI's shape, with ``Retry-After`` when it has one.
+    """``error`` in OpenAI's shape, with ``Retry-After`` and ``Allow`` when it has them.
 
     A 408 closes the connection (as RFC 9110 advises): the rest of that
     body may still be on its way, and nothing more on it will be read.
     """
     headers = JSON if error.retry_after is None else \
         [*JSON, (b"retry-after", str(error.retry_after).encode())]
+    if error.allow is not None:  # RFC 9110: a 405 names the methods the path has
+        headers = [*headers, (b"allow", error.allow.encode())]
     if error.status == 408:
         headers = [*headers, (b"connection", b"close")]
     await send_bytes(send, error.status, error.body(), headers)

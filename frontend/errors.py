@@ -49,12 +49,14 @@ class ApiError(FrontendError):
         param: the request field at fault, or None.
         code: a short machine-readable cause, or None.
         retry_after: seconds for a ``Retry-After`` header, or None.
+        allow: the methods an ``Allow`` header names (a 405 must have one), or None.
     """
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None) -> None:
+                 retry_after: int | None = None, allow: str | None = None) -> None:
         self.status = status
+        self.allow = allow
         self.type = type
         self.param = param
         self.code = code

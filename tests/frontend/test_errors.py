@@ -131,6 +131,9 @@ def test_routes(server: Server) -> None:
     r = httpx.get(f"{server.url}/v1/completions")
     assert r.status_code == 405
     assert error(r)["code"] == "bad_method"
+    assert r.headers["allow"] == "POST"  # RFC 9110: a 405 names what the path allows
+    r = httpx.post(f"{server.url}/health")
+    assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
     r = post(server, "/v1/embeddings", {"model": "tiny", "input": ["a", [1]]})
     assert r.status_code == 400 and error(r)["param"] == "input"
     r = post(server, "/v1/embeddings", {"model": "tiny", "input": "a", "dimensions": 3})
@@ -149,7 +152,7 @@ def test_head_is_get_without_a_body(server: Server, path: str) -> None:
 
 def test_head_where_get_is_not_allowed(server: Server) -> None:
     r = httpx.head(f"{server.url}/v1/completions")
-    assert r.status_code == 405 and r.content == b""
+    assert r.status_code == 405 and r.content == b"" and r.headers["allow"] == "POST"
     assert httpx.head(f"{server.url}/v1/nowhere").status_code == 404
 
 
