@@ -260,7 +260,10 @@ class Generator:
                               if not shape.chat else "messages")
         sampling = self._sampling(req, max_tokens, extra_stop_ids)
         detok = Detokenizer(self.tokenizer, stops, ids)
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        opts = req.stream_options
+        include_usage = opts is not None and opts.include_usage
+        # OpenAI's (and vLLM's) continuous_usage_stats: every event carries the usage so far.
+        continuous = include_usage and opts is not None and opts.continuous_usage_stats
         try:
             if not req.stream and not stops:  # one awaitable, no stream: the cheap path
                 result = await self.engine.submit(ids, sampling, return_logprob=logprobs)
@@ -272,7 +275,7 @@ class Generator:
                 await send_bytes(send, 200, body)
                 return 200
             return await self._stream(shape, ids, sampling, detok, logprobs, req.stream,
-                                      include_usage, send, t0, endpoint)
+                                      include_usage, continuous, send, t0, endpoint)
         except EngineError as exc:
             raise from_engine(exc) from None
 
@@ -282,7 +285,7 @@ class Generator:
 
     async def _stream(self, shape: _Shape, ids: list[int], sampling: SamplingParams,
                       detok: Detokenizer, logprobs: bool, stream: bool, include_usage: bool,
-                      send: Send, t0: float, endpoint: str) -> int:
+                      continuous: bool, send: Send, t0: float, endpoint: str) -> int:
         # Steps, not chunks: what arrived while this task waited for the loop
         # goes out in one write (one event per step in it), and the loop gets
         # a turn between two writes.
@@ -311,9 +314,10 @@ class Generator:
                         out_ids.extend(chunk.token_ids)
                         if out_lps is not None and chunk.logprobs is not None:
                             out_lps.extend(chunk.logprobs)
-                    elif text or finish is not None or chunk.logprobs:
+                    elif text or finish is not None or chunk.logprobs or continuous:
                         events.append(shape.event(text, finish, chunk.token_ids,
-                                                  chunk.logprobs, None))
+                                                  chunk.logprobs, self._usage(ids, detok)
+                                                  if continuous else None))
                     if finish is not None:
                         break
                 if events:

@@ -71,7 +71,8 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class StreamOptions(_Body, kw_only=True):
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage;
+    with ``continuous_usage_stats`` too, every chunk carries the usage so far."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False

@@ -39,6 +39,29 @@ def test_completion_whole_and_streamed_agree(server: Server) -> None:
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_continuous_usage_stats_count_each_step(server: Server) -> None:
+    # stream_options.continuous_usage_stats (OpenAI's, vLLM's): every chunk carries the
+    # usage so far; it was accepted and silently ignored before.
+    c = client(server)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    counts = []
+    for chunk in c.completions.create(model="tiny", prompt="Hello", max_tokens=6,
+                                      temperature=0, stream=True,
+                                      extra_body={"stream_options": options}):
+        assert chunk.usage is not None, chunk
+        assert chunk.usage.prompt_tokens == len(b"Hello")
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + \
+            chunk.usage.completion_tokens
+        counts.append(chunk.usage.completion_tokens)
+    # One event per step (one token each), then the usage chunk with the total.
+    assert counts == [1, 2, 3, 4, 5, 6, 6]
+    hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
+    chat = [ch.usage.completion_tokens if ch.usage else None for ch in
+            c.chat.completions.create(model="tiny", messages=hi, max_tokens=3, temperature=0,
+                                      stream=True, extra_body={"stream_options": options})]
+    assert chat[-1] is not None and chat[:-1] == list(range(1, len(chat)))
+
+
 def test_chat_whole_and_streamed(server: Server) -> None:
     c = client(server)
     messages: list[ChatCompletionMessageParam] = [
