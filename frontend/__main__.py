@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from bus import SocketOptions
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.errors import TokenizerError
-from frontend.serving import http_protocol
+from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, http_protocol
 from frontend.tokenizer import load_tokenizer
 from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
 from scheduler.cli.options import add_curve_options, curve_options
@@ -42,6 +42,11 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="SECONDS",
                    help="a request body not read whole this long after its headers is "
                         "answered 408 (a client that dribbles it holds no handler longer)")
+    p.add_argument("--max-header-bytes", type=int, default=MAX_HEAD_BYTES,
+                   help="a request whose line and headers pass this is answered 431")
+    p.add_argument("--header-timeout", type=float, default=HEAD_TIMEOUT_S, metavar="SECONDS",
+                   help="a request whose headers are not whole this long after their first "
+                        "byte is answered 408 (a client that stops mid-header holds nothing)")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of a chat request that gives none")
     p.add_argument("--tokenizer", metavar="DIR_OR_FILE", default=None,
@@ -143,11 +148,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                                                                "%(message)s")
     settings, app = settings_from(args)
+    try:
+        protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
+                                 head_timeout=args.header_timeout)
+    except ValueError as exc:
+        raise SystemExit(f"--max-header-bytes, --header-timeout: {exc}") from exc
     print(f"frontend: model {settings.model_name!r} ({app.tokenizer.name} tokenizer, "
           f"{settings.mode} mode) on http://{args.host}:{args.port}/v1; scheduler rpc at "
           f"{settings.rpc_endpoint}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, loop=args.loop, http=http_protocol(args.http), lifespan="on",
+                access_log=False, loop=args.loop, http=protocol, lifespan="on",
                 # X-Forwarded-For is a claim from the wire: nothing here reads a client
                 # address, and the middleware that would believe it costs every request.
                 proxy_headers=False,

@@ -14,6 +14,16 @@ past the iteration's slice, a connection's bytes wait, unread, for a later
 iteration, so a burst of arriving requests is parsed a share at a time. And
 a client that leaves is seen by every request of its connection, not only
 the last one it pipelined (uvicorn tells that one alone).
+
+A request's head (its request line and headers) is bounded too, in size
+and in time: uvicorn's httptools protocol read headers without limit (an
+outside probe sent 64 MB of them and the server kept every byte) and
+without a deadline (a client that sent half its headers and stopped held
+its connection for ever, the idle timer being cancelled by its first
+byte). Past ``max_head_bytes`` the answer is a 431, past ``head_timeout``
+seconds a 408, each in OpenAI's error shape and closing the connection.
+(These bounds are the httptools protocol's, the default; ``h11`` bounds a
+head's size itself and has no deadline.)
 """
 
 from __future__ import annotations
@@ -22,20 +32,58 @@ import asyncio
 import functools
 from typing import Any
 
+from frontend.errors import ApiError
 from frontend.turns import loop_turns
 
-__all__ = ["http_protocol"]
+__all__ = ["HEAD_TIMEOUT_S", "MAX_HEAD_BYTES", "http_protocol"]
+
+#: Most bytes of one request's head (request line and headers): nginx allows 32 KiB by
+#: default, Node 16 KiB; room here for long bearer tokens and cookies.
+MAX_HEAD_BYTES = 64 << 10
+#: Seconds a request's head may take to arrive whole once its first byte has.
+HEAD_TIMEOUT_S = 30.0
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
-def http_protocol(name: str = "auto") -> type[asyncio.Protocol]:
+def _refusal(status: int, code: str, message: str) -> bytes:
+    """A whole HTTP/1.1 error answer in OpenAI's shape that closes the connection."""
+    body = ApiError(status, message, code=code).body()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, _REASONS[status], len(body))) + body
+
+
+class _Refused(Exception):
+    """Raised from a parser callback once the connection was answered and closed."""
+
+
+def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
+                  head_timeout: float = HEAD_TIMEOUT_S) -> type[asyncio.Protocol]:
     """uvicorn's protocol class ``name`` (``auto``, ``h11``, ``httptools``), closing a
-    connection that sends nothing within its keep-alive timeout."""
+    connection that sends nothing within its keep-alive timeout, and bounding each
+    request's head to ``max_head_bytes`` (else 431) and ``head_timeout`` seconds
+    (else 408).
+
+    Raises:
+        ValueError: a bound that is not above 0.
+    """
     from uvicorn.config import HTTP_PROTOCOLS
     from uvicorn.importer import import_from_string
 
+    if not (max_head_bytes > 0 and head_timeout > 0):  # (NaN too)
+        raise ValueError(f"max_head_bytes ({max_head_bytes}) and head_timeout "
+                         f"({head_timeout}) must be above 0")
     base: Any = import_from_string(HTTP_PROTOCOLS[name])
 
+    def _too_large() -> bytes:
+        return _refusal(431, "headers_too_large",
+                        f"the request's headers passed {max_head_bytes} bytes")
+
     class Guarded(base):  # type: ignore[misc]
+        _in_head = False  # a request's head has begun and is not whole yet
+        _head_bytes = 0  # bytes read while it is not
+        _head_timer: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             self._turns = loop_turns()  # (looked up once, not per read)
@@ -65,7 +113,50 @@ def http_protocol(name: str = "auto") -> type[asyncio.Protocol]:
                 earlier.append(old)
             self.__dict__["_cycle"] = new
 
+        # -- the head's bounds (httptools' parser callbacks) --------------------------
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head = True
+            self._head_bytes = 0
+            if self._head_timer is None:
+                me: Any = self
+                self._head_timer = me.loop.call_later(head_timeout, self._head_late)
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            self._head_bytes = 0
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            me: Any = self
+            # A head that arrived whole in one read was not counted as it came.
+            if len(me.url) + sum(len(n) + len(v) + 4 for n, v in me.headers) > max_head_bytes:
+                self._refuse(_too_large())
+                raise _Refused  # stop the parser: nothing more of this connection is read
+            super().on_headers_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            if not self.transport.is_closing():  # (not after a refusal of ours)
+                super().send_400_response(msg)
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self._in_head:
+                self._refuse(_refusal(408, "header_timeout", f"the request's headers did not "
+                                      f"arrive whole within {head_timeout:g} s"))
+
+        def _refuse(self, answer: bytes) -> None:
+            self._in_head = False
+            transport: Any = self.transport
+            if not transport.is_closing():
+                transport.write(answer)
+                transport.close()
+
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
             super().connection_lost(exc)
             for c in self.__dict__.pop("_earlier", ()):
                 if not c.response_complete:
@@ -89,6 +180,12 @@ def http_protocol(name: str = "auto") -> type[asyncio.Protocol]:
                 self._paced = False
                 transport.resume_reading()
             super().data_received(data)
+            if self._in_head:  # the parser holds an unfinished head: count what it read
+                # (a read that also ended the previous request counts whole: an
+                # over-count of at most one read, on a bound far above real heads)
+                self._head_bytes += len(data)
+                if self._head_bytes > max_head_bytes:
+                    self._refuse(_too_large())
 
     Guarded.__name__ = f"Guarded{base.__name__}"
     return Guarded

@@ -40,7 +40,8 @@ class Server:
 
     def __init__(self, settings: Settings, tokenizer: Tokenizer, *,
                  engine: Callable[[Settings], AsyncEngine] | None = None,
-                 timeout_keep_alive: int = 5) -> None:
+                 timeout_keep_alive: int = 5, head_timeout: float = 30.0,
+                 max_head_bytes: int = 64 << 10) -> None:
         self.app = Frontend(settings, tokenizer, engine=engine)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -48,7 +49,8 @@ class Server:
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, lifespan="on", log_level="warning",
-                                access_log=False, http=http_protocol(),
+                                access_log=False, http=http_protocol(
+                                    head_timeout=head_timeout, max_head_bytes=max_head_bytes),
                                 timeout_keep_alive=timeout_keep_alive)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, args=([self._sock],),

@@ -1,5 +1,7 @@
 """A client that sends headers and then dribbles its body, or never sends it, is answered
-408 at the body-read deadline (outside probe: it held a handler for ever)."""
+408 at the body-read deadline (outside probe: it held a handler for ever); one that
+dribbles its headers is answered 408 at theirs, and one whose headers never end 431
+(outside probe: 64 MB of headers were read and kept, half a head held a connection)."""
 
 from __future__ import annotations
 
@@ -27,10 +29,15 @@ HEAD = (b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: applicati
         b"content-length: 100000\r\n\r\n")
 
 
+#: The server's bound on a request's head (line and headers), small for the tests.
+MAX_HEAD = 4096
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     s = Server(Settings(model=ModelConfig(vocab_size=TOK.vocab_size, kind="stub"),
-                        body_timeout=BODY_TIMEOUT), TOK, timeout_keep_alive=1)
+                        body_timeout=BODY_TIMEOUT), TOK, timeout_keep_alive=1,
+               head_timeout=BODY_TIMEOUT, max_head_bytes=MAX_HEAD)
     yield s
     s.stop()
 
@@ -126,3 +133,43 @@ def test_a_connection_that_never_sends_a_byte_is_closed(server: Server) -> None:
         assert answer(sock, dribble=False) == b""  # closed, nothing said
         assert time.monotonic() - t0 < WAIT
     assert httpx.get(f"{server.url}/health", timeout=WAIT).status_code == 200
+
+
+def _error(raw: bytes, status: int) -> dict[str, object]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), raw[:300]
+    assert b"connection: close" in head.lower()
+    error = msgspec.json.decode(body)["error"]
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize("dribble", [False, True], ids=["stops", "dribbles"])
+def test_a_head_not_sent_in_time_is_408(server: Server, dribble: bool) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: test\r\nx-slow: ")
+        t0 = time.monotonic()
+        raw = answer(sock, dribble)  # (dribble: one more byte of the header value a time)
+    assert time.monotonic() - t0 >= BODY_TIMEOUT * 0.9
+    assert _error(raw, 408)["code"] == "header_timeout"
+    assert httpx.get(f"{server.url}/health", timeout=WAIT).status_code == 200
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["in-pieces", "one-read"])
+def test_a_head_past_the_bound_is_431(server: Server, split: bool) -> None:
+    head = b"GET /health HTTP/1.1\r\nhost: test\r\nx-pad: " + b"a" * (MAX_HEAD + 10)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:
+        if split:  # a header that never ends, sent in pieces: refused as it passes the bound
+            for i in range(0, len(head), 1000):
+                try:
+                    sock.sendall(head[i:i + 1000])
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+        else:  # whole, in one write (the server may read it in one piece)
+            sock.sendall(head + b"\r\n\r\n")
+        raw = answer(sock, dribble=False)
+    assert _error(raw, 431)["code"] == "headers_too_large"
+    # A head under the bound is served, on a server that still answers everyone.
+    ok = httpx.get(f"{server.url}/health", headers={"x-pad": "a" * (MAX_HEAD // 2)},
+                   timeout=WAIT)
+    assert ok.status_code == 200
