@@ -25,7 +25,12 @@ The last line is one JSON object, the stub model throughout:
 * ``cpu_ratio_vs_floor``: the floor's CPU time per request over the
   frontend's (its scheduler process included), from ``/proc``: on a shared
   box where other work takes the cores, what each request *costs* is
-  steadier than how many fit in a second. ``load_avg_1m`` says how shared.
+  steadier than how many fit in a second. ``load_avg_1m`` says how shared,
+  and ``box_wake_cpu_us`` what a process pays in CPU to wake from a short
+  sleep here: the frontend and the scheduler each sleep about every other
+  request at concurrency 64 (the floor's loop never does), and at
+  concurrency 1 every request costs several wake-ups across the two
+  processes and libzmq's I/O threads.
 * ``disconnect_to_free_ms_p99``: a stream is closed by its client after its
   first event; the time until ``get_load`` (through the server's rpc door)
   shows the slot free.
@@ -50,6 +55,7 @@ import gc
 import json
 import os
 import re
+import select
 import socket
 import statistics
 import subprocess
@@ -309,6 +315,32 @@ async def _run_client(*args: object) -> object:
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
+def _wake_cpu_us() -> float:
+    """CPU microseconds a process pays to wake from a 1 ms sleep, on this box: a fixed
+    piece of work timed back to back and after each sleep, medians of 3 (Linux VMs
+    pay tens of microseconds a wake-up; on bare metal it is a few). A server that
+    sleeps between requests pays it per sleep; one never idle under load does not."""
+    def work() -> dict[int, str]:
+        return {i: str(i) for i in range(300)}
+
+    def per_call(gap: float, n: int = 300) -> float:
+        r, w = os.pipe()
+        try:
+            t0 = time.process_time()
+            for _ in range(n):
+                if gap:
+                    select.select([r], [], [], gap)
+                work()
+            return (time.process_time() - t0) / n * 1e6
+        finally:
+            os.close(r)
+            os.close(w)
+
+    hot = statistics.median(per_call(0) for _ in range(3))
+    cold = statistics.median(per_call(0.001) for _ in range(3))
+    return max(0.0, cold - hot)
+
+
 def _children_cpu_s() -> float:
     """CPU seconds of this process's children that have ended (the load clients)."""
     import resource
@@ -521,6 +553,7 @@ async def run() -> dict[str, object]:
                  "ttft_overhead_ms_p50": "<= 1.0", "loop_lag_ms_p99": "<= 10",
                  "disconnect_to_free_ms_p99": "<= 50"},
         "load_avg_1m": os.getloadavg()[0],
+        "box_wake_cpu_us": round(_wake_cpu_us(), 1),
         "client": "raw asyncio HTTP/1.1, own process (streams: a bare protocol on uvloop)",
         "server": "uvicorn (loop=auto, http=auto), zmq mode, stub model",
     }

@@ -36,6 +36,11 @@ __all__ = ["Detokenizer"]
 _WINDOW_SEED = 5
 
 
+#: The UTF-8 incremental decoder class, looked up once (a codec registry lookup per
+#: request was 1.5% of a non-streamed request's time, py-spy under load).
+_UTF8 = codecs.getincrementaldecoder("utf-8")
+
+
 class Detokenizer:
     """One request's text so far. :meth:`push` new ids, send what it returns.
 
@@ -51,7 +56,7 @@ class Detokenizer:
                  prompt_ids: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._table = tokenizer.token_bytes()
-        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self._dec = _UTF8("replace")
         self._stops = tuple(s for s in stops if s)
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._held = ""
