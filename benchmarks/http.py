@@ -93,7 +93,8 @@ async def _floor_app(scope: dict[str, object], receive: Callable[[], Awaitable[d
     while (await receive()).get("more_body"):
         pass
     await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json")]})
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", b"%d" % len(_FLOOR_BODY))]})
     await send({"type": "http.response.body", "body": _FLOOR_BODY})
 
 

@@ -101,8 +101,9 @@ def too_slow(timeout: float) -> ApiError:
 
 async def send_bytes(send: Send, status: int, body: bytes,
                      headers: Headers = JSON) -> None:
-    """A whole response in two ASGI events."""
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    """A whole response in two ASGI events, its length told (so it is not chunked)."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", b"%d" % len(body))]})
     await send({"type": "http.response.body", "body": body})
 
 

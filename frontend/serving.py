@@ -24,12 +24,15 @@ byte). Past ``max_head_bytes`` the answer is a 431, past ``head_timeout``
 seconds a 408, each in OpenAI's error shape and closing the connection.
 (These bounds are the httptools protocol's, the default; ``h11`` bounds a
 head's size itself and has no deadline.)
+
+An HTTP/1.0 request's answer is never chunked (:func:`_close_delimited`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 from typing import Any
 
 from frontend.errors import ApiError
@@ -51,6 +54,25 @@ def _refusal(status: int, code: str, message: str) -> bytes:
     body = ApiError(status, message, code=code).body()
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, _REASONS[status], len(body))) + body
+
+
+def _close_delimited(cycle: Any) -> None:
+    """Answer an HTTP/1.0 request without chunked transfer coding, which HTTP/1.0 does not
+    have: a body with no length ends when the connection closes (uvicorn closes an
+    HTTP/1.0 connection after its answer). uvicorn chunked every answer that had no
+    ``content-length``, so an HTTP/1.0 client (nginx's ``proxy_pass`` by default)
+    read the chunk sizes as part of a stream's events."""
+    send = cycle.send
+
+    async def send_1_0(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            cycle.chunked_encoding = False  # (decided before uvicorn looks at the headers)
+            cycle.expected_content_length = sys.maxsize  # whatever comes, until the close
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
+            cycle.expected_content_length = len(message.get("body", b""))  # it ends here
+        await send(message)
+
+    cycle.send = send_1_0
 
 
 class _Refused(Exception):
@@ -106,6 +128,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
 
         @cycle.setter
         def cycle(self, new: Any) -> None:
+            if new is not None and new.scope.get("http_version") == "1.0":
+                _close_delimited(new)
             old = self.__dict__.get("_cycle")
             if old is not None and old is not new and not old.response_complete:
                 earlier = self.__dict__.setdefault("_earlier", [])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import json
+import socket
 
 import httpx
 import numpy as np
@@ -10,7 +12,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.frontend.server import Server
+from tests.frontend.server import Server, raw_post
 
 
 def client(server: Server) -> openai.OpenAI:
@@ -60,6 +62,34 @@ def test_continuous_usage_stats_count_each_step(server: Server) -> None:
             c.chat.completions.create(model="tiny", messages=hi, max_tokens=3, temperature=0,
                                       stream=True, extra_body={"stream_options": options})]
     assert chat[-1] is not None and chat[:-1] == list(range(1, len(chat)))
+
+
+def _http_1_0(server: Server, body: dict[str, object]) -> tuple[bytes, bytes]:
+    """POST ``body`` as HTTP/1.0; (head, body) of the answer, read until the close."""
+    request = raw_post("/v1/completions", body).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        got = b""
+        while data := sock.recv(65536):
+            got += data
+    head, _, rest = got.partition(b"\r\n\r\n")
+    return head.lower(), rest
+
+
+def test_http_1_0_answers_are_not_chunked(server: Server) -> None:
+    # HTTP/1.0 has no chunked coding (nginx's proxy_pass speaks it by default): a
+    # stream's body ends at the close. uvicorn chunked it, and the chunk sizes were
+    # read as part of the events.
+    head, body = _http_1_0(server, {"model": "tiny", "prompt": "Hi", "max_tokens": 3,
+                                    "stream": True})
+    assert head.startswith(b"http/1.1 200") and b"transfer-encoding" not in head
+    events = body.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""], body
+    assert all(e.startswith(b"data: {") for e in events[:-2]) and len(events) >= 3
+    assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "length"
+    head, body = _http_1_0(server, {"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+    assert b"transfer-encoding" not in head and b"content-length: %d" % len(body) in head
+    assert json.loads(body)["usage"]["completion_tokens"] == 3
 
 
 def test_chat_whole_and_streamed(server: Server) -> None:
