@@ -156,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"frontend: model {settings.model_name!r} ({app.tokenizer.name} tokenizer, "
           f"{settings.mode} mode) on http://{args.host}:{args.port}/v1; scheduler rpc at "
           f"{settings.rpc_endpoint}", file=sys.stderr, flush=True)
+    if args.http == "h11":
+        log.warning("--http h11: uvicorn's h11 protocol bounds a request's head itself "
+                    "(16 KiB) and gives it no deadline; --max-header-bytes and "
+                    "--header-timeout apply to httptools (the default)")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, loop=args.loop, http=protocol, lifespan="on",
                 # X-Forwarded-For is a claim from the wire: nothing here reads a client

@@ -392,8 +392,12 @@ def check_supported(req: _Sampling) -> None:
 
     Raises:
         ApiError: 400 naming the option (``n > 1``, a penalty, ``logit_bias``,
-            ``echo``, ``suffix``, ``best_of > 1``, ``top_logprobs > 0``).
+            ``echo``, ``suffix``, ``best_of > 1``, ``top_logprobs > 0``, and
+            ``stream_options`` without ``stream``, as OpenAI and vLLM refuse it).
     """
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options: only allowed with stream=true",
+                          param="stream_options")
     if req.n != 1:
         raise _unsupported("n", "n > 1 is not supported: send one request per answer")
     if req.presence_penalty or req.frequency_penalty:

@@ -47,6 +47,9 @@ MAX_HEAD_BYTES = 64 << 10
 HEAD_TIMEOUT_S = 30.0
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+#: Bytes a chunk of a chunked body may spend on its framing (size line, extensions,
+#: CRLFs) beyond the head's bound.
+_CHUNK_FRAMING = 64
 
 
 def _refusal(status: int, code: str, message: str) -> bytes:
@@ -102,8 +105,12 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                         f"the request's headers passed {max_head_bytes} bytes")
 
     class Guarded(base):  # type: ignore[misc]
-        _in_head = False  # a request's head has begun and is not whole yet
-        _head_bytes = 0  # bytes read while it is not
+        _open = False  # a request has begun and is not read whole yet
+        _in_head = False  # ... and its head is not whole yet
+        _seq = 0  # requests begun on this connection
+        _framing = 0  # bytes of the open request read that were not its body
+        _body = 0  # body bytes read on this connection
+        _chunks = 0  # chunks of the open request's body (chunked)
         _head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -141,15 +148,15 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._in_head = True
-            self._head_bytes = 0
+            self._open = self._in_head = True
+            self._seq += 1
+            self._framing = self._chunks = 0
             if self._head_timer is None:
                 me: Any = self
                 self._head_timer = me.loop.call_later(head_timeout, self._head_late)
 
         def on_headers_complete(self) -> None:
             self._in_head = False
-            self._head_bytes = 0
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
@@ -160,22 +167,72 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 raise _Refused  # stop the parser: nothing more of this connection is read
             super().on_headers_complete()
 
+        def on_body(self, body: bytes) -> None:
+            self._body += len(body)  # (the connection's, all requests')
+            super().on_body(body)
+
+        def on_chunk_header(self) -> None:  # (httptools calls it where it is defined)
+            self._chunks += 1
+
+        def on_message_complete(self) -> None:
+            self._open = False
+            super().on_message_complete()
+
         def send_400_response(self, msg: str) -> None:
             if not self.transport.is_closing():  # (not after a refusal of ours)
                 super().send_400_response(msg)
 
+        def _answering(self) -> bool:
+            """Whether an answer is being written on this connection."""
+            cycle = self.cycle
+            return cycle is not None and cycle.response_started and not cycle.response_complete
+
         def _head_late(self) -> None:
             self._head_timer = None
-            if self._in_head:
-                self._refuse(_refusal(408, "header_timeout", f"the request's headers did not "
-                                      f"arrive whole within {head_timeout:g} s"))
+            if not self._in_head:
+                return
+            if self._answering():  # a head pipelined behind an answer: its time starts
+                me: Any = self  # once the answer is written (a 408 now would cut into it)
+                self._head_timer = me.loop.call_later(head_timeout, self._head_late)
+                return
+            self._refuse(_refusal(408, "header_timeout", f"the request's headers did not "
+                                  f"arrive whole within {head_timeout:g} s"))
 
         def _refuse(self, answer: bytes) -> None:
-            self._in_head = False
+            """Answer ``answer`` and close; with an answer still being written on the
+            connection, close without a word (the bytes would land inside it)."""
+            self._in_head = self._open = False
             transport: Any = self.transport
             if not transport.is_closing():
-                transport.write(answer)
+                if not self._answering():
+                    transport.write(answer)
                 transport.close()
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # its handler hears the client gone, now
+                cycle.message_event.set()
+
+        def _count(self, data: bytes, seq: int, was_open: bool, body: int) -> None:
+            """After ``data`` was parsed: bound what of it was not body (a head, a chunked
+            body's framing and trailers), and close a connection left idle again."""
+            if self._open:
+                # What was read and not body: the open request's head, framing and
+                # trailers. In a read where it began, what ended an earlier request
+                # is in it too: that one's body is subtracted, its chunk framing is
+                # not (an over-count of at most its chunk lines in that read).
+                read = len(data) - (self._body - body)
+                self._framing = self._framing + read if was_open and self._seq == seq \
+                    else read
+                if self._framing > max_head_bytes + _CHUNK_FRAMING * self._chunks:
+                    self._refuse(_too_large())
+            elif not self._open and not self._answering():
+                # Nothing began (blank lines before a request, which the parser skips):
+                # uvicorn cancelled the idle timer on the first byte; arm it again, or a
+                # connection sending one CRLF is held for ever (outside probe: 200 held).
+                me: Any = self
+                if me.timeout_keep_alive_task is None and not self.transport.is_closing():
+                    me.timeout_keep_alive_task = me.loop.call_later(
+                        me.timeout_keep_alive, me.timeout_keep_alive_handler)
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._head_timer is not None:
@@ -203,13 +260,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             if self._paced:  # first: parsing may pause it again (uvicorn's flow control)
                 self._paced = False
                 transport.resume_reading()
+            seq, was_open, body = self._seq, self._open, self._body
             super().data_received(data)
-            if self._in_head:  # the parser holds an unfinished head: count what it read
-                # (a read that also ended the previous request counts whole: an
-                # over-count of at most one read, on a bound far above real heads)
-                self._head_bytes += len(data)
-                if self._head_bytes > max_head_bytes:
-                    self._refuse(_too_large())
+            self._count(data, seq, was_open, body)
 
     Guarded.__name__ = f"Guarded{base.__name__}"
     return Guarded

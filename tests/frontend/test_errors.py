@@ -44,6 +44,9 @@ def error(r: httpx.Response) -> dict[str, object]:
     ({"model": "tiny", "prompt": "x", "stop": [""]}, "stop[0]"),
     ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": 3}},
      "stream_options.include_usage"),
+    # Options of a stream on a request that is not one: refused, as OpenAI does.
+    ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options"),
     ({"prompt": "x"}, "model"),
     ({"model": "tiny"}, "prompt"),
     ({"model": "tiny", "prompt": [1, 99999]}, "prompt"),

@@ -19,7 +19,7 @@ from frontend.asgi import Event, read_body
 from frontend.errors import ApiError
 from scheduler import ModelConfig
 from tests.conftest import eventually
-from tests.frontend.server import Server
+from tests.frontend.server import Server, raw_post
 
 TOK = ByteTokenizer()
 #: The server's deadline; each test waits far longer for it (a busy box).
@@ -173,3 +173,51 @@ def test_a_head_past_the_bound_is_431(server: Server, split: bool) -> None:
     ok = httpx.get(f"{server.url}/health", headers={"x-pad": "a" * (MAX_HEAD // 2)},
                    timeout=WAIT)
     assert ok.status_code == 200
+
+
+def test_blank_lines_alone_do_not_hold_a_connection(server: Server) -> None:
+    # The parser skips blank lines before a request without beginning one: a client
+    # sending one CRLF (then nothing) cancelled the idle timer and was held for ever.
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"\r\n")
+        t0 = time.monotonic()
+        assert answer(sock, dribble=False) == b""  # closed at the idle timeout
+        assert time.monotonic() - t0 < WAIT
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # after an answer
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n")
+        got = b""
+        while not got.endswith(b'{"status":"ok"}'):  # the whole answer (head, body)
+            data = sock.recv(65536)
+            assert data, got
+            got += data
+        assert got.startswith(b"HTTP/1.1 200")
+        sock.sendall(b"\r\n")
+        assert answer(sock, dribble=False) == b""
+
+
+def test_trailers_past_the_bound_are_431(server: Server) -> None:
+    # A chunked body's trailers are headers too: 64 MB of them took 1.2 GB before.
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json"
+            b"\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:
+        sock.sendall(head)
+        for _ in range(3 * MAX_HEAD // 100):
+            try:
+                sock.sendall(b"x-trailer: " + b"t" * 87 + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        raw = answer(sock, dribble=False)
+    assert _error(raw, 431)["code"] == "headers_too_large"
+
+
+def test_a_large_body_pipelined_before_a_head_is_not_counted_as_head(
+        server: Server) -> None:
+    # A read holding a request's body and the next one's first bytes counted the body
+    # as head bytes: a false 431, and the valid request went unanswered.
+    post = raw_post("/v1/completions", {"model": "tiny", "prompt": "x" * (3 * MAX_HEAD),
+                                        "max_tokens": 1})
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:
+        sock.sendall(post + b"GET /he")
+        raw = answer(sock, dribble=False)  # the POST's answer, then the GET's 408
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+    assert b"HTTP/1.1 408 " in raw and b"HTTP/1.1 431" not in raw
