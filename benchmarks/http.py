@@ -8,6 +8,9 @@ The last line is one JSON object, the stub model throughout:
   body; same client, concurrency 64, alternating rounds, median of each.
   ``floor_starlette_rps`` is that floor written with Starlette (how the ASGI
   stack was chosen: a framework costs more per request than our handler).
+  ``handler_only_rps`` is ``python -m frontend``'s app and protocol over an
+  engine that answers at once (no scheduler round trip): the HTTP side's
+  own ceiling.
 * ``stream_tokens_ratio_vs_async``: tokens per second over 256 concurrent
   HTTP streams of 256 tokens each, divided by 256 concurrent ``AsyncEngine``
   streams of the same workload (zmq mode, max_batch 256) with no HTTP,
@@ -63,7 +66,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from typing import cast
+from typing import Any, cast
 
 MODEL = "tiny"
 ROUNDS = 3
@@ -117,6 +120,34 @@ def serve_floor(port: int, kind: str) -> None:
     app = _starlette_app() if kind == "starlette" else _floor_app
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",  # type: ignore[arg-type]
                 access_log=False, lifespan="off")
+
+
+def serve_handler_only(port: int) -> None:
+    """``python -m frontend``'s app and protocol over an engine that answers every
+    non-streamed request at once, with no scheduler round trip: what the HTTP
+    side and our handler cost alone (the scheduler, in ring mode, idles)."""
+    import uvicorn
+
+    from frontend import ByteTokenizer, Frontend, Settings
+    from frontend.serving import http_protocol
+    from messages import SamplingParams
+    from scheduler import AsyncEngine, ModelConfig
+    from scheduler.engine.handles import GenerateResult
+
+    class Instant(AsyncEngine):
+        def submit(self, input_ids: object, sampling: SamplingParams | None = None, *,
+                   return_logprob: bool = False, rid: str | None = None,
+                   dp_rank: int | None = None) -> Any:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(GenerateResult("instant", [104], "length", None))
+            return done
+
+    tok = ByteTokenizer()
+    app = Frontend(Settings(mode="ring", model=ModelConfig(vocab_size=tok.vocab_size,
+                                                           kind="stub")), tok,
+                   engine=lambda s: Instant(s.mode, s.model, max_batch=s.max_batch))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                http=http_protocol(), lifespan="on", proxy_headers=False)
 
 
 # -- the load client (its own process) ----------------------------------------------------
@@ -462,7 +493,7 @@ async def run() -> dict[str, object]:
 
     rpc_dir = tempfile.mkdtemp(prefix="tsb-bench-http-")
     os.rmdir(rpc_dir)  # the server makes it, private
-    ports = {k: _free_port() for k in ("frontend", "floor", "starlette")}
+    ports = {k: _free_port() for k in ("frontend", "floor", "starlette", "handler")}
     procs = [
         _start([sys.executable, "-m", "frontend", "--mode", "zmq", "--tiny-model", "stub",
                 "--port", str(ports["frontend"]), "--max-batch", str(STREAMS),
@@ -471,8 +502,11 @@ async def run() -> dict[str, object]:
                ports["floor"]),
         _start([sys.executable, "-m", "benchmarks.http", "floor", str(ports["starlette"]),
                 "starlette"], ports["starlette"]),
+        _start([sys.executable, "-m", "benchmarks.http", "handler", str(ports["handler"])],
+               ports["handler"]),
     ]
-    pids = {"frontend": procs[0].pid, "floor": procs[1].pid, "starlette": procs[2].pid}
+    pids = {"frontend": procs[0].pid, "floor": procs[1].pid, "starlette": procs[2].pid,
+            "handler": procs[3].pid}
     model = ModelConfig(vocab_size=259, kind="stub")
     try:
         # The reference: the same scheduler (zmq, stub, max_batch) with no HTTP, in this
@@ -482,7 +516,7 @@ async def run() -> dict[str, object]:
             await _run_client("rps", ports["frontend"])  # warm-up
             rps: dict[str, list[tuple[float, float]]] = {k: [] for k in ports}
             for _ in range(ROUNDS):
-                for name in ("floor", "frontend", "starlette"):
+                for name in ("floor", "frontend", "starlette", "handler"):
                     rps[name].append(await _rps_round(ports[name], pids[name]))
             streams: dict[int, tuple[list[float], list[float]]] = {
                 n: ([], []) for n in (STREAM_TOKENS, SHORT_STREAM_TOKENS)}
@@ -537,6 +571,8 @@ async def run() -> dict[str, object]:
         "frontend_cpu_us_per_request": round(cpu("frontend")),
         "floor_cpu_us_per_request": round(cpu("floor")),
         "floor_starlette_cpu_us_per_request": round(cpu("starlette")),
+        "handler_only_rps": round(rate("handler")),
+        "handler_only_cpu_us_per_request": round(cpu("handler")),
         "stream_tokens_ratio_vs_async": round(med(http_streams) / med(async_streams), 3),
         "http_stream_tokens_per_s": round(med(http_streams)),
         "stream_client_cpu_us_per_token": round(med(client_cpu), 2),
@@ -569,5 +605,7 @@ if __name__ == "__main__":
         client(sys.argv[2:])
     elif len(sys.argv) > 1 and sys.argv[1] == "floor":
         serve_floor(int(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) > 1 and sys.argv[1] == "handler":
+        serve_handler_only(int(sys.argv[2]))
     else:
         main()
