@@ -20,8 +20,10 @@ and in time: uvicorn's httptools protocol read headers without limit (an
 outside probe sent 64 MB of them and the server kept every byte) and
 without a deadline (a client that sent half its headers and stopped held
 its connection for ever, the idle timer being cancelled by its first
-byte). Past ``max_head_bytes`` the answer is a 431, past ``head_timeout``
-seconds a 408, each in OpenAI's error shape and closing the connection.
+byte). Past ``max_head_bytes`` the answer is a 431 (what a request sends
+that is not its body counts: its head, and a chunked body's framing beyond
+64 bytes a chunk and its trailers), past ``head_timeout`` seconds a 408,
+each in OpenAI's error shape and closing the connection.
 (These bounds are the httptools protocol's, the default; ``h11`` bounds a
 head's size itself and has no deadline.)
 
@@ -161,7 +163,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 self._head_timer.cancel()
                 self._head_timer = None
             me: Any = self
-            # A head that arrived whole in one read was not counted as it came.
+            # A request read whole in one read was not counted as it came.
             if len(me.url) + sum(len(n) + len(v) + 4 for n, v in me.headers) > max_head_bytes:
                 self._refuse(_too_large())
                 raise _Refused  # stop the parser: nothing more of this connection is read
@@ -225,10 +227,12 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                     else read
                 if self._framing > max_head_bytes + _CHUNK_FRAMING * self._chunks:
                     self._refuse(_too_large())
-            elif not self._open and not self._answering():
-                # Nothing began (blank lines before a request, which the parser skips):
-                # uvicorn cancelled the idle timer on the first byte; arm it again, or a
-                # connection sending one CRLF is held for ever (outside probe: 200 held).
+            elif not self._open and (self.cycle is None or self.cycle.response_complete):
+                # Nothing began and nothing is being answered (blank lines before a
+                # request, which the parser skips): uvicorn cancelled the idle timer
+                # on the first byte; arm it again, or a connection sending one CRLF is
+                # held for ever (outside probe: 200 held). (Not while a request is
+                # being answered, headers sent or not: the timer closes, it does not ask.)
                 me: Any = self
                 if me.timeout_keep_alive_task is None and not self.transport.is_closing():
                     me.timeout_keep_alive_task = me.loop.call_later(

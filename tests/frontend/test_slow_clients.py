@@ -9,6 +9,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import msgspec
@@ -17,7 +18,8 @@ import pytest
 from frontend import ByteTokenizer, Settings
 from frontend.asgi import Event, read_body
 from frontend.errors import ApiError
-from scheduler import ModelConfig
+from scheduler import AsyncEngine, ModelConfig
+from scheduler.engine.handles import GenerateResult
 from tests.conftest import eventually
 from tests.frontend.server import Server, raw_post
 
@@ -221,3 +223,40 @@ def test_a_large_body_pipelined_before_a_head_is_not_counted_as_head(
         raw = answer(sock, dribble=False)  # the POST's answer, then the GET's 408
     assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
     assert b"HTTP/1.1 408 " in raw and b"HTTP/1.1 431" not in raw
+
+
+class SlowEngine(AsyncEngine):
+    """The real engine, each non-streamed answer held back ``SLOW`` seconds: a model
+    slower than the server's idle timeout."""
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        inner = super().submit(*args, **kwargs)
+
+        async def later() -> GenerateResult:
+            await asyncio.sleep(SLOW)  # sleep-ok: the slow model being simulated
+            return await inner
+
+        return later()
+
+
+SLOW = 2.5  # seconds; the idle timeout is 1
+
+
+def test_a_request_slower_than_the_idle_timeout_is_answered() -> None:
+    # Re-arming the idle timer after a read must wait for the answer: a timer armed
+    # while a request is still being answered closes its connection mid-answer.
+    s = Server(Settings(model=ModelConfig(vocab_size=TOK.vocab_size, kind="stub")), TOK,
+               engine=lambda st: SlowEngine(st.mode, st.model, max_batch=st.max_batch),
+               timeout_keep_alive=1)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as sock:
+            sock.sendall(raw_post("/v1/completions", {"model": "tiny", "prompt": "x",
+                                                      "max_tokens": 2}))
+            got = b""
+            while b'"usage"' not in got:
+                data = sock.recv(65536)
+                assert data, f"closed before the answer: {got!r}"
+                got += data
+        assert got.startswith(b"HTTP/1.1 200")
+    finally:
+        s.stop()
