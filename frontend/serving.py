@@ -184,32 +184,36 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             if not self.transport.is_closing():  # (not after a refusal of ours)
                 super().send_400_response(msg)
 
-        def _answering(self) -> bool:
-            """Whether an answer is being written on this connection."""
+        def _answered(self) -> bool:
+            """Whether every request begun before this one is answered whole."""
             cycle = self.cycle
-            return cycle is not None and cycle.response_started and not cycle.response_complete
+            return cycle is None or cycle.response_complete
 
         def _head_late(self) -> None:
             self._head_timer = None
             if not self._in_head:
                 return
-            if self._answering():  # a head pipelined behind an answer: its time starts
-                me: Any = self  # once the answer is written (a 408 now would cut into it)
+            if not self._answered():  # a head pipelined behind an answer: its time runs
+                me: Any = self  # once that is written (a 408 now would precede it)
                 self._head_timer = me.loop.call_later(head_timeout, self._head_late)
                 return
             self._refuse(_refusal(408, "header_timeout", f"the request's headers did not "
                                   f"arrive whole within {head_timeout:g} s"))
 
         def _refuse(self, answer: bytes) -> None:
-            """Answer ``answer`` and close; with an answer still being written on the
-            connection, close without a word (the bytes would land inside it)."""
+            """Answer ``answer`` and close. When an answer to an earlier request is still
+            due, or one is being written, close without a word: the bytes would land
+            before it or inside it (HTTP answers go in order)."""
+            cycle = self.cycle
+            in_order = (cycle is None or cycle.response_complete or not self._in_head) \
+                and not (cycle is not None and cycle.response_started
+                         and not cycle.response_complete)
             self._in_head = self._open = False
             transport: Any = self.transport
             if not transport.is_closing():
-                if not self._answering():
+                if in_order:
                     transport.write(answer)
                 transport.close()
-            cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 cycle.disconnected = True  # its handler hears the client gone, now
                 cycle.message_event.set()
@@ -227,7 +231,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                     else read
                 if self._framing > max_head_bytes + _CHUNK_FRAMING * self._chunks:
                     self._refuse(_too_large())
-            elif not self._open and (self.cycle is None or self.cycle.response_complete):
+            elif not self._open and self._answered():
                 # Nothing began and nothing is being answered (blank lines before a
                 # request, which the parser skips): uvicorn cancelled the idle timer
                 # on the first byte; arm it again, or a connection sending one CRLF is

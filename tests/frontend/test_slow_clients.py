@@ -242,21 +242,38 @@ class SlowEngine(AsyncEngine):
 SLOW = 2.5  # seconds; the idle timeout is 1
 
 
-def test_a_request_slower_than_the_idle_timeout_is_answered() -> None:
-    # Re-arming the idle timer after a read must wait for the answer: a timer armed
-    # while a request is still being answered closes its connection mid-answer.
+@pytest.fixture(scope="module")
+def slow_server() -> Iterator[Server]:
     s = Server(Settings(model=ModelConfig(vocab_size=TOK.vocab_size, kind="stub")), TOK,
                engine=lambda st: SlowEngine(st.mode, st.model, max_batch=st.max_batch),
-               timeout_keep_alive=1)
-    try:
-        with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as sock:
-            sock.sendall(raw_post("/v1/completions", {"model": "tiny", "prompt": "x",
-                                                      "max_tokens": 2}))
-            got = b""
-            while b'"usage"' not in got:
-                data = sock.recv(65536)
-                assert data, f"closed before the answer: {got!r}"
-                got += data
-        assert got.startswith(b"HTTP/1.1 200")
-    finally:
-        s.stop()
+               timeout_keep_alive=1, head_timeout=1.0)
+    yield s
+    s.stop()
+
+
+def test_a_request_slower_than_the_idle_timeout_is_answered(slow_server: Server) -> None:
+    # Re-arming the idle timer after a read must wait for the answer: a timer armed
+    # while a request is still being answered closes its connection mid-answer.
+    with socket.create_connection(("127.0.0.1", slow_server.port), timeout=WAIT) as sock:
+        sock.sendall(raw_post("/v1/completions", {"model": "tiny", "prompt": "x",
+                                                  "max_tokens": 2}))
+        got = b""
+        while b'"usage"' not in got:
+            data = sock.recv(65536)
+            assert data, f"closed before the answer: {got!r}"
+            got += data
+    assert got.startswith(b"HTTP/1.1 200")
+
+
+def test_a_late_pipelined_head_is_refused_after_the_answer_before_it(
+        slow_server: Server) -> None:
+    # Answers go in order: a head pipelined behind a request still being answered
+    # (2.5 s) passes its deadline (1 s) first; its 408 waits for that answer, which
+    # is neither cut nor preceded.
+    with socket.create_connection(("127.0.0.1", slow_server.port), timeout=WAIT) as sock:
+        sock.sendall(raw_post("/v1/completions", {"model": "tiny", "prompt": "x",
+                                                  "max_tokens": 2}) + b"GET /hea")
+        raw = answer(sock, dribble=False)
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+    _, _, rest = raw.partition(b'"usage"')
+    assert b"HTTP/1.1 408 " in rest, raw[-400:]
