@@ -165,7 +165,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             me: Any = self
             # A request read whole in one read was not counted as it came.
             if len(me.url) + sum(len(n) + len(v) + 4 for n, v in me.headers) > max_head_bytes:
-                self._refuse(_too_large())
+                self._refuse(_too_large(), unbegun=True)
                 raise _Refused  # stop the parser: nothing more of this connection is read
             super().on_headers_complete()
 
@@ -198,20 +198,23 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 self._head_timer = me.loop.call_later(head_timeout, self._head_late)
                 return
             self._refuse(_refusal(408, "header_timeout", f"the request's headers did not "
-                                  f"arrive whole within {head_timeout:g} s"))
+                                  f"arrive whole within {head_timeout:g} s"), unbegun=True)
 
-        def _refuse(self, answer: bytes) -> None:
-            """Answer ``answer`` and close. When an answer to an earlier request is still
-            due, or one is being written, close without a word: the bytes would land
-            before it or inside it (HTTP answers go in order)."""
+        def _refuse(self, answer: bytes, *, unbegun: bool = False) -> None:
+            """Answer ``answer`` and close. ``unbegun``: the refused request's head is not
+            whole (it has no answer of its own yet). When an answer to an earlier request
+            is still due, or the refused one's has begun, close without a word: the
+            bytes would land before it or inside it (HTTP answers go in order)."""
             cycle = self.cycle
-            in_order = (cycle is None or cycle.response_complete or not self._in_head) \
-                and not (cycle is not None and cycle.response_started
-                         and not cycle.response_complete)
+            earlier_due = any(not c.response_complete for c in self.__dict__.get("_earlier", ()))
+            if unbegun:  # the connection's last answer comes before it
+                in_order = cycle is None or cycle.response_complete
+            else:  # ``cycle`` is the refused request's own
+                in_order = cycle is None or not cycle.response_started
             self._in_head = self._open = False
             transport: Any = self.transport
             if not transport.is_closing():
-                if in_order:
+                if in_order and not earlier_due:
                     transport.write(answer)
                 transport.close()
             if cycle is not None and not cycle.response_complete:
@@ -223,20 +226,27 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             body's framing and trailers), and close a connection left idle again."""
             if self._open:
                 # What was read and not body: the open request's head, framing and
-                # trailers. In a read where it began, what ended an earlier request
-                # is in it too: that one's body is subtracted, its chunk framing is
-                # not (an over-count of at most its chunk lines in that read).
+                # trailers. Counted from a read that began on this request (it was
+                # open, or the connection was idle and only it began); a read that
+                # also held earlier requests (pipelined) is not counted, as their
+                # heads and framing are in it: the bound may then be passed by at
+                # most that one read before it is refused.
                 read = len(data) - (self._body - body)
-                self._framing = self._framing + read if was_open and self._seq == seq \
-                    else read
+                if was_open and self._seq == seq:
+                    self._framing += read
+                elif not was_open and self._seq == seq + 1:
+                    self._framing = read
                 if self._framing > max_head_bytes + _CHUNK_FRAMING * self._chunks:
-                    self._refuse(_too_large())
-            elif not self._open and self._answered():
-                # Nothing began and nothing is being answered (blank lines before a
-                # request, which the parser skips): uvicorn cancelled the idle timer
-                # on the first byte; arm it again, or a connection sending one CRLF is
-                # held for ever (outside probe: 200 held). (Not while a request is
-                # being answered, headers sent or not: the timer closes, it does not ask.)
+                    self._refuse(_too_large(), unbegun=self._in_head)
+                    return
+            if not self._in_head and self._answered():
+                # Nothing is being read into a request's head and nothing is being
+                # answered: blank lines before a request (which the parser skips), or
+                # the rest of a body the answer did not wait for (a 413, a 404).
+                # uvicorn cancelled the idle timer on the first byte; arm it again, or
+                # such a connection is held for ever (outside probes: 200 held each
+                # way). (Not while a request is being answered, headers sent or not:
+                # the timer closes, it does not ask.)
                 me: Any = self
                 if me.timeout_keep_alive_task is None and not self.transport.is_closing():
                     me.timeout_keep_alive_task = me.loop.call_later(

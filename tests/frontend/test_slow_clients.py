@@ -277,3 +277,54 @@ def test_a_late_pipelined_head_is_refused_after_the_answer_before_it(
     assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
     _, _, rest = raw.partition(b'"usage"')
     assert b"HTTP/1.1 408 " in rest, raw[-400:]
+
+
+def test_pipelined_heads_past_the_bound_together_are_each_answered(server: Server) -> None:
+    # Small heads, pipelined in one write, past the bound together: each is its own
+    # head (outside probe: a read holding them was charged to the last one, a false
+    # refusal of valid requests).
+    one = b"GET /health HTTP/1.1\r\nhost: test\r\nx-pad: " + b"p" * 400 + b"\r\n\r\n"
+    n = 3 * MAX_HEAD // len(one) + 1
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:
+        # The last head's start arrives with the others, its rest only once they
+        # were answered (so it is surely read apart).
+        sock.sendall(one * (n - 1) + one[:60])
+        got = b""
+        deadline = time.monotonic() + WAIT
+        for want, rest in ((n - 1, one[60:]), (n, b"")):
+            while got.count(b'{"status":"ok"}') < want:
+                assert time.monotonic() < deadline, got[-300:]
+                data = sock.recv(65536)
+                assert data, f"closed after {got.count(b'HTTP/1.1 200')} of {n}: {got[-300:]!r}"
+                got += data
+            if rest:
+                sock.sendall(rest)
+    assert got.count(b"HTTP/1.1 200 ") == n
+
+
+def test_a_body_the_answer_did_not_wait_for_does_not_hold_the_connection(
+        server: Server) -> None:
+    # /health answers without reading a body; one more byte of it (then silence)
+    # cancelled the idle timer, and nothing armed it again (outside probe: 200 held).
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: test\r\ncontent-length: 1000000\r\n\r\n")
+        got = b""
+        while not got.endswith(b'{"status":"ok"}'):
+            data = sock.recv(65536)
+            assert data, got
+            got += data
+        sock.sendall(b"x")
+        t0 = time.monotonic()
+        answer(sock, dribble=False)  # closed: by the idle timer (1 s)
+        assert time.monotonic() - t0 < WAIT
+
+
+def test_a_431_never_comes_before_an_earlier_answer(slow_server: Server) -> None:
+    # A 70 KB head pipelined behind a request still being answered: its refusal cannot
+    # be written before that answer (outside probe: the client got only the 431).
+    big = b"GET /health HTTP/1.1\r\nhost: test\r\nx-pad: " + b"a" * (70 << 10) + b"\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", slow_server.port), timeout=WAIT) as sock:
+        sock.sendall(raw_post("/v1/completions", {"model": "tiny", "prompt": "x",
+                                                  "max_tokens": 2}) + big)
+        raw = answer(sock, dribble=False)
+    assert not raw.startswith(b"HTTP/1.1 431"), raw[:300]
