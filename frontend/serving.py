@@ -163,7 +163,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 self._head_timer.cancel()
                 self._head_timer = None
             me: Any = self
-            # A request read whole in one read was not counted as it came.
+            # A head in a read that was not counted (it ended the request there, or held
+            # earlier requests too) is measured here, by its parsed parts.
             if len(me.url) + sum(len(n) + len(v) + 4 for n, v in me.headers) > max_head_bytes:
                 self._refuse(_too_large(), unbegun=True)
                 raise _Refused  # stop the parser: nothing more of this connection is read
