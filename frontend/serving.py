@@ -118,12 +118,31 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             self._turns = loop_turns()  # (looked up once, not per read)
-            me: Any = self  # (uvicorn's attributes, untyped here)
-            if me.timeout_keep_alive_task is None and not transport.is_closing():
-                me.timeout_keep_alive_task = me.loop.call_later(
-                    me.timeout_keep_alive, me.timeout_keep_alive_handler)
+            if not transport.is_closing():
+                self._idle()
 
         _paced = False  # reading paused until its bytes' turn
+        _idle_since: float | None = None  # when the connection last had nothing to do
+
+        def _idle(self) -> None:
+            """Arm uvicorn's idle timer for what is left of the connection's idle time:
+            bytes that begin nothing (blank lines) do not buy a client a new period
+            (outside probe: a CRLF every 3 s held 50 of 50 connections)."""
+            me: Any = self  # (uvicorn's attributes, untyped here)
+            now = me.loop.time()
+            if self._idle_since is None:
+                self._idle_since = now
+            if me.timeout_keep_alive_task is None:
+                me.timeout_keep_alive_task = me.loop.call_later(
+                    max(0.0, me.timeout_keep_alive - (now - self._idle_since)),
+                    me.timeout_keep_alive_handler)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._idle_since = None  # a new idle period, if uvicorn armed its timer
+            me: Any = self
+            if me.timeout_keep_alive_task is not None:
+                self._idle_since = me.loop.time()
 
         # A request pipelined behind one still answering becomes the
         # connection's ``cycle``, and uvicorn tells only that one when the
@@ -151,6 +170,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._open = self._in_head = True
+            self._idle_since = None
             self._seq += 1
             self._framing = self._chunks = 0
             if self._head_timer is None:
@@ -248,10 +268,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 # such a connection is held for ever (outside probes: 200 held each
                 # way). (Not while a request is being answered, headers sent or not:
                 # the timer closes, it does not ask.)
-                me: Any = self
-                if me.timeout_keep_alive_task is None and not self.transport.is_closing():
-                    me.timeout_keep_alive_task = me.loop.call_later(
-                        me.timeout_keep_alive, me.timeout_keep_alive_handler)
+                if not self.transport.is_closing():
+                    self._idle()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._head_timer is not None:

@@ -197,6 +197,28 @@ def test_blank_lines_alone_do_not_hold_a_connection(server: Server) -> None:
         assert answer(sock, dribble=False) == b""
 
 
+def test_blank_lines_trickled_do_not_extend_the_idle_time(server: Server) -> None:
+    # Each CRLF (which begins nothing) restarted the idle timer: one every 3 s held 50
+    # of 50 connections (outside probe). The idle time now runs from when it began.
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        t0 = time.monotonic()
+        closed = False
+        while not closed and time.monotonic() - t0 < WAIT:
+            try:
+                sock.sendall(b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sock.settimeout(0.25)  # (the pace of the blank lines: a read that waits)
+            try:
+                closed = sock.recv(65536) == b""
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                closed = True
+        took = time.monotonic() - t0
+    assert took < 10, f"still open after {took:.1f} s of blank lines (idle timeout 1 s)"
+
+
 def test_trailers_past_the_bound_are_431(server: Server) -> None:
     # A chunked body's trailers are headers too: 64 MB of them took 1.2 GB before.
     head = (b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json"
