@@ -261,14 +261,14 @@ class SlowEngine(AsyncEngine):
         return later()
 
 
-SLOW = 2.5  # seconds; the idle timeout is 1
+SLOW = 1.5  # seconds; the idle timeout is 1, the head deadline 0.5
 
 
 @pytest.fixture(scope="module")
 def slow_server() -> Iterator[Server]:
     s = Server(Settings(model=ModelConfig(vocab_size=TOK.vocab_size, kind="stub")), TOK,
                engine=lambda st: SlowEngine(st.mode, st.model, max_batch=st.max_batch),
-               timeout_keep_alive=1, head_timeout=1.0)
+               timeout_keep_alive=1, head_timeout=0.5)
     yield s
     s.stop()
 
@@ -290,7 +290,7 @@ def test_a_request_slower_than_the_idle_timeout_is_answered(slow_server: Server)
 def test_a_late_pipelined_head_is_refused_after_the_answer_before_it(
         slow_server: Server) -> None:
     # Answers go in order: a head pipelined behind a request still being answered
-    # (2.5 s) passes its deadline (1 s) first; its 408 waits for that answer, which
+    # (1.5 s) passes its deadline (0.5 s) first; its 408 waits for that answer, which
     # is neither cut nor preceded.
     with socket.create_connection(("127.0.0.1", slow_server.port), timeout=WAIT) as sock:
         sock.sendall(raw_post("/v1/completions", {"model": "tiny", "prompt": "x",
