@@ -174,10 +174,7 @@ def packed_u32(values: object, *, field: str = "values") -> PackedU32:
     if type(values) is memoryview:
         mv = values
         if mv.format == "B" and mv.ndim == 1:  # the decode path: bytes of uint32s
-            if mv.nbytes & 3:
-                raise ValueError(f"{field}: {mv.nbytes} bytes is not a whole number "
-                                 "of uint32 values")
-            mv = mv.cast("I")
+            mv = cast_u32(mv, field)
         elif mv.format != "I" or mv.ndim != 1:
             mv = _from_array(np.asarray(mv), field)
     elif type(values) in (list, tuple, range):
@@ -187,6 +184,14 @@ def packed_u32(values: object, *, field: str = "values") -> PackedU32:
     if len(mv) > MAX_TOKENS:
         raise ValueError(f"{field} holds {len(mv)} values, more than {MAX_TOKENS}")
     return mv
+
+
+def cast_u32(view: memoryview, field: str) -> memoryview:
+    """A 1-D byte view read as uint32 values, or ValueError naming ``field`` when its
+    length is not whole uint32 values (what a received packed field needs)."""
+    if view.nbytes & 3:
+        raise ValueError(f"{field}: {view.nbytes} bytes is not a whole number of uint32 values")
+    return view.cast("I")
 
 
 def _from_sequence(values: list[int] | tuple[int, ...] | range, field: str) -> memoryview:

@@ -31,6 +31,7 @@ from messages.base import (
     Rid,
     Scalar,
     TokenIds,
+    cast_u32,
     packed_u32,
 )
 from messages.rids import MAX_RID, RidColumn
@@ -68,13 +69,6 @@ RpcResult = dict[
 
 
 _MAX_PACKED_BYTES = 4 * MAX_TOKENS
-
-
-def _cast_u32(view: memoryview, field: str) -> memoryview:
-    """A received byte view (msgspec checked its type and size) as uint32, or ValueError."""
-    if view.nbytes & 3:
-        raise ValueError(f"{field}: {view.nbytes} bytes is not a whole number of uint32 values")
-    return view.cast("I")
 
 if TYPE_CHECKING:
     # What a reader gets and a writer may pass: a column reads as a sequence
@@ -119,7 +113,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
 
     def _unpack(self) -> None:  # after a decode, by the request that carries it
         if self.stop_token_ids is not None:
-            self.stop_token_ids = _cast_u32(self.stop_token_ids, "sampling.stop_token_ids")
+            self.stop_token_ids = cast_u32(self.stop_token_ids, "sampling.stop_token_ids")
 
 
 class TokenizedGenerateReqInput(Request, metaclass=PackingMeta):
@@ -139,7 +133,7 @@ class TokenizedGenerateReqInput(Request, metaclass=PackingMeta):
         try:  # one C call: msgspec checked the type (a byte view) and bounded it
             self.input_ids = self.input_ids.cast("I")
         except TypeError:  # a length that is not whole uint32 values
-            self.input_ids = _cast_u32(self.input_ids, "input_ids")
+            self.input_ids = cast_u32(self.input_ids, "input_ids")
         sampling = self.sampling
         if sampling.stop_token_ids is not None:
             sampling._unpack()
@@ -155,7 +149,7 @@ class TokenizedEmbeddingReqInput(Request, metaclass=PackingMeta):
         self.input_ids = packed_u32(self.input_ids, field="input_ids")
 
     def _unpack(self) -> None:  # once per request received (PackingMeta)
-        self.input_ids = _cast_u32(self.input_ids, "input_ids")
+        self.input_ids = cast_u32(self.input_ids, "input_ids")
 
 
 class AbortReq(Request):
