@@ -6,8 +6,8 @@ after a response: a connection that never sends a byte stays open for ever,
 and some 20,000 of them took every file descriptor (an outside probe: every
 client, ``/health`` included, was then turned away). :func:`http_protocol`
 arms the same timer when a connection is made, so a silent new connection
-is closed as a silent idle one is. (A client that sends part of its headers
-and then stops is uvicorn's to bound; ``--body-timeout`` covers the body.)
+is closed as a silent idle one is (and so is one whose bytes begin nothing,
+below); ``--body-timeout`` covers a request's body.
 
 Its received bytes also take their turn on the loop (:mod:`frontend.turns`):
 past the iteration's slice, a connection's bytes wait, unread, for a later
@@ -80,6 +80,14 @@ def _close_delimited(cycle: Any) -> None:
     cycle.send = send_1_0
 
 
+def _tell_gone(cycle: Any) -> None:
+    """Tell an unanswered request's handler that its client is gone (as uvicorn tells
+    the connection's last one): its ``receive()`` returns ``http.disconnect``."""
+    if not cycle.response_complete:
+        cycle.disconnected = True
+        cycle.message_event.set()
+
+
 class _Refused(Exception):
     """Raised from a parser callback once the connection was answered and closed."""
 
@@ -102,9 +110,10 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                          f"({head_timeout}) must be above 0")
     base: Any = import_from_string(HTTP_PROTOCOLS[name])
 
-    def _too_large() -> bytes:
-        return _refusal(431, "headers_too_large",
-                        f"the request's headers passed {max_head_bytes} bytes")
+    too_large = _refusal(431, "headers_too_large",
+                         f"the request's headers passed {max_head_bytes} bytes")
+    late = _refusal(408, "header_timeout",
+                    f"the request's headers did not arrive whole within {head_timeout:g} s")
 
     class Guarded(base):  # type: ignore[misc]
         _open = False  # a request has begun and is not read whole yet
@@ -139,10 +148,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._idle_since = None  # a new idle period, if uvicorn armed its timer
-            me: Any = self
-            if me.timeout_keep_alive_task is not None:
-                self._idle_since = me.loop.time()
+            me: Any = self  # a new idle period, if uvicorn armed its timer
+            self._idle_since = me.loop.time() if me.timeout_keep_alive_task else None
 
         # A request pipelined behind one still answering becomes the
         # connection's ``cycle``, and uvicorn tells only that one when the
@@ -186,7 +193,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             # A head in a read that was not counted (it ended the request there, or held
             # earlier requests too) is measured here, by its parsed parts.
             if len(me.url) + sum(len(n) + len(v) + 4 for n, v in me.headers) > max_head_bytes:
-                self._refuse(_too_large(), unbegun=True)
+                self._refuse(too_large, unbegun=True)
                 raise _Refused  # stop the parser: nothing more of this connection is read
             super().on_headers_complete()
 
@@ -218,8 +225,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 me: Any = self  # once that is written (a 408 now would precede it)
                 self._head_timer = me.loop.call_later(head_timeout, self._head_late)
                 return
-            self._refuse(_refusal(408, "header_timeout", f"the request's headers did not "
-                                  f"arrive whole within {head_timeout:g} s"), unbegun=True)
+            self._refuse(late, unbegun=True)
 
         def _refuse(self, answer: bytes, *, unbegun: bool = False) -> None:
             """Answer ``answer`` and close. ``unbegun``: the refused request's head is not
@@ -238,9 +244,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 if in_order and not earlier_due:
                     transport.write(answer)
                 transport.close()
-            if cycle is not None and not cycle.response_complete:
-                cycle.disconnected = True  # its handler hears the client gone, now
-                cycle.message_event.set()
+            if cycle is not None:
+                _tell_gone(cycle)  # its handler hears it now, not at connection_lost
 
         def _count(self, data: bytes, seq: int, was_open: bool, body: int) -> None:
             """After ``data`` was parsed: bound what of it was not body (a head, a chunked
@@ -258,7 +263,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 elif not was_open and self._seq == seq + 1:
                     self._framing = read
                 if self._framing > max_head_bytes + _CHUNK_FRAMING * self._chunks:
-                    self._refuse(_too_large(), unbegun=self._in_head)
+                    self._refuse(too_large, unbegun=self._in_head)
                     return
             if not self._in_head and self._answered():
                 # Nothing is being read into a request's head and nothing is being
@@ -277,9 +282,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 self._head_timer = None
             super().connection_lost(exc)
             for c in self.__dict__.pop("_earlier", ()):
-                if not c.response_complete:
-                    c.disconnected = True
-                    c.message_event.set()
+                _tell_gone(c)
 
         def data_received(self, data: bytes) -> None:
             # Bytes take their turn on the loop (frontend.turns): 256 requests
