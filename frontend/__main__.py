@@ -126,8 +126,11 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
-    if not args.body_timeout > 0:  # (NaN too)
-        raise SystemExit(f"--body-timeout must be above 0 seconds, not {args.body_timeout}")
+    for flag, value in (("--body-timeout", args.body_timeout),
+                        ("--header-timeout", args.header_timeout),
+                        ("--max-header-bytes", args.max_header_bytes)):
+        if not value > 0:  # (NaN too)
+            raise SystemExit(f"{flag} must be above 0, not {value}")
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "tiny")
     settings = Settings(
@@ -148,11 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                                                                "%(message)s")
     settings, app = settings_from(args)
-    try:
-        protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
-                                 head_timeout=args.header_timeout)
-    except ValueError as exc:
-        raise SystemExit(f"--max-header-bytes, --header-timeout: {exc}") from exc
+    protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
+                             head_timeout=args.header_timeout)
     print(f"frontend: model {settings.model_name!r} ({app.tokenizer.name} tokenizer, "
           f"{settings.mode} mode) on http://{args.host}:{args.port}/v1; scheduler rpc at "
           f"{settings.rpc_endpoint}", file=sys.stderr, flush=True)

@@ -163,7 +163,7 @@ class Frontend:
         self._routes.update({("HEAD", path): route for (method, path), route
                              in list(self._routes.items()) if method == "GET"})
         # Each path's methods, for a 405's Allow header.
-        self._paths = {path: ", ".join(sorted(m for m, p in self._routes if p == path))
+        self._allowed = {path: ", ".join(sorted(m for m, p in self._routes if p == path))
                        for _, path in self._routes}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -241,7 +241,7 @@ class Frontend:
         status = 500
         try:
             if route is None:
-                allow = self._paths.get(path)
+                allow = self._allowed.get(path)
                 raise ApiError(405, f"{method} is not allowed on {path} (allowed: {allow})",
                                code="bad_method", allow=allow) if allow is not None else \
                     ApiError(404, f"no route {method} {path}", code="not_found")

@@ -42,6 +42,8 @@ def test_a_tokenizer_directory_sizes_the_model(tmp_path: Path) -> None:
     (["--max-queued-requests", "0"], "limit"),
     (["--body-timeout", "0"], "--body-timeout"),
     (["--body-timeout", "nan"], "--body-timeout"),
+    (["--header-timeout", "-1"], "--header-timeout"),
+    (["--max-header-bytes", "0"], "--max-header-bytes"),
 ])
 def test_bad_arguments_exit_with_a_reason(tmp_path: Path, argv: list[str], says: str) -> None:
     with pytest.raises(SystemExit) as info:
