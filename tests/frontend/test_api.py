@@ -48,8 +48,9 @@ def test_continuous_usage_stats_count_each_step(server: Server) -> None:
     options = {"include_usage": True, "continuous_usage_stats": True}
     counts = []
     for chunk in c.completions.create(model="tiny", prompt="Hello", max_tokens=6,
-                                      temperature=0, stream=True,
-                                      extra_body={"stream_options": options}):
+                                      temperature=0, stream=True,  # exactly 6 steps:
+                                      extra_body={"stream_options": options,
+                                                  "ignore_eos": True}):
         assert chunk.usage is not None, chunk
         assert chunk.usage.prompt_tokens == len(b"Hello")
         assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + \
@@ -80,14 +81,16 @@ def test_http_1_0_answers_are_not_chunked(server: Server) -> None:
     # HTTP/1.0 has no chunked coding (nginx's proxy_pass speaks it by default): a
     # stream's body ends at the close. uvicorn chunked it, and the chunk sizes were
     # read as part of the events.
+    # ignore_eos: exactly 3 tokens, whatever the untrained model samples.
     head, body = _http_1_0(server, {"model": "tiny", "prompt": "Hi", "max_tokens": 3,
-                                    "stream": True})
+                                    "ignore_eos": True, "stream": True})
     assert head.startswith(b"http/1.1 200") and b"transfer-encoding" not in head
     events = body.split(b"\n\n")
     assert events[-2:] == [b"data: [DONE]", b""], body
     assert all(e.startswith(b"data: {") for e in events[:-2]) and len(events) >= 3
     assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "length"
-    head, body = _http_1_0(server, {"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+    head, body = _http_1_0(server, {"model": "tiny", "prompt": "Hi", "max_tokens": 3,
+                                    "ignore_eos": True})
     assert b"transfer-encoding" not in head and b"content-length: %d" % len(body) in head
     assert json.loads(body)["usage"]["completion_tokens"] == 3
 
