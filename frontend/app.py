@@ -157,8 +157,11 @@ class Frontend:
             ("GET", "/v1/models"): ("models", self._models),
             ("GET", f"/v1/models/{settings.model_name}"): ("models", self._model),
             ("GET", "/health"): ("health", self._health),
-            ("GET", "/metrics"): ("metrics", self._metrics),
         }
+        # A path turned off is not there, for any method (not a 405 naming GET).
+        self._off = {} if settings.metrics else {"/metrics": "metrics are off (--no-metrics)"}
+        if settings.metrics:
+            self._routes[("GET", "/metrics")] = ("metrics", self._metrics)
         # HEAD is GET without the body: a load balancer's health check often sends it.
         self._routes.update({("HEAD", path): route for (method, path), route
                              in list(self._routes.items()) if method == "GET"})
@@ -244,7 +247,8 @@ class Frontend:
                 allow = self._allowed.get(path)
                 raise ApiError(405, f"{method} is not allowed on {path} (allowed: {allow})",
                                code="bad_method", allow=allow) if allow is not None else \
-                    ApiError(404, f"no route {method} {path}", code="not_found")
+                    ApiError(404, self._off.get(path, f"no route {method} {path}"),
+                             code="not_found")
             if method == "POST":
                 # A request's work takes its turn before any of it runs: 256
                 # requests arriving at once held the loop 20-30 ms between
@@ -401,8 +405,9 @@ class Frontend:
         return 200
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        if self.metrics is None or self.engine is None:
-            raise ApiError(404, "metrics are off (--no-metrics)", code="not_found")
+        if self.metrics is None or self.engine is None:  # (no route when metrics are off)
+            raise ApiError(503, "the engine is not running", type="server_error",
+                           code="scheduler_unavailable")
         try:
             text = (await self.engine.metrics(timeout=5.0)).encode()
         except EngineError as exc:

@@ -120,8 +120,9 @@ def scripted_server(request: pytest.FixtureRequest, bpe: HFTokenizer
                     ) -> Iterator[tuple[Server, Tokenizer]]:
     tok: Tokenizer = ByteTokenizer() if request.param == "bytes" else bpe
     engine = scripted(tok.encode(TEXT, add_special_tokens=False))
-    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub")), tok,
-               engine=lambda st: engine(st.mode, st.model))
+    # Metrics off: what streams text needs none of them (and the door has no /metrics).
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
+                        metrics=False), tok, engine=lambda st: engine(st.mode, st.model))
     yield s, tok
     s.stop()
 
@@ -162,6 +163,15 @@ def test_stop_string_spanning_tokens_over_http(scripted_server: tuple[Server, To
         text, finish = choice["text"], choice["finish_reason"]
     assert text == TEXT[:TEXT.index(stop)]
     assert finish == "stop"
+
+
+def test_with_metrics_off_there_is_no_metrics_path(
+        scripted_server: tuple[Server, Tokenizer]) -> None:
+    server, _ = scripted_server
+    for method in ("GET", "HEAD", "POST"):  # not a 405 whose Allow names a GET that 404s
+        r = httpx.request(method, f"{server.url}/metrics")
+        assert r.status_code == 404 and "allow" not in r.headers, (method, r.headers)
+    assert "--no-metrics" in httpx.get(f"{server.url}/metrics").json()["error"]["message"]
 
 
 @given(texts=st.lists(st.text(), min_size=1, max_size=5), chat=st.booleans())
