@@ -127,6 +127,10 @@ class Batch:
         self._keys = itertools.count()
         self._tickets = itertools.count()
         self._model_stops = frozenset(model.stop_token_ids)
+        #: The model's context (prompt + generated tokens), where it has one: a request
+        #: ends ``length`` when it is full, so no step ever reads a position past it
+        #: (with learned positions, as GPT-2's, one such request failed its whole batch).
+        self._context = model.max_prompt_tokens
 
     def __bool__(self) -> bool:
         return bool(self.running or self.waiting or self.partial)
@@ -216,6 +220,7 @@ class Batch:
                     self.remove(s)
                     failed.append(s)
             raise StepFailed(failed, exc) from exc
+        context = self._context
         for s, t, lp in zip(active, toks.tolist(), lps.tolist(), strict=True):
             s.last = t
             if t in s.stop:
@@ -223,7 +228,8 @@ class Batch:
             else:
                 s.out.append(t)
                 s.lps.append(lp)
-                if len(s.out) >= s.sampling.max_new_tokens:
+                if len(s.out) >= s.sampling.max_new_tokens or (
+                        context is not None and len(s.req.input_ids) + len(s.out) >= context):
                     s.finished = "length"
             if s.finished is not None:
                 self.model.free(s.key)

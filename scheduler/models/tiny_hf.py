@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -42,8 +43,13 @@ def corpus(n_bytes: int = 8192, seed: int = 0) -> list[str]:
 def build_tiny_hf(directory: str | os.PathLike[str], *, vocab_size: int = 384,
                   hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                   max_positions: int = 4096, seed: int = 0,
-                  dtype: torch.dtype = torch.float64) -> Path:
+                  dtype: torch.dtype = torch.float64,
+                  arch: Literal["llama", "gpt2"] = "llama") -> Path:
     """Write a tokenizer and a random Llama model into ``directory``; returns it.
+
+    ``arch="gpt2"`` writes a GPT-2 instead (``kv_heads`` unused): its positions
+    are a learned table of ``max_positions`` rows, so reading past its context
+    fails where a Llama's rotary positions would go on.
 
     ``<pad>``, ``<s>`` and ``</s>`` are ids 0, 1 and 2; ``</s>`` is the
     end-of-sequence id in ``config.json`` and ``generation_config.json``.
@@ -55,8 +61,11 @@ def build_tiny_hf(directory: str | os.PathLike[str], *, vocab_size: int = 384,
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         GenerationConfig,
+        GPT2Config,
+        GPT2LMHeadModel,
         LlamaConfig,
         LlamaForCausalLM,
+        PreTrainedModel,
         PreTrainedTokenizerFast,
     )
 
@@ -72,13 +81,18 @@ def build_tiny_hf(directory: str | os.PathLike[str], *, vocab_size: int = 384,
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(out)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden,
-                         intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=max_positions, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model: PreTrainedModel
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(
+            vocab_size=tok.get_vocab_size(), n_embd=hidden, n_layer=layers, n_head=heads,
+            n_positions=max_positions, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, tie_word_embeddings=False))
     torch.nn.Module.to(model, dtype)  # in place
     with torch.no_grad():  # wider than the default init, so greedy does not just repeat
         for p in model.parameters():

@@ -227,6 +227,23 @@ def test_a_prompt_past_the_models_context_is_refused(model_dir: Path) -> None:
             engine.generate([384], SamplingParams(max_new_tokens=1), timeout=60)
 
 
+def test_a_request_that_fills_the_context_ends_length_and_fails_no_other(
+        tmp_path: Path) -> None:
+    # GPT-2's positions are a table: reading past it raised IndexError, and the step
+    # failed every request in the batch (outside probe: 9 answers of 500 for one).
+    gpt2 = build_tiny_hf(tmp_path / "gpt2", arch="gpt2", max_positions=32, layers=1)
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    with Engine("ring", gpt2) as engine:
+        long = engine.submit([5] * 20, SamplingParams(max_new_tokens=30, **greedy))
+        full = engine.submit([6] * 32, SamplingParams(max_new_tokens=4, **greedy))
+        short = [engine.submit([7, 8, 9], SamplingParams(max_new_tokens=10, **greedy))
+                 for _ in range(3)]
+        got = [h.result(timeout=60) for h in (long, full, *short)]
+    # prompt + generated never pass the context (as transformers' max_length counts)
+    assert [(len(r.token_ids), r.finish_reason) for r in got] == \
+        [(12, "length"), (1, "length")] + [(10, "length")] * 3
+
+
 def test_async_engine_takes_a_model_directory(
         model_dir: Path, reference: Callable[[list[int], int], list[int]]) -> None:
     import asyncio
