@@ -130,6 +130,22 @@ def _engine(s: Settings) -> AsyncEngine:
                        dp_size=s.dp_size, limits=s.limits, metrics=s.metrics)
 
 
+async def _max_model_len(engine: AsyncEngine) -> int:
+    """The scheduler's bound on a request's prompt and answer together: the model's
+    context where it has one, else what admission would ever queue (``model_info``).
+
+    Raises:
+        SchedulerGone, RpcTimeout: the scheduler does not answer.
+        RuntimeError: its answer is a failure or not a ``model_info`` result.
+    """
+    reply = await engine.collective_rpc("model_info", timeout=30.0)
+    result = reply.result
+    longest = result.get("max_prompt_tokens") if isinstance(result, dict) else None
+    if not reply.success or not isinstance(longest, int):
+        raise RuntimeError(f"the scheduler's model_info: {reply.message or result!r}")
+    return longest
+
+
 class Frontend:
     """The OpenAI-compatible ASGI application (see the module docstring).
 
@@ -146,6 +162,8 @@ class Frontend:
         self.metrics = HttpMetrics() if settings.metrics else None
         self.engine: AsyncEngine | None = None
         self.door: RpcDoor | None = None
+        #: The most tokens a request's prompt and answer may hold (known once started).
+        self.max_model_len: int | None = None
         self._gen: Generator | None = None
         self._gone = False
         self._lag: asyncio.Task[None] | None = None
@@ -192,8 +210,9 @@ class Frontend:
         if s.rpc_endpoint is not None:
             self.door = RpcDoor(s.rpc_endpoint, engine.endpoints.rpc, options=s.rpc_options,
                                 curve_clients=s.curve_clients, gone=lambda: engine.gone)
-        self._gen = Generator(engine, self.tokenizer,
-                              GenerateSettings(s.model_name, s.default_max_tokens), self.metrics)
+        self.max_model_len = await _max_model_len(engine)
+        self._gen = Generator(engine, self.tokenizer, GenerateSettings(
+            s.model_name, s.default_max_tokens, self.max_model_len), self.metrics)
         if self.metrics is not None:
             self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())
         # What start-up built (torch, the tokenizer, the engine) leaves the garbage
@@ -374,15 +393,18 @@ class Frontend:
                                   f"vocabulary (0..{vocab - 1})", param="input")
         return texts
 
+    def _card(self) -> ModelCard:
+        return ModelCard(self.settings.model_name, self._started,
+                         max_model_len=self.max_model_len)
+
     async def _models(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        card = ModelCard(self.settings.model_name, self._started)
-        await send_bytes(send, 200, encode(ModelList([card])))
+        await send_bytes(send, 200, encode(ModelList([self._card()])))
         return 200
 
     async def _model(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
         """``GET /v1/models/{name}`` (the openai client's ``models.retrieve``); another
         name has no route: 404."""
-        await send_bytes(send, 200, encode(ModelCard(self.settings.model_name, self._started)))
+        await send_bytes(send, 200, encode(self._card()))
         return 200
 
     async def _health(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:

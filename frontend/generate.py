@@ -70,11 +70,17 @@ class GenerateSettings:
     Attributes:
         model_name: the one model this server serves (any other is a 404).
         default_max_tokens: ``max_tokens`` when a request gives none
-            (completions: OpenAI's 16; chat: this).
+            (completions: OpenAI's 16; chat: this), cut to the room the
+            prompt leaves in the model's context.
+        max_model_len: the most tokens a request's prompt and answer may hold
+            together (the ``model_info`` rpc's ``max_prompt_tokens``); a
+            request asking for more is a 400, as in OpenAI and vLLM. None: no
+            bound here.
     """
 
     model_name: str
     default_max_tokens: int = 256
+    max_model_len: int | None = None
 
 
 class _Shape:
@@ -196,7 +202,7 @@ class Generator:
         else:  # ~1M ids take 150-240 ms to check: off the loop, as a long text is
             ids = await asyncio.get_running_loop().run_in_executor(
                 None, self._prompt_ids, prompt)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
         return await self._answer(_Shape(False, str(next(self._seq)), req.model,
                                          self.tokenizer),
                                   ids, req, max_tokens, req.stops(), [], req.logprobs is not None,
@@ -227,12 +233,35 @@ class Generator:
         """
         check_supported(req)
         self.check_model(req.model)
-        max_tokens = req.max_new_tokens(self.settings.default_max_tokens)
+        asked = req.max_new_tokens()
         text = self.template.render(req.messages, req.add_generation_prompt)
         ids = await self.tokenize(text, special=False)
+        max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages")
         return await self._answer(_Shape(True, str(next(self._seq)), req.model, self.tokenizer),
                                   ids, req, max_tokens, [*req.stops(), *self.template.stops],
                                   self.template.stop_ids, req.logprobs, send, t0, "chat")
+
+    def _budget(self, prompt: int, asked: int | None, default: int, where: str) -> int:
+        """The answer's ``max_tokens``: what was asked, else ``default`` cut to the room
+        the prompt leaves in the model's context.
+
+        Raises:
+            ApiError: 400 ``context_length_exceeded`` (OpenAI's code) when the prompt
+                leaves no room, or fewer tokens than were asked for.
+        """
+        limit = self.settings.max_model_len
+        if limit is None:
+            return default if asked is None else asked
+        room = limit - prompt
+        if room > 0 and (asked is None or asked <= room):
+            return min(default, room) if asked is None else asked
+        wanted = f"{prompt} in the {where}" + ("" if asked is None else
+                                              f", {asked} in the completion")
+        raise bad_request(f"this model's maximum context length is {limit} tokens; this "
+                          f"request asks for {prompt + (asked or 0)} ({wanted}): shorten the "
+                          f"{where}" + ("" if asked is None else " or max_tokens"),
+                          param=where if asked is None or prompt >= limit else "max_tokens",
+                          code="context_length_exceeded")
 
     def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                   extra_stop_ids: Sequence[int]) -> SamplingParams:

@@ -150,9 +150,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
 
-    def max_new_tokens(self, default: int) -> int:
+    def max_new_tokens(self) -> int | None:
         """The answer's token budget: ``max_completion_tokens`` (OpenAI's name now) or
-        ``max_tokens`` (its deprecated one), else ``default``.
+        ``max_tokens`` (its deprecated one); None when neither is given.
 
         Both may be given when they agree (a client that fills both from one setting).
 
@@ -165,7 +165,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise bad_request(f"max_tokens ({old}) and max_completion_tokens ({new}) "
                               "disagree: give one (max_tokens is its deprecated name)",
                               param="max_completion_tokens", code="conflicting_values")
-        return new if new is not None else old if old is not None else default
+        return new if new is not None else old
 
 
 class EmbeddingRequest(_Body, kw_only=True):

@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -89,6 +90,26 @@ def test_ignore_eos_gives_exactly_max_tokens_where_the_model_would_stop(
     assert stopped.usage is not None and ignored.usage is not None
     assert (stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("stop", at)
     assert (ignored.choices[0].finish_reason, ignored.usage.completion_tokens) == ("length", n)
+
+
+def test_the_models_context_bounds_max_tokens_as_openai_does(server: Server) -> None:
+    # Outside probe: past the context a request failed its whole batch (500), and a
+    # chat without max_tokens (256 by default) always failed on a 128-position model.
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["data"][0]["max_model_len"] == 4096  # build_tiny_hf's context
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    for prompt, asked, param in ([[5] * 10, 4090, "max_tokens"], [[5] * 4096, None, "prompt"]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=asked)
+        error = info.value.body
+        assert isinstance(error, dict), error
+        assert (error["code"], error["param"]) == ("context_length_exceeded", param), error
+        assert "maximum context length is 4096 tokens" in error["message"]
+    # No max_tokens: the default (16) is cut to the room the prompt leaves.
+    answer = client.completions.create(model="tiny", prompt=[5] * 4090, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    assert answer.usage is not None and answer.usage.completion_tokens == 6
+    assert answer.choices[0].finish_reason == "length"
 
 
 def test_a_missing_model_directory_is_one_line(tmp_path: Path) -> None:
