@@ -98,7 +98,9 @@ def test_the_models_context_bounds_max_tokens_as_openai_does(server: Server) -> 
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["max_model_len"] == 4096  # build_tiny_hf's context
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    for prompt, asked, param in ([[5] * 10, 4090, "max_tokens"], [[5] * 4096, None, "prompt"]):
+    cases: list[tuple[list[int], int | None, str]] = [
+        ([5] * 10, 4090, "max_tokens"), ([5] * 4096, None, "prompt")]
+    for prompt, asked, param in cases:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="tiny", prompt=prompt, max_tokens=asked)
         error = info.value.body
