@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gc
 import logging
 import time
@@ -68,6 +69,7 @@ from frontend.schemas import (
 )
 from frontend.tokenizer import Tokenizer
 from frontend.turns import loop_turns
+from messages import BusError
 from scheduler import (
     AsyncEngine,
     EngineError,
@@ -283,6 +285,12 @@ class Frontend:
             error = from_engine(exc)
             status = error.status
             await send_error(send, error)
+        except Exception:  # a bug: logged, and a 500 in OpenAI's shape, not uvicorn's text
+            log.exception("%s %s failed", method, path)
+            status = 500
+            with contextlib.suppress(Exception):  # (begun: uvicorn closes it unfinished)
+                await send_error(send, ApiError(500, "internal error (see the server's log)",
+                                                type="server_error", code="internal"))
         finally:
             if metrics is not None:
                 metrics.in_flight -= 1
@@ -432,7 +440,7 @@ class Frontend:
                            code="scheduler_unavailable")
         try:
             text = (await self.engine.metrics(timeout=5.0)).encode()
-        except EngineError as exc:
+        except BusError as exc:  # (RpcTimeout too: a scheduler busy past 5 s)
             raise ApiError(503, f"the scheduler's metrics are not available: {exc}",
                            type="server_error", code="scheduler_unavailable") from None
         await send_bytes(send, 200, text + self.metrics.text(), TEXT)

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from bus import RpcTimeout
 from frontend import ByteTokenizer, Settings
-from scheduler import ModelConfig
+from scheduler import AsyncEngine, ModelConfig
 from tests.frontend.server import Server
 
 
@@ -164,3 +165,29 @@ def test_status_counted_in_metrics(server: Server) -> None:
     text = httpx.get(f"{server.url}/metrics").text
     assert 'tsb_http_requests_total{endpoint="completions",status="400"}' in text
 
+
+
+class _FailingMetrics(AsyncEngine):
+    """The real engine, whose scheduler metrics fail as ``failure`` says."""
+
+    failure: Exception = RpcTimeout("rpc", "metrics", "rpc-1", 5.0)
+
+    async def metrics(self, timeout: float = 30.0) -> str:
+        raise self.failure
+
+
+def test_a_failure_outside_a_generation_is_an_openai_error_never_uvicorns_text() -> None:
+    # Outside probe: a scheduler busy past 5 s made /metrics uvicorn's plain-text 500
+    # and a traceback (RpcTimeout is a bus error, not an EngineError).
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub")), tok,
+               engine=lambda st: _FailingMetrics(st.mode, st.model))
+    try:
+        r = httpx.get(f"{s.url}/metrics")
+        assert r.status_code == 503 and error(r)["code"] == "scheduler_unavailable", r.text
+        _FailingMetrics.failure = RuntimeError("a bug")  # anything else: a 500, JSON
+        r = httpx.get(f"{s.url}/metrics")
+        assert r.status_code == 500 and error(r)["code"] == "internal", r.text
+        assert httpx.get(f"{s.url}/health").status_code == 200  # and the server goes on
+    finally:
+        s.stop()
