@@ -93,8 +93,11 @@ def from_engine(exc: EngineError) -> ApiError:
     """The HTTP answer to an engine error (the one place they are converted).
 
     ``Overloaded`` is a 503 with ``Retry-After``; a scheduler that is gone or
-    an engine that closed is a 503; a request the engine refused is a 400;
-    any other failure of the request is a 500 that says why.
+    an engine that closed is a 503, and so is a request the scheduler ended
+    by going away (``shutdown``: an operator's rpc) or with the replica that
+    ran it (``replica_lost``, with ``Retry-After``: another replica serves);
+    a request the engine refused is a 400; any other failure of the request
+    is a 500 that says why.
     """
     if isinstance(exc, Overloaded):
         return ApiError(503, f"the server is overloaded; retry later ({exc})",
@@ -105,6 +108,9 @@ def from_engine(exc: EngineError) -> ApiError:
                         code="scheduler_unavailable")
     if isinstance(exc, InvalidRequest):
         return ApiError(400, exc.reason, code="invalid_request")
+    if isinstance(exc, RequestFailed) and exc.code in ("shutdown", "replica_lost"):
+        return ApiError(503, str(exc), type="server_error", code=exc.code,
+                        retry_after=RETRY_AFTER_S if exc.code == "replica_lost" else None)
     if isinstance(exc, RequestFailed):
         status = 400 if exc.code in ("invalid_request", "decode_error") else 500
         return ApiError(status, str(exc), type="server_error" if status == 500

@@ -120,7 +120,14 @@ def test_disconnect_while_waiting_frees_the_slot(small: tuple[Server, RpcClient]
 def test_dead_scheduler_is_503(small: tuple[Server, RpcClient]) -> None:
     server, rpc = small
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert rpc.call("shutdown", timeout=10.0).success
+    with ThreadPoolExecutor(1) as pool:  # in flight when an operator shuts it down
+        waiting = pool.submit(httpx.post, f"{server.url}/v1/completions", json=ENDLESS,
+                              timeout=60.0)
+        eventually(lambda: load(rpc)[0] == 1, 30.0, "the request to run")
+        assert rpc.call("shutdown", timeout=10.0).success
+        cut = waiting.result(timeout=60.0)
+    # Outside probe: a 500, where the scheduler going away is a 503 every other way.
+    assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutdown", cut.text
     eventually(lambda: httpx.get(f"{server.url}/health").status_code == 503, 10.0,
                "health to say 503")
     r = httpx.post(f"{server.url}/v1/completions",
