@@ -13,6 +13,7 @@ from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.errors import TokenizerError
 from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, http_protocol
 from frontend.tokenizer import load_tokenizer
+from messages import MAX_TOKENS
 from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
 from scheduler.cli.options import add_curve_options, curve_options
 from scheduler.launch.leftovers import make_run_dir
@@ -126,11 +127,20 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
+    # Checked here, before anything starts: a bad bound is the operator's to fix, not
+    # each client's 400 or 413 (outside probe: --default-max-tokens -5, --max-body-bytes -1).
     for flag, value in (("--body-timeout", args.body_timeout),
                         ("--header-timeout", args.header_timeout),
-                        ("--max-header-bytes", args.max_header_bytes)):
+                        ("--max-header-bytes", args.max_header_bytes),
+                        ("--max-body-bytes", args.max_body_bytes),
+                        ("--max-batch", args.max_batch), ("--tp-size", args.tp_size),
+                        ("--dp-size", args.dp_size),
+                        ("--default-max-tokens", args.default_max_tokens)):
         if not value > 0:  # (NaN too)
             raise SystemExit(f"{flag} must be above 0, not {value}")
+    if args.default_max_tokens > MAX_TOKENS:
+        raise SystemExit(f"--default-max-tokens must be at most {MAX_TOKENS} (what a "
+                         f"request may ask for), not {args.default_max_tokens}")
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "tiny")
     settings = Settings(

@@ -44,6 +44,10 @@ def test_a_tokenizer_directory_sizes_the_model(tmp_path: Path) -> None:
     (["--body-timeout", "nan"], "--body-timeout"),
     (["--header-timeout", "-1"], "--header-timeout"),
     (["--max-header-bytes", "0"], "--max-header-bytes"),
+    (["--max-body-bytes", "-1"], "--max-body-bytes"),  # (every request was a 413)
+    (["--default-max-tokens", "-5"], "--default-max-tokens"),  # (each client's 400)
+    (["--default-max-tokens", "100000000"], "at most 1048576"),
+    (["--max-batch", "0"], "--max-batch"),
 ])
 def test_bad_arguments_exit_with_a_reason(tmp_path: Path, argv: list[str], says: str) -> None:
     with pytest.raises(SystemExit) as info:
