@@ -35,7 +35,6 @@ Defaults, and why:
 from __future__ import annotations
 
 import errno
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from bus.curve import CurveKeys
 from bus.errors import EndpointInUse
 from messages import DEFAULT_MAX_MESSAGE_BYTES
 
-__all__ = ["SocketOptions", "check_endpoint", "make_socket", "refuse_live_ipc"]
+__all__ = ["SocketOptions", "check_endpoint", "ipc_listening", "make_socket", "refuse_live_ipc"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +126,27 @@ _CLOSING_GRACE: Final = 0.25
 _CLOSING_POLL: Final = 0.005
 
 
+def ipc_listening(endpoint: str) -> bool:
+    """Whether a process accepts connections at ``endpoint`` (an ``ipc://`` path) now.
+
+    False for no file, a file that is not a socket, or a socket left by a
+    listener that died (refused). A listener whose backlog is full (a hung
+    process) still listens. An abstract-namespace path cannot be probed: True.
+    """
+    path = endpoint[len("ipc://"):]
+    if path.startswith("@"):
+        return True
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError as exc:
+        return exc.errno not in _NOBODY  # EAGAIN / a timeout: a listener, full
+    finally:
+        probe.close()
+    return True
+
+
 def refuse_live_ipc(endpoint: str) -> None:
     """Raise if a live process listens on ``endpoint`` (an ``ipc://`` path).
 
@@ -136,22 +156,10 @@ def refuse_live_ipc(endpoint: str) -> None:
     Raises:
         EndpointInUse: something accepts connections there.
     """
-    path = endpoint[len("ipc://"):]
-    if path.startswith("@"):
+    if endpoint[len("ipc://"):].startswith("@"):
         return  # abstract namespace: zmq itself refuses one that is taken
     deadline = time.monotonic() + _CLOSING_GRACE
-    while os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(1.0)
-            probe.connect(path)
-        except OSError as exc:
-            if exc.errno in _NOBODY:  # refused, not a socket, gone meanwhile: free
-                return
-            # EAGAIN / a timeout: a listener whose backlog is full (a hung
-            # process) is still a listener.
-        finally:
-            probe.close()
+    while ipc_listening(endpoint):
         if time.monotonic() >= deadline:
             raise EndpointInUse(endpoint, "another live process listens here; binding "
                                           "would take its traffic away from it silently")

@@ -6,7 +6,7 @@ endpoint. Each ``key=value`` is a parameter; a value is read as JSON when
 it is a JSON scalar (``n=3``, ``flag=true``, ``x=null``, ``s="3"``), else
 as a plain string (``path=/tmp/model.ckpt``). The reply is printed as one
 JSON object; the exit status is 1 when ``success`` is false (2 when no
-reply came).
+reply came, at once when nothing listens at an ``ipc://`` endpoint).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import msgspec
 
 from bus import RpcClient
+from bus.sockets import ipc_listening
 from messages import BusError, Scalar
 
 __all__ = ["parse_params", "rpc_endpoint", "run_rpc"]
@@ -64,6 +65,12 @@ def run_rpc(target: str, method: str, pairs: Sequence[str], *, timeout: float = 
         print(f"rpc: {exc}", file=sys.stderr)
         return 2
     endpoint = rpc_endpoint(target)
+    if endpoint.startswith("ipc://") and not ipc_listening(endpoint):
+        # zmq would wait out the whole timeout for a listener that cannot come
+        print(f"rpc: {method}: nothing listens at {endpoint[len('ipc://'):]} (no such "
+              f"socket, or one left by a server that exited): is the scheduler running "
+              f"with --endpoint {target}?", file=sys.stderr)
+        return 2
     try:
         with RpcClient(endpoint, name="rpc-cli") as client:
             # (``params`` holds neither "timeout" nor "alive": refused above)

@@ -21,6 +21,7 @@ import pytest
 from bus import RpcClient
 from frontend import ByteTokenizer, Settings
 from scheduler import Limits, ModelConfig
+from scheduler.__main__ import main as scheduler_main
 from scheduler.cli.rpc import parse_params, rpc_endpoint
 from tests.conftest import eventually
 from tests.frontend.server import Server, raw_post
@@ -190,6 +191,21 @@ def test_rpc_cli(small: tuple[Server, RpcClient], tmp_path: Path) -> None:
     assert invalid.returncode == 1, invalid.stderr
     assert msgspec.json.decode(invalid.stdout)["success"] is False
     assert time.monotonic() - t0 < 25  # the reply, not the timeout
+
+
+def test_rpc_cli_where_nothing_listens_says_so_at_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Outside probe: 34 s of silence, then "no reply within 30 s", for a directory with
+    # no socket and for a socket its server left behind.
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    with socket.socket(socket.AF_UNIX) as left:  # bound, never listening: refused
+        left.bind(str(stale / "rpc"))
+    for target in (tmp_path / "none", stale):
+        t0 = time.monotonic()
+        assert scheduler_main(["rpc", str(target), "get_load", "--timeout", "30"]) == 2
+        assert time.monotonic() - t0 < 10
+        assert "nothing listens at" in capsys.readouterr().err
 
 
 def test_rpc_cli_parameters() -> None:
