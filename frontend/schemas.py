@@ -340,6 +340,10 @@ _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 _FIELD = re.compile(r"field `([^`]+)`")
 
 
+#: Each body type's required fields (a null anywhere else means "not given").
+_REQUIRED: dict[type, frozenset[str]] = {}
+
+
 def decode(body: bytes, kind: type[B]) -> B:
     """Decode and validate a request body as ``kind``.
 
@@ -354,11 +358,41 @@ def decode(body: bytes, kind: type[B]) -> B:
     try:
         value = decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise _field_error(str(exc)) from None
+        value = _without_nulls(body, kind, exc)
     except msgspec.DecodeError as exc:
         raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     assert isinstance(value, kind)
     return value
+
+
+def _without_nulls(body: bytes, kind: type[B], failed: msgspec.ValidationError) -> B:
+    """The body again, its top-level ``null`` fields left out, but for required ones.
+
+    OpenAI reads ``null`` as "not given" for optional fields (``"temperature":
+    null``, ``"tool_choice": null``); clients other than its Python one send
+    it. A null asks for nothing, so one for a field this server does not
+    implement is left out too (a value there is still a 400). Only a body
+    that failed the typed decode comes here, so the common path pays nothing.
+
+    Raises:
+        ApiError: 400 as :func:`decode` (from ``failed`` when no null was left out).
+    """
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError:  # (the typed decode saw valid JSON: unreachable)
+        raise _field_error(str(failed)) from None
+    required = _REQUIRED.get(kind)
+    if required is None:
+        required = _REQUIRED[kind] = frozenset(
+            f.encode_name for f in msgspec.structs.fields(kind) if f.required)
+    if not isinstance(raw, dict) or \
+            not any(v is None and k not in required for k, v in raw.items()):
+        raise _field_error(str(failed)) from None
+    try:
+        return msgspec.convert({k: v for k, v in raw.items()
+                                if v is not None or k in required}, kind)
+    except msgspec.ValidationError as exc:
+        raise _field_error(str(exc)) from None
 
 
 def _field_error(text: str) -> ApiError:

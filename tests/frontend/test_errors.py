@@ -167,6 +167,28 @@ def test_status_counted_in_metrics(server: Server) -> None:
 
 
 
+def test_null_is_not_given_as_in_openai(server: Server) -> None:
+    # Outside probe: "temperature": null and ten more were 400 "Expected float, got
+    # null"; OpenAI's spec and vLLM read null as the default (non-Python clients send it).
+    nulls = ["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
+             "top_k", "ignore_eos", "stop", "seed", "tool_choice", "response_format"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            **dict.fromkeys([*nulls, "logprobs"])}
+    completion = {"model": "tiny", "prompt": "x", "max_tokens": 2,
+                  **dict.fromkeys(["temperature", "top_p", "n", "echo", "logprobs"])}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion),
+                       ("/v1/embeddings", {"model": "tiny", "input": "x",
+                                           "encoding_format": None})):
+        r = post(server, path, body)
+        assert r.status_code == 200, (path, r.text)
+    # A null where a value is required, or a value beside the nulls, is still a 400.
+    r = post(server, "/v1/completions", {**completion, "model": None})
+    assert r.status_code == 400 and error(r)["param"] == "model"
+    for field, value in (("top_p", "high"), ("tool_choice", "auto")):
+        r = post(server, "/v1/chat/completions", {**chat, field: value})
+        assert r.status_code == 400 and error(r)["param"] == field, r.text
+
+
 class _FailingMetrics(AsyncEngine):
     """The real engine, whose scheduler metrics fail as ``failure`` says."""
 
