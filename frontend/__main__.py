@@ -150,7 +150,10 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
         default_max_tokens=args.default_max_tokens, rpc_endpoint=_rpc_endpoint(SystemExit, args),
         rpc_options=SocketOptions(allow_remote=args.allow_remote, curve_keys=keys),
         curve_clients=allowed)
-    return settings, Frontend(settings, tokenizer)
+    try:
+        return settings, Frontend(settings, tokenizer)
+    except TokenizerError as exc:  # (its chat template does not compile)
+        raise SystemExit(str(exc)) from exc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

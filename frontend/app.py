@@ -51,6 +51,7 @@ from frontend.asgi import (
     send_error,
     without_body,
 )
+from frontend.chat import ChatTemplate
 from frontend.errors import ApiError, bad_request, from_engine
 from frontend.generate import GenerateSettings, Generator
 from frontend.metrics import HttpMetrics
@@ -161,6 +162,9 @@ class Frontend:
         self.settings = settings
         self._make_engine = engine or _engine
         self.tokenizer = tokenizer
+        #: Compiled here, so a template that does not compile stops the server before
+        #: its engine starts (raises TokenizerError).
+        self.template = ChatTemplate(tokenizer)
         self.metrics = HttpMetrics() if settings.metrics else None
         self.engine: AsyncEngine | None = None
         self.door: RpcDoor | None = None
@@ -214,7 +218,7 @@ class Frontend:
                                 curve_clients=s.curve_clients, gone=lambda: engine.gone)
         self.max_model_len = await _max_model_len(engine)
         self._gen = Generator(engine, self.tokenizer, GenerateSettings(
-            s.model_name, s.default_max_tokens, self.max_model_len), self.metrics)
+            s.model_name, s.default_max_tokens, self.max_model_len), self.metrics, self.template)
         if self.metrics is not None:
             self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())
         # What start-up built (torch, the tokenizer, the engine) leaves the garbage

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from frontend.errors import ApiError
+from frontend.errors import ApiError, TokenizerError
 from frontend.schemas import ChatMessage
 from frontend.tokenizer import Tokenizer
 
@@ -86,6 +86,7 @@ def _jinja(source: str, tokenizer: Tokenizer
            ) -> Callable[[Sequence[ChatMessage], bool], str] | None:
     """The tokenizer's Jinja template in a sandbox, or None without jinja2."""
     try:
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         return None
@@ -96,7 +97,11 @@ def _jinja(source: str, tokenizer: Tokenizer
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    template = env.from_string(source)
+    try:
+        template = env.from_string(source)
+    except TemplateError as exc:  # found at start-up, not by the first chat
+        raise TokenizerError(tokenizer.name, f"its chat template does not compile: {exc}"
+                             ) from None
     specials = tokenizer.special_tokens
 
     def text_of(key: str) -> str:  # special_tokens maps "eos_token" and "</s>" to one id

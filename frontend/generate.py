@@ -161,10 +161,10 @@ class Generator:
     """Answers ``/v1/completions`` and ``/v1/chat/completions`` over one engine."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: GenerateSettings,
-                 metrics: HttpMetrics | None) -> None:
+                 metrics: HttpMetrics | None, template: ChatTemplate | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.template = ChatTemplate(tokenizer)
+        self.template = template or ChatTemplate(tokenizer)
         self.settings = settings
         self.metrics = metrics
         self._seq = itertools.count()

@@ -55,6 +55,14 @@ def test_bad_arguments_exit_with_a_reason(tmp_path: Path, argv: list[str], says:
     assert says in str(info.value)
 
 
+def test_a_chat_template_that_does_not_compile_stops_start_up(tmp_path: Path) -> None:
+    # Outside probe: the engine started (~10 s), then "the engine did not start" and a
+    # TemplateSyntaxError traceback; now one line, before anything starts.
+    tok = train_byte_level(tmp_path / "tok", chat_template="{% for m in messages %}{{ m }")
+    with pytest.raises(SystemExit, match="chat template does not compile"):
+        settings_from(parse(["--tokenizer", str(tok), "--endpoint", str(tmp_path / "ep")]))
+
+
 def test_a_shared_endpoint_directory_is_refused(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
