@@ -8,7 +8,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from bus import SocketOptions
+from bus import EndpointInUse, SocketOptions
+from bus.sockets import check_endpoint, refuse_live_ipc
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.errors import TokenizerError
 from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, http_protocol
@@ -96,14 +97,23 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
     """``ipc://DIR/rpc`` (DIR private, made when missing), or the tcp endpoint as given."""
     spec: str | None = args.endpoint
     if spec is not None and spec.startswith("tcp://"):
+        port = spec.rsplit(":", 1)[-1]
+        try:  # here, not once the engine has started (outside probe: tcp://host:notaport)
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{spec!r} needs a port (1-65535) after its last ':'")
+            check_endpoint(spec, bind=True, allow_remote=args.allow_remote)
+        except ValueError as exc:
+            raise parser_error(f"--endpoint: {exc}") from exc
         return spec
     if spec is None:  # named for this process: swept by the next start once we are gone
         spec = make_run_dir("frontend")
     from scheduler.__main__ import private_dir  # the check `serve --endpoint DIR` makes
     try:
-        return f"ipc://{private_dir(spec)}/rpc"
-    except OSError as exc:
+        endpoint = f"ipc://{private_dir(spec)}/rpc"
+        refuse_live_ipc(endpoint)  # another server's door: say so before anything starts
+    except (OSError, EndpointInUse) as exc:
         raise parser_error(f"--endpoint: {exc}") from exc
+    return endpoint
 
 
 def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:

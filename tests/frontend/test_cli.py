@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -61,6 +62,21 @@ def test_a_chat_template_that_does_not_compile_stops_start_up(tmp_path: Path) ->
     tok = train_byte_level(tmp_path / "tok", chat_template="{% for m in messages %}{{ m }")
     with pytest.raises(SystemExit, match="chat template does not compile"):
         settings_from(parse(["--tokenizer", str(tok), "--endpoint", str(tmp_path / "ep")]))
+
+
+def test_an_endpoint_that_cannot_serve_stops_start_up(tmp_path: Path) -> None:
+    # Outside probe: both were found only after the engine had started, with a traceback.
+    with pytest.raises(SystemExit, match="--endpoint: .* needs a port"):
+        settings_from(parse(["--endpoint", "tcp://127.0.0.1:notaport"]))
+    with pytest.raises(SystemExit, match="--endpoint: .*beyond loopback"):
+        settings_from(parse(["--endpoint", "tcp://0.0.0.0:5999"]))
+    taken = tmp_path / "taken"
+    taken.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as other:  # another server's live door
+        other.bind(str(taken / "rpc"))
+        other.listen()
+        with pytest.raises(SystemExit, match="--endpoint: .*another live process"):
+            settings_from(parse(["--endpoint", str(taken)]))
 
 
 def test_a_shared_endpoint_directory_is_refused(tmp_path: Path) -> None:
