@@ -66,16 +66,16 @@ def test_a_chat_template_that_does_not_compile_stops_start_up(tmp_path: Path) ->
 
 def test_an_endpoint_that_cannot_serve_stops_start_up(tmp_path: Path) -> None:
     # Outside probe: both were found only after the engine had started, with a traceback.
-    with pytest.raises(SystemExit, match="--endpoint: .* needs a port"):
+    with pytest.raises(SystemExit, match=r"--endpoint: .* needs a port"):
         settings_from(parse(["--endpoint", "tcp://127.0.0.1:notaport"]))
-    with pytest.raises(SystemExit, match="--endpoint: .*beyond loopback"):
+    with pytest.raises(SystemExit, match=r"--endpoint: .*beyond loopback"):
         settings_from(parse(["--endpoint", "tcp://0.0.0.0:5999"]))
     taken = tmp_path / "taken"
     taken.mkdir(mode=0o700)
     with socket.socket(socket.AF_UNIX) as other:  # another server's live door
         other.bind(str(taken / "rpc"))
         other.listen()
-        with pytest.raises(SystemExit, match="--endpoint: .*another live process"):
+        with pytest.raises(SystemExit, match=r"--endpoint: .*another live process"):
             settings_from(parse(["--endpoint", str(taken)]))
 
 
