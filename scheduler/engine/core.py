@@ -302,8 +302,12 @@ class EngineCore:
         if self._procs:
             for proc in self._procs:
                 if not proc.is_alive():
-                    self._gone = self._gone or (f"scheduler process {proc.name} exited "
-                                                f"(exit code {proc.exitcode})")
+                    if self._gone is None:
+                        self._gone = (f"scheduler process {proc.name} exited "
+                                      f"(exit code {proc.exitcode})")
+                        if not self.closed:  # (not this engine's own close): say it once
+                            log.error("%s: requests in flight fail, new ones are refused",
+                                      self._gone)
                     return False
             return True
         if self._thread is not None and not self._thread.is_alive():

@@ -235,7 +235,8 @@ async def test_leaving_stream_steps_early_frees_the_slot() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_dead_scheduler_fails_every_waiting_task_promptly() -> None:
+async def test_a_dead_scheduler_fails_every_waiting_task_promptly(
+        caplog: pytest.LogCaptureFixture) -> None:
     engine = AsyncEngine("zmq", SMALL)
     await engine.start()
     try:
@@ -252,6 +253,10 @@ async def test_a_dead_scheduler_fails_every_waiting_task_promptly() -> None:
         assert all(isinstance(r, SchedulerGone) for r in results)
         assert time.monotonic() - t0 < 2
         assert engine.pending == 0
+        # ... and the operator's log says so, once (outside probe: not a word)
+        gone = [r.getMessage() for r in caplog.records if "exited (exit code -9)" in
+                r.getMessage()]
+        assert len(gone) == 1 and "requests in flight fail" in gone[0], gone
     finally:
         await engine.close()
     with pytest.raises(EngineClosed):

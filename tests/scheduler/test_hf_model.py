@@ -232,12 +232,13 @@ def test_a_request_that_fills_the_context_ends_length_and_fails_no_other(
     # GPT-2's positions are a table: reading past it raised IndexError, and the step
     # failed every request in the batch (outside probe: 9 answers of 500 for one).
     gpt2 = build_tiny_hf(tmp_path / "gpt2", arch="gpt2", max_positions=32, layers=1)
-    greedy = {"temperature": 0.0, "ignore_eos": True}
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
     with Engine("ring", gpt2) as engine:
-        long = engine.submit([5] * 20, SamplingParams(max_new_tokens=30, **greedy))
-        full = engine.submit([6] * 32, SamplingParams(max_new_tokens=4, **greedy))
-        short = [engine.submit([7, 8, 9], SamplingParams(max_new_tokens=10, **greedy))
-                 for _ in range(3)]
+        long = engine.submit([5] * 20, greedy(30))
+        full = engine.submit([6] * 32, greedy(4))
+        short = [engine.submit([7, 8, 9], greedy(10)) for _ in range(3)]
         got = [h.result(timeout=60) for h in (long, full, *short)]
     # prompt + generated never pass the context (as transformers' max_length counts)
     assert [(len(r.token_ids), r.finish_reason) for r in got] == \
