@@ -272,8 +272,7 @@ class Frontend:
                 allow = self._allowed.get(path)
                 raise ApiError(405, f"{method} is not allowed on {path} (allowed: {allow})",
                                code="bad_method", allow=allow) if allow is not None else \
-                    ApiError(404, self._off.get(path, f"no route {method} {path}"),
-                             code="not_found")
+                    self._not_found(method, path)
             if method == "POST":
                 # A request's work takes its turn before any of it runs: 256
                 # requests arriving at once held the loop 20-30 ms between
@@ -299,6 +298,14 @@ class Frontend:
             if metrics is not None:
                 metrics.in_flight -= 1
                 metrics.answered(endpoint, status)
+
+    def _not_found(self, method: str, path: str) -> ApiError:
+        """The 404 for a path with no route (OpenAI's ``model_not_found`` for a model's)."""
+        if path.startswith("/v1/models/"):
+            return ApiError(404, f"the model {path[len('/v1/models/'):]!r} does not exist "
+                                 f"here: this server serves {self.settings.model_name!r}",
+                            param="model", code="model_not_found")
+        return ApiError(404, self._off.get(path, f"no route {method} {path}"), code="not_found")
 
     async def _guarded(self, receive: Receive, send: Send,
                        run: Callable[[Send], Awaitable[int]]) -> int:

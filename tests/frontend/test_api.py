@@ -203,6 +203,9 @@ def test_unknown_model_is_404(server: Server) -> None:
     body = httpx.post(f"{server.url}/v1/completions",
                       json={"model": "gpt-9", "prompt": "x"}).json()
     assert body["error"]["param"] == "model" and body["error"]["code"] == "model_not_found"
+    # ... and so is GET /v1/models/gpt-9 (outside probe: "not_found", "no route")
+    body = httpx.get(f"{server.url}/v1/models/gpt-9").json()
+    assert body["error"]["param"] == "model" and body["error"]["code"] == "model_not_found"
 
 
 def test_a_prompt_past_the_wire_s_token_bound_is_400_not_500(server: Server) -> None:
