@@ -7,7 +7,6 @@ import asyncio
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -174,22 +173,18 @@ def test_the_rpc_door_fails_fast_once_the_scheduler_is_gone(tmp_path: Path) -> N
         server.stop()
 
 
-def test_rpc_cli(small: tuple[Server, RpcClient], tmp_path: Path) -> None:
-    # (the successful call is the 200-streams test's)
-    bad = subprocess.run([sys.executable, "-m", "scheduler", "rpc", str(tmp_path),
-                          "no_such_method", "n=3"], capture_output=True, text=True, env=ENV,
-                         timeout=90)
-    assert bad.returncode == 1, bad.stderr
-    reply = msgspec.json.decode(bad.stdout)
+def test_rpc_cli(small: tuple[Server, RpcClient], tmp_path: Path,
+                 capsys: pytest.CaptureFixture[str]) -> None:
+    # In this process (the CLI's own main): the call from another process, and a
+    # successful one, are the 200-streams test's.
+    assert scheduler_main(["rpc", str(tmp_path), "no_such_method", "n=3"]) == 1
+    reply = msgspec.json.decode(capsys.readouterr().out)
     assert reply["success"] is False and "no_such_method" in reply["message"]
     # A method name the wire refuses is answered at the door, not left to time out
     # (outside probe: silence for the whole timeout).
     t0 = time.monotonic()
-    invalid = subprocess.run([sys.executable, "-m", "scheduler", "rpc", "--timeout", "30",
-                              str(tmp_path), "not-an-identifier"], capture_output=True,
-                             text=True, env=ENV, timeout=90)
-    assert invalid.returncode == 1, invalid.stderr
-    assert msgspec.json.decode(invalid.stdout)["success"] is False
+    assert scheduler_main(["rpc", "--timeout", "30", str(tmp_path), "not-an-identifier"]) == 1
+    assert msgspec.json.decode(capsys.readouterr().out)["success"] is False
     assert time.monotonic() - t0 < 25  # the reply, not the timeout
 
 
