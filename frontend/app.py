@@ -144,6 +144,9 @@ async def _max_model_len(engine: AsyncEngine) -> int:
     reply = await engine.collective_rpc("model_info", timeout=30.0)
     result = reply.result
     longest = result.get("max_prompt_tokens") if isinstance(result, dict) else None
+    if isinstance(longest, list):  # tensor parallel: each rank's
+        ranks = [n for n in longest if isinstance(n, int)]
+        longest = min(ranks) if ranks and len(ranks) == len(longest) else None
     if not reply.success or not isinstance(longest, int):
         raise RuntimeError(f"the scheduler's model_info: {reply.message or result!r}")
     return longest
@@ -206,17 +209,25 @@ class Frontend:
         """Start the engine (and the rpc door) on the running loop.
 
         Raises:
-            RpcTimeout, SchedulerGone: the scheduler did not come up.
+            RpcTimeout, SchedulerGone: the scheduler did not come up (or did not
+                answer ``model_info``).
             EndpointInUse: the rpc endpoint is served by a live listener.
+            RuntimeError: ``model_info`` failed. Whatever raises, what was
+                started is closed first.
         """
         s = self.settings
         engine = self._make_engine(s)
         await engine.start()
         self.engine = engine
-        if s.rpc_endpoint is not None:
-            self.door = RpcDoor(s.rpc_endpoint, engine.endpoints.rpc, options=s.rpc_options,
-                                curve_clients=s.curve_clients, gone=lambda: engine.gone)
-        self.max_model_len = await _max_model_len(engine)
+        try:
+            if s.rpc_endpoint is not None:
+                self.door = RpcDoor(s.rpc_endpoint, engine.endpoints.rpc,
+                                    options=s.rpc_options, curve_clients=s.curve_clients,
+                                    gone=lambda: engine.gone)
+            self.max_model_len = await _max_model_len(engine)
+        except BaseException:  # a start that fails stops what it started
+            await self.close()
+            raise
         self._gen = Generator(engine, self.tokenizer, GenerateSettings(
             s.model_name, s.default_max_tokens, self.max_model_len), self.metrics, self.template)
         if self.metrics is not None:

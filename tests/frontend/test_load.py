@@ -173,6 +173,20 @@ def test_the_rpc_door_fails_fast_once_the_scheduler_is_gone(tmp_path: Path) -> N
         server.stop()
 
 
+def test_the_door_over_tensor_parallel_ranks() -> None:
+    # model_info answers each rank's value as a list under tensor parallel: the door
+    # read it as no answer and did not start (found by review, not by a test).
+    server = Server(Settings(mode="zmq", tp_size=2, model=STUB), TOK)
+    try:
+        models = httpx.get(f"{server.url}/v1/models").json()
+        assert models["data"][0]["max_model_len"] == 1 << 20  # the wire's bound on a prompt
+        r = httpx.post(f"{server.url}/v1/completions", json={
+            "model": "tiny", "prompt": "x", "max_tokens": 3, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    finally:
+        server.stop()
+
+
 def test_rpc_cli(small: tuple[Server, RpcClient], tmp_path: Path,
                  capsys: pytest.CaptureFixture[str]) -> None:
     # In this process (the CLI's own main): the call from another process, and a
