@@ -366,33 +366,45 @@ def decode(body: bytes, kind: type[B]) -> B:
 
 
 def _without_nulls(body: bytes, kind: type[B], failed: msgspec.ValidationError) -> B:
-    """The body again, its top-level ``null`` fields left out, but for required ones.
+    """The body again, its top-level ``null`` members left out, but for required fields.
 
     OpenAI reads ``null`` as "not given" for optional fields (``"temperature":
     null``, ``"tool_choice": null``); clients other than its Python one send
     it. A null asks for nothing, so one for a field this server does not
     implement is left out too (a value there is still a 400). Only a body
     that failed the typed decode comes here, so the common path pays nothing.
+    The members are split as raw JSON, not parsed: what is left is decoded
+    by the same typed decoder, so its errors name the same fields (a deep
+    or out-of-range value is its 400, never a parse of our own).
 
     Raises:
-        ApiError: 400 as :func:`decode` (from ``failed`` when no null was left out).
+        ApiError: 400 as :func:`decode`.
     """
     try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError:  # (the typed decode saw valid JSON: unreachable)
+        members = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:  # not an object: the typed decode said so
         raise _field_error(str(failed)) from None
+    except msgspec.DecodeError as exc:  # (it met a null before the JSON broke)
+        raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's own bound on nesting, met splitting a member
+        raise bad_request("the body nests arrays or objects too deeply to be read",
+                          code="invalid_json") from None
     required = _REQUIRED.get(kind)
     if required is None:
         required = _REQUIRED[kind] = frozenset(
             f.encode_name for f in msgspec.structs.fields(kind) if f.required)
-    if not isinstance(raw, dict) or \
-            not any(v is None and k not in required for k, v in raw.items()):
-        raise _field_error(str(failed)) from None
+    # (Decoded again even with no null left out: a duplicate key's last value is the
+    # one kept, so its error, not an earlier null's, is the one to name.)
+    kept = {k: v for k, v in members.items() if k in required or bytes(v) != b"null"}
+    decoder = _DECODERS[kind]
     try:
-        return msgspec.convert({k: v for k, v in raw.items()
-                                if v is not None or k in required}, kind)
+        value = decoder.decode(msgspec.json.encode(kept))
     except msgspec.ValidationError as exc:
         raise _field_error(str(exc)) from None
+    except RecursionError:  # (not met: a typed field refuses a deep value at its top)
+        raise _field_error(str(failed)) from None
+    assert isinstance(value, kind)
+    return value
 
 
 def _field_error(text: str) -> ApiError:

@@ -187,6 +187,17 @@ def test_null_is_not_given_as_in_openai(server: Server) -> None:
     for field, value in (("top_p", "high"), ("tool_choice", "auto")):
         r = post(server, "/v1/chat/completions", {**chat, field: value})
         assert r.status_code == 400 and error(r)["param"] == field, r.text
+    # Second probe: the nulls are left out of the raw JSON, never parsed by us: a deep
+    # value was a RecursionError and a 500, an out-of-range one was blamed on the null.
+    head = b'{"model": "tiny", "prompt": "x", "temperature": null, '
+    r = post(server, "/v1/completions", head + b'"x": ' + b"[" * 1100 + b"]" * 1100 + b"}")
+    assert r.status_code == 400 and "too deeply" in str(error(r)["message"]), r.text
+    for tail, param in ((b'"max_tokens": 1e400}', "max_tokens"),
+                        (b'"temperature": 9}', "temperature")):  # (a duplicate: the last)
+        r = post(server, "/v1/completions", head + tail)
+        assert r.status_code == 400 and error(r)["param"] == param, r.text
+    r = post(server, "/v1/completions", head[:-2])  # cut short after the null
+    assert r.status_code == 400 and error(r)["code"] == "invalid_json", r.text
 
 
 class _FailingMetrics(AsyncEngine):
