@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 import msgspec
+import zmq
 
 from bus import RpcClient
 from bus.sockets import ipc_listening
@@ -30,6 +31,23 @@ def rpc_endpoint(target: str) -> str:
     if target.startswith(("tcp://", "ipc://")):
         return target
     return f"ipc://{os.path.abspath(target)}/rpc"
+
+
+def _unreachable(endpoint: str) -> str:
+    """Why nothing can answer at an ``ipc://`` endpoint (``""``: something may)."""
+    if not endpoint.startswith("ipc://"):
+        return ""
+    path = endpoint[len("ipc://"):]
+    folder = os.path.dirname(path) or "."
+    if (os.path.isdir(folder) and not os.access(folder, os.X_OK)) or \
+            (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"permission denied at {path} (the scheduler's directory is private to " \
+               f"the user that started it)"
+    if not ipc_listening(endpoint):
+        return f"nothing listens at {path} (no such socket, or one left by a server " \
+               f"that exited): is the scheduler running with --endpoint " \
+               f"{os.path.dirname(path)}?"
+    return ""
 
 
 def parse_params(pairs: Sequence[str]) -> dict[str, Scalar]:
@@ -64,18 +82,20 @@ def run_rpc(target: str, method: str, pairs: Sequence[str], *, timeout: float = 
     except ValueError as exc:
         print(f"rpc: {exc}", file=sys.stderr)
         return 2
+    if not target:
+        print("rpc: no endpoint: give the --endpoint DIR the scheduler serves (or a "
+              "tcp:// rpc endpoint)", file=sys.stderr)
+        return 2
     endpoint = rpc_endpoint(target)
-    if endpoint.startswith("ipc://") and not ipc_listening(endpoint):
-        # zmq would wait out the whole timeout for a listener that cannot come
-        print(f"rpc: {method}: nothing listens at {endpoint[len('ipc://'):]} (no such "
-              f"socket, or one left by a server that exited): is the scheduler running "
-              f"with --endpoint {target}?", file=sys.stderr)
+    unreachable = _unreachable(endpoint)
+    if unreachable:  # zmq would wait out the whole timeout for a peer that cannot come
+        print(f"rpc: {method}: {unreachable}", file=sys.stderr)
         return 2
     try:
         with RpcClient(endpoint, name="rpc-cli") as client:
             # (``params`` holds neither "timeout" nor "alive": refused above)
             reply = client.call(method, timeout=timeout, **params)  # type: ignore[arg-type]
-    except (BusError, OSError) as exc:
+    except (BusError, OSError, zmq.ZMQError) as exc:  # (a malformed endpoint: zmq's)
         print(f"rpc: {method} at {endpoint}: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(msgspec.json.encode({"rid": reply.rid, "success": reply.success,

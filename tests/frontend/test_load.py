@@ -215,6 +215,11 @@ def test_rpc_cli_where_nothing_listens_says_so_at_once(
         assert scheduler_main(["rpc", str(target), "get_load", "--timeout", "30"]) == 2
         assert time.monotonic() - t0 < 10
         assert "nothing listens at" in capsys.readouterr().err
+    # Second probe: a malformed endpoint was zmq's traceback, an empty one a wrong path.
+    for target in ("tcp://127.0.0.1:abc", "tcp://", "ipc://", ""):
+        assert scheduler_main(["rpc", target, "get_load", "--timeout", "30"]) == 2, target
+        err = capsys.readouterr().err
+        assert err.startswith("rpc: ") and "Traceback" not in err, err
 
 
 def test_rpc_cli_parameters() -> None:
