@@ -216,8 +216,8 @@ def test_rpc_cli_where_nothing_listens_says_so_at_once(
         assert time.monotonic() - t0 < 10
         assert "nothing listens at" in capsys.readouterr().err
     # Second probe: a malformed endpoint was zmq's traceback, an empty one a wrong path.
-    for target in ("tcp://127.0.0.1:abc", "tcp://", "ipc://", ""):
-        assert scheduler_main(["rpc", target, "get_load", "--timeout", "30"]) == 2, target
+    for bad in ("tcp://127.0.0.1:abc", "tcp://", "ipc://", ""):
+        assert scheduler_main(["rpc", bad, "get_load", "--timeout", "30"]) == 2, bad
         err = capsys.readouterr().err
         assert err.startswith("rpc: ") and "Traceback" not in err, err
 
