@@ -306,8 +306,10 @@ class EngineCore:
                         self._gone = (f"scheduler process {proc.name} exited "
                                       f"(exit code {proc.exitcode})")
                         if not self.closed:  # (not this engine's own close): say it once
-                            log.error("%s: requests in flight fail, new ones are refused",
-                                      self._gone)
+                            # (exit code 0: it was told to stop, an operator's rpc shutdown)
+                            log.log(logging.WARNING if proc.exitcode == 0 else logging.ERROR,
+                                    "%s: requests in flight fail, new ones are refused",
+                                    self._gone)
                     return False
             return True
         if self._thread is not None and not self._thread.is_alive():
