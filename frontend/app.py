@@ -421,6 +421,11 @@ class Frontend:
             if max(ids) >= vocab:
                 raise bad_request(f"input[{i}]: token id {max(ids)} is outside the "
                                   f"vocabulary (0..{vocab - 1})", param="input")
+            limit = self.max_model_len
+            if limit is not None and len(ids) > limit:  # as a completion's prompt is told
+                raise bad_request(f"input[{i}]: this model's maximum context length is "
+                                  f"{limit} tokens; this input is {len(ids)}", param="input",
+                                  code="context_length_exceeded")
         return texts
 
     def _card(self) -> ModelCard:

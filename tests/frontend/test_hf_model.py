@@ -107,6 +107,11 @@ def test_the_models_context_bounds_max_tokens_as_openai_does(server: Server) -> 
         assert isinstance(error, dict), error
         assert (error["code"], error["param"]) == ("context_length_exceeded", param), error
         assert "maximum context length is 4096 tokens" in error["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # an embedding's input, as well
+        client.embeddings.create(model="tiny", input="a scheduler reads " * 2000)
+    assert isinstance(info.value.body, dict)
+    assert (info.value.body["code"], info.value.body["param"]) == \
+        ("context_length_exceeded", "input"), info.value.body
     # No max_tokens: the default (16) is cut to the room the prompt leaves.
     answer = client.completions.create(model="tiny", prompt=[5] * 4090, temperature=0.0,
                                        extra_body={"ignore_eos": True})
