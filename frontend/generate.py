@@ -236,12 +236,15 @@ class Generator:
         asked = req.max_new_tokens()
         text = self.template.render(req.messages, req.add_generation_prompt)
         ids = await self.tokenize(text, special=False)
-        max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages")
+        max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
+                                  "max_tokens" if req.max_completion_tokens is None
+                                  else "max_completion_tokens")
         return await self._answer(_Shape(True, str(next(self._seq)), req.model, self.tokenizer),
                                   ids, req, max_tokens, [*req.stops(), *self.template.stops],
                                   self.template.stop_ids, req.logprobs, send, t0, "chat")
 
-    def _budget(self, prompt: int, asked: int | None, default: int, where: str) -> int:
+    def _budget(self, prompt: int, asked: int | None, default: int, where: str,
+                field: str = "max_tokens") -> int:
         """The answer's ``max_tokens``: what was asked, else ``default`` cut to the room
         the prompt leaves in the model's context.
 
@@ -259,8 +262,8 @@ class Generator:
                                               f", {asked} in the completion")
         raise bad_request(f"this model's maximum context length is {limit} tokens; this "
                           f"request asks for {prompt + (asked or 0)} ({wanted}): shorten the "
-                          f"{where}" + ("" if asked is None else " or max_tokens"),
-                          param=where if asked is None or prompt >= limit else "max_tokens",
+                          f"{where}" + ("" if asked is None else f" or {field}"),
+                          param=where if asked is None or prompt >= limit else field,
                           code="context_length_exceeded")
 
     def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,

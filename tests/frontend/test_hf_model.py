@@ -107,6 +107,12 @@ def test_the_models_context_bounds_max_tokens_as_openai_does(server: Server) -> 
         assert isinstance(error, dict), error
         assert (error["code"], error["param"]) == ("context_length_exceeded", param), error
         assert "maximum context length is 4096 tokens" in error["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # named by the field a chat used
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content":
+                                                                "hi"}],
+                                       max_completion_tokens=5000)
+    assert isinstance(info.value.body, dict)
+    assert info.value.body["param"] == "max_completion_tokens", info.value.body
     with pytest.raises(openai.BadRequestError) as info:  # an embedding's input, as well
         client.embeddings.create(model="tiny", input="a scheduler reads " * 2000)
     assert isinstance(info.value.body, dict)
