@@ -67,14 +67,20 @@ _WILDCARDS = ("tcp://*", "tcp://0.0.0.0", "tcp://[::]", "tcp://::")
 
 
 def check_endpoint(endpoint: str, *, bind: bool, allow_remote: bool) -> None:
-    """Refuse unknown transports, and a non-loopback tcp bind unless allowed.
+    """Refuse unknown transports, a tcp endpoint with no port, and a non-loopback tcp
+    bind unless allowed.
 
     Raises:
-        ValueError: the endpoint is not ipc://, tcp:// or inproc://, or binds
+        ValueError: the endpoint is not ipc://, tcp:// or inproc://, a tcp one's
+            port is not 1-65535 (``*`` or ``0``, any free port, when binding), or it binds
             beyond loopback without ``allow_remote``.
     """
     if not endpoint.startswith(("ipc://", "tcp://", "inproc://")):
         raise ValueError(f"unsupported endpoint {endpoint!r} (ipc://, tcp:// or inproc://)")
+    port = endpoint.rsplit(":", 1)[-1]
+    if endpoint.startswith("tcp://") and not (port.isdigit() and 0 < int(port) < 65536) \
+            and not (bind and port in ("*", "0")):
+        raise ValueError(f"{endpoint!r} needs a port (1-65535) after its last ':'")
     if bind and endpoint.startswith("tcp://") and not allow_remote:
         host = endpoint[6:].rsplit(":", 1)[0].strip("[]")
         if endpoint.startswith(_WILDCARDS) or host not in ("127.0.0.1", "localhost", "::1"):

@@ -97,10 +97,7 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
     """``ipc://DIR/rpc`` (DIR private, made when missing), or the tcp endpoint as given."""
     spec: str | None = args.endpoint
     if spec is not None and spec.startswith("tcp://"):
-        port = spec.rsplit(":", 1)[-1]
         try:  # here, not once the engine has started (outside probe: tcp://host:notaport)
-            if not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"{spec!r} needs a port (1-65535) after its last ':'")
             check_endpoint(spec, bind=True, allow_remote=args.allow_remote)
         except ValueError as exc:
             raise parser_error(f"--endpoint: {exc}") from exc

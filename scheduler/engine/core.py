@@ -299,19 +299,15 @@ class EngineCore:
             log.exception("embedded scheduler crashed")
 
     def _alive(self) -> bool:
-        if self._procs:
-            for proc in self._procs:
-                if not proc.is_alive():
-                    if self._gone is None:
-                        self._gone = (f"scheduler process {proc.name} exited "
-                                      f"(exit code {proc.exitcode})")
-                        if not self.closed:  # (not this engine's own close): say it once
-                            # (exit code 0: it was told to stop, an operator's rpc shutdown)
-                            log.log(logging.WARNING if proc.exitcode == 0 else logging.ERROR,
-                                    "%s: requests in flight fail, new ones are refused",
-                                    self._gone)
-                    return False
-            return True
+        dead = next((p for p in self._procs if not p.is_alive()), None)
+        if dead is not None and self._gone is None:
+            self._gone = f"scheduler process {dead.name} exited (exit code {dead.exitcode})"
+            if not self.closed:  # said once, and not at this engine's own close (exit 0:
+                # it was told to stop, as by an operator's rpc shutdown)
+                log.log(logging.WARNING if dead.exitcode == 0 else logging.ERROR,
+                        "%s: requests in flight fail, new ones are refused", self._gone)
+        if dead is not None:
+            return False
         if self._thread is not None and not self._thread.is_alive():
             self._gone = self._gone or "the embedded scheduler thread stopped"
             return False

@@ -150,6 +150,13 @@ def test_push_pull_and_loopback_policy(ctx: zmq.Context[zmq.Socket[bytes]]) -> N
     check_endpoint("tcp://10.1.2.3:5555", bind=False, allow_remote=False)
     with pytest.raises(ValueError, match="unsupported"):
         check_endpoint("udp://x", bind=True, allow_remote=False)
+    for bad in ("tcp://127.0.0.1:abc", "tcp://127.0.0.1", "tcp://", "tcp://127.0.0.1:70000"):
+        with pytest.raises(ValueError, match="needs a port"):  # (zmq's EINVAL, unnamed)
+            check_endpoint(bad, bind=False, allow_remote=False)
+    with pytest.raises(ValueError, match="needs a port"):
+        check_endpoint("tcp://127.0.0.1:*", bind=False, allow_remote=False)
+    check_endpoint("tcp://127.0.0.1:*", bind=True, allow_remote=False)  # any free port
+    check_endpoint("tcp://[::1]:5555", bind=True, allow_remote=False)
 
 
 def test_unclosed_channel_warns(ctx: zmq.Context[zmq.Socket[bytes]],
