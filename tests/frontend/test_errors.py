@@ -218,7 +218,9 @@ def test_a_failure_outside_a_generation_is_an_openai_error_never_uvicorns_text()
     try:
         r = httpx.get(f"{s.url}/metrics")
         assert r.status_code == 503 and error(r)["code"] == "scheduler_unavailable", r.text
-        _FailingMetrics.failure = RuntimeError("a bug")  # anything else: a 500, JSON
+        engine = s.app.engine
+        assert isinstance(engine, _FailingMetrics)
+        engine.failure = RuntimeError("a bug")  # anything else: a 500, JSON
         r = httpx.get(f"{s.url}/metrics")
         assert r.status_code == 500 and error(r)["code"] == "internal", r.text
         assert httpx.get(f"{s.url}/health").status_code == 200  # and the server goes on
