@@ -555,11 +555,11 @@ def test_12_each_request_ends_once_when_its_consumer_stops_reading(max_backlog: 
             rids.append(f"s{i}")
             ring.put(TokenizedGenerateReqInput(
                 rid=f"s{i}", input_ids=token_ids([i % 60 + 1]), stream=True,
-                sampling=SamplingParams(max_new_tokens=rng.choice([1, 3, 50, 5000]))))
+                sampling=SamplingParams(max_new_tokens=rng.choice([1, 3, 50, 400]))))
             if i % 7 == 0:
                 rids.append(f"e{i}")
                 ring.put(TokenizedEmbeddingReqInput(rid=f"e{i}", input_ids=token_ids([1, 2])))
-        deadline = time.monotonic() + 90  # ~6 s alone; a loaded 2-core box takes 5x
+        deadline = time.monotonic() + 90  # ~2 s alone; a loaded 2-core box takes 5x
         while sched.backlog_aborts == 0:  # the backlog overflowed, and collapsed
             assert time.monotonic() < deadline
             time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
