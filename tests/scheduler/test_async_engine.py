@@ -29,7 +29,9 @@ SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
 Mode = Literal["ring", "zmq"]
 
 
-@pytest_asyncio.fixture(params=["ring", "zmq"])
+# One engine per mode for the module (a zmq start is a process start, ~3 s): each
+# test that takes it leaves it idle (_until_idle), as the next one expects.
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["ring", "zmq"])
 async def engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
     async with AsyncEngine(request.param, SMALL, max_batch=64) as e:
         yield e
@@ -59,7 +61,7 @@ async def _produced(engine: AsyncEngine, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.01)  # sleep-ok: pacing of a deadline poll
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_generate_stream_embed_and_the_same_tokens_as_sync(engine: AsyncEngine) -> None:
     from scheduler import Engine
 
@@ -76,7 +78,7 @@ async def test_generate_stream_embed_and_the_same_tokens_as_sync(engine: AsyncEn
     assert engine.pending == 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_hundreds_of_concurrent_streams(engine: AsyncEngine) -> None:
     async def one(i: int) -> int:
         n = 0
@@ -89,7 +91,7 @@ async def test_hundreds_of_concurrent_streams(engine: AsyncEngine) -> None:
     assert engine.pending == 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_cancel_mid_stream_frees_the_slot(engine: AsyncEngine) -> None:
     started = asyncio.Event()
 
@@ -118,7 +120,7 @@ async def test_cancel_mid_stream_frees_the_slot(engine: AsyncEngine) -> None:
     assert engine.pending == 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_leaving_a_stream_early_aborts_it(engine: AsyncEngine) -> None:
     stream = engine.stream([5], SamplingParams(max_new_tokens=1_000_000))
     async for _ in stream:
@@ -128,7 +130,7 @@ async def test_leaving_a_stream_early_aborts_it(engine: AsyncEngine) -> None:
     assert engine.pending == 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_submit_then_await_each_and_a_timed_out_await_aborts(engine: AsyncEngine) -> None:
     requests = [engine.submit([1 + i % 100], SamplingParams(max_new_tokens=3))
                 for i in range(200)]
@@ -142,7 +144,7 @@ async def test_submit_then_await_each_and_a_timed_out_await_aborts(engine: Async
     await _until_idle(engine)
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_stream_dropped_unfinished_is_aborted_when_collected(engine: AsyncEngine) -> None:
     async def leave() -> None:
         async for _ in engine.stream([6], SamplingParams(max_new_tokens=1_000_000)):
@@ -153,7 +155,7 @@ async def test_a_stream_dropped_unfinished_is_aborted_when_collected(engine: Asy
     await _until_idle(engine)
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_disconnecting_client_while_hundreds_stream(engine: AsyncEngine) -> None:
     async def one(i: int) -> int:
         n = 0
@@ -172,7 +174,7 @@ async def test_a_disconnecting_client_while_hundreds_stream(engine: AsyncEngine)
     assert engine.pending == 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_rpc_is_answered_while_streams_flood(engine: AsyncEngine) -> None:
     started = time.perf_counter()
     flood = [asyncio.create_task(engine.generate([1 + i % 100], SamplingParams(
@@ -195,7 +197,7 @@ async def test_rpc_is_answered_while_streams_flood(engine: AsyncEngine) -> None:
     assert rpc_s < flood_s / 2, f"the rpc took {rpc_s:.3f} s of a {flood_s:.3f} s flood"
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_slow_consumer_is_bounded_and_loses_nothing() -> None:
     async with AsyncEngine("ring", SMALL) as engine:
         stream = engine.stream([1], SamplingParams(max_new_tokens=400, temperature=0.0))
@@ -208,7 +210,7 @@ async def test_a_slow_consumer_is_bounded_and_loses_nothing() -> None:
         assert rest[-1].finish_reason == "length"
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_stream_steps_hands_over_what_arrived_as_one_list() -> None:
     sp = SamplingParams(max_new_tokens=40, temperature=0.0)
     async with AsyncEngine("ring", SMALL) as engine:
@@ -225,7 +227,7 @@ async def test_stream_steps_hands_over_what_arrived_as_one_list() -> None:
         assert all(c.finish_reason is None for c in chunks[:-1])
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_leaving_stream_steps_early_frees_the_slot() -> None:
     async with AsyncEngine("ring", SMALL) as engine:
         steps = engine.stream_steps([1], SamplingParams(max_new_tokens=100_000))
@@ -234,7 +236,7 @@ async def test_leaving_stream_steps_early_frees_the_slot() -> None:
         await _until_idle(engine)  # the slot is freed, and the abort's answer reached us
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_dead_scheduler_fails_every_waiting_task_promptly(
         caplog: pytest.LogCaptureFixture) -> None:
     engine = AsyncEngine("zmq", SMALL)
@@ -263,7 +265,7 @@ async def test_a_dead_scheduler_fails_every_waiting_task_promptly(
         await engine.abort("x")
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_cancelled_rid_is_not_reused_before_its_request_ended(engine: AsyncEngine) -> None:
     from scheduler import InvalidRequest
 
@@ -296,7 +298,7 @@ def test_chunks_are_merged_past_the_bound() -> None:
         loop.close()
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_full_work_channel_never_blocks_the_loop(
         engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     started = asyncio.Event()
