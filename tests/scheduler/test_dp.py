@@ -333,7 +333,8 @@ def _dispatch_over_two(tmp_path: Path) -> tuple[list[Path], list[subprocess.Pope
     return dirs, replicas, front
 
 
-def test_dispatch_over_running_replicas_and_a_restarted_one_rejoins(tmp_path: Path) -> None:
+def test_dispatch_over_running_replicas_a_second_dispatcher_refused_and_a_restarted_one_rejoins(
+        tmp_path: Path) -> None:
     dirs, replicas, front = _dispatch_over_two(tmp_path)
     try:
         with RpcClient(f"ipc://{dirs[2]}/rpc") as rpc:
@@ -344,6 +345,14 @@ def test_dispatch_over_running_replicas_and_a_restarted_one_rejoins(tmp_path: Pa
                         return reply
 
             assert load(True, time.monotonic() + 60).success
+            # A second dispatcher over a replica already dispatched to is refused,
+            # and the first is untouched.
+            second = subprocess.run(
+                [sys.executable, "-m", "scheduler", "dispatch", "--endpoint",
+                 str(tmp_path / "front2"), "--replica", str(dirs[0])],
+                capture_output=True, text=True, timeout=60)
+            assert second.returncode != 0 and "EndpointInUse" in second.stderr
+            assert rpc.call("get_load", timeout=30).success
             _stop(replicas[1])
             down = load(False, time.monotonic() + 10)
             assert not down.success and "replica1" in down.message
@@ -541,29 +550,6 @@ def test_a_replica_whose_outputs_never_arrive_is_lost_not_waited_for(tmp_path: P
         for c in (out, work, rpc):
             c.close()
         _stop(proc)
-
-
-def test_a_second_dispatcher_over_the_same_replica_is_refused(tmp_path: Path) -> None:
-    dirs = [tmp_path / "a", tmp_path / "f1", tmp_path / "f2"]
-    for d in dirs:
-        d.mkdir(mode=0o700)
-    replica = _serve(dirs[0])
-    first = subprocess.Popen([sys.executable, "-m", "scheduler", "dispatch", "--endpoint",
-                              str(dirs[1]), "--replica", str(dirs[0])],
-                             stderr=subprocess.DEVNULL, text=True)
-    try:
-        with RpcClient(f"ipc://{dirs[1]}/rpc") as rpc:
-            assert rpc.call("get_load", timeout=60).success
-            second = subprocess.run(
-                [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(dirs[2]),
-                 "--replica", str(dirs[0])], capture_output=True, text=True, timeout=60)
-            assert second.returncode != 0 and "EndpointInUse" in second.stderr
-            assert rpc.call("get_load", timeout=30).success  # the first one is untouched
-            rpc.call("shutdown", timeout=30)
-        first.wait(30)
-    finally:
-        _stop(first)
-        _stop(replica)
 
 
 def test_a_killed_local_replica_is_restarted_rejoins_and_stays() -> None:
