@@ -68,9 +68,10 @@ from frontend.schemas import (
     decode,
     encode,
 )
+from frontend.shared import SharedCall
 from frontend.tokenizer import Tokenizer
 from frontend.turns import loop_turns
-from messages import BusError
+from messages import BusError, RpcReqOutput
 from scheduler import (
     AsyncEngine,
     EngineError,
@@ -174,6 +175,8 @@ class Frontend:
         #: The most tokens a request's prompt and answer may hold (known once started).
         self.max_model_len: int | None = None
         self._gen: Generator | None = None
+        self._load: SharedCall[RpcReqOutput] | None = None  # set when started
+        self._scheduler_metrics: SharedCall[str] | None = None
         self._gone = False
         self._lag: asyncio.Task[None] | None = None
         self._started = int(time.time())
@@ -228,6 +231,8 @@ class Frontend:
         except BaseException:  # a start that fails stops what it started
             await self.close()
             raise
+        self._load = SharedCall(lambda: engine.collective_rpc("get_load", timeout=5.0))
+        self._scheduler_metrics = SharedCall(lambda: engine.metrics(timeout=5.0))
         self._gen = Generator(engine, self.tokenizer, GenerateSettings(
             s.model_name, s.default_max_tokens, self.max_model_len), self.metrics, self.template)
         if self.metrics is not None:
@@ -443,12 +448,12 @@ class Frontend:
         return 200
 
     async def _health(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        engine = self.engine
-        if engine is None or self._gone or engine.closed:
+        engine, load = self.engine, self._load
+        if engine is None or load is None or self._gone or engine.closed:
             raise ApiError(503, "the scheduler is not running", type="server_error",
                            code="scheduler_unavailable")
         try:
-            reply = await engine.collective_rpc("get_load", timeout=5.0)
+            reply = await load()  # one call in flight, shared (frontend.shared)
         except Exception as exc:
             if isinstance(exc, SchedulerGone):
                 self._gone = True
@@ -462,11 +467,12 @@ class Frontend:
         return 200
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        if self.metrics is None or self.engine is None:  # (no route when metrics are off)
+        scheduler_metrics = self._scheduler_metrics
+        if self.metrics is None or scheduler_metrics is None:  # (no route when metrics are off)
             raise ApiError(503, "the engine is not running", type="server_error",
                            code="scheduler_unavailable")
         try:
-            text = (await self.engine.metrics(timeout=5.0)).encode()
+            text = (await scheduler_metrics()).encode()  # one in flight, as _health's
         except BusError as exc:  # (RpcTimeout too: a scheduler busy past 5 s)
             raise ApiError(503, f"the scheduler's metrics are not available: {exc}",
                            type="server_error", code="scheduler_unavailable") from None

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from bus import RpcTimeout
 from frontend import ByteTokenizer, Settings
+from messages import RpcReqOutput, Scalar
 from scheduler import AsyncEngine, ModelConfig
 from tests.frontend.server import Server
 
@@ -224,5 +228,53 @@ def test_a_failure_outside_a_generation_is_an_openai_error_never_uvicorns_text()
         r = httpx.get(f"{s.url}/metrics")
         assert r.status_code == 500 and error(r)["code"] == "internal", r.text
         assert httpx.get(f"{s.url}/health").status_code == 200  # and the server goes on
+    finally:
+        s.stop()
+
+
+class _HeldRpc(AsyncEngine):
+    """The real engine, whose ``get_load`` and ``metrics`` calls wait for ``release``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.asked: list[str] = []
+        self.release = asyncio.Event()
+
+    async def collective_rpc(self, method: str, *, timeout: float = 30.0,
+                             **params: Scalar) -> RpcReqOutput:
+        if method == "get_load":
+            self.asked.append(method)
+            await self.release.wait()
+        return await super().collective_rpc(method, timeout=timeout, **params)
+
+    async def metrics(self, timeout: float = 30.0) -> str:
+        self.asked.append("metrics")
+        await self.release.wait()
+        return await super().metrics(timeout)
+
+
+def test_concurrent_health_and_metrics_calls_share_one_scheduler_call_each() -> None:
+    # Outside probe: with the scheduler stopped, concurrent /health and /metrics calls
+    # were served one after another on its one rpc socket, 5 s each (the fourth waited
+    # 20 s), each holding an executor thread. Those that arrive while one is in flight
+    # now share its answer.
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub")), tok,
+               engine=lambda st: _HeldRpc(st.mode, st.model))
+    try:
+        engine, metrics = s.app.engine, s.app.metrics
+        assert isinstance(engine, _HeldRpc) and metrics is not None
+        with ThreadPoolExecutor(16) as pool:
+            answers = [pool.submit(httpx.get, f"{s.url}/{path}", timeout=60)
+                       for path in ("health", "metrics") for _ in range(8)]
+            deadline = time.monotonic() + 60
+            while metrics.in_flight < 16:  # every request is inside, waiting
+                assert time.monotonic() < deadline
+                time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+            s.on_loop(engine.release.set)
+            assert [a.result().status_code for a in answers] == [200] * 16
+        assert sorted(engine.asked) == ["get_load", "metrics"], engine.asked
+        assert httpx.get(f"{s.url}/health").status_code == 200  # a later call asks anew
+        assert engine.asked.count("get_load") == 2
     finally:
         s.stop()

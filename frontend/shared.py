@@ -1,0 +1,49 @@
+"""One call in flight at a time: callers that arrive while it runs share its answer.
+
+``/health`` and ``/metrics`` each ask the scheduler over its one rpc socket,
+where calls are served one after another, each on a thread of the loop's
+executor. While the scheduler is stopped or busy, every such call waits out
+its timeout: four load balancers polling ``/health`` waited 5, 10, 15 and
+20 s, and each held an executor thread meanwhile (outside probe). Through a
+:class:`SharedCall` they wait for the same call, and its answer (or its
+error) is everyone's; a caller that leaves (its client gone) does not cancel
+it for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+__all__ = ["SharedCall"]
+
+T = TypeVar("T")
+
+
+class SharedCall(Generic[T]):
+    """Awaiting it runs ``call``, unless a run is already in flight: then its result.
+
+    Attributes:
+        runs: how many times ``call`` was started.
+    """
+
+    def __init__(self, call: Callable[[], Awaitable[T]]) -> None:
+        self._call = call
+        self._task: asyncio.Task[T] | None = None
+        self.runs = 0
+
+    async def __call__(self) -> T:
+        task = self._task
+        if task is None or task.done():
+            task = self._task = asyncio.ensure_future(self._call())
+            task.add_done_callback(_retrieved)
+            self.runs += 1
+        # shield: one caller cancelled (its client left) leaves the call to the others
+        return await asyncio.shield(task)
+
+
+def _retrieved(task: asyncio.Task[T]) -> None:
+    """Reads the outcome, so that a call whose every caller left logs no 'never retrieved'."""
+    if not task.cancelled():
+        task.exception()
