@@ -45,11 +45,12 @@ class PeerGone(ChannelError):
 
 
 class EndpointInUse(ChannelError):
-    """A live process already listens on this ``ipc://`` endpoint.
+    """A live process already listens on this endpoint.
 
-    zmq would silently take the path over, and the other listener would stop
-    receiving without a word (two schedulers in one directory, two
-    dispatchers over one replica): refused instead.
+    On ``ipc://`` zmq would silently take the path over, and the other
+    listener would stop receiving without a word (two schedulers in one
+    directory, two dispatchers over one replica): refused instead. On
+    ``tcp://`` it is the address in use.
     """
 
 

@@ -113,8 +113,16 @@ def make_socket(
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         _apply_curve(sock, bind=bind, options=options)
+        if endpoint.startswith("tcp://["):  # an IPv6 literal: zmq refuses it unless told
+            sock.setsockopt(zmq.IPV6, 1)
         if bind:
-            sock.bind(endpoint)
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise EndpointInUse(endpoint, "another process listens on this "
+                                                  "address") from None
+                raise
         else:
             sock.connect(endpoint)
     except BaseException:

@@ -8,8 +8,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+import zmq
+
 from bus import EndpointInUse, SocketOptions
-from bus.sockets import check_endpoint, refuse_live_ipc
+from bus.sockets import make_socket, refuse_live_ipc
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.errors import TokenizerError
 from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, http_protocol
@@ -97,10 +99,16 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
     """``ipc://DIR/rpc`` (DIR private, made when missing), or the tcp endpoint as given."""
     spec: str | None = args.endpoint
     if spec is not None and spec.startswith("tcp://"):
-        try:  # here, not once the engine has started (outside probe: tcp://host:notaport)
-            check_endpoint(spec, bind=True, allow_remote=args.allow_remote)
-        except ValueError as exc:
+        # Here, not once the engine has started (outside probes: tcp://host:notaport,
+        # a port in use): the door's own bind, tried and let go.
+        ctx = zmq.Context()
+        try:
+            make_socket(ctx, zmq.ROUTER, spec, bind=True, sending=False,
+                        options=SocketOptions(allow_remote=args.allow_remote)).close(0)
+        except (ValueError, EndpointInUse, zmq.ZMQError) as exc:
             raise parser_error(f"--endpoint: {exc}") from exc
+        finally:
+            ctx.term()
         return spec
     if spec is None:  # named for this process: swept by the next start once we are gone
         spec = make_run_dir("frontend")

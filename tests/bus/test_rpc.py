@@ -159,6 +159,28 @@ def test_push_pull_and_loopback_policy(ctx: zmq.Context[zmq.Socket[bytes]]) -> N
     check_endpoint("tcp://[::1]:5555", bind=True, allow_remote=False)
 
 
+def test_ipv6_loopback_carries_and_a_tcp_address_in_use_is_named(
+        ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    # Outside probe: tcp://[::1]:PORT failed in zmq (no IPV6 option), and a port in use
+    # was zmq's bare "Address already in use".
+    with PullInbox(REQ, "tcp://[::1]:0", ctx=ctx) as inbox:
+        ep = inbox.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert ep.startswith("tcp://[::1]:")
+        with PushOutbox(REQ, ep, ctx=ctx) as out:
+            out.send(AbortReq(rid="a"))
+            r: Receiver[Request] = Receiver([inbox])
+            assert r.wait(10)
+            got = r.poll()
+            assert isinstance(got[0], Envelope) and got[0].message == AbortReq(rid="a")
+        with pytest.raises(EndpointInUse, match=r"\[::1\].*another process listens"):
+            PullInbox(REQ, ep, ctx=ctx)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        with pytest.raises(EndpointInUse, match="another process listens"):
+            RpcServer(REQ, f"tcp://127.0.0.1:{other.getsockname()[1]}", ctx=ctx)
+
+
 def test_unclosed_channel_warns(ctx: zmq.Context[zmq.Socket[bytes]],
                                 ipc: Callable[[str], str]) -> None:
     inbox: PullInbox[Message] = PullInbox(Codec(Message), ipc("w"), ctx=ctx)

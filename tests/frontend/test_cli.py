@@ -70,6 +70,16 @@ def test_an_endpoint_that_cannot_serve_stops_start_up(tmp_path: Path) -> None:
         settings_from(parse(["--endpoint", "tcp://127.0.0.1:notaport"]))
     with pytest.raises(SystemExit, match=r"--endpoint: .*beyond loopback"):
         settings_from(parse(["--endpoint", "tcp://0.0.0.0:5999"]))
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "[::1]")):
+        with socket.socket(family) as other:  # the port is another process's
+            other.bind((host.strip("[]"), 0))
+            other.listen()
+            port = other.getsockname()[1]
+            with pytest.raises(SystemExit, match=r"--endpoint: .*another process listens"):
+                settings_from(parse(["--endpoint", f"tcp://{host}:{port}"]))
+    # An IPv6 loopback door binds (zmq refuses an IPv6 literal unless told).
+    settings, _ = settings_from(parse(["--endpoint", "tcp://[::1]:0"]))
+    assert settings.rpc_endpoint == "tcp://[::1]:0"
     taken = tmp_path / "taken"
     taken.mkdir(mode=0o700)
     with socket.socket(socket.AF_UNIX) as other:  # another server's live door
