@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -121,6 +122,25 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
     return endpoint
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Raise SystemExit when ``host:port`` cannot be listened on: uvicorn binds only
+    after the engine has started (seconds; a model load), then exits with an error."""
+    if port == 0:
+        return  # any free port
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise SystemExit(f"--host {host}: {exc}") from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as trial:
+        trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            trial.bind(address)
+        except OSError as exc:
+            raise SystemExit(f"--host/--port: cannot listen on {host}:{port}: "
+                             f"{exc.strerror}") from exc
+
+
 def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     """The app the arguments describe.
 
@@ -179,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                                                                "%(message)s")
     settings, app = settings_from(args)
+    _check_listen(args.host, args.port)
     protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
                              head_timeout=args.header_timeout)
     print(f"frontend: model {settings.model_name!r} ({app.tokenizer.name} tokenizer, "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from frontend.__main__ import parse, settings_from
+from frontend.__main__ import main, parse, settings_from
 from scheduler import ModelConfig
 from tests.frontend.bpe import train_byte_level
 
@@ -95,3 +95,14 @@ def test_a_shared_endpoint_directory_is_refused(tmp_path: Path) -> None:
     shared.chmod(0o777)
     with pytest.raises(SystemExit, match="writable"):
         settings_from(parse(["--endpoint", str(shared)]))
+
+
+def test_an_http_port_in_use_stops_start_up_before_the_engine(tmp_path: Path) -> None:
+    # Outside probe: uvicorn binds only after the engine has started (a model load),
+    # then exited with an error; now one line, before anything starts.
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
+            main(["--port", str(port), "--endpoint", str(tmp_path / "ep")])
