@@ -35,6 +35,7 @@ Defaults, and why:
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -77,6 +78,10 @@ def check_endpoint(endpoint: str, *, bind: bool, allow_remote: bool) -> None:
     """
     if not endpoint.startswith(("ipc://", "tcp://", "inproc://")):
         raise ValueError(f"unsupported endpoint {endpoint!r} (ipc://, tcp:// or inproc://)")
+    if endpoint.startswith("ipc://") and not ipc_path_fits(endpoint):
+        raise ValueError(f"{endpoint!r}: its path is {len(os.fsencode(endpoint[6:]))} bytes, "
+                         f"more than the {IPC_PATH_MAX} a Unix socket's may hold (use a "
+                         "shorter directory)")
     port = endpoint.rsplit(":", 1)[-1]
     if endpoint.startswith("tcp://") and not (port.isdigit() and 0 < int(port) < 65536) \
             and not (bind and port in ("*", "0")):
@@ -140,6 +145,16 @@ _CLOSING_GRACE: Final = 0.25
 _CLOSING_POLL: Final = 0.005
 
 
+#: The longest path a Unix socket may have (Linux: 108 bytes with the final NUL).
+IPC_PATH_MAX: Final = 107
+
+
+def ipc_path_fits(endpoint: str) -> bool:
+    """Whether an ``ipc://`` endpoint's path is short enough for a Unix socket."""
+    path = endpoint[len("ipc://"):]
+    return path.startswith("@") or len(os.fsencode(path)) <= IPC_PATH_MAX
+
+
 def ipc_listening(endpoint: str) -> bool:
     """Whether a process accepts connections at ``endpoint`` (an ``ipc://`` path) now.
 
@@ -150,6 +165,8 @@ def ipc_listening(endpoint: str) -> bool:
     path = endpoint[len("ipc://"):]
     if path.startswith("@"):
         return True
+    if not ipc_path_fits(endpoint):
+        return False  # nothing can listen there (connect would fail with no errno)
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import zmq
 
 from bus import EndpointInUse, SocketOptions
-from bus.sockets import make_socket, refuse_live_ipc
+from bus.sockets import check_endpoint, make_socket, refuse_live_ipc
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.errors import TokenizerError
 from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, http_protocol
@@ -115,9 +115,11 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
         spec = make_run_dir("frontend")
     from scheduler.__main__ import private_dir  # the check `serve --endpoint DIR` makes
     try:
+        # A path too long for a Unix socket: said before the directory is made.
+        check_endpoint(f"ipc://{spec}/rpc", bind=True, allow_remote=False)
         endpoint = f"ipc://{private_dir(spec)}/rpc"
         refuse_live_ipc(endpoint)  # another server's door: say so before anything starts
-    except (OSError, EndpointInUse) as exc:
+    except (OSError, ValueError, EndpointInUse) as exc:
         raise parser_error(f"--endpoint: {exc}") from exc
     return endpoint
 

@@ -157,6 +157,9 @@ def test_push_pull_and_loopback_policy(ctx: zmq.Context[zmq.Socket[bytes]]) -> N
         check_endpoint("tcp://127.0.0.1:*", bind=False, allow_remote=False)
     check_endpoint("tcp://127.0.0.1:*", bind=True, allow_remote=False)  # any free port
     check_endpoint("tcp://[::1]:5555", bind=True, allow_remote=False)
+    with pytest.raises(ValueError, match="more than the 107"):  # (was "another live process")
+        check_endpoint("ipc:///tmp/" + "d" * 120 + "/rpc", bind=True, allow_remote=False)
+    check_endpoint("ipc:///tmp/" + "d" * 96, bind=True, allow_remote=False)
 
 
 def test_ipv6_loopback_carries_and_a_tcp_address_in_use_is_named(

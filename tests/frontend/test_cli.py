@@ -80,6 +80,10 @@ def test_an_endpoint_that_cannot_serve_stops_start_up(tmp_path: Path) -> None:
     # An IPv6 loopback door binds (zmq refuses an IPv6 literal unless told).
     settings, _ = settings_from(parse(["--endpoint", "tcp://[::1]:0"]))
     assert settings.rpc_endpoint == "tcp://[::1]:0"
+    # A directory too deep for a Unix socket's path was "another live process".
+    with pytest.raises(SystemExit, match=r"--endpoint: .*more than the 107"):
+        settings_from(parse(["--endpoint", str(tmp_path / ("d" * 120))]))
+    assert not (tmp_path / ("d" * 120)).exists()
     taken = tmp_path / "taken"
     taken.mkdir(mode=0o700)
     with socket.socket(socket.AF_UNIX) as other:  # another server's live door
