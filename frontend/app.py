@@ -92,6 +92,8 @@ BODY_TIMEOUT_S = 30.0
 #: Seconds a stream cancelled by the server's shutdown may take to write its last
 #: event (a client that is not reading gets none, rather than hold the exit).
 CUT_SHORT_S = 1.0
+#: Seconds ``/health`` and ``/metrics`` wait for the scheduler's answer before a 503.
+RPC_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,8 +233,10 @@ class Frontend:
         except BaseException:  # a start that fails stops what it started
             await self.close()
             raise
-        self._load = SharedCall(lambda: engine.collective_rpc("get_load", timeout=5.0))
-        self._scheduler_metrics = SharedCall(lambda: engine.metrics(timeout=5.0))
+        self._load = SharedCall(lambda: engine.collective_rpc("get_load", timeout=RPC_WAIT_S),
+                                RPC_WAIT_S)
+        self._scheduler_metrics = SharedCall(lambda: engine.metrics(timeout=RPC_WAIT_S),
+                                             RPC_WAIT_S)
         self._gen = Generator(engine, self.tokenizer, GenerateSettings(
             s.model_name, s.default_max_tokens, self.max_model_len), self.metrics, self.template)
         if self.metrics is not None:
@@ -298,6 +302,18 @@ class Frontend:
         except ApiError as exc:
             status = exc.status
             await send_error(send, exc)
+        except asyncio.CancelledError:
+            # Only the server's shutdown cancels here (a generation's own cancellation
+            # is _guarded's): an answer in OpenAI's shape, not uvicorn's 500 and a
+            # traceback per waiting /metrics call (outside probe).
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            status = 503
+            with contextlib.suppress(Exception):  # (bounded: a client not reading)
+                async with asyncio.timeout(CUT_SHORT_S):
+                    await send_error(send, ApiError(503, "the server is shutting down",
+                                                    type="server_error", code="shutting_down"))
         except Disconnected:
             status = 499  # nginx's "client closed request": nothing was sent
         except EngineError as exc:  # raised outside a generation's own conversion
@@ -473,7 +489,7 @@ class Frontend:
                            code="scheduler_unavailable")
         try:
             text = (await scheduler_metrics()).encode()  # one in flight, as _health's
-        except BusError as exc:  # (RpcTimeout too: a scheduler busy past 5 s)
+        except (BusError, TimeoutError) as exc:  # (RpcTimeout too: busy past 5 s)
             raise ApiError(503, f"the scheduler's metrics are not available: {exc}",
                            type="server_error", code="scheduler_unavailable") from None
         await send_bytes(send, 200, text + self.metrics.text(), TEXT)

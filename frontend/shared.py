@@ -24,12 +24,19 @@ T = TypeVar("T")
 class SharedCall(Generic[T]):
     """Awaiting it runs ``call``, unless a run is already in flight: then its result.
 
+    A caller waits at most ``wait_s`` seconds, however long the call is queued
+    behind others on the socket (``/health`` behind a ``/metrics`` call to a
+    stopped scheduler waited 10 s, outside probe); the call itself goes on.
+
+    Raises (on await): what ``call`` raises, or ``TimeoutError`` past ``wait_s``.
+
     Attributes:
         runs: how many times ``call`` was started.
     """
 
-    def __init__(self, call: Callable[[], Awaitable[T]]) -> None:
+    def __init__(self, call: Callable[[], Awaitable[T]], wait_s: float) -> None:
         self._call = call
+        self._wait_s = wait_s
         self._task: asyncio.Task[T] | None = None
         self.runs = 0
 
@@ -39,8 +46,13 @@ class SharedCall(Generic[T]):
             task = self._task = asyncio.ensure_future(self._call())
             task.add_done_callback(_retrieved)
             self.runs += 1
-        # shield: one caller cancelled (its client left) leaves the call to the others
-        return await asyncio.shield(task)
+        try:
+            # shield: one caller cancelled (its client left, or its wait ran
+            # out) leaves the call to the others
+            async with asyncio.timeout(self._wait_s):
+                return await asyncio.shield(task)
+        except TimeoutError:
+            raise TimeoutError(f"no answer within {self._wait_s:g} s") from None
 
 
 def _retrieved(task: asyncio.Task[T]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -276,5 +277,45 @@ def test_concurrent_health_and_metrics_calls_share_one_scheduler_call_each() -> 
         assert sorted(engine.asked) == ["get_load", "metrics"], engine.asked
         assert httpx.get(f"{s.url}/health").status_code == 200  # a later call asks anew
         assert engine.asked.count("get_load") == 2
+    finally:
+        s.stop()
+
+
+def test_health_waits_at_most_its_bound_and_a_shutdown_answers_those_waiting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Outside probe: /health queued behind a /metrics call to a stopped scheduler
+    # answered after 10 s, not 5; and /metrics calls still waiting when the shutdown
+    # cancelled them were uvicorn's 500, each with a traceback.
+    import frontend.app
+
+    monkeypatch.setattr(frontend.app, "RPC_WAIT_S", 0.3)
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub")), tok,
+               engine=lambda st: _HeldRpc(st.mode, st.model))
+    try:
+        engine = s.app.engine
+        assert isinstance(engine, _HeldRpc)
+        t0 = time.monotonic()
+        r = httpx.get(f"{s.url}/health", timeout=30)
+        assert r.status_code == 503 and "no answer within 0.3 s" in error(r)["message"]
+        assert time.monotonic() - t0 < 5
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+            deadline = time.monotonic() + 30
+            while engine.asked.count("metrics") < 1:  # it waits on the held call
+                assert time.monotonic() < deadline
+                time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+
+            def cancel() -> int:  # as uvicorn's shutdown does, past its grace period
+                tasks = s.tasks("RequestResponseCycle.run_asgi")
+                for t in tasks:
+                    t.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+                return len(tasks)
+
+            assert s.on_loop(cancel) == 1
+            got = sock.recv(1 << 16)
+        assert got.startswith(b"HTTP/1.1 503") and b'"code":"shutting_down"' in got, got
+        s.on_loop(engine.release.set)
+        assert httpx.get(f"{s.url}/health").status_code == 200
     finally:
         s.stop()
