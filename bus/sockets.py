@@ -91,7 +91,8 @@ def check_endpoint(endpoint: str, *, bind: bool, allow_remote: bool) -> None:
         if endpoint.startswith(_WILDCARDS) or host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(
                 f"refusing to bind {endpoint!r} beyond loopback; pass allow_remote=True "
-                "(and configure CURVE keys) to accept other hosts")
+                "(--allow-remote on the command line), and configure CURVE keys, to "
+                "accept other hosts")
 
 
 def make_socket(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -100,6 +101,11 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
     """``ipc://DIR/rpc`` (DIR private, made when missing), or the tcp endpoint as given."""
     spec: str | None = args.endpoint
     if spec is not None and spec.startswith("tcp://"):
+        port = spec.rsplit(":", 1)[-1]
+        if port in ("0", "*"):  # bound, it would be at a port nobody is told
+            raise parser_error(f"--endpoint {spec}: give the rpc door a port of its own")
+        if port == str(args.port):  # the door would take it, then uvicorn fail on it
+            raise parser_error(f"--endpoint {spec}: the HTTP --port {args.port} too")
         # Here, not once the engine has started (outside probes: tcp://host:notaport,
         # a port in use): the door's own bind, tried and let go.
         ctx = zmq.Context()
@@ -111,15 +117,22 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
         finally:
             ctx.term()
         return spec
+    given = spec is not None
     if spec is None:  # named for this process: swept by the next start once we are gone
         spec = make_run_dir("frontend")
     from scheduler.__main__ import private_dir  # the check `serve --endpoint DIR` makes
     try:
-        # A path too long for a Unix socket: said before the directory is made.
-        check_endpoint(f"ipc://{spec}/rpc", bind=True, allow_remote=False)
+        # A path too long for a Unix socket: said before the directory is made
+        # (private_dir makes it absolute).
+        check_endpoint(f"ipc://{os.path.abspath(spec)}/rpc", bind=True, allow_remote=False)
         endpoint = f"ipc://{private_dir(spec)}/rpc"
         refuse_live_ipc(endpoint)  # another server's door: say so before anything starts
     except (OSError, ValueError, EndpointInUse) as exc:
+        if not given:  # the run directory under TMPDIR: ours, and no --endpoint to blame
+            with contextlib.suppress(OSError):
+                os.rmdir(spec)
+            raise parser_error(f"the rpc door's run directory: {exc} (give --endpoint, or "
+                               "a shorter TMPDIR)") from exc
         raise parser_error(f"--endpoint: {exc}") from exc
     return endpoint
 
@@ -127,20 +140,30 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
 def _check_listen(host: str, port: int) -> None:
     """Raise SystemExit when ``host:port`` cannot be listened on: uvicorn binds only
     after the engine has started (seconds; a model load), then exits with an error."""
+    if not 0 <= port <= 65535:  # (getaddrinfo takes it modulo 65536: 70000 was 4464)
+        raise SystemExit(f"--port must be 0-65535, not {port}")
     if port == 0:
         return  # any free port
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
         raise SystemExit(f"--host {host}: {exc}") from exc
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as trial:
-        trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            trial.bind(address)
-        except OSError as exc:
-            raise SystemExit(f"--host/--port: cannot listen on {host}:{port}: "
-                             f"{exc.strerror}") from exc
+    trials: list[socket.socket] = []
+    try:  # every address the host names, each as asyncio's create_server binds it
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            trial = socket.socket(family, kind, proto)
+            trials.append(trial)
+            trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                trial.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                trial.bind(address)
+            except OSError as exc:
+                raise SystemExit(f"--host/--port: cannot listen on {host}:{port} "
+                                 f"({address[0]}): {exc.strerror}") from exc
+    finally:
+        for trial in trials:
+            trial.close()
 
 
 def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
@@ -198,10 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     args = parse(argv)
+    _check_listen(args.host, args.port)  # before settings_from makes any directory
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                                                                "%(message)s")
     settings, app = settings_from(args)
-    _check_listen(args.host, args.port)
     protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
                              head_timeout=args.header_timeout)
     print(f"frontend: model {settings.model_name!r} ({app.tokenizer.name} tokenizer, "

@@ -10,7 +10,7 @@ import stat
 import sys
 from collections.abc import Sequence
 
-from bus import CurveKeys, SocketOptions
+from bus import CurveKeys, SocketOptions, check_endpoint
 from scheduler.cli.demo import demo
 from scheduler.cli.options import add_curve_options, curve_options
 from scheduler.cli.rpc import run_rpc
@@ -75,6 +75,10 @@ def _upstream(parser: argparse.ArgumentParser, args: argparse.Namespace
               ) -> tuple[Endpoints, SocketOptions, list[bytes] | None]:
     ep: str = args.endpoint
     try:
+        if not ep.startswith("tcp://"):  # paths too long for Unix sockets: before the mkdir
+            probe = Endpoints.parse(os.path.abspath(ep))
+            for one in (probe.work, probe.rpc, probe.out):
+                check_endpoint(one, bind=True, allow_remote=False)
         endpoints = Endpoints.parse(ep if ep.startswith("tcp://") else private_dir(ep))
     except (OSError, ValueError) as exc:
         parser.error(str(exc))

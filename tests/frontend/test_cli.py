@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from frontend.__main__ import main, parse, settings_from
+from frontend.__main__ import _check_listen, main, parse, settings_from
 from scheduler import ModelConfig
 from tests.frontend.bpe import train_byte_level
 
@@ -78,8 +79,11 @@ def test_an_endpoint_that_cannot_serve_stops_start_up(tmp_path: Path) -> None:
             with pytest.raises(SystemExit, match=r"--endpoint: .*another process listens"):
                 settings_from(parse(["--endpoint", f"tcp://{host}:{port}"]))
     # An IPv6 loopback door binds (zmq refuses an IPv6 literal unless told).
-    settings, _ = settings_from(parse(["--endpoint", "tcp://[::1]:0"]))
-    assert settings.rpc_endpoint == "tcp://[::1]:0"
+    with socket.socket(socket.AF_INET6) as free:
+        free.bind(("::1", 0))
+        door = f"tcp://[::1]:{free.getsockname()[1]}"
+    settings, _ = settings_from(parse(["--endpoint", door]))
+    assert settings.rpc_endpoint == door
     # A directory too deep for a Unix socket's path was "another live process".
     with pytest.raises(SystemExit, match=r"--endpoint: .*more than the 107"):
         settings_from(parse(["--endpoint", str(tmp_path / ("d" * 120))]))
@@ -110,3 +114,33 @@ def test_an_http_port_in_use_stops_start_up_before_the_engine(tmp_path: Path) ->
         port = other.getsockname()[1]
         with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
             main(["--port", str(port), "--endpoint", str(tmp_path / "ep")])
+
+
+def test_start_up_refuses_what_would_fail_later(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Outside probe of the start-up checks: each of these got past them and failed once
+    # the engine had started, or did something else than the operator asked.
+    # (called by main before settings_from, so before any directory is made)
+    with pytest.raises(SystemExit, match="--port must be 0-65535, not 70000"):  # (was 4464)
+        _check_listen("127.0.0.1", 70000)
+    with socket.socket() as other:  # localhost names 127.0.0.1 (and maybe ::1): each tried
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        with pytest.raises(SystemExit, match=r"cannot listen .*\(127\.0\.0\.1\)"):
+            _check_listen("localhost", other.getsockname()[1])
+    for door, says in (("tcp://127.0.0.1:0", "a port of its own"),
+                       ("tcp://127.0.0.1:*", "a port of its own"),
+                       ("tcp://127.0.0.1:8000", "the HTTP --port 8000 too")):
+        with pytest.raises(SystemExit, match=says):
+            settings_from(parse(["--endpoint", door]))
+    monkeypatch.chdir(tmp_path)  # a relative directory, short as given, too long absolute
+    name = "d" * (107 - len(str(tmp_path)))
+    with pytest.raises(SystemExit, match=r"--endpoint: .*more than the 107"):
+        settings_from(parse(["--endpoint", name]))
+    assert not (tmp_path / name).exists()
+    deep = tmp_path / ("t" * 100)  # no --endpoint: the run directory under a deep TMPDIR
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(SystemExit, match=r"run directory: .*give --endpoint, or a shorter TMPDIR"):
+        settings_from(parse([]))
+    assert list(deep.iterdir()) == []  # and it is not left behind

@@ -74,3 +74,14 @@ def test_serve_with_curve_serves_only_admitted_clients(
     with RpcClient(rpc, ctx=ctx, options=good) as c:  # still serving
         assert c.call("get_load", timeout=10).success
         assert c.call("shutdown", timeout=10).success
+
+
+def test_serve_refuses_a_directory_too_deep_for_its_sockets_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Outside probe: a ValueError traceback once the directory was made (and left).
+    deep = tmp_path / ("d" * (102 - len(str(tmp_path))))  # rpc fits; work does not
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--endpoint", str(deep)])
+    assert info.value.code == 2
+    assert "/work': its path is 108 bytes, more than the 107" in capsys.readouterr().err
+    assert not deep.exists()
