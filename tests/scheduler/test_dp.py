@@ -1,45 +1,31 @@
 """Data parallel: the dispatch table, the ledger, the merged rpc, and replicas that die.
 
 Unit properties first (no processes), then ``Engine("zmq", dp_size=2)``
-end to end: where each request type goes, what a SIGKILLed replica costs,
-and a replica that is restarted under a running dispatcher.
+end to end: where each request type goes. Replicas that die, are restarted
+or go silent, and the operator's ``serve --dp`` and ``dispatch``, are in
+``test_dp_processes.py``.
 """
 
 from __future__ import annotations
 
 import gc
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus import Envelope, PullInbox, PushOutbox, RpcClient, RpcServer
 from messages import (
     AbortReq,
-    BatchTokenIDOut,
-    Codec,
-    ErrorOut,
-    Message,
-    Output,
     Request,
     RpcReqInput,
     RpcReqOutput,
     SamplingParams,
-    TokenizedGenerateReqInput,
     concrete_types,
-    token_ids,
 )
 from router import NoRouteError
-from scheduler import Engine, InvalidRequest, ModelConfig, RequestFailed
+from scheduler import Engine, InvalidRequest
 from scheduler.dp import (
     Balanced,
     Broadcast,
@@ -50,7 +36,6 @@ from scheduler.dp import (
     dispatch_table,
     merge_replies,
 )
-from tests import procs
 
 # -- the dispatch table ---------------------------------------------------------
 
@@ -186,9 +171,6 @@ def test_one_replicas_answer_is_never_passed_off_as_everyones() -> None:
 
 # -- end to end: Engine("zmq", dp_size=2) ---------------------------------------
 
-STUB_MODEL = ModelConfig(kind="stub")
-
-
 @pytest.fixture(scope="module")
 def dp_engine() -> Iterator[Engine]:
     with Engine("zmq", dp_size=2) as engine:
@@ -263,109 +245,6 @@ def test_a_pin_out_of_range_is_refused_at_submit(dp_engine: Engine) -> None:
     assert len(dp_engine.embed([1, 2, 3], dp_rank=1)) > 0
 
 
-def test_a_killed_replica_costs_only_its_started_requests() -> None:
-    with Engine("zmq", dp_size=2, max_batch=256) as engine:
-        slow = SamplingParams(max_new_tokens=100_000)
-        streams = [engine.submit([1 + n % 5] * 8, slow, stream=True, dp_rank=n % 2)
-                   for n in range(60)]
-        for h in streams:  # every one has started on its replica
-            next(iter(h))
-        for pid in engine.replica_pids[0]:
-            os.kill(pid, signal.SIGSTOP)  # it starts nothing more: what it is sent waits
-        # A flood before it dies: the part dispatched to replica0 never starts there.
-        flood = [engine.submit([2, 3], SamplingParams(max_new_tokens=3)) for _ in range(200)]
-        deadline = time.monotonic() + 30
-        while engine.pending > len(streams) + 150:  # replica1 answered 50: the flood is in
-            assert time.monotonic() < deadline, f"{engine.pending} pending"
-            time.sleep(0.005)  # sleep-ok: pacing of a deadline poll
-        for pid in engine.replica_pids[0]:
-            os.kill(pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        for h in streams[0::2]:  # replica0's: every one ends, with the loss named
-            with pytest.raises(RequestFailed) as info:
-                h.result(10)
-            assert info.value.code == "replica_lost" and "replica0" in str(info.value)
-        ended_within = time.monotonic() - killed_at
-        for h in flood:  # none had started on replica0: each ran on replica1 instead
-            assert len(h.result(30).token_ids) == 3
-        for h in streams[1::2]:  # replica1's streams never noticed
-            engine.abort(h.rid)
-            assert h.result(10).finish_reason == "abort"
-        assert ended_within < 1.0 + 1.0  # 1 s, plus slack for this 2-core machine
-        reply = engine.collective_rpc("get_load")  # unless it was restarted already
-        assert reply.result is not None and reply.result["failed"] in ([], ["replica0"])
-        assert reply.success or "replica0: not live" in reply.message
-        redispatched = reply.result["dispatcher.redispatched"]
-        assert isinstance(redispatched, int) and redispatched > 0, reply.result
-        assert engine.generate([5, 6], SamplingParams(max_new_tokens=2)).token_ids
-        try:
-            engine.generate([5, 6], SamplingParams(max_new_tokens=2), dp_rank=0)
-        except RequestFailed as exc:
-            assert "replica 0, which is not live" in str(exc)
-    # close() returned: nothing hung
-
-
-# -- a dispatcher over replicas that already run, and a restart -----------------
-
-
-def _serve(directory: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--endpoint",
-                             str(directory)], stderr=subprocess.DEVNULL, text=True)
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    proc.kill()
-    proc.wait(30)
-
-
-def _dispatch_over_two(tmp_path: Path) -> tuple[list[Path], list[subprocess.Popen[str]],
-                                                  subprocess.Popen[str]]:
-    """Two ``serve`` replicas and a ``dispatch`` over them (heartbeat timeout 1 s):
-    the directories (replica a, replica b, front), the replicas, the dispatcher."""
-    dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "front"]
-    for d in dirs:
-        d.mkdir(mode=0o700)
-    replicas = [_serve(dirs[0]), _serve(dirs[1])]
-    front = subprocess.Popen(
-        [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(dirs[2]),
-         "--replica", str(dirs[0]), "--replica", str(dirs[1]), "--heartbeat-timeout", "1.0"],
-        stderr=subprocess.DEVNULL, text=True)
-    return dirs, replicas, front
-
-
-def test_dispatch_over_running_replicas_a_second_dispatcher_refused_and_a_restarted_one_rejoins(
-        tmp_path: Path) -> None:
-    dirs, replicas, front = _dispatch_over_two(tmp_path)
-    try:
-        with RpcClient(f"ipc://{dirs[2]}/rpc") as rpc:
-            def load(want_ok: bool, deadline: float) -> RpcReqOutput:
-                while True:
-                    reply = rpc.call("get_load", timeout=60)
-                    if reply.success == want_ok or time.monotonic() > deadline:
-                        return reply
-
-            assert load(True, time.monotonic() + 60).success
-            # A second dispatcher over a replica already dispatched to is refused,
-            # and the first is untouched.
-            second = subprocess.run(
-                [sys.executable, "-m", "scheduler", "dispatch", "--endpoint",
-                 str(tmp_path / "front2"), "--replica", str(dirs[0])],
-                capture_output=True, text=True, timeout=60)
-            assert second.returncode != 0 and "EndpointInUse" in second.stderr
-            assert rpc.call("get_load", timeout=30).success
-            _stop(replicas[1])
-            down = load(False, time.monotonic() + 10)
-            assert not down.success and "replica1" in down.message
-            replicas[1] = _serve(dirs[1])  # restarted: rejoins, no dispatcher restart
-            back = load(True, time.monotonic() + 60)
-            assert back.success, back.message
-            assert rpc.call("shutdown", timeout=30).success
-        front.wait(30)
-    finally:
-        for p in (*replicas, front):
-            _stop(p)
-
-
 def test_abort_of_unknown_rid_is_harmless_over_the_wire(dp_engine: Engine) -> None:
     dp_engine._send(AbortReq(rid="never-was"))
     assert dp_engine.generate([7], SamplingParams(max_new_tokens=1)).token_ids
@@ -409,291 +288,3 @@ def test_a_reply_in_another_replicas_name_is_dropped() -> None:
     merged = fanout.reply(RpcReqOutput(rid=dict(sent)[0], success=True), sender=0)
     assert merged is not None and merged[0].result is not None
     assert "replica1.forged" not in merged[0].result
-
-
-def _raw_client(directory: Path) -> tuple[PullInbox[Output], PushOutbox[Request], RpcClient]:
-    return (PullInbox(Codec(Output), f"ipc://{directory}/out"),
-            PushOutbox(Codec(Request), f"ipc://{directory}/work"),
-            RpcClient(f"ipc://{directory}/rpc"))
-
-
-def _collect(out: PullInbox[Output], until: Callable[[dict[str, list[Output]]], bool],
-             seen: dict[str, list[Output]], timeout: float = 30.0) -> None:
-    """Read outputs into ``seen`` (per rid) until ``until(seen)`` or the deadline."""
-    deadline = time.monotonic() + timeout
-    while not until(seen):
-        assert time.monotonic() < deadline, {k: len(v) for k, v in seen.items()}
-        if out.socket.poll(100):
-            for env in out.drain(256):
-                assert isinstance(env, Envelope), env
-                msg = env.message
-                if isinstance(msg, BatchTokenIDOut):
-                    for rid, _, fin in msg.items():
-                        seen.setdefault(rid, []).append(msg)
-                        if fin is not None:
-                            seen.setdefault(f"{rid}/end", []).append(msg)
-                elif isinstance(msg, ErrorOut):
-                    seen.setdefault(msg.rid, []).append(msg)
-                    seen.setdefault(f"{msg.rid}/end", []).append(msg)
-
-
-def _ended_with(seen: dict[str, list[Output]], rid: str) -> Output | None:
-    ends = seen.get(f"{rid}/end")
-    return ends[-1] if ends else None
-
-
-def _until_all_live(rpc: RpcClient) -> None:
-    """The dispatcher serves once one replica is live: wait until every one is."""
-    deadline = time.monotonic() + 60
-    while not (reply := rpc.call("get_load", timeout=60)).success:
-        assert time.monotonic() < deadline, reply.message
-
-
-def test_a_silent_replica_that_returns_leaks_no_old_output(tmp_path: Path) -> None:
-    dirs, replicas, front = _dispatch_over_two(tmp_path)
-    out, work, rpc = _raw_client(dirs[2])
-    try:
-        _until_all_live(rpc)
-        slow = SamplingParams(max_new_tokens=100_000)
-        for n in range(4):
-            work.send(TokenizedGenerateReqInput(rid=f"s{n}", input_ids=token_ids([1, 2]),
-                                                sampling=slow, stream=True, dp_rank=0))
-        seen: dict[str, list[Output]] = {}
-        _collect(out, lambda s: all(f"s{n}" in s for n in range(4)), seen)
-        os.kill(replicas[0].pid, signal.SIGSTOP)  # silent, not dead
-        try:
-            _collect(out, lambda s: all(_ended_with(s, f"s{n}") for n in range(4)), seen)
-        finally:
-            os.kill(replicas[0].pid, signal.SIGCONT)
-        for n in range(4):
-            end = _ended_with(seen, f"s{n}")
-            assert isinstance(end, ErrorOut) and end.code == "replica_lost", end
-        deadline = time.monotonic() + 30
-        while not rpc.call("get_load", timeout=30).success:  # it rejoins
-            assert time.monotonic() < deadline
-        # A retry under the same rid, on the same replica: never the old stream's
-        # tokens; refused as overloaded until the orphan's abort has ended it there.
-        while True:
-            seen.clear()
-            work.send(TokenizedGenerateReqInput(rid="s0", input_ids=token_ids([1, 2]), dp_rank=0,
-                                                sampling=SamplingParams(max_new_tokens=3)))
-            _collect(out, lambda s: _ended_with(s, "s0") is not None, seen)
-            end = _ended_with(seen, "s0")
-            if isinstance(end, ErrorOut):
-                assert end.code == "overloaded" and "still ending" in end.message, end
-                assert time.monotonic() < deadline
-                continue
-            assert isinstance(end, BatchTokenIDOut)
-            tokens = sum(len(ids) for m in seen["s0"] if isinstance(m, BatchTokenIDOut)
-                         for rid, ids, _ in m.items() if rid == "s0")
-            assert tokens == 3
-            break
-        while True:  # the orphans were aborted there: nothing left running
-            load = rpc.call("get_load", timeout=30).result
-            assert load is not None
-            if load["replica0.running"] == 0 and load["replica0.queued"] == 0:
-                break
-            assert time.monotonic() < deadline, load
-        assert rpc.call("shutdown", timeout=30).success
-        front.wait(30)
-    finally:
-        for c in (out, work, rpc):
-            c.close()
-        for p in (*replicas, front):
-            _stop(p)
-
-
-def test_a_replica_whose_outputs_never_arrive_is_lost_not_waited_for(tmp_path: Path) -> None:
-    replica, front = tmp_path / "r", tmp_path / "front"
-    replica.mkdir(mode=0o700)
-    front.mkdir(mode=0o700)
-    stop = threading.Event()
-
-    def black_hole() -> None:  # answers heartbeats, swallows work, never outputs
-        with RpcServer(Codec(Request), f"ipc://{replica}/rpc") as srv, \
-                PullInbox(Codec(Request), f"ipc://{replica}/work") as sink:
-            reply: Codec[Message] = Codec(Message, types=[RpcReqOutput])
-            while not stop.is_set():
-                if srv.socket.poll(50):
-                    for env in srv.drain(64):
-                        if isinstance(env, Envelope):
-                            load = {"running": 0, "queued": 0}
-                            srv.reply(reply.encode(RpcReqOutput(
-                                rid=env.message.rid, success=True,
-                                result=dict(load.items()))), env.origin)
-                sink.drain(64)
-
-    hole = threading.Thread(target=black_hole)
-    hole.start()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(front),
-         "--replica", str(replica), "--heartbeat-timeout", "0.5"],
-        stderr=subprocess.DEVNULL, text=True)
-    out, work, rpc = _raw_client(front)
-    try:
-        assert rpc.call("get_load", timeout=60).success
-        t0 = time.monotonic()
-        for n in range(3):
-            work.send(TokenizedGenerateReqInput(rid=f"h{n}", input_ids=token_ids([1, 2, 3])))
-        seen: dict[str, list[Output]] = {}
-        _collect(out, lambda s: all(_ended_with(s, f"h{n}") for n in range(3)), seen)
-        for n in range(3):
-            end = _ended_with(seen, f"h{n}")
-            assert isinstance(end, ErrorOut) and end.code == "replica_lost", end
-            assert "do not reach this dispatcher" in end.message
-        assert time.monotonic() - t0 < 10
-        rpc.call("shutdown", timeout=5)
-        proc.wait(30)
-    finally:
-        stop.set()
-        hole.join()
-        for c in (out, work, rpc):
-            c.close()
-        _stop(proc)
-
-
-def test_a_killed_local_replica_is_restarted_rejoins_and_stays() -> None:
-    with Engine("zmq", STUB_MODEL, dp_size=2) as engine:
-        old = engine.replica_pids[0]
-        for pid in old:
-            os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while engine.replica_pids[0] == old:  # restarted in place, by the engine itself
-            assert time.monotonic() < deadline
-            time.sleep(0.02)  # sleep-ok: pacing a deadline poll
-        while True:  # it rejoins (a new generation) and takes work pinned to it
-            try:
-                assert engine.generate([1, 2], SamplingParams(max_new_tokens=2),
-                                       dp_rank=0).token_ids
-                break
-            except RequestFailed as exc:
-                assert "replica 0, which is not live" in str(exc)
-                assert time.monotonic() < deadline
-        for _ in range(20):  # and stays: not lost again on every tick
-            assert engine.generate([1, 2], SamplingParams(max_new_tokens=2),
-                                   dp_rank=0).token_ids
-        load = engine.collective_rpc("get_load")
-        assert load.success and load.result is not None
-        assert load.result["replica0.generation"] == 2 and load.result["dispatcher.lost"] == 1
-        assert engine._started.supervisor is not None
-        assert engine._started.supervisor.restarts == [1, 0]
-
-
-def test_closing_a_dp_engine_stops_its_supervisor_first() -> None:
-    # It went on watching processes close() had closed: its next look raised
-    # "process object is closed" in its thread (seen at the end of benchmarks.dp).
-    errors: list[threading.ExceptHookArgs] = []
-    old_hook = threading.excepthook
-    threading.excepthook = errors.append
-    try:
-        engine = Engine("zmq", STUB_MODEL, dp_size=2)
-        sup = engine._started.supervisor
-        assert sup is not None
-        engine.close()
-        assert sup._stop.is_set()  # told to stop, not left to notice the dispatcher gone
-        assert not sup._thread.is_alive()
-    finally:
-        threading.excepthook = old_hook
-    assert errors == []
-
-
-def test_a_replica_that_keeps_dying_is_given_up_after_its_tries() -> None:
-    from multiprocessing.process import BaseProcess
-
-    from scheduler.launch.respawn import ReplicaSupervisor
-
-    class Dead(BaseProcess):
-        exitcode = 1
-
-        def kill(self) -> None: ...
-
-        def join(self, timeout: float | None = None) -> None: ...
-
-    starts: list[int] = []
-
-    def start(i: int, attempt: int) -> list[BaseProcess]:
-        starts.append(attempt)
-        return [Dead()]
-
-    sup = ReplicaSupervisor([[Dead()]], start, tries=3, backoff=0.01, backoff_max=0.02)
-    sup.start()
-    deadline = time.monotonic() + 30
-    while 0 not in sup.given_up:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)  # sleep-ok: pacing a deadline poll
-    sup.stop()
-    assert starts == [1, 2, 3] and sup.restarts == [3]
-
-
-def test_a_killed_frontend_takes_its_scheduler_processes_with_it(tmp_path: Path) -> None:
-    serve = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--dp", "2",
-                              "--endpoint", str(tmp_path / "ep")],
-                             stderr=subprocess.DEVNULL, text=True)
-    try:
-        with RpcClient(f"ipc://{tmp_path}/ep/rpc") as rpc:
-            assert rpc.call("get_load", timeout=60).success
-        children = procs.children(serve.pid)
-        assert len(children) >= 2
-    finally:
-        serve.kill()
-        serve.wait(30)
-    deadline = time.monotonic() + 10
-    while any(procs.alive(pid) for pid in children):
-        assert time.monotonic() < deadline, [p for p in children if procs.alive(p)]
-        time.sleep(0.05)  # sleep-ok: pacing of a deadline poll
-
-
-
-
-# -- serve --dp: how it ends ----------------------------------------------------
-
-
-def _serve_dp(tmp_path: Path, stderr: int = subprocess.DEVNULL
-              ) -> tuple[subprocess.Popen[str], RpcClient]:
-    serve = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--dp", "2",
-                              "--endpoint", str(tmp_path / "ep")], stderr=stderr, text=True)
-    rpc = RpcClient(f"ipc://{tmp_path}/ep/rpc")
-    deadline = time.monotonic() + 120
-    while not rpc.call("get_load", timeout=120).success:  # both replicas live
-        assert time.monotonic() < deadline
-    return serve, rpc
-
-
-def test_serve_dp_shutdown_with_a_replica_down_exits_non_zero(tmp_path: Path) -> None:
-    serve, rpc = _serve_dp(tmp_path, subprocess.PIPE)
-    try:
-        load = rpc.call("get_load", timeout=30).result
-        assert load is not None and isinstance(load["replica0.pid"], int)
-        os.kill(load["replica0.pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while rpc.call("get_load", timeout=30).success:  # seen lost (restarting)
-            assert time.monotonic() < deadline
-        reply = rpc.call("shutdown", timeout=30)
-        assert not reply.success
-        _, err = serve.communicate(timeout=60)
-        assert serve.returncode == 1, err
-    finally:
-        rpc.close()
-        if serve.poll() is None:
-            serve.kill()
-        serve.wait(30)
-
-
-def test_serve_dp_stops_promptly_on_sigint_to_the_parent_alone(tmp_path: Path) -> None:
-    serve, rpc = _serve_dp(tmp_path)
-    try:
-        children = procs.children(serve.pid)
-        t0 = time.monotonic()
-        serve.send_signal(signal.SIGINT)
-        code = serve.wait(60)
-        took = time.monotonic() - t0
-        assert code == 0 and took < 5.0, (code, took)  # 10.5 s before: a grace per replica
-        deadline = time.monotonic() + 10
-        while any(procs.alive(pid) for pid in children):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)  # sleep-ok: pacing of a deadline poll
-    finally:
-        rpc.close()
-        if serve.poll() is None:
-            serve.kill()
-        serve.wait(30)
