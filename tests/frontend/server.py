@@ -82,6 +82,14 @@ class Server:
         return [t for t in asyncio.all_tasks()
                 if getattr(t.get_coro(), "__qualname__", "") == qualname]
 
+    def cancel_answers(self) -> int:
+        """Cancel every request being answered, as uvicorn's shutdown does past its grace
+        period; returns how many (call on the loop: :meth:`on_loop`)."""
+        tasks = self.tasks("RequestResponseCycle.run_asgi")
+        for t in tasks:
+            t.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        return len(tasks)
+
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(60.0)

@@ -306,13 +306,7 @@ def test_health_waits_at_most_its_bound_and_a_shutdown_answers_those_waiting(
                 assert time.monotonic() < deadline
                 time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
 
-            def cancel() -> int:  # as uvicorn's shutdown does, past its grace period
-                tasks = s.tasks("RequestResponseCycle.run_asgi")
-                for t in tasks:
-                    t.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
-                return len(tasks)
-
-            assert s.on_loop(cancel) == 1
+            assert s.on_loop(s.cancel_answers) == 1  # as uvicorn's shutdown does
             got = sock.recv(1 << 16)
         assert got.startswith(b"HTTP/1.1 503") and b'"code":"shutting_down"' in got, got
         s.on_loop(engine.release.set)

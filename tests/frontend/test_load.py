@@ -324,13 +324,7 @@ def test_a_stream_cancelled_by_the_server_shutting_down_ends_with_an_error_event
         got = sock.recv(1 << 16)
         assert got.startswith(b"HTTP/1.1 200")
 
-        def cancel() -> int:  # as uvicorn's shutdown does, past its grace period
-            tasks = server.tasks("RequestResponseCycle.run_asgi")
-            for t in tasks:
-                t.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
-            return len(tasks)
-
-        assert server.on_loop(cancel) == 1
+        assert server.on_loop(server.cancel_answers) == 1  # as uvicorn's shutdown does
         while not got.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
             data = sock.recv(1 << 16)
             assert data, got[-300:]

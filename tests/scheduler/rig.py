@@ -18,6 +18,9 @@ from messages import (
     Output,
     Request,
     RpcReqOutput,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    token_ids,
 )
 from router import CallbackSink, RingSink, RpcReplySink, Sink, scheduler_router
 from scheduler import Limits, ModelConfig, Scheduler, TinyLM
@@ -120,3 +123,9 @@ class Loop:
     def send_raw(self, frame: bytes) -> None:
         assert self.push is not None
         self.push.send(frame)
+
+
+def gen(rid: str, ids: list[int] | range, **sp: object) -> TokenizedGenerateReqInput:
+    """A generate request with these ids and sampling fields."""
+    return TokenizedGenerateReqInput(rid=rid, input_ids=token_ids(ids),
+                                     sampling=SamplingParams(**sp))  # type: ignore[arg-type]

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import zmq
 
 from bus import (
     Origin,
@@ -52,35 +51,14 @@ from scheduler import (
     TinyLM,
 )
 from scheduler.__main__ import main, private_dir
-from tests.scheduler.rig import CODEC, SMALL, Loop
-
-
-def _gen(rid: str, ids: list[int] | range, **sp: object) -> TokenizedGenerateReqInput:
-    return TokenizedGenerateReqInput(rid=rid, input_ids=token_ids(ids),
-                                     sampling=SamplingParams(**sp))  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def make_loop(ctx: zmq.Context[zmq.Socket[bytes]], ipc: Callable[[str], str]
-              ) -> Iterator[Callable[..., Loop]]:
-    loops: list[Loop] = []
-
-    def make(kind: str, **kw: object) -> Loop:
-        loop = Loop(kind, ctx, ipc, **kw)  # type: ignore[arg-type]
-        loops.append(loop)
-        return loop
-
-    yield make
-    for loop in loops:
-        loop.close()
-
+from tests.scheduler.rig import CODEC, SMALL, Loop, gen
 
 # -- 1. malformed frames fail only themselves -------------------------------------
 
 
 def _mutations(n: int, seed: int) -> Iterator[list[bytes]]:
     rnd = random.Random(seed)
-    valid = [bytes(CODEC.encode(_gen(f"m{i}", [1, 2, 3], temperature=0.5, top_p=0.9,
+    valid = [bytes(CODEC.encode(gen(f"m{i}", [1, 2, 3], temperature=0.5, top_p=0.9,
                                      stop_token_ids=[4], seed=3))[0]) for i in range(4)]
     valid.append(bytes(CODEC.encode(RpcReqInput(rid="r", method="get_load"))[0]))
     for _ in range(n):
@@ -100,7 +78,7 @@ def test_1_mutated_frames_never_stop_the_loop(make_loop: Callable[..., Loop], ki
     assert loop.push is not None
     for frames in _mutations(3000, seed=1):
         loop.push.send_multipart(frames)
-    loop.send(_gen("legit", [1, 2, 3], max_new_tokens=2))
+    loop.send(gen("legit", [1, 2, 3], max_new_tokens=2))
     loop.run_until(lambda: "legit" in loop.finished())
     assert loop.call("get_load").success
 
@@ -179,10 +157,10 @@ def test_3_surplus_parts_are_discarded_unread_and_the_sender_is_answered(
         make_loop: Callable[..., Loop]) -> None:
     loop = make_loop("zmq")
     assert loop.push is not None and isinstance(loop.work, PullInbox)
-    head = CODEC.encode(_gen("huge", [1, 2], max_new_tokens=1))[0]
+    head = CODEC.encode(gen("huge", [1, 2], max_new_tokens=1))[0]
     parts = 200_000
     loop.push.send_multipart([head, *([b""] * parts)])
-    loop.send(_gen("after", [1, 2], max_new_tokens=1))
+    loop.send(gen("after", [1, 2], max_new_tokens=1))
     loop.run_until(lambda: "after" in loop.finished())
     err = loop.errors()["huge"]
     assert err.code == "decode_error" and "max_frames" in err.message
@@ -195,14 +173,14 @@ def test_3_surplus_parts_are_discarded_unread_and_the_sender_is_answered(
 @pytest.mark.parametrize("kind", ["ring", "zmq"])
 def test_4_two_aborts_of_one_rid_in_one_poll(make_loop: Callable[..., Loop], kind: str) -> None:
     loop = make_loop(kind)
-    loop.send(_gen("a", [1, 2, 3], max_new_tokens=10_000))
+    loop.send(gen("a", [1, 2, 3], max_new_tokens=10_000))
     loop.run_until(lambda: loop.sched.statistics().running == 1)
     loop.send(AbortReq(rid="a"))
     loop.send(AbortReq(rid="a"))
     loop.send(AbortReq(rid="never-was"))
     loop.run_until(lambda: "a" in loop.finished())
     assert loop.finished()["a"][1] == "abort"
-    loop.send(_gen("b", [1], max_new_tokens=1))
+    loop.send(gen("b", [1], max_new_tokens=1))
     loop.run_until(lambda: "b" in loop.finished())
 
 
@@ -220,11 +198,11 @@ def test_4_engine_abort_twice_is_harmless() -> None:
 
 def test_5_ring_requests_are_validated_like_decoded_ones(make_loop: Callable[..., Loop]) -> None:
     loop = make_loop("ring", validate=True)
-    bad = [_gen("big-seed", [1], seed=2**64), _gen("\ud800", [1]), _gen("x" * 300, [1]),
-           _gen("top-p", [1], top_p=2.0)]
+    bad = [gen("big-seed", [1], seed=2**64), gen("\ud800", [1]), gen("x" * 300, [1]),
+           gen("top-p", [1], top_p=2.0)]
     for req in bad:
         loop.send(req)
-    loop.send(_gen("fine", [1, 2], max_new_tokens=2))
+    loop.send(gen("fine", [1, 2], max_new_tokens=2))
     loop.run_until(lambda: "fine" in loop.finished() and len(loop.errors()) == len(bad))
     assert {e.code for e in loop.errors().values()} == {"decode_error"}
     assert "sampling.top_p" in loop.errors()["top-p"].message
@@ -236,7 +214,7 @@ def test_5_a_raising_handler_fails_only_its_request(make_loop: Callable[..., Loo
     # Unvalidated ring: a seed torch refuses reaches the scheduler and raises there.
     loop = make_loop(kind)
     if kind == "ring":
-        loop.send(_gen("poison", [1, 2], seed=2**64, temperature=1.0))
+        loop.send(gen("poison", [1, 2], seed=2**64, temperature=1.0))
     else:
         original = loop.sched._check_ids
 
@@ -246,8 +224,8 @@ def test_5_a_raising_handler_fails_only_its_request(make_loop: Callable[..., Loo
             return original(ids, rid)
 
         loop.sched._check_ids = explode  # type: ignore[method-assign]
-        loop.send(_gen("poison", [1, 2]))
-    loop.send(_gen("innocent", [1, 2], max_new_tokens=3))
+        loop.send(gen("poison", [1, 2]))
+    loop.send(gen("innocent", [1, 2], max_new_tokens=3))
     loop.run_until(lambda: "innocent" in loop.finished() and "poison" in loop.errors())
     assert loop.errors()["poison"].code == "internal"
     assert loop.finished()["innocent"][1] == "length"
@@ -267,10 +245,10 @@ def test_5_a_failing_model_step_fails_its_batch_and_the_loop_goes_on(
             return super().prefill_batch(prompts, states)  # type: ignore[arg-type]
 
     loop = make_loop("ring", model=Flaky(SMALL))
-    loop.send(_gen("first", [1, 2]))
+    loop.send(gen("first", [1, 2]))
     loop.run_until(lambda: "first" in loop.errors())
     assert "device lost" in loop.errors()["first"].message
-    loop.send(_gen("second", [1, 2], max_new_tokens=2))
+    loop.send(gen("second", [1, 2], max_new_tokens=2))
     loop.run_until(lambda: "second" in loop.finished())
 
 
@@ -298,9 +276,9 @@ def test_6_engine_refuses_bad_requests_at_submit(mode: str) -> None:
 def test_10_past_the_limits_requests_are_refused_at_once(make_loop: Callable[..., Loop]) -> None:
     loop = make_loop("zmq", max_batch=1, limits=Limits(max_queued_requests=3,
                                                        max_queued_tokens=10_000))
-    loop.send(_gen("costly", [1], max_new_tokens=20_000))
+    loop.send(gen("costly", [1], max_new_tokens=20_000))
     for i in range(10):
-        loop.send(_gen(f"q{i}", [1, 2], max_new_tokens=1000))
+        loop.send(gen(f"q{i}", [1, 2], max_new_tokens=1000))
     loop.run_until(lambda: len(loop.errors()) >= 7)
     errors = loop.errors()
     assert all(e.code == "overloaded" for e in errors.values())
@@ -329,7 +307,7 @@ def test_11_a_long_prompt_is_read_in_bounded_chunks_with_the_same_result(
         make_loop: Callable[..., Loop]) -> None:
     prompt = [(i * 7) % 64 for i in range(1000)]
     whole = make_loop("ring", max_prefill_tokens=4096)
-    whole.send(_gen("p", prompt, max_new_tokens=5, temperature=0.0))
+    whole.send(gen("p", prompt, max_new_tokens=5, temperature=0.0))
     whole.run_until(lambda: "p" in whole.finished())
     chunked = make_loop("ring", max_prefill_tokens=64)
 
@@ -343,7 +321,7 @@ def test_11_a_long_prompt_is_read_in_bounded_chunks_with_the_same_result(
                                            sampling=SamplingParams(max_new_tokens=200)))
     chunked.run_until(lambda: tokens("short") >= 1)
     before = tokens("short")
-    chunked.send(_gen("p", prompt, max_new_tokens=5, temperature=0.0))
+    chunked.send(gen("p", prompt, max_new_tokens=5, temperature=0.0))
     chunked.run_until(lambda: tokens("p") >= 1)  # its prompt is read
     during = tokens("short") - before
     chunked.run_until(lambda: "p" in chunked.finished())
@@ -378,7 +356,7 @@ def test_12_slow_consumer_never_blocks_the_loop_and_every_request_is_told(
                      limits=Limits(max_backlog=16), tell_ranks=told.append)
     rids = [f"s{i}" for i in range(12)]
     for rid in rids:
-        req = _gen(rid, [1, 2], max_new_tokens=50, temperature=0.0)
+        req = gen(rid, [1, 2], max_new_tokens=50, temperature=0.0)
         req.stream = True
         loop.send(req)
     loop.run_until(lambda: loop.sched.router.statistics().overflows >= 1)
@@ -415,107 +393,6 @@ def test_12_slow_consumer_never_blocks_the_loop_and_every_request_is_told(
     egress.release()
 
 
-# -- found by the outside probe after the first round -----------------------------------
-
-
-@pytest.mark.parametrize("kind", ["ring", "zmq"])
-def test_a_request_reusing_a_live_rid_never_ends_the_live_one(
-        make_loop: Callable[..., Loop], kind: str) -> None:
-    loop = make_loop(kind)
-    loop.send(_gen("victim", [1, 2, 3], max_new_tokens=30, temperature=0.0))
-    loop.run_until(lambda: loop.sched.statistics().running == 1)
-    loop.send(_gen("victim", [1, 2, 999]))  # same rid, out of vocabulary
-    loop.send(_gen("victim", [1, 2]))  # same rid, valid
-    if loop.push is not None:  # a frame that fails to decode but names the live rid
-        frames = CODEC.encode(_gen("victim", [1], top_p=0.5))
-        loop.push.send_multipart([bytes(frames[0]).replace(b"\xcb?\xe0", b"\xcb@\x00")])
-    loop.run_until(lambda: "victim" in loop.finished())
-    assert loop.finished()["victim"] == (loop.finished()["victim"][0], "length")
-    assert len(loop.finished()["victim"][0]) == 30
-    assert "victim" not in loop.errors()  # exactly one terminal answer, the real one
-
-
-def test_checkpoints_never_replace_what_is_not_a_file_nor_read_past_the_model(
-        tmp_path: Path, make_loop: Callable[..., Loop]) -> None:
-    loop = make_loop("ring")
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    (tmp_path / "dir").mkdir()
-    for target in (fifo, tmp_path / "dir", ""):
-        reply = loop.sched.rpc.answer(RpcReqInput(rid="s", method="save_checkpoint",
-                                                  parameters={"path": str(target)}))
-        assert not reply.success, target
-    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # still a FIFO
-    big = tmp_path / "big"
-    with open(big, "wb") as f:
-        f.truncate(1 << 30)  # sparse: far past this model's weights
-    t0 = time.monotonic()
-    reply = loop.sched.rpc.answer(RpcReqInput(rid="l", method="load_checkpoint",
-                                              parameters={"path": str(big)}))
-    assert not reply.success and "max_bytes" in reply.message
-    assert time.monotonic() - t0 < 1.0  # refused from its size, not read
-    ok = loop.sched.rpc.answer(RpcReqInput(rid="s2", method="save_checkpoint",
-                                           parameters={"path": str(tmp_path / "ck")}))
-    assert ok.success
-    back = loop.sched.rpc.answer(RpcReqInput(rid="l2", method="load_checkpoint",
-                                             parameters={"path": str(tmp_path / "ck")}))
-    assert back.success, back.message
-
-
-def test_engine_ring_owns_the_prompt_once_submitted() -> None:
-    import numpy as np
-
-    with Engine("ring", SMALL, max_batch=1) as engine:
-        blocker = engine.submit([1, 2], SamplingParams(max_new_tokens=10_000))
-        buf = np.array([1, 2, 3], np.uint32)
-        queued = engine.submit(buf, SamplingParams(max_new_tokens=3, temperature=0.0))
-        buf[:] = 100_000  # the caller reuses its buffer while the request waits
-        engine.abort(blocker.rid)
-        assert queued.result(timeout=30).finish_reason == "length"
-        assert blocker.result(timeout=30).finish_reason == "abort"
-
-
-@pytest.mark.parametrize("mode", ["ring", "zmq"])
-def test_engine_says_closed_and_refuses_an_empty_rid(mode: str) -> None:
-    from scheduler import EngineClosed
-
-    engine = Engine(mode, SMALL)  # type: ignore[arg-type]
-    try:
-        with pytest.raises(InvalidRequest):
-            engine.submit([1], rid="")
-        text = engine.metrics()
-        assert "tsb_received_total" in text and "tsb_step_seconds_bucket" in text
-    finally:
-        engine.close()
-    with pytest.raises(EngineClosed):
-        engine.abort("anything")
-    with pytest.raises(EngineClosed):
-        engine.collective_rpc("get_load")
-    with pytest.raises(EngineClosed):
-        engine.submit([1])
-
-
-def test_the_rpc_channel_takes_rpc_calls_only() -> None:
-    from messages import (
-        AbortReq,
-        Codec,
-        DecodeError,
-        Request,
-        RpcReqInput,
-        TokenizedGenerateReqInput,
-        token_ids,
-    )
-    from scheduler.launch.wiring import rpc_codec
-
-    codec = rpc_codec()
-    assert isinstance(codec.decode(codec.encode(RpcReqInput(rid="c", method="get_load"))),
-                      RpcReqInput)
-    # A peer that may call rpc cannot abort, or claim the rid of, someone's request
-    # (sent by a codec that is no rpc door: the rpc door would not even encode them).
-    for req in (AbortReq(rid="victim"),
-                TokenizedGenerateReqInput(rid="victim", input_ids=token_ids([1]))):
-        with pytest.raises(DecodeError):
-            codec.decode(Codec(Request).encode(req))
 
 
 class _StoppedSink:

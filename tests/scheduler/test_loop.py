@@ -19,13 +19,12 @@ from messages import (
     ErrorOut,
     Message,
     RpcReqOutput,
-    SamplingParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     token_ids,
 )
 from scheduler import TinyLM
-from tests.scheduler.rig import SMALL, Loop
+from tests.scheduler.rig import SMALL, Loop, gen
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,11 +61,6 @@ def rig(request: pytest.FixtureRequest, ctx: zmq.Context[zmq.Socket[bytes]],
     r.close()
 
 
-def _gen(rid: str, ids: list[int], **sp: object) -> TokenizedGenerateReqInput:
-    return TokenizedGenerateReqInput(rid=rid, input_ids=token_ids(ids),
-                                     sampling=SamplingParams(**sp))  # type: ignore[arg-type]
-
-
 def _call_in_background(rig: Rig, method: str, **params: object) -> list[RpcReqOutput]:
     """Send an rpc from the client socket without blocking the test's scheduler loop."""
     from messages import RpcReqInput
@@ -87,7 +81,7 @@ def _call_in_background(rig: Rig, method: str, **params: object) -> list[RpcReqO
 
 
 def test_seed_rpc_is_drained_answered_on_rpc_and_never_on_transport(rig: Rig) -> None:
-    rig.send(_gen("g1", [1, 2, 3], max_new_tokens=3, temperature=0.0))
+    rig.send(gen("g1", [1, 2, 3], max_new_tokens=3, temperature=0.0))
     got = _call_in_background(rig, "get_load")
     rig.run_until(lambda: rig._poll_reply() and "g1" in rig.finished())  # type: ignore[attr-defined]
     assert got[0].success and got[0].rid == "bg-get_load"
@@ -97,7 +91,7 @@ def test_seed_rpc_is_drained_answered_on_rpc_and_never_on_transport(rig: Rig) ->
 
 def test_seed_rpc_answered_while_work_floods(rig: Rig) -> None:
     for i in range(1000):
-        rig.send(_gen(f"f{i}", [1, 2], max_new_tokens=1000))
+        rig.send(gen(f"f{i}", [1, 2], max_new_tokens=1000))
     got = _call_in_background(rig, "get_load")
     assert rig.rpc.socket.poll(10_000)  # the rpc has landed behind the flood
     steps = 0
@@ -118,14 +112,14 @@ def test_seed_rpc_answered_while_work_floods(rig: Rig) -> None:
 
 
 def test_generation_rules(rig: Rig) -> None:
-    rig.send(_gen("len", [1, 2, 3], max_new_tokens=5, temperature=0.0))
-    rig.send(_gen("zero", [1], max_new_tokens=0))
+    rig.send(gen("len", [1, 2, 3], max_new_tokens=5, temperature=0.0))
+    rig.send(gen("zero", [1], max_new_tokens=0))
     rig.run_until(lambda: {"len", "zero"} <= rig.finished().keys())
     done = rig.finished()
     assert len(done["len"][0]) == 5 and done["len"][1] == "length"
     assert done["zero"] == ([], "length")
     first = done["len"][0][0]
-    rig.send(_gen("stop", [1, 2, 3], max_new_tokens=50, temperature=0.0,
+    rig.send(gen("stop", [1, 2, 3], max_new_tokens=50, temperature=0.0,
                   stop_token_ids=token_ids([first])))
     rig.run_until(lambda: "stop" in rig.finished())
     assert rig.finished()["stop"] == ([], "stop")  # the stop token is not emitted
@@ -149,16 +143,16 @@ def test_ignore_eos_runs_past_the_models_stop_tokens_not_the_requests(
 
     n = 12
     sp = {"max_new_tokens": n, "seed": 5}  # seeded: the same tokens every time, alone or not
-    ref, reason = answers(TinyLM(SMALL), _gen("ref", [1, 2, 3], **sp))["ref"]
+    ref, reason = answers(TinyLM(SMALL), gen("ref", [1, 2, 3], **sp))["ref"]
     assert reason == "length" and len(ref) == n
     fresh = [i for i in range(1, n) if ref[i] not in ref[:i]]  # first time seen
     assert len(fresh) >= 2, ref
     asked_at, at = fresh[0], fresh[-1]
     with_eos = TinyLM(SMALL)  # the same weights, and an end-of-sequence token it will write
     with_eos.stop_token_ids = (ref[at],)
-    got = answers(with_eos, _gen("eos", [1, 2, 3], **sp),
-                  _gen("ignore", [1, 2, 3], **sp, ignore_eos=True),
-                  _gen("own", [1, 2, 3], **sp, ignore_eos=True,
+    got = answers(with_eos, gen("eos", [1, 2, 3], **sp),
+                  gen("ignore", [1, 2, 3], **sp, ignore_eos=True),
+                  gen("own", [1, 2, 3], **sp, ignore_eos=True,
                        stop_token_ids=token_ids([ref[asked_at]])))
     assert got["eos"] == (ref[:at], "stop")
     assert got["ignore"] == (ref, "length")  # exactly max_new_tokens, the model's EOS among them
@@ -167,8 +161,8 @@ def test_ignore_eos_runs_past_the_models_stop_tokens_not_the_requests(
 
 def test_abort_queued_and_running(rig: Rig) -> None:
     rig.sched.batch.max_batch = 1
-    rig.send(_gen("run", [1], max_new_tokens=10_000))
-    rig.send(_gen("queued", [1], max_new_tokens=10_000))
+    rig.send(gen("run", [1], max_new_tokens=10_000))
+    rig.send(gen("queued", [1], max_new_tokens=10_000))
     rig.run_until(lambda: rig.sched.statistics().running == 1)
     rig.send(AbortReq(rid="queued"))
     rig.send(AbortReq(rid="run"))
@@ -179,19 +173,19 @@ def test_abort_queued_and_running(rig: Rig) -> None:
 
 
 def test_same_seed_same_tokens_whatever_the_batch(rig: Rig) -> None:
-    rig.send(_gen("alone", [5, 6, 7], max_new_tokens=12, temperature=0.9, top_p=0.9,
+    rig.send(gen("alone", [5, 6, 7], max_new_tokens=12, temperature=0.9, top_p=0.9,
                   top_k=20, seed=42))
     rig.run_until(lambda: "alone" in rig.finished())
     for i in range(5):
-        rig.send(_gen(f"other{i}", [i + 1], max_new_tokens=30, temperature=1.0))
-    rig.send(_gen("crowd", [5, 6, 7], max_new_tokens=12, temperature=0.9, top_p=0.9,
+        rig.send(gen(f"other{i}", [i + 1], max_new_tokens=30, temperature=1.0))
+    rig.send(gen("crowd", [5, 6, 7], max_new_tokens=12, temperature=0.9, top_p=0.9,
                   top_k=20, seed=42))
     rig.run_until(lambda: "crowd" in rig.finished())
     assert rig.finished()["alone"] == rig.finished()["crowd"]
 
 
 def test_logprobs_and_embeddings(rig: Rig) -> None:
-    req = _gen("lp", [1, 2], max_new_tokens=4, temperature=0.0)
+    req = gen("lp", [1, 2], max_new_tokens=4, temperature=0.0)
     req.return_logprob = True
     rig.send(req)
     rig.send(TokenizedEmbeddingReqInput(rid="e1", input_ids=token_ids([3, 4])))
@@ -207,8 +201,8 @@ def test_logprobs_and_embeddings(rig: Rig) -> None:
 
 
 def test_invalid_requests_get_an_error_on_their_origin(rig: Rig) -> None:
-    rig.send(_gen("big", [1, 10_000]))
-    rig.send(_gen("empty", []))
+    rig.send(gen("big", [1, 10_000]))
+    rig.send(gen("empty", []))
     rig.run_until(lambda: len(rig.outputs(ErrorOut)) == 2)
     errs = {e.rid: e for e in rig.outputs(ErrorOut) if isinstance(e, ErrorOut)}
     assert errs["big"].code == "invalid_request" and "vocabulary" in errs["big"].message
@@ -221,7 +215,7 @@ def test_malformed_frame_is_answered_and_counted(rig: Rig) -> None:
     bad = msgspec.msgpack.encode(["TokenizedGenerateReqInput", "bad-7", b"\x01", [5, -1.0]])
     rig.send_raw(bad)
     rig.send_raw(b"\xff\xfe")
-    rig.send(_gen("ok", [1], max_new_tokens=1))
+    rig.send(gen("ok", [1], max_new_tokens=1))
     rig.run_until(lambda: "ok" in rig.finished())
     errs = [e for e in rig.outputs(ErrorOut) if isinstance(e, ErrorOut)]
     assert [(e.rid, e.code) for e in errs] == [("bad-7", "decode_error")]
@@ -246,7 +240,7 @@ def test_rpc_methods(rig: Rig, tmp_path: Path) -> None:
     assert "unknown rpc method" in call("no_such_method").message
     assert "bad parameters" in call("save_checkpoint", nope=1).message
     assert call("flush_cache").success
-    rig.send(_gen("busy", [1], max_new_tokens=10_000))
+    rig.send(gen("busy", [1], max_new_tokens=10_000))
     rig.run_until(lambda: rig.sched.statistics().running == 1)
     busy = call("flush_cache")
     assert not busy.success and "cannot flush" in busy.message
