@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import sys
 from collections.abc import Sequence
@@ -15,6 +17,7 @@ import zmq
 from bus import EndpointInUse, SocketOptions
 from bus.sockets import check_endpoint, make_socket, refuse_live_ipc
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
+from frontend.chat import ChatTemplate
 from frontend.errors import TokenizerError
 from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, http_protocol
 from frontend.tokenizer import load_tokenizer
@@ -104,7 +107,7 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
         port = spec.rsplit(":", 1)[-1]
         if port in ("0", "*"):  # bound, it would be at a port nobody is told
             raise parser_error(f"--endpoint {spec}: give the rpc door a port of its own")
-        if port == str(args.port):  # the door would take it, then uvicorn fail on it
+        if port.isdigit() and int(port) == args.port:  # the door would take it first
             raise parser_error(f"--endpoint {spec}: the HTTP --port {args.port} too")
         # Here, not once the engine has started (outside probes: tcp://host:notaport,
         # a port in use): the door's own bind, tried and let go.
@@ -118,13 +121,15 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
             ctx.term()
         return spec
     given = spec is not None
-    if spec is None:  # named for this process: swept by the next start once we are gone
+    if spec is None:  # named for this process: removed at exit, else swept by a next start
         spec = make_run_dir("frontend")
+        atexit.register(shutil.rmtree, spec, ignore_errors=True)
+    spec = os.path.expanduser(spec)  # (as --model's)
     from scheduler.__main__ import private_dir  # the check `serve --endpoint DIR` makes
     try:
         # A path too long for a Unix socket: said before the directory is made
-        # (private_dir makes it absolute).
-        check_endpoint(f"ipc://{os.path.abspath(spec)}/rpc", bind=True, allow_remote=False)
+        # (private_dir resolves it).
+        check_endpoint(f"ipc://{os.path.realpath(spec)}/rpc", bind=True, allow_remote=False)
         endpoint = f"ipc://{private_dir(spec)}/rpc"
         refuse_live_ipc(endpoint)  # another server's door: say so before anything starts
     except (OSError, ValueError, EndpointInUse) as exc:
@@ -177,6 +182,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
                          "replica is a process)")
     try:
         tokenizer = load_tokenizer(args.tokenizer or args.model)
+        # compiled before any directory is made (a template that does not compile)
+        template = ChatTemplate(tokenizer)
     except TokenizerError as exc:
         raise SystemExit(str(exc)) from exc
     try:
@@ -210,10 +217,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
         default_max_tokens=args.default_max_tokens, rpc_endpoint=_rpc_endpoint(SystemExit, args),
         rpc_options=SocketOptions(allow_remote=args.allow_remote, curve_keys=keys),
         curve_clients=allowed)
-    try:
-        return settings, Frontend(settings, tokenizer)
-    except TokenizerError as exc:  # (its chat template does not compile)
-        raise SystemExit(str(exc)) from exc
+    return settings, Frontend(settings, tokenizer, template=template)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

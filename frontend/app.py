@@ -94,6 +94,9 @@ BODY_TIMEOUT_S = 30.0
 CUT_SHORT_S = 1.0
 #: Seconds ``/health`` and ``/metrics`` wait for the scheduler's answer before a 503.
 RPC_WAIT_S = 5.0
+#: Seconds the engine gets to finish at shutdown, for its shutdown rpc and again for
+#: its processes to end (then they are killed): a hung scheduler took 30 s twice.
+ENGINE_CLOSE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,13 +167,14 @@ class Frontend:
     """
 
     def __init__(self, settings: Settings, tokenizer: Tokenizer, *,
-                 engine: Callable[[Settings], AsyncEngine] | None = None) -> None:
+                 engine: Callable[[Settings], AsyncEngine] | None = None,
+                 template: ChatTemplate | None = None) -> None:
         self.settings = settings
         self._make_engine = engine or _engine
         self.tokenizer = tokenizer
-        #: Compiled here, so a template that does not compile stops the server before
-        #: its engine starts (raises TokenizerError).
-        self.template = ChatTemplate(tokenizer)
+        #: Compiled here (unless given), so a template that does not compile stops the
+        #: server before its engine starts (raises TokenizerError).
+        self.template = template or ChatTemplate(tokenizer)
         self.metrics = HttpMetrics() if settings.metrics else None
         self.engine: AsyncEngine | None = None
         self.door: RpcDoor | None = None
@@ -251,8 +255,8 @@ class Frontend:
             self._lag.cancel()
         if self.door is not None:
             self.door.close()
-        if self.engine is not None:
-            await self.engine.close()
+        if self.engine is not None:  # bounded: a hung scheduler held the exit 70 s
+            await self.engine.close(timeout=ENGINE_CLOSE_S)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -52,7 +52,10 @@ def private_dir(path: str) -> str:
         raise PermissionError(f"endpoint directory {path!r} is group- or world-writable "
                               f"(mode {stat.S_IMODE(st.st_mode):04o}): refusing it; "
                               f"chmod 700 it or use a new directory")
-    return os.path.abspath(path)
+    # The directory just checked, as the kernel found it: a symlink and ".." in
+    # ``path`` resolve there, where abspath's text would name another (outside probe:
+    # L/../d bound the sockets in an unchecked 0777 directory).
+    return os.path.realpath(path)
 
 
 def _add_upstream(p: argparse.ArgumentParser) -> None:
@@ -76,7 +79,7 @@ def _upstream(parser: argparse.ArgumentParser, args: argparse.Namespace
     ep: str = args.endpoint
     try:
         if not ep.startswith("tcp://"):  # paths too long for Unix sockets: before the mkdir
-            probe = Endpoints.parse(os.path.abspath(ep))
+            probe = Endpoints.parse(os.path.realpath(ep))
             for one in (probe.work, probe.rpc, probe.out):
                 check_endpoint(one, bind=True, allow_remote=False)
         endpoints = Endpoints.parse(ep if ep.startswith("tcp://") else private_dir(ep))

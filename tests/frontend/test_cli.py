@@ -63,6 +63,7 @@ def test_a_chat_template_that_does_not_compile_stops_start_up(tmp_path: Path) ->
     tok = train_byte_level(tmp_path / "tok", chat_template="{% for m in messages %}{{ m }")
     with pytest.raises(SystemExit, match="chat template does not compile"):
         settings_from(parse(["--tokenizer", str(tok), "--endpoint", str(tmp_path / "ep")]))
+    assert not (tmp_path / "ep").exists()  # refused before the door's directory is made
 
 
 def test_an_endpoint_that_cannot_serve_stops_start_up(tmp_path: Path) -> None:
@@ -144,3 +145,20 @@ def test_start_up_refuses_what_would_fail_later(tmp_path: Path,
     with pytest.raises(SystemExit, match=r"run directory: .*give --endpoint, or a shorter TMPDIR"):
         settings_from(parse([]))
     assert list(deep.iterdir()) == []  # and it is not left behind
+
+
+def test_the_door_is_bound_where_it_was_checked(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Outside probe (second): L/../d, with L a symlink, was made and checked where the
+    # kernel resolves it (real/d), but bound where abspath's text points (a 0777 d).
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "L").symlink_to(tmp_path / "real" / "sub")
+    (tmp_path / "d").mkdir(mode=0o777)
+    (tmp_path / "d").chmod(0o777)
+    settings, _ = settings_from(parse(["--endpoint", f"{tmp_path}/L/../d"]))
+    assert settings.rpc_endpoint == f"ipc://{tmp_path}/real/d/rpc"
+    with pytest.raises(SystemExit, match="the HTTP --port 8000 too"):  # (a leading zero)
+        settings_from(parse(["--endpoint", "tcp://127.0.0.1:08000"]))
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ as --model takes it
+    settings, _ = settings_from(parse(["--endpoint", "~/home-ep"]))
+    assert settings.rpc_endpoint == f"ipc://{tmp_path}/home-ep/rpc"

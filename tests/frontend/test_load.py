@@ -331,3 +331,19 @@ def test_a_stream_cancelled_by_the_server_shutting_down_ends_with_an_error_event
             got += data
     assert b'"code":"shutting_down"' in got and b"data: [DONE]" in got[-200:]
     eventually(lambda: load(rpc) == (0, 0), 10.0, "the slot to be freed")
+
+
+def test_a_hung_scheduler_holds_the_server_s_exit_seconds_not_a_minute() -> None:
+    # Outside probe: SIGTERM with a SIGSTOPped scheduler took ~70 s to exit (the engine's
+    # close waited 30 s for its shutdown rpc, then 30 s more for the processes).
+    s = Server(Settings(mode="zmq", model=STUB), TOK)
+    pids = [p.pid for p in s.engine._procs if p.pid is not None]
+    assert pids
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        s.stop()
+        assert time.monotonic() - t0 < 20  # 5 s for the rpc, 5 for the processes, then killed
+    finally:
+        wait_gone(pids, 10.0)
