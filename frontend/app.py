@@ -94,8 +94,7 @@ BODY_TIMEOUT_S = 30.0
 CUT_SHORT_S = 1.0
 #: Seconds ``/health`` and ``/metrics`` wait for the scheduler's answer before a 503.
 RPC_WAIT_S = 5.0
-#: Seconds the engine gets to finish at shutdown, for its shutdown rpc and again for
-#: its processes to end (then they are killed): a hung scheduler took 30 s twice.
+#: Seconds the engine's shutdown rpc, then its processes, get at shutdown (then killed).
 ENGINE_CLOSE_S = 5.0
 
 
@@ -181,7 +180,7 @@ class Frontend:
         #: The most tokens a request's prompt and answer may hold (known once started).
         self.max_model_len: int | None = None
         self._gen: Generator | None = None
-        self._load: SharedCall[RpcReqOutput] | None = None  # set when started
+        self._load: SharedCall[RpcReqOutput] | None = None  # (both set when started)
         self._scheduler_metrics: SharedCall[str] | None = None
         self._gone = False
         self._lag: asyncio.Task[None] | None = None
