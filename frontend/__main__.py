@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import logging
 import os
-import shutil
 import socket
 import sys
 from collections.abc import Sequence
@@ -121,9 +119,8 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
             ctx.term()
         return spec
     given = spec is not None
-    if spec is None:  # named for this process: removed at exit, else swept by a next start
-        spec = make_run_dir("frontend")
-        atexit.register(shutil.rmtree, spec, ignore_errors=True)
+    if spec is None:  # named for this process: removed at close (Settings.run_dir), else
+        spec = make_run_dir("frontend")  # swept by a next start once we are gone
     spec = os.path.expanduser(spec)  # (as --model's)
     from scheduler.__main__ import private_dir  # the check `serve --endpoint DIR` makes
     try:
@@ -210,11 +207,13 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
                          f"request may ask for), not {args.default_max_tokens}")
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "tiny")
+    door = _rpc_endpoint(SystemExit, args)
     settings = Settings(
         mode=args.mode, model=_model(args, tokenizer.vocab_size), model_name=name,
         max_batch=args.max_batch, tp_size=args.tp_size, dp_size=args.dp_size, limits=limits,
         metrics=args.metrics, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-        default_max_tokens=args.default_max_tokens, rpc_endpoint=_rpc_endpoint(SystemExit, args),
+        default_max_tokens=args.default_max_tokens, rpc_endpoint=door,
+        run_dir=os.path.dirname(door[len("ipc://"):]) if args.endpoint is None else None,
         rpc_options=SocketOptions(allow_remote=args.allow_remote, curve_keys=keys),
         curve_clients=allowed)
     return settings, Frontend(settings, tokenizer, template=template)

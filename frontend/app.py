@@ -2,8 +2,7 @@
 
 ``Frontend(settings, tokenizer)`` is an ASGI 3 application. Its lifespan
 starts the :class:`~scheduler.AsyncEngine` (and the rpc door, when an
-endpoint is given) on the server's event loop and closes them at shutdown.
-Routes::
+endpoint is given) on the server's event loop and closes them at shutdown. Routes::
 
     POST /v1/completions        frontend.generate
     POST /v1/chat/completions   frontend.generate
@@ -13,9 +12,7 @@ Routes::
     GET  /metrics               the scheduler's families, then the HTTP ones
 
 Each GET route answers HEAD as GET without the body (a load balancer's
-health check often sends ``HEAD /health``).
-
-Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
+``HEAD /health``). Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
 ``max_body_bytes`` is a 413 before it is read, and one not read whole
 ``body_timeout`` seconds after its headers is a 408 (slowloris); a client
 that leaves aborts its request (:class:`~frontend.asgi.Conn`). Once the
@@ -30,6 +27,7 @@ import base64
 import contextlib
 import gc
 import logging
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -104,13 +102,12 @@ class Settings:
 
     Attributes:
         max_body_bytes: a request body past this is answered 413.
-        body_timeout: seconds from a request's headers to its whole body; past
-            them it is answered 408 (and counted, ``status="408"``), so a client
-            that dribbles its body (or never sends it) does not hold a handler.
-        rpc_endpoint: where the rpc door listens (``ipc://DIR/rpc`` or
-            ``tcp://``); None for no door.
+        body_timeout: seconds from a request's headers to its whole body, then a 408
+            (counted): a client that dribbles its body does not hold a handler.
+        rpc_endpoint: where the rpc door listens (``ipc://DIR/rpc``, ``tcp://``; None: no door).
         rpc_options, curve_clients: the door's socket options and the CURVE
             public keys it admits (None: no CURVE).
+        run_dir: a directory made for this server (its door's), removed at close.
     """
 
     mode: Literal["ring", "zmq"] = "ring"
@@ -127,6 +124,7 @@ class Settings:
     rpc_endpoint: str | None = None
     rpc_options: SocketOptions = field(default_factory=SocketOptions)
     curve_clients: list[bytes] | None = None
+    run_dir: str | None = None
 
 
 Handler = Callable[[Scope, Receive, Send, float], Awaitable[int]]
@@ -256,6 +254,8 @@ class Frontend:
             self.door.close()
         if self.engine is not None:  # bounded: a hung scheduler held the exit 70 s
             await self.engine.close(timeout=ENGINE_CLOSE_S)
+        if self.settings.run_dir is not None:  # (uvicorn re-raises SIGTERM: no atexit)
+            shutil.rmtree(self.settings.run_dir, ignore_errors=True)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -20,6 +20,7 @@ def test_defaults_are_loopback_ring_byte_level(tmp_path: Path) -> None:
     assert (args.host, args.port, args.mode) == ("127.0.0.1", 8000, "ring")
     settings, app = settings_from(args)
     assert settings.rpc_endpoint == f"ipc://{tmp_path}/ep/rpc"
+    assert settings.run_dir is None  # the operator's directory: never removed
     assert stat.S_IMODE(os.stat(tmp_path / "ep").st_mode) == 0o700
     assert app.tokenizer.name == "byte-level"
     assert isinstance(settings.model, ModelConfig)
@@ -145,6 +146,9 @@ def test_start_up_refuses_what_would_fail_later(tmp_path: Path,
     with pytest.raises(SystemExit, match=r"run directory: .*give --endpoint, or a shorter TMPDIR"):
         settings_from(parse([]))
     assert list(deep.iterdir()) == []  # and it is not left behind
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    settings, _ = settings_from(parse([]))  # the frontend's own: removed at its close
+    assert settings.run_dir is not None and settings.rpc_endpoint == f"ipc://{settings.run_dir}/rpc"
 
 
 def test_the_door_is_bound_where_it_was_checked(tmp_path: Path,

@@ -347,3 +347,14 @@ def test_a_hung_scheduler_holds_the_server_s_exit_seconds_not_a_minute() -> None
         assert time.monotonic() - t0 < 20  # 5 s for the rpc, 5 for the processes, then killed
     finally:
         wait_gone(pids, 10.0)
+
+
+def test_a_run_directory_made_for_the_server_is_removed_at_its_close(tmp_path: Path) -> None:
+    # Third probe: python -m frontend with no --endpoint left its run directory after
+    # SIGTERM (uvicorn re-raises the signal after its shutdown, so no atexit runs).
+    made = tmp_path / "run"
+    made.mkdir(mode=0o700)
+    s = Server(Settings(model=STUB, rpc_endpoint=f"ipc://{made}/rpc", run_dir=str(made)), TOK)
+    assert (made / "rpc").exists()
+    s.stop()
+    assert not made.exists()
