@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import zmq
 
 from bus import EndpointInUse, SocketOptions
-from bus.sockets import check_endpoint, make_socket, refuse_live_ipc
+from bus.sockets import make_socket, refuse_live_ipc
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.chat import ChatTemplate
 from frontend.errors import TokenizerError
@@ -124,10 +124,7 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
     spec = os.path.expanduser(spec)  # (as --model's)
     from scheduler.__main__ import private_dir  # the check `serve --endpoint DIR` makes
     try:
-        # A path too long for a Unix socket: said before the directory is made
-        # (private_dir resolves it).
-        check_endpoint(f"ipc://{os.path.realpath(spec)}/rpc", bind=True, allow_remote=False)
-        endpoint = f"ipc://{private_dir(spec)}/rpc"
+        endpoint = f"ipc://{private_dir(spec, ['rpc'])}/rpc"
         refuse_live_ipc(endpoint)  # another server's door: say so before anything starts
     except (OSError, ValueError, EndpointInUse) as exc:
         if not given:  # the run directory under TMPDIR: ours, and no --endpoint to blame

@@ -23,20 +23,25 @@ from scheduler.launch.wiring import Endpoints, serve_zmq
 from scheduler.models.loading import HFModelSpec, ModelLoadError, ModelSpec, model_spec
 
 
-def private_dir(path: str) -> str:
-    """Make ``path`` a directory only this user can enter, or refuse one that is not.
+def private_dir(path: str, sockets: Sequence[str] = ()) -> str:
+    """Make ``path`` a directory only this user can enter, or refuse one that is not;
+    returns it resolved (symlinks and ``..``), as it was checked.
 
     The ipc sockets inside are the scheduler's whole surface: whoever can
     replace one can call ``shutdown`` or write files through
     ``save_checkpoint`` as this user. So a new directory is made 0700
     (whatever the umask), and an existing one must be owned by this user
-    and writable by nobody else.
+    and writable by nobody else. ``sockets`` names those to be bound inside:
+    a path too long for one of them is refused before anything is made.
 
     Raises:
+        ValueError: a socket's path would be too long for a Unix socket.
         PermissionError: the directory is another user's, or group- or
             world-writable.
         NotADirectoryError: ``path`` exists and is not a directory.
     """
+    for name in sockets:
+        check_endpoint(f"ipc://{os.path.realpath(path)}/{name}", bind=True, allow_remote=False)
     try:
         os.mkdir(path, 0o700)
         os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask; make it exact
@@ -78,11 +83,8 @@ def _upstream(parser: argparse.ArgumentParser, args: argparse.Namespace
               ) -> tuple[Endpoints, SocketOptions, list[bytes] | None]:
     ep: str = args.endpoint
     try:
-        if not ep.startswith("tcp://"):  # paths too long for Unix sockets: before the mkdir
-            probe = Endpoints.parse(os.path.realpath(ep))
-            for one in (probe.work, probe.rpc, probe.out):
-                check_endpoint(one, bind=True, allow_remote=False)
-        endpoints = Endpoints.parse(ep if ep.startswith("tcp://") else private_dir(ep))
+        endpoints = Endpoints.parse(ep if ep.startswith("tcp://") else
+                                    private_dir(ep, Endpoints.SOCKETS))
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     try:

@@ -17,7 +17,7 @@ import gc
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch.distributed as dist
 import zmq
@@ -62,10 +62,14 @@ class Endpoints:
     out: str
     server_binds_out: bool = False
 
+    #: The sockets' names in a directory (:meth:`in_dir`).
+    SOCKETS: ClassVar[tuple[str, str, str]] = ("work", "rpc", "out")
+
     @classmethod
     def in_dir(cls, directory: str) -> Endpoints:
         """``ipc://`` endpoints inside ``directory``."""
-        return cls(f"ipc://{directory}/work", f"ipc://{directory}/rpc", f"ipc://{directory}/out")
+        work, rpc, out = (f"ipc://{directory}/{name}" for name in cls.SOCKETS)
+        return cls(work, rpc, out)
 
     @classmethod
     def tcp(cls, host: str, port: int) -> Endpoints:
