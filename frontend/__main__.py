@@ -104,9 +104,11 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
     if spec is not None and spec.startswith("tcp://"):
         port = spec.rsplit(":", 1)[-1]
         if port in ("0", "*"):  # bound, it would be at a port nobody is told
-            raise parser_error(f"--endpoint {spec}: give the rpc door a port of its own")
+            raise parser_error(f"--endpoint {spec}: the rpc door needs a fixed port (0 or * "
+                               "would pick one that nobody is told)")
         if port.isdigit() and int(port) == args.port:  # the door would take it first
-            raise parser_error(f"--endpoint {spec}: the HTTP --port {args.port} too")
+            raise parser_error(f"--endpoint {spec}: the rpc door needs a port other than "
+                               f"the HTTP server's (--port {args.port})")
         # Here, not once the engine has started (outside probes: tcp://host:notaport,
         # a port in use): the door's own bind, tried and let go.
         ctx = zmq.Context()

@@ -29,23 +29,18 @@ class SharedCall(Generic[T]):
     stopped scheduler waited 10 s, outside probe); the call itself goes on.
 
     Raises (on await): what ``call`` raises, or ``TimeoutError`` past ``wait_s``.
-
-    Attributes:
-        runs: how many times ``call`` was started.
     """
 
     def __init__(self, call: Callable[[], Awaitable[T]], wait_s: float) -> None:
         self._call = call
         self._wait_s = wait_s
         self._task: asyncio.Task[T] | None = None
-        self.runs = 0
 
     async def __call__(self) -> T:
         task = self._task
         if task is None or task.done():
             task = self._task = asyncio.ensure_future(self._call())
             task.add_done_callback(_retrieved)
-            self.runs += 1
         try:
             # shield: one caller cancelled (its client left, or its wait ran
             # out) leaves the call to the others

@@ -300,13 +300,13 @@ class EngineCore:
 
     def _alive(self) -> bool:
         dead = next((p for p in self._procs if not p.is_alive()), None)
-        if dead is not None and self._gone is None:
-            self._gone = f"scheduler process {dead.name} exited (exit code {dead.exitcode})"
-            if not self.closed:  # said once, and not at this engine's own close (exit 0:
-                # it was told to stop, as by an operator's rpc shutdown)
-                log.log(logging.WARNING if dead.exitcode == 0 else logging.ERROR,
-                        "%s: requests in flight fail, new ones are refused", self._gone)
         if dead is not None:
+            if self._gone is None:
+                self._gone = f"scheduler process {dead.name} exited (exit code {dead.exitcode})"
+                if not self.closed:  # said once, and not at this engine's own close (exit
+                    # 0: it was told to stop, as by an operator's rpc shutdown)
+                    log.log(logging.WARNING if dead.exitcode == 0 else logging.ERROR,
+                            "%s: requests in flight fail, new ones are refused", self._gone)
             return False
         if self._thread is not None and not self._thread.is_alive():
             self._gone = self._gone or "the embedded scheduler thread stopped"

@@ -130,9 +130,9 @@ def test_start_up_refuses_what_would_fail_later(tmp_path: Path,
         other.listen()
         with pytest.raises(SystemExit, match=r"cannot listen .*\(127\.0\.0\.1\)"):
             _check_listen("localhost", other.getsockname()[1])
-    for door, says in (("tcp://127.0.0.1:0", "a port of its own"),
-                       ("tcp://127.0.0.1:*", "a port of its own"),
-                       ("tcp://127.0.0.1:8000", "the HTTP --port 8000 too")):
+    for door, says in (("tcp://127.0.0.1:0", "needs a fixed port"),
+                       ("tcp://127.0.0.1:*", "needs a fixed port"),
+                       ("tcp://127.0.0.1:8000", r"other than the HTTP server's \(--port 8000\)")):
         with pytest.raises(SystemExit, match=says):
             settings_from(parse(["--endpoint", door]))
     monkeypatch.chdir(tmp_path)  # a relative directory, short as given, too long absolute
@@ -161,7 +161,7 @@ def test_the_door_is_bound_where_it_was_checked(tmp_path: Path,
     (tmp_path / "d").chmod(0o777)
     settings, _ = settings_from(parse(["--endpoint", f"{tmp_path}/L/../d"]))
     assert settings.rpc_endpoint == f"ipc://{tmp_path}/real/d/rpc"
-    with pytest.raises(SystemExit, match="the HTTP --port 8000 too"):  # (a leading zero)
+    with pytest.raises(SystemExit, match="other than the HTTP server's"):  # (a leading zero)
         settings_from(parse(["--endpoint", "tcp://127.0.0.1:08000"]))
     monkeypatch.setenv("HOME", str(tmp_path))  # ~ as --model takes it
     settings, _ = settings_from(parse(["--endpoint", "~/home-ep"]))
