@@ -95,8 +95,8 @@ def run_rpc(target: str, method: str, pairs: Sequence[str], *, timeout: float = 
         with RpcClient(endpoint, name="rpc-cli") as client:
             # (``params`` holds neither "timeout" nor "alive": refused above)
             reply = client.call(method, timeout=timeout, **params)  # type: ignore[arg-type]
-    except (BusError, OSError, ValueError, zmq.ZMQError) as exc:  # (ValueError, ZMQError:
-        # an endpoint that is not one)
+    # (ValueError, ZMQError: an endpoint that is not one, as tcp://host:abc)
+    except (BusError, OSError, ValueError, zmq.ZMQError) as exc:
         print(f"rpc: {method} at {endpoint}: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(msgspec.json.encode({"rid": reply.rid, "success": reply.success,
