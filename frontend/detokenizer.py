@@ -47,10 +47,12 @@ class Detokenizer:
     Attributes:
         stopped: a stop string matched; nothing more will be returned.
         tokens: ids pushed before the stop (what the answer's usage counts).
+        chars: characters decoded so far, before any stop string's cut (where the
+            next id's text begins in the answer: :meth:`push_offsets`).
     """
 
     __slots__ = ("_dec", "_held", "_ids", "_max_stop", "_prefix", "_read", "_stops", "_table",
-                 "_tok", "stopped", "tokens")
+                 "_tok", "chars", "stopped", "tokens")
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = (),
                  prompt_ids: Sequence[int] = ()) -> None:
@@ -66,6 +68,7 @@ class Detokenizer:
         self._read = len(seed)
         self.stopped = False
         self.tokens = 0
+        self.chars = 0
 
     def push(self, ids: Sequence[int]) -> str:
         """Take one step's new ids; return the text that may be sent now (maybe "")."""
@@ -78,9 +81,25 @@ class Detokenizer:
             text = self._dec.decode(b"".join([table[i] if i < n else b"" for i in ids]))
         else:
             text = self._window(ids)
+        self.chars += len(text)
         if not self._stops:
             return text
         return self._cut(text)
+
+    def push_offsets(self, ids: Sequence[int]) -> tuple[str, list[int]]:
+        """:meth:`push`, one id at a time; also where each id's text begins in the
+        answer, in characters (OpenAI's ``text_offset``). An id that ends no character
+        yet (the first bytes of one) begins where that character will; ids past a stop
+        string, where the decoded text ended."""
+        tokens = self.tokens
+        offsets: list[int] = []
+        parts: list[str] = []
+        for i in ids:
+            offsets.append(self.chars)
+            parts.append(self.push((i,)))
+        if not self.stopped or tokens < self.tokens:  # counted as push(ids) counts a step
+            self.tokens = tokens + len(ids)
+        return "".join(parts), offsets
 
     def finish(self) -> str:
         """The text still held at the end (no stop matched): send it last.

@@ -95,8 +95,8 @@ class _Shape:
         self._first = True
         self._around: tuple[bytes, bytes] | None = None
 
-    def _logprobs(self, ids: Sequence[int], lps: Sequence[float] | None
-                  ) -> CompletionLogprobs | ChatLogprobs | None:
+    def _logprobs(self, ids: Sequence[int], lps: Sequence[float] | None,
+                  offsets: Sequence[int] | None) -> CompletionLogprobs | ChatLogprobs | None:
         if lps is None:
             return None
         pieces = [self._tok.piece(i) for i in ids]
@@ -108,10 +108,12 @@ class _Shape:
                    else list(p.encode()) for i, p in zip(ids, pieces, strict=True)]
             return ChatLogprobs([TokenLogprob(p, lp, b)
                                  for p, lp, b in zip(pieces, lps, raw, strict=True)])
-        return CompletionLogprobs(pieces, list(lps))
+        return CompletionLogprobs(pieces, list(lps), text_offset=None if offsets is None
+                                  else list(offsets))
 
     def event(self, text: str, finish: str | None, ids: Sequence[int],
-              lps: Sequence[float] | None, usage: Usage | None) -> bytes:
+              lps: Sequence[float] | None, usage: Usage | None,
+              offsets: Sequence[int] | None = None) -> bytes:
         first, self._first = self._first, False
         role = "assistant" if first and self.chat else None
         if finish is None and lps is None and usage is None and role is None:
@@ -123,7 +125,7 @@ class _Shape:
                 assert mark and _MARK_JSON not in tail  # (the id and model are ours)
                 around = self._around = (head, tail)
             return around[0] + encode_str(text) + around[1]
-        return self._event(text, finish, self._logprobs(ids, lps), usage, role)
+        return self._event(text, finish, self._logprobs(ids, lps, offsets), usage, role)
 
     def _event(self, text: str, finish: str | None, lp: CompletionLogprobs | ChatLogprobs | None,
                usage: Usage | None, role: str | None) -> bytes:
@@ -145,8 +147,8 @@ class _Shape:
         return b"data: " + encode(body) + b"\n\n"
 
     def whole(self, text: str, finish: str, ids: Sequence[int], lps: Sequence[float] | None,
-              usage: Usage) -> bytes:
-        lp = self._logprobs(ids, lps)
+              usage: Usage, offsets: Sequence[int] | None = None) -> bytes:
+        lp = self._logprobs(ids, lps, offsets)
         if self.chat:
             assert lp is None or isinstance(lp, ChatLogprobs)
             return encode(ChatCompletion(self.id, self.created, self.model,
@@ -155,6 +157,14 @@ class _Shape:
         assert lp is None or isinstance(lp, CompletionLogprobs)
         return encode(Completion(self.id, self.created, self.model,
                                  [CompletionChoice(0, text, finish, lp)], usage=usage))
+
+
+def _push(detok: Detokenizer, ids: Sequence[int], offsets: bool
+          ) -> tuple[str, list[int] | None]:
+    """``detok.push(ids)``, and each id's ``text_offset`` when ``offsets``."""
+    if offsets:
+        return detok.push_offsets(ids)
+    return detok.push(ids), None
 
 
 class Generator:
@@ -299,10 +309,11 @@ class Generator:
         try:
             if not req.stream and not stops:  # one awaitable, no stream: the cheap path
                 result = await self.engine.submit(ids, sampling, return_logprob=logprobs)
-                text = detok.push(result.token_ids) + detok.finish()
+                text, offsets = _push(detok, result.token_ids, logprobs and not shape.chat)
+                text += detok.finish()
                 usage = Usage(len(ids), len(result.token_ids), len(ids) + len(result.token_ids))
                 body = shape.whole(text, result.finish_reason, result.token_ids,
-                                   result.logprobs, usage)
+                                   result.logprobs, usage, offsets)
                 self._first_token(endpoint, t0)
                 await send_bytes(send, 200, body)
                 return 200
@@ -328,6 +339,8 @@ class Generator:
         pieces: list[str] = []  # the non-streamed answer with stop strings
         out_ids: list[int] = []
         out_lps: list[float] | None = [] if logprobs else None
+        offsets_wanted = logprobs and not shape.chat  # (a completion's text_offset)
+        out_offsets: list[int] = []
         finish: str | None = None
         try:
             chunks = await anext(it)  # a refusal is still an HTTP error here
@@ -337,7 +350,7 @@ class Generator:
                 for n, chunk in enumerate(chunks, 1):
                     if not n % _CHUNKS_A_TURN:  # a long backlog: another turn for the rest
                         await self.turns.take()
-                    text = detok.push(chunk.token_ids)
+                    text, offsets = _push(detok, chunk.token_ids, offsets_wanted)
                     finish = "stop" if detok.stopped else chunk.finish_reason
                     if finish is not None:
                         text += detok.finish()
@@ -346,10 +359,12 @@ class Generator:
                         out_ids.extend(chunk.token_ids)
                         if out_lps is not None and chunk.logprobs is not None:
                             out_lps.extend(chunk.logprobs)
+                        if offsets is not None:
+                            out_offsets.extend(offsets)
                     elif text or finish is not None or chunk.logprobs or continuous:
                         events.append(shape.event(text, finish, chunk.token_ids,
                                                   chunk.logprobs, self._usage(ids, detok)
-                                                  if continuous else None))
+                                                  if continuous else None, offsets))
                     if finish is not None:
                         break
                 if events:
@@ -380,7 +395,8 @@ class Generator:
             assert finish is not None
             self._first_token(endpoint, t0)
             await send_bytes(send, 200, shape.whole(
-                "".join(pieces), finish, out_ids[:detok.tokens], out_lps, self._usage(ids, detok)))
+                "".join(pieces), finish, out_ids[:detok.tokens], out_lps, self._usage(ids, detok),
+                out_offsets if offsets_wanted else None))
         return 200
 
     @staticmethod

@@ -191,7 +191,8 @@ class Usage(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The sampled tokens' log-probabilities (no alternatives: ``top_logprobs`` null)."""
+    """The sampled tokens' log-probabilities (no alternatives: ``top_logprobs`` null), and
+    where each token's text begins in the answer (``text_offset``, in characters)."""
 
     tokens: list[str]
     token_logprobs: list[float]

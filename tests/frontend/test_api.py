@@ -134,6 +134,9 @@ def test_logprobs(server: Server) -> None:
     assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
     assert out.usage is not None and len(lp.token_logprobs) == out.usage.completion_tokens
     assert all(v <= 0 for v in lp.token_logprobs)
+    offsets = lp.text_offset  # where each token's text begins in the answer
+    assert offsets is not None and len(offsets) == len(lp.token_logprobs)
+    assert offsets == sorted(offsets) and offsets[-1] <= len(out.choices[0].text)
 
 
 def test_chat_logprobs_carry_each_tokens_own_bytes(server: Server) -> None:

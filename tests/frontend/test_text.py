@@ -115,6 +115,33 @@ def scripted(text_ids: list[int]) -> type[AsyncEngine]:
     return Engine
 
 
+def _offsets(tok: Tokenizer, ids: list[int]) -> list[int]:
+    """Each id's text_offset, worked out apart from the detokenizer: the whole characters
+    in the bytes of the ids before it."""
+    table = tok.token_bytes()
+    assert table is not None
+    return [len(b"".join(table[j] for j in ids[:i]).decode(errors="ignore"))
+            for i in range(len(ids))]
+
+
+def test_text_offset_is_where_each_tokens_text_begins(bpe: HFTokenizer) -> None:
+    for tok in (ByteTokenizer(), bpe):
+        ids = tok.encode(TEXT, add_special_tokens=False)
+        want = _offsets(tok, ids)
+        if isinstance(tok, ByteTokenizer):  # some ids end no character: held, not counted
+            assert len(set(want)) < len(want)
+        for step in (1, 3, len(ids)):  # however the steps fall
+            d = Detokenizer(tok)
+            got = [d.push_offsets(ids[i:i + step]) for i in range(0, len(ids), step)]
+            assert "".join(text for text, _ in got) == TEXT
+            assert [o for _, offsets in got for o in offsets] == want
+        d = Detokenizer(tok, ["世界"])  # a stop string: the offsets before it are the same
+        text, offsets = d.push_offsets(ids)
+        before = sum(o <= len(text) for o in want)  # ids whose text begins before it
+        assert d.stopped and text == TEXT[:TEXT.index("世界")] and d.tokens == len(ids)
+        assert offsets[:before] == want[:before] and len(offsets) == len(ids)
+
+
 @pytest.fixture(scope="module", params=["bytes", "bpe"])
 def scripted_server(request: pytest.FixtureRequest, bpe: HFTokenizer
                     ) -> Iterator[tuple[Server, Tokenizer]]:
@@ -163,6 +190,26 @@ def test_stop_string_spanning_tokens_over_http(scripted_server: tuple[Server, To
         text, finish = choice["text"], choice["finish_reason"]
     assert text == TEXT[:TEXT.index(stop)]
     assert finish == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offset_over_http(scripted_server: tuple[Server, Tokenizer], stream: bool) -> None:
+    server, tok = scripted_server
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    # (a stop string that never comes: the scripted ids are read through a stream)
+    got = c.completions.create(model="tiny", prompt="x", max_tokens=40, temperature=0,
+                               logprobs=0, stop=["never there"], stream=stream,
+                               extra_body={"ignore_eos": True})
+    choices = [ch.choices[0] for ch in got] if stream else [got.choices[0]]  # type: ignore[union-attr]
+    offsets = [o for ch in choices if ch.logprobs for o in ch.logprobs.text_offset or []]
+    script = [ids[k % len(ids)] for k in range(40)]  # (the scripted engine's ids)
+    assert offsets == _offsets(tok, script)
+    table = tok.token_bytes()
+    assert table is not None
+    text = "".join(ch.text for ch in choices)
+    assert text == b"".join(table[i] for i in script).decode(errors="ignore")
+    assert all(o <= len(text) for o in offsets)
 
 
 def test_with_metrics_off_there_is_no_metrics_path(
