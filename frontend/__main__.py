@@ -17,7 +17,7 @@ from bus.sockets import make_socket, refuse_live_ipc
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.chat import ChatTemplate
 from frontend.errors import TokenizerError
-from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, http_protocol
+from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, SEND_TIMEOUT_S, http_protocol
 from frontend.tokenizer import load_tokenizer
 from messages import MAX_TOKENS
 from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
@@ -54,6 +54,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--header-timeout", type=float, default=HEAD_TIMEOUT_S, metavar="SECONDS",
                    help="a request whose headers are not whole this long after their first "
                         "byte is answered 408 (a client that stops mid-header holds nothing)")
+    p.add_argument("--send-timeout", type=float, default=SEND_TIMEOUT_S, metavar="SECONDS",
+                   help="a client that reads nothing of its answer this long, once the "
+                        "server's buffer for it is full, is disconnected and its request "
+                        "aborted (a stream nobody reads holds no slot or memory longer)")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of a chat request that gives none")
     p.add_argument("--tokenizer", metavar="DIR_OR_FILE", default=None,
@@ -194,6 +198,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     # each client's 400 or 413 (outside probe: --default-max-tokens -5, --max-body-bytes -1).
     for flag, value in (("--body-timeout", args.body_timeout),
                         ("--header-timeout", args.header_timeout),
+                        ("--send-timeout", args.send_timeout),
                         ("--max-header-bytes", args.max_header_bytes),
                         ("--max-body-bytes", args.max_body_bytes),
                         ("--max-batch", args.max_batch), ("--tp-size", args.tp_size),
@@ -228,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                "%(message)s")
     settings, app = settings_from(args)
     protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
-                             head_timeout=args.header_timeout)
+                             head_timeout=args.header_timeout, send_timeout=args.send_timeout)
     print(f"frontend: model {settings.model_name!r} ({app.tokenizer.name} tokenizer, "
           f"{settings.mode} mode) on http://{args.host}:{args.port}/v1; scheduler rpc at "
           f"{settings.rpc_endpoint}", file=sys.stderr, flush=True)

@@ -27,6 +27,13 @@ each in OpenAI's error shape and closing the connection.
 (These bounds are the httptools protocol's, the default; ``h11`` bounds a
 head's size itself and has no deadline.)
 
+A client that stops reading its answer is gone after ``send_timeout``
+seconds: once the transport's write buffer is full, the writer waits for
+the client; a client that drains nothing for that long has its connection
+aborted, so its request is aborted too (outside probe: 8 streams never
+read held their tokens, ~45 bytes each, for as long as the connection
+stayed open, while the scheduler generated them at full speed).
+
 An HTTP/1.0 request's answer is never chunked (:func:`_close_delimited`).
 """
 
@@ -34,19 +41,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import sys
 from typing import Any
 
 from frontend.errors import ApiError
 from frontend.turns import loop_turns
 
-__all__ = ["HEAD_TIMEOUT_S", "MAX_HEAD_BYTES", "http_protocol"]
+__all__ = ["HEAD_TIMEOUT_S", "MAX_HEAD_BYTES", "SEND_TIMEOUT_S", "http_protocol"]
+
+log = logging.getLogger("frontend")
 
 #: Most bytes of one request's head (request line and headers): nginx allows 32 KiB by
 #: default, Node 16 KiB; room here for long bearer tokens and cookies.
 MAX_HEAD_BYTES = 64 << 10
 #: Seconds a request's head may take to arrive whole once its first byte has.
 HEAD_TIMEOUT_S = 30.0
+#: Seconds a client may read nothing of its answer once the server's buffer for it is full.
+SEND_TIMEOUT_S = 30.0
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 #: Bytes a chunk of a chunked body may spend on its framing (size line, extensions,
@@ -93,11 +105,13 @@ class _Refused(Exception):
 
 
 def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
-                  head_timeout: float = HEAD_TIMEOUT_S) -> type[asyncio.Protocol]:
+                  head_timeout: float = HEAD_TIMEOUT_S,
+                  send_timeout: float = SEND_TIMEOUT_S) -> type[asyncio.Protocol]:
     """uvicorn's protocol class ``name`` (``auto``, ``h11``, ``httptools``), closing a
-    connection that sends nothing within its keep-alive timeout, and bounding each
+    connection that sends nothing within its keep-alive timeout, bounding each
     request's head to ``max_head_bytes`` (else 431) and ``head_timeout`` seconds
-    (else 408).
+    (else 408), and aborting a connection whose client reads nothing of its
+    answer for ``send_timeout`` seconds once the write buffer is full.
 
     Raises:
         ValueError: a bound that is not above 0.
@@ -105,9 +119,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
     from uvicorn.config import HTTP_PROTOCOLS
     from uvicorn.importer import import_from_string
 
-    if not (max_head_bytes > 0 and head_timeout > 0):  # (NaN too)
-        raise ValueError(f"max_head_bytes ({max_head_bytes}) and head_timeout "
-                         f"({head_timeout}) must be above 0")
+    if not (max_head_bytes > 0 and head_timeout > 0 and send_timeout > 0):  # (NaN too)
+        raise ValueError(f"max_head_bytes ({max_head_bytes}), head_timeout "
+                         f"({head_timeout}) and send_timeout ({send_timeout}) must be above 0")
     base: Any = import_from_string(HTTP_PROTOCOLS[name])
 
     too_large = _refusal(431, "headers_too_large",
@@ -123,6 +137,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         _body = 0  # body bytes read on this connection
         _chunks = 0  # chunks of the open request's body (chunked)
         _head_timer: asyncio.TimerHandle | None = None
+        _stall_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
@@ -276,7 +291,34 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 if not self.transport.is_closing():
                     self._idle()
 
+        # -- a client that stops reading ----------------------------------------------
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stall_timer is None:
+                me: Any = self
+                self._stall_timer = me.loop.call_later(send_timeout, self._stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
+
+        def _stalled(self) -> None:
+            """The client read nothing for ``send_timeout`` seconds: abort the connection
+            (what is buffered for it is dropped); its handlers see the client gone."""
+            self._stall_timer = None
+            transport: Any = self.transport
+            if not transport.is_closing():
+                log.info("a client read nothing of its answer for %g s: its connection is "
+                         "closed and its request aborted", send_timeout)
+                transport.abort()
+
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None

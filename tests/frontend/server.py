@@ -41,7 +41,7 @@ class Server:
     def __init__(self, settings: Settings, tokenizer: Tokenizer, *,
                  engine: Callable[[Settings], AsyncEngine] | None = None,
                  timeout_keep_alive: int = 5, head_timeout: float = 30.0,
-                 max_head_bytes: int = 64 << 10) -> None:
+                 max_head_bytes: int = 64 << 10, send_timeout: float = 30.0) -> None:
         self.app = Frontend(settings, tokenizer, engine=engine)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -50,7 +50,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, lifespan="on", log_level="warning",
                                 access_log=False, http=http_protocol(
-                                    head_timeout=head_timeout, max_head_bytes=max_head_bytes),
+                                    head_timeout=head_timeout, max_head_bytes=max_head_bytes,
+                                    send_timeout=send_timeout),
                                 timeout_keep_alive=timeout_keep_alive)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, args=([self._sock],),

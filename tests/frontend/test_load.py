@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -358,3 +359,29 @@ def test_a_run_directory_made_for_the_server_is_removed_at_its_close(tmp_path: P
     assert (made / "rpc").exists()
     s.stop()
     assert not made.exists()
+
+
+def test_a_stream_nobody_reads_is_aborted_after_the_send_timeout(tmp_path: Path) -> None:
+    # Outside probe: streams never read kept their tokens (~45 bytes each) for as long as
+    # their connections stayed open, while the scheduler generated them at full speed.
+    s = Server(Settings(model=STUB, max_batch=4, rpc_endpoint=f"ipc://{tmp_path}/rpc"), TOK,
+               send_timeout=0.5)
+    rpc = RpcClient(f"ipc://{tmp_path}/rpc")
+    try:
+        with socket.socket() as stalled:
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stalled.connect(("127.0.0.1", s.port))
+            stalled.sendall(raw_post("/v1/completions", LONG))  # then reads nothing
+            eventually(lambda: load(rpc)[0] == 1, 10.0, "the stream to run")
+            # A client that reads meanwhile is served whole, however long it takes.
+            with httpx.Client(base_url=s.url, timeout=30) as c:
+                r = c.post("/v1/completions", json={**LONG, "max_tokens": 5_000})
+                assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            eventually(lambda: load(rpc) == (0, 0), 30.0, "the unread stream to be aborted")
+            stalled.settimeout(30)
+            with contextlib.suppress(ConnectionResetError):  # (aborted: a reset, or a close)
+                while stalled.recv(1 << 16):
+                    pass
+    finally:
+        rpc.close()
+        s.stop()
