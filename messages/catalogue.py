@@ -84,7 +84,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
                      gc=False, metaclass=PackingMeta):
     """How to pick the next token.
 
-    ``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1``
+    ``temperature == 0`` means greedy (and so does any below 1e-5, as in vLLM:
+    float32 logits divided by less overflow); ``top_k == 0`` and ``top_p == 1``
     disable those filters; ``stop_token_ids=None`` adds no stop tokens to
     the model's own. ``seed`` makes sampling reproducible per request,
     whatever else shares the batch. ``ignore_eos`` runs past the model's own

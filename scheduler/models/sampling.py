@@ -6,7 +6,12 @@ import torch
 
 from messages import SamplingParams
 
-__all__ = ["sample_next"]
+__all__ = ["GREEDY_BELOW", "sample_next"]
+
+#: A temperature below this samples greedily (as vLLM's): dividing float32 logits by
+#: a smaller one overflows them to inf, and the softmax of that is NaN (outside probe:
+#: temperature 1e-300 rounded to 0.0 in float32 and sampled non-argmax tokens).
+GREEDY_BELOW = 1e-5
 
 
 def sample_next(
@@ -29,7 +34,7 @@ def sample_next(
     # ``generate`` does: subtracting the log-sum-exp first can round two
     # near-equal logits together and flip the choice.
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.top_k != 1]
+    rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW and p.top_k != 1]
     if rows:
         vocab = logits.shape[-1]
         idx = torch.tensor(rows)
