@@ -432,7 +432,7 @@ class Frontend:
         elif all(isinstance(x, int) for x in raw):
             texts = [[x for x in raw if isinstance(x, int)]]
         elif all(isinstance(x, str) for x in raw):
-            texts = [await gen.tokenize(x, special=True) for x in raw if isinstance(x, str)]
+            texts = await gen.tokenize_all([x for x in raw if isinstance(x, str)], special=True)
         elif all(isinstance(x, list) for x in raw):
             texts = [x for x in raw if isinstance(x, list)]
         else:

@@ -190,11 +190,17 @@ class Generator:
 
     async def tokenize(self, text: str, *, special: bool) -> list[int]:
         """``text``'s ids; a long text is tokenized off the event loop."""
-        if len(text) <= _TOKENIZE_INLINE:
-            return self.tokenizer.encode(text, add_special_tokens=special)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            None, lambda: self.tokenizer.encode(text, add_special_tokens=special))
+        return (await self.tokenize_all([text], special=special))[0]
+
+    async def tokenize_all(self, texts: Sequence[str], *, special: bool) -> list[list[int]]:
+        """Each text's ids; texts long together are tokenized off the event loop, in one
+        call (outside probe: 153 embedding inputs each under the bound held the loop
+        1.2-1.5 s, one at a time)."""
+        encode = self.tokenizer.encode
+        if sum(map(len, texts)) <= _TOKENIZE_INLINE:
+            return [encode(text, add_special_tokens=special) for text in texts]
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [encode(text, add_special_tokens=special) for text in texts])
 
     async def completion(self, req: CompletionRequest, send: Send, t0: float) -> int:
         """Answer a completion; returns the HTTP status sent.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import socket
+import threading
 
 import httpx
 import numpy as np
@@ -12,6 +13,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from frontend import ByteTokenizer, Settings
+from scheduler import ModelConfig
 from tests.frontend.server import Server, raw_post
 
 
@@ -220,3 +223,33 @@ def test_a_prompt_past_the_wire_s_token_bound_is_400_not_500(server: Server) -> 
         r = httpx.post(f"{server.url}{path}", json=body, timeout=120)
         assert r.status_code == 400, (path, r.text[:300])
         assert r.json()["error"]["code"] == "context_length_exceeded" and "1048576" in r.text
+
+
+class _Threads(ByteTokenizer):
+    """The byte tokenizer, noting the thread each text is tokenized on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_embedding_inputs_long_together_are_tokenized_off_the_loop() -> None:
+    # Outside probe: 153 inputs, each under the bound a text is tokenized inline to,
+    # held the event loop 1.2-1.5 s (with a BPE tokenizer) one after another.
+    tok = _Threads()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
+                        metrics=False), tok)
+    try:
+        for inputs, inline in ((["a" * 1000] * 40, False), (["a" * 100] * 4, True)):
+            tok.threads.clear()
+            r = httpx.post(f"{s.url}/v1/embeddings", timeout=60,
+                           json={"model": "tiny", "input": inputs})
+            assert r.status_code == 200 and len(r.json()["data"]) == len(inputs)
+            on_loop = [t == "frontend-test-server" for t in tok.threads]
+            assert on_loop == [inline] * len(inputs), tok.threads
+    finally:
+        s.stop()
