@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -177,7 +178,9 @@ class Generator:
         self.template = template or ChatTemplate(tokenizer)
         self.settings = settings
         self.metrics = metrics
-        self._seq = itertools.count()
+        # Answer ids: this server's run, then a count (ids do not repeat across restarts
+        # or replicas, as cmpl-0, cmpl-1, ... did).
+        self._ids = map(f"{secrets.token_hex(4)}-{{}}".format, itertools.count())
         self._vocab = tokenizer.vocab_size
         self.turns = loop_turns()  # the protocol, each request and each stream take turns
 
@@ -211,6 +214,8 @@ class Generator:
         check_supported(req)
         self.check_model(req.model)
         prompt = req.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]  # a batch of one (LangChain's OpenAI LLM sends [text])
         if isinstance(prompt, str):
             ids = await self.tokenize(prompt, special=True)
         elif len(prompt) <= _TOKENIZE_INLINE:
@@ -219,7 +224,7 @@ class Generator:
             ids = await asyncio.get_running_loop().run_in_executor(
                 None, self._prompt_ids, prompt)
         max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
-        return await self._answer(_Shape(False, str(next(self._seq)), req.model,
+        return await self._answer(_Shape(False, next(self._ids), req.model,
                                          self.tokenizer),
                                   ids, req, max_tokens, req.stops(), [], req.logprobs is not None,
                                   send, t0, "completions")
@@ -255,7 +260,7 @@ class Generator:
         max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
                                   "max_tokens" if req.max_completion_tokens is None
                                   else "max_completion_tokens")
-        return await self._answer(_Shape(True, str(next(self._seq)), req.model, self.tokenizer),
+        return await self._answer(_Shape(True, next(self._ids), req.model, self.tokenizer),
                                   ids, req, max_tokens, [*req.stops(), *self.template.stops],
                                   self.template.stop_ids, req.logprobs, send, t0, "chat")
 

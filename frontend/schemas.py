@@ -455,7 +455,7 @@ def check_supported(req: _Sampling) -> None:
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise _unsupported("echo", "echo is not supported")
-        if req.suffix is not None:
+        if req.suffix:  # ("" asks for nothing)
             raise _unsupported("suffix", "suffix is not supported")
         if req.best_of not in (None, 1):
             raise _unsupported("best_of", "best_of > 1 is not supported")

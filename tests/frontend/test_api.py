@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import socket
 import threading
 
@@ -253,3 +254,34 @@ def test_embedding_inputs_long_together_are_tokenized_off_the_loop() -> None:
             assert on_loop == [inline] * len(inputs), tok.threads
     finally:
         s.stop()
+
+
+def test_a_batch_of_one_prompt_and_an_empty_suffix_are_served(server: Server) -> None:
+    # Outside probe: LangChain's OpenAI LLM sends prompt=[text]; "suffix": "" asks nothing.
+    def post(**body: object) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0, **body})
+
+    plain = post().json()["choices"][0]["text"]
+    assert post(prompt=["hi"]).json()["choices"][0]["text"] == plain
+    assert post(suffix="").json()["choices"][0]["text"] == plain
+    refused = post(suffix="x")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix"
+
+
+def test_answer_ids_carry_the_server_s_run() -> None:
+    # Outside probe: ids restarted at cmpl-0 with each start, and repeated across replicas.
+    tok = ByteTokenizer()
+    settings = Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"), metrics=False)
+    runs = []
+    for _ in range(2):
+        s = Server(settings, tok)
+        try:
+            ids = [httpx.post(f"{s.url}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "x", "max_tokens": 1}).json()["id"] for _ in range(2)]
+        finally:
+            s.stop()
+        assert all(re.fullmatch(r"cmpl-[0-9a-f]{8}-\d+", i) for i in ids), ids
+        assert ids[0] != ids[1] and ids[0].rsplit("-", 1)[0] == ids[1].rsplit("-", 1)[0]
+        runs.append(ids[0].rsplit("-", 1)[0])
+    assert runs[0] != runs[1]
