@@ -46,6 +46,7 @@ from frontend.schemas import (
     check_supported,
     encode,
     encode_str,
+    sse_safe,
 )
 from frontend.tokenizer import Tokenizer
 from frontend.turns import loop_turns
@@ -125,7 +126,7 @@ class _Shape:
                 head, mark, tail = self._event(_MARK, None, None, None, None).partition(_MARK_JSON)
                 assert mark and _MARK_JSON not in tail  # (the id and model are ours)
                 around = self._around = (head, tail)
-            return around[0] + encode_str(text) + around[1]
+            return around[0] + sse_safe(encode_str(text)) + around[1]
         return self._event(text, finish, self._logprobs(ids, lps, offsets), usage, role)
 
     def _event(self, text: str, finish: str | None, lp: CompletionLogprobs | ChatLogprobs | None,
@@ -140,12 +141,12 @@ class _Shape:
             assert lp is None or isinstance(lp, CompletionLogprobs)
             body = Completion(self.id, self.created, self.model,
                               [CompletionChoice(0, text, finish, lp)], usage=usage)
-        return b"data: " + encode(body) + b"\n\n"
+        return b"data: " + sse_safe(encode(body)) + b"\n\n"
 
     def usage_event(self, usage: Usage) -> bytes:
         body = ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage) \
             if self.chat else Completion(self.id, self.created, self.model, [], usage=usage)
-        return b"data: " + encode(body) + b"\n\n"
+        return b"data: " + sse_safe(encode(body)) + b"\n\n"
 
     def whole(self, text: str, finish: str, ids: Sequence[int], lps: Sequence[float] | None,
               usage: Usage, offsets: Sequence[int] | None = None) -> bytes:
@@ -397,7 +398,7 @@ class Generator:
             if not started:
                 raise
             error = from_engine(exc)
-            await send({"type": "http.response.body", "body": b"data: " + error.body()
+            await send({"type": "http.response.body", "body": b"data: " + sse_safe(error.body())
                         + b"\n\n" + _DONE})
             return 200
         finally:

@@ -49,6 +49,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_str",
+    "sse_safe",
 ]
 
 #: The most tokens one answer may ask for (the scheduler's own bound).
@@ -432,6 +433,22 @@ def encode(body: msgspec.Struct) -> bytes:
 def encode_str(text: str) -> bytes:
     """A string as a JSON string."""
     return _ENCODER.encode(text)
+
+
+#: Characters JSON may carry raw that line readers (``str.splitlines``: httpx's
+#: ``iter_lines``) take for line ends, each with its escape.
+_LINE_ENDS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"),
+              (b"\xc2\x85", b"\\u0085"))
+
+
+def sse_safe(data: bytes) -> bytes:
+    """JSON ``data`` for one Server-Sent Event's line: U+2028, U+2029 and U+0085
+    escaped (outside probe: a model's U+2028 split an event in two for an httpx
+    reader). Only ever a character there: their bytes begin with a lead byte."""
+    if b"\xe2\x80\xa8" in data or b"\xe2\x80\xa9" in data or b"\xc2\x85" in data:
+        for raw, escaped in _LINE_ENDS:
+            data = data.replace(raw, escaped)
+    return data
 
 
 def check_supported(req: _Sampling) -> None:

@@ -229,3 +229,19 @@ def test_an_event_spliced_around_its_text_is_the_event_encoded_whole(texts: list
         role = "assistant" if chat and i == 0 else None
         assert shape.event(text, None, [], None, None) == \
             shape._event(text, None, None, None, role)
+
+
+@given(text=st.text(st.sampled_from("a\u2028\u2029\u0085\u00e9\n\r\u20ac")), chat=st.booleans(),
+       whole=st.booleans())
+def test_an_event_is_one_line_whatever_its_text(text: str, chat: bool, whole: bool) -> None:
+    # Outside probe: msgspec writes U+2028, U+2029 and U+0085 raw, and a reader that
+    # splits lines as str.splitlines does (httpx's iter_lines) cut the event in two.
+    shape = _Shape(chat, "7", "tiny", ByteTokenizer())
+    shape.event("", None, [], None, None)  # (past the first event: the spliced one)
+    event = shape.event(text, "stop" if whole else None, [], None, None)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    lines = event.decode()[:-2].splitlines()
+    assert len(lines) == 1
+    body = msgspec.json.decode(lines[0][6:])
+    got = body["choices"][0]["delta"]["content"] if chat else body["choices"][0]["text"]
+    assert got == text
