@@ -41,8 +41,9 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) 
 
     Raises:
         ApiError: 413 past ``limit`` (told by ``content-length`` before
-            anything is read, or counted as it arrives); 408 when the body is
-            not whole ``timeout`` seconds after its read began.
+            anything is read, or counted as it arrives); 415 for a body in a
+            ``content-encoding`` (gzip: nothing here inflates it); 408 when the
+            body is not whole ``timeout`` seconds after its read began.
         Disconnected: the client left first.
     """
     headers = scope.get("headers")
@@ -50,6 +51,10 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) 
         for name, value in headers:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 raise too_large(limit)
+            if name == b"content-encoding" and value.strip().lower() != b"identity":
+                # (outside probe: a gzip body was answered "invalid JSON")
+                raise ApiError(415, f"content-encoding {value.decode('latin-1')!r} is not "
+                                    "supported: send the body as it is", code="unsupported_encoding")
     # asyncio.timeout()'s mechanics at a third of its cost (measured under uvloop: +1.7 us
     # a request, not +5.3): a timer that cancels this task, told apart from any other
     # cancellation by ``late`` and the task's cancel count.

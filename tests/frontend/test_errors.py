@@ -1,8 +1,9 @@
-"""Errors in OpenAI's shape: 400 naming the field, 404, 405, 413, unsupported options."""
+"""Errors in OpenAI's shape: 400 naming the field, 404, 405, 413, 415, unsupported options."""
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import socket
 import time
 from collections.abc import Iterator
@@ -133,6 +134,19 @@ def test_body_past_the_limit_is_413(server: Server) -> None:
     # Chunked (no content-length): counted as it arrives.
     r = httpx.post(f"{server.url}/v1/completions", content=iter([b"{" + b" " * 3000] * 3))
     assert r.status_code == 413
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br, gzip"])
+def test_an_encoded_body_is_415(server: Server, encoding: str) -> None:
+    # Outside probe: a gzip body was answered "invalid JSON", as if it were malformed.
+    body = gzip.compress(b'{"model": "tiny", "prompt": "x", "max_tokens": 1}')
+    r = httpx.post(f"{server.url}/v1/completions", content=body,
+                   headers={"content-encoding": encoding, "content-type": "application/json"})
+    assert r.status_code == 415 and error(r)["code"] == "unsupported_encoding"
+    assert encoding in error(r)["message"]
+    r = httpx.post(f"{server.url}/v1/completions", headers={"content-encoding": "identity"},
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200
 
 
 def test_routes(server: Server) -> None:
