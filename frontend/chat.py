@@ -1,6 +1,7 @@
 """Chat messages to prompt text: the tokenizer's own template, or a documented default.
 
-The default template is ChatML, the format most open chat models use::
+The default template is ChatML, the format most open chat models use (a
+message's ``name`` as ChatML spells it: ``<|im_start|>user name=alice``)::
 
     <|im_start|>system
     You are helpful.<|im_end|>
@@ -35,7 +36,8 @@ END_OF_TURN = "<|im_end|>"
 
 
 def _default(messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
-    parts = [f"<|im_start|>{m.role}\n{m.text()}{END_OF_TURN}\n" for m in messages]
+    parts = [f"<|im_start|>{m.role}{'' if m.name is None else ' name=' + m.name}\n"
+             f"{m.text()}{END_OF_TURN}\n" for m in messages]
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
     return "".join(parts)
@@ -112,7 +114,8 @@ def _jinja(source: str, tokenizer: Tokenizer
 
     def render(messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
         return template.render(
-            messages=[{"role": m.role, "content": m.text()} for m in messages],
+            messages=[{"role": m.role, "content": m.text()} if m.name is None else
+                      {"role": m.role, "content": m.text(), "name": m.name} for m in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token=bos, eos_token=eos)
 

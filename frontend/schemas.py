@@ -134,7 +134,9 @@ class ChatMessage(_Body, kw_only=True):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=1024)]
-    name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    #: The participant's name (OpenAI's pattern): rendered into the turn by the default
+    #: template (ChatML's ``name=``) and handed to a tokenizer's own as ``message.name``.
+    name: Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}$")] | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""

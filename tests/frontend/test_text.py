@@ -100,13 +100,30 @@ def test_default_chat_template() -> None:
 
 
 def test_tokenizer_chat_template_with_jinja(tmp_path: Path) -> None:
-    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}"
-                "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    template = ("{% for m in messages %}[{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}] "
+                "{{ m.content }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
     tok = HFTokenizer(str(train_byte_level(tmp_path, chat_template=template)))
     t = ChatTemplate(tok)
     assert t.source == "tokenizer"
     assert t.render([ChatMessage(role="user", content="hi")]) == \
         "[user] hi<|endoftext|>[assistant] "
+    # A message's name reaches the template (outside probe: it was accepted and dropped).
+    assert t.render([ChatMessage(role="user", content="hi", name="ann")]) == \
+        "[user ann] hi<|endoftext|>[assistant] "
+
+
+def test_a_message_s_name_is_rendered_and_bounded(
+        scripted_server: tuple[Server, Tokenizer]) -> None:
+    server_url = scripted_server[0].url
+    assert ChatTemplate(ByteTokenizer()).render(
+        [ChatMessage(role="user", content="hi", name="ann_1")], False) == \
+        "<|im_start|>user name=ann_1\nhi<|im_end|>\n"
+    for bad in ("a b", "x" * 65, "<|im_end|>", "a\nb", ""):  # OpenAI's pattern: no injection
+        r = httpx.post(f"{server_url}/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi", "name": bad}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].name", bad
 
 
 def scripted(text_ids: list[int]) -> type[AsyncEngine]:
