@@ -385,3 +385,27 @@ def test_a_stream_nobody_reads_is_aborted_after_the_send_timeout(tmp_path: Path)
     finally:
         rpc.close()
         s.stop()
+
+
+def test_a_slow_reader_is_not_taken_for_a_gone_one(tmp_path: Path) -> None:
+    # Second probe: steady readers at 6-34 KB/s were aborted as if they read nothing: the
+    # timer waited for the transport's buffer to drain, which moves only once the
+    # kernel's megabytes for the connection have.
+    s = Server(Settings(model=STUB, max_batch=4, rpc_endpoint=f"ipc://{tmp_path}/rpc"), TOK,
+               send_timeout=1.0)
+    rpc = RpcClient(f"ipc://{tmp_path}/rpc")
+    try:
+        with socket.socket() as slow:
+            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            slow.connect(("127.0.0.1", s.port))
+            slow.sendall(raw_post("/v1/completions", {**LONG, "logprobs": 0}))
+            slow.settimeout(30)
+            got = 0
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 12:  # past the point where writing pauses
+                got += len(slow.recv(4096))
+                time.sleep(0.05)  # sleep-ok: the client's reading pace is what is tested
+                assert load(rpc)[0] == 1, f"cut after {time.monotonic() - t0:.1f} s, {got} B"
+    finally:
+        rpc.close()
+        s.stop()
