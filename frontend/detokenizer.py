@@ -41,6 +41,15 @@ _WINDOW_SEED = 5
 _UTF8 = codecs.getincrementaldecoder("utf-8")
 
 
+def _continues(held: bytes, raw: bytes) -> bool:
+    """Whether ``raw``'s first byte goes on the UTF-8 sequence ``held`` begins."""
+    try:
+        _UTF8("strict").decode(held + raw[:1])
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 class Detokenizer:
     """One request's text so far. :meth:`push` new ids, send what it returns.
 
@@ -51,8 +60,8 @@ class Detokenizer:
             next id's text begins in the answer: :meth:`push_offsets`).
     """
 
-    __slots__ = ("_dec", "_held", "_ids", "_max_stop", "_prefix", "_read", "_stops", "_table",
-                 "_tok", "chars", "stopped", "tokens")
+    __slots__ = ("_dec", "_held", "_ids", "_max_stop", "_out", "_prefix", "_read", "_stops",
+                 "_table", "_tok", "chars", "stopped", "tokens")
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = (),
                  prompt_ids: Sequence[int] = ()) -> None:
@@ -69,6 +78,7 @@ class Detokenizer:
         self.stopped = False
         self.tokens = 0
         self.chars = 0
+        self._out = 0  # characters push_offsets returned
 
     def push(self, ids: Sequence[int]) -> str:
         """Take one step's new ids; return the text that may be sent now (maybe "")."""
@@ -89,17 +99,28 @@ class Detokenizer:
     def push_offsets(self, ids: Sequence[int]) -> tuple[str, list[int]]:
         """:meth:`push`, one id at a time; also where each id's text begins in the
         answer, in characters (OpenAI's ``text_offset``). An id that ends no character
-        yet (the first bytes of one) begins where that character will; ids past a stop
-        string, where the decoded text ended."""
+        yet (the first bytes of one) begins where that character will; an id after
+        bytes that its own show invalid begins after their U+FFFD; an id whose text a
+        stop string cut begins at the answer's end."""
         tokens = self.tokens
+        table = self._table
         offsets: list[int] = []
         parts: list[str] = []
         for i in ids:
-            offsets.append(self.chars)
+            own = 0
+            if table is not None:  # bytes held from earlier ids that this one shows invalid
+                held = self._dec.getstate()[0]
+                if held and i < len(table) and table[i] and not _continues(held, table[i]):
+                    own = len(held.decode("utf-8", "replace"))
+            offsets.append(self.chars + own)
             parts.append(self.push((i,)))
         if not self.stopped or tokens < self.tokens:  # counted as push(ids) counts a step
             self.tokens = tokens + len(ids)
-        return "".join(parts), offsets
+        text = "".join(parts)
+        self._out += len(text)
+        if self.stopped:  # nothing past the cut: the answer ends at _out
+            offsets = [min(o, self._out) for o in offsets]
+        return text, offsets
 
     def finish(self) -> str:
         """The text still held at the end (no stop matched): send it last.

@@ -150,6 +150,8 @@ class _Shape:
 
     def whole(self, text: str, finish: str, ids: Sequence[int], lps: Sequence[float] | None,
               usage: Usage, offsets: Sequence[int] | None = None) -> bytes:
+        if offsets is not None:  # (a stop string may have cut text an earlier step began)
+            offsets = [min(o, len(text)) for o in offsets]
         lp = self._logprobs(ids, lps, offsets)
         if self.chat:
             assert lp is None or isinstance(lp, ChatLogprobs)

@@ -262,3 +262,16 @@ def test_an_event_is_one_line_whatever_its_text(text: str, chat: bool, whole: bo
     body = msgspec.json.decode(lines[0][6:])
     got = body["choices"][0]["delta"]["content"] if chat else body["choices"][0]["text"]
     assert got == text
+
+
+def test_text_offset_after_invalid_bytes_and_past_a_stop() -> None:
+    # Second probe: the id after bytes it shows invalid was placed on their U+FFFD, and
+    # ids whose text a stop string cut pointed past the answer's end.
+    tok = ByteTokenizer()
+    d = Detokenizer(tok)
+    text, offsets = d.push_offsets([0x8B, 0xF6, 0xDE, 0x00, ord("]"), 0xE4, 0xB8, ord("a")])
+    assert text == "\ufffd\ufffd\ufffd\x00]\ufffda"
+    assert offsets == [0, 1, 2, 3, 4, 5, 5, 6]
+    d = Detokenizer(tok, ["XY"])
+    text, offsets = d.push_offsets(tok.encode("abXYZ"))
+    assert text == "ab" and offsets == [0, 1, 2, 2, 2]
