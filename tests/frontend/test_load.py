@@ -361,51 +361,49 @@ def test_a_run_directory_made_for_the_server_is_removed_at_its_close(tmp_path: P
     assert not made.exists()
 
 
-def test_a_stream_nobody_reads_is_aborted_after_the_send_timeout(tmp_path: Path) -> None:
-    # Outside probe: streams never read kept their tokens (~45 bytes each) for as long as
-    # their connections stayed open, while the scheduler generated them at full speed.
+@contextlib.contextmanager
+def _small_reader(tmp_path: Path, send_timeout: float, body: dict[str, object]
+                  ) -> Iterator[tuple[Server, RpcClient, socket.socket]]:
+    """A server with ``send_timeout``, its rpc door, and a client with a 4 KB receive
+    buffer that has sent ``body`` (and read nothing yet)."""
     s = Server(Settings(model=STUB, max_batch=4, rpc_endpoint=f"ipc://{tmp_path}/rpc"), TOK,
-               send_timeout=0.5)
+               send_timeout=send_timeout)
     rpc = RpcClient(f"ipc://{tmp_path}/rpc")
     try:
-        with socket.socket() as stalled:
-            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            stalled.connect(("127.0.0.1", s.port))
-            stalled.sendall(raw_post("/v1/completions", LONG))  # then reads nothing
-            eventually(lambda: load(rpc)[0] == 1, 10.0, "the stream to run")
-            # A client that reads meanwhile is served whole, however long it takes.
-            with httpx.Client(base_url=s.url, timeout=30) as c:
-                r = c.post("/v1/completions", json={**LONG, "max_tokens": 5_000})
-                assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
-            eventually(lambda: load(rpc) == (0, 0), 30.0, "the unread stream to be aborted")
-            stalled.settimeout(30)
-            with contextlib.suppress(ConnectionResetError):  # (aborted: a reset, or a close)
-                while stalled.recv(1 << 16):
-                    pass
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", s.port))
+            sock.sendall(raw_post("/v1/completions", body))
+            sock.settimeout(30)
+            yield s, rpc, sock
     finally:
         rpc.close()
         s.stop()
+
+
+def test_a_stream_nobody_reads_is_aborted_after_the_send_timeout(tmp_path: Path) -> None:
+    # Outside probe: streams never read kept their tokens (~45 bytes each) for as long as
+    # their connections stayed open, while the scheduler generated them at full speed.
+    with _small_reader(tmp_path, 0.5, LONG) as (s, rpc, stalled):  # it reads nothing
+        eventually(lambda: load(rpc)[0] == 1, 10.0, "the stream to run")
+        # A client that reads meanwhile is served whole, however long it takes.
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            r = c.post("/v1/completions", json={**LONG, "max_tokens": 5_000})
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        eventually(lambda: load(rpc) == (0, 0), 30.0, "the unread stream to be aborted")
+        with contextlib.suppress(ConnectionResetError):  # (aborted: a reset, or a close)
+            while stalled.recv(1 << 16):
+                pass
 
 
 def test_a_slow_reader_is_not_taken_for_a_gone_one(tmp_path: Path) -> None:
     # Second probe: steady readers at 6-34 KB/s were aborted as if they read nothing: the
     # timer waited for the transport's buffer to drain, which moves only once the
     # kernel's megabytes for the connection have.
-    s = Server(Settings(model=STUB, max_batch=4, rpc_endpoint=f"ipc://{tmp_path}/rpc"), TOK,
-               send_timeout=1.0)
-    rpc = RpcClient(f"ipc://{tmp_path}/rpc")
-    try:
-        with socket.socket() as slow:
-            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            slow.connect(("127.0.0.1", s.port))
-            slow.sendall(raw_post("/v1/completions", {**LONG, "logprobs": 0}))
-            slow.settimeout(30)
-            got = 0
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < 12:  # past the point where writing pauses
-                got += len(slow.recv(4096))
-                time.sleep(0.05)  # sleep-ok: the client's reading pace is what is tested
-                assert load(rpc)[0] == 1, f"cut after {time.monotonic() - t0:.1f} s, {got} B"
-    finally:
-        rpc.close()
-        s.stop()
+    with _small_reader(tmp_path, 1.0, {**LONG, "logprobs": 0}) as (_, rpc, slow):
+        got = 0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 12:  # past the point where writing pauses
+            got += len(slow.recv(4096))
+            time.sleep(0.05)  # sleep-ok: the client's reading pace is what is tested
+            assert load(rpc)[0] == 1, f"cut after {time.monotonic() - t0:.1f} s, {got} B"
