@@ -29,7 +29,7 @@ from bus.envelope import Envelope, Origin, Rejected, envelopes
 from bus.errors import ChannelClosed, EndOfChannel, PeerGone, WouldBlock
 from bus.ring import Ring
 from bus.shm.frames import DEFAULT_SHM_THRESHOLD, MAGIC, FrameMapper, FramePool, empty_tensor
-from bus.sockets import SocketOptions, make_socket
+from bus.sockets import SocketOptions, close_socket, make_socket
 from messages import Codec, DecodeError, EncodeError, Frame, Message
 from messages.burst import BURST_TAG, SEND_BURST, is_burst
 
@@ -150,10 +150,10 @@ class _ZmqEnd:
         return self._closed
 
     def close(self) -> None:
-        """Close the socket. Idempotent."""
+        """Close the socket (an ipc socket file it bound is removed). Idempotent."""
         if not self._closed:
             self._closed = True
-            self.socket.close()
+            close_socket(self.socket)
 
     def __enter__(self) -> Self:
         return self

@@ -34,10 +34,12 @@ Defaults, and why:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Final
 
@@ -47,7 +49,8 @@ from bus.curve import CurveKeys
 from bus.errors import EndpointInUse
 from messages import DEFAULT_MAX_MESSAGE_BYTES
 
-__all__ = ["SocketOptions", "check_endpoint", "ipc_listening", "make_socket", "refuse_live_ipc"]
+__all__ = ["SocketOptions", "check_endpoint", "close_socket", "ipc_listening", "make_socket",
+           "refuse_live_ipc"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,12 +132,29 @@ def make_socket(
                     raise EndpointInUse(endpoint, "another process listens on this "
                                                   "address") from None
                 raise
+            if endpoint.startswith("ipc://"):
+                _BOUND_IPC[sock] = endpoint[len("ipc://"):]
         else:
             sock.connect(endpoint)
     except BaseException:
         sock.close(0)
         raise
     return sock
+
+
+#: The ipc path each live socket bound (close_socket removes it: libzmq leaves the file).
+_BOUND_IPC: weakref.WeakKeyDictionary[zmq.Socket[bytes], str] = weakref.WeakKeyDictionary()
+
+
+def close_socket(sock: zmq.Socket[bytes], linger: int | None = None) -> None:
+    """Close ``sock``; the ipc socket file it bound is removed first, while it is still
+    bound (so the path cannot be another listener's yet). libzmq leaves the file, and
+    an operator's directory kept it after a clean exit (outside probe: ``DIR/rpc``)."""
+    path = _BOUND_IPC.pop(sock, None)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    sock.close(linger)
 
 
 #: connect() errors that mean nobody listens at the path.

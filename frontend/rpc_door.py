@@ -113,7 +113,7 @@ class RpcDoor:
                         and time.monotonic() - self._gone_since >= REPLY_GRACE_S:
                     self._fail_waiting()
         finally:
-            self._server.close()
+            self._server.close()  # (its socket file too: bus.sockets.close_socket)
             self._caller.close()
             if self._auth is not None:
                 self._auth.stop()
@@ -176,7 +176,8 @@ class RpcDoor:
         return len(self._waiting)
 
     def close(self) -> None:
-        """Stop forwarding and close both sockets (idempotent)."""
+        """Stop forwarding and close both sockets (idempotent); an ipc endpoint's socket
+        file is removed."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5.0)

@@ -303,3 +303,19 @@ def test_a_listener_with_a_full_backlog_is_still_a_listener(tmp_path: Path) -> N
         for s in waiting:
             s.close()
         hung.close()
+
+
+def test_a_bound_ipc_socket_s_file_is_removed_at_its_close(
+        ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path) -> None:
+    # Outside probe: libzmq leaves the file, and an operator's --endpoint DIR kept DIR/rpc
+    # after a clean exit. Each channel that binds removes it; one that connects does not.
+    server = RpcServer(Codec(RpcReqInput), f"ipc://{tmp_path}/rpc", ctx=ctx)
+    inbox = PullInbox(REQ, f"ipc://{tmp_path}/work", ctx=ctx)
+    client = RpcClient(f"ipc://{tmp_path}/rpc", ctx=ctx)
+    outbox = PushOutbox(REQ, f"ipc://{tmp_path}/work", ctx=ctx)
+    client.close()
+    outbox.close()
+    assert {p.name for p in tmp_path.iterdir()} == {"rpc", "work"}
+    server.close()
+    inbox.close()
+    assert list(tmp_path.iterdir()) == []

@@ -407,3 +407,11 @@ def test_a_slow_reader_is_not_taken_for_a_gone_one(tmp_path: Path) -> None:
             got += len(slow.recv(4096))
             time.sleep(0.05)  # sleep-ok: the client's reading pace is what is tested
             assert load(rpc)[0] == 1, f"cut after {time.monotonic() - t0:.1f} s, {got} B"
+
+
+def test_the_door_s_socket_file_is_removed_at_the_server_s_close(tmp_path: Path) -> None:
+    # Outside probe: DIR/rpc stayed after a clean Ctrl-C (an operator's --endpoint DIR).
+    s = Server(Settings(model=STUB, rpc_endpoint=f"ipc://{tmp_path}/rpc"), TOK)
+    assert (tmp_path / "rpc").exists()
+    s.stop()
+    assert not (tmp_path / "rpc").exists() and tmp_path.exists()
