@@ -133,7 +133,10 @@ def make_socket(
                                                   "address") from None
                 raise
             if endpoint.startswith("ipc://"):
-                _BOUND_IPC[sock] = endpoint[len("ipc://"):]
+                path = endpoint[len("ipc://"):]
+                with contextlib.suppress(OSError):  # the very file bound: (device, inode)
+                    st = os.stat(path)
+                    _BOUND_IPC[sock] = (path, st.st_dev, st.st_ino)
         else:
             sock.connect(endpoint)
     except BaseException:
@@ -142,18 +145,24 @@ def make_socket(
     return sock
 
 
-#: The ipc path each live socket bound (close_socket removes it: libzmq leaves the file).
-_BOUND_IPC: weakref.WeakKeyDictionary[zmq.Socket[bytes], str] = weakref.WeakKeyDictionary()
+#: The ipc socket file each live socket bound: its path, device and inode (close_socket
+#: removes it: libzmq leaves the file).
+_BOUND_IPC: weakref.WeakKeyDictionary[zmq.Socket[bytes], tuple[str, int, int]] = \
+    weakref.WeakKeyDictionary()
 
 
 def close_socket(sock: zmq.Socket[bytes], linger: int | None = None) -> None:
-    """Close ``sock``; the ipc socket file it bound is removed first, while it is still
-    bound (so the path cannot be another listener's yet). libzmq leaves the file, and
-    an operator's directory kept it after a clean exit (outside probe: ``DIR/rpc``)."""
-    path = _BOUND_IPC.pop(sock, None)
-    if path is not None:
+    """Close ``sock``; the ipc socket file it bound is removed first, if the path still
+    names that very file (libzmq leaves it, and an operator's directory kept it after
+    a clean exit: outside probe, ``DIR/rpc``). A path that names another file now (the
+    directory was moved or cleared, and a new server bound there) is left alone."""
+    bound = _BOUND_IPC.pop(sock, None)
+    if bound is not None:
+        path, dev, ino = bound
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                os.unlink(path)
     sock.close(linger)
 
 

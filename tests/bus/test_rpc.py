@@ -319,3 +319,21 @@ def test_a_bound_ipc_socket_s_file_is_removed_at_its_close(
     server.close()
     inbox.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_closing_socket_leaves_a_newer_listener_s_file_alone(
+        ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path) -> None:
+    # Probe of the removal: an operator moved a live server's directory away and started
+    # a new server there; the old one's clean exit removed the new one's socket file.
+    live = tmp_path / "d"
+    live.mkdir()
+    old = RpcServer(Codec(RpcReqInput), f"ipc://{live}/rpc", ctx=ctx)
+    live.rename(tmp_path / "d.old")
+    live.mkdir()
+    new = RpcServer(Codec(RpcReqInput), f"ipc://{live}/rpc", ctx=ctx)
+    try:
+        old.close()  # (its own file, moved away with its directory, is the operator's)
+        assert (live / "rpc").exists()
+    finally:
+        new.close()
+    assert not (live / "rpc").exists()
