@@ -283,6 +283,8 @@ def _start(cmd: list[str], port: int) -> subprocess.Popen[bytes]:
                 return proc
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()  # (a server that hangs in its start is not left running)
+                proc.wait()
                 raise RuntimeError(f"{cmd} did not start") from None
             time.sleep(0.1)  # sleep-ok: pacing of a start-up poll
 
@@ -329,10 +331,12 @@ async def run() -> dict[str, object]:
                       "starlette"],
         "handler": ["-m", "benchmarks.http", "handler", str(ports["handler"])],
     }
-    procs = [_start([sys.executable, *commands[k]], ports[k]) for k in names]
-    pids = {k: proc.pid for k, proc in zip(names, procs, strict=True)}
+    procs: list[subprocess.Popen[bytes]] = []  # (those started are stopped, whatever fails)
     model = ModelConfig(vocab_size=259, kind="stub")
     try:
+        for k in names:
+            procs.append(_start([sys.executable, *commands[k]], ports[k]))
+        pids = {k: proc.pid for k, proc in zip(names, procs, strict=True)}
         # The reference: the same scheduler (zmq, stub, max_batch) with no HTTP, in this
         # process, its rounds alternating with the HTTP ones (the box's noise hits both).
         async with AsyncEngine("zmq", model, max_batch=STREAMS) as engine:
