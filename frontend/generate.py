@@ -196,6 +196,8 @@ class Generator:
 
     async def tokenize(self, text: str, *, special: bool) -> list[int]:
         """``text``'s ids; a long text is tokenized off the event loop."""
+        if len(text) <= _TOKENIZE_INLINE:  # (every request's path: no list built for it)
+            return self.tokenizer.encode(text, add_special_tokens=special)
         return (await self.tokenize_all([text], special=special))[0]
 
     async def tokenize_all(self, texts: Sequence[str], *, special: bool) -> list[list[int]]:
