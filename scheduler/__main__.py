@@ -8,9 +8,9 @@ import shutil
 import signal
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from bus import CurveKeys, SocketOptions, check_endpoint
+from bus import CurveKeys, EndpointInUse, SocketOptions, check_endpoint
 from scheduler.cli.demo import demo
 from scheduler.cli.options import add_curve_options, curve_options
 from scheduler.cli.rpc import run_rpc
@@ -188,10 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "dispatch":
         specs = _replica_specs(parser, args)
         endpoints, options, allowed = _upstream(parser, args)
-        stopped = serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
-                                 policy=args.policy, heartbeat_timeout=args.heartbeat_timeout,
-                                 rpc_timeout=args.rpc_timeout, max_backlog=args.max_backlog)
-        return 0 if stopped else 1  # a replica the shutdown did not reach: say so
+        return _until_stopped(lambda: serve_dispatch(
+            endpoints, specs, options=options, curve_clients=allowed, policy=args.policy,
+            heartbeat_timeout=args.heartbeat_timeout, rpc_timeout=args.rpc_timeout,
+            max_backlog=args.max_backlog))
     try:
         model = _model(args)
     except ModelLoadError as exc:
@@ -206,10 +206,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.metrics_port is not None:
         print(f"metrics: http://{args.metrics_host}:{args.metrics_port}/metrics",
               file=sys.stderr)
-    serve_zmq(endpoints, model, max_batch=args.max_batch, options=options,
-              curve_clients=allowed, limits=limits, metrics_port=args.metrics_port,
-              metrics_host=args.metrics_host)
-    return 0
+
+    def serve() -> bool:
+        serve_zmq(endpoints, model, max_batch=args.max_batch, options=options,
+                  curve_clients=allowed, limits=limits, metrics_port=args.metrics_port,
+                  metrics_host=args.metrics_host)
+        return True
+
+    return _until_stopped(serve)
+
+
+def _until_stopped(serve: Callable[[], bool]) -> int:
+    """Run ``serve`` (True once a ``shutdown`` reached all it serves) as a command.
+
+    SIGTERM unwinds like Ctrl-C, so the channels close and remove their socket
+    files (probe: plain ``serve`` left them after SIGTERM). Asked to stop is
+    exit 0, not a failure; a shutdown that did not reach every replica is 1;
+    an endpoint another process serves is one line and 1, not a traceback.
+    """
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return 0 if serve() else 1
+    except KeyboardInterrupt:
+        print("interrupted: stopping", file=sys.stderr)
+        return 0
+    except EndpointInUse as exc:
+        print(f"scheduler: {exc}", file=sys.stderr)
+        return 1
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
@@ -233,19 +256,20 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
     procs, specs = start_replicas(directory, args.dp, model, max_batch=args.max_batch,
                                   limits=limits)
     sup = supervise(procs, directory, model, max_batch=args.max_batch, limits=limits)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind like Ctrl-C
-    stopped = interrupted = False
+    reached = [False]  # a shutdown reached every replica: they exit by themselves
+
+    def serve() -> bool:
+        reached[0] = serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
+                                    policy=args.dp_policy, max_backlog=limits.max_backlog,
+                                    heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT)
+        return reached[0]
+
     try:
-        stopped = serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
-                                 policy=args.dp_policy, max_backlog=limits.max_backlog,
-                                 heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT)
-    except KeyboardInterrupt:  # asked to stop: not a failure
-        print("interrupted: stopping the replicas", file=sys.stderr)
-        interrupted = True
+        return _until_stopped(serve)
     finally:
         sup.stop()
         ranks = [p for r in procs for p in r]
-        if not stopped:  # no shutdown reached them: do not wait out a grace for nothing
+        if not reached[0]:  # no shutdown reached them: do not wait out a grace for nothing
             for proc in ranks:
                 proc.terminate()
         for proc in ranks:
@@ -254,7 +278,6 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
                 proc.kill()
                 proc.join()
         shutil.rmtree(directory, ignore_errors=True)
-    return 0 if stopped or interrupted else 1
 
 
 if __name__ == "__main__":

@@ -96,3 +96,26 @@ def test_serve_dp_stopped_with_sigterm_leaves_no_run_dir(tmp_path: Path) -> None
             serve.wait(30)
     wait_gone(pids)
     assert left_by(pids) == []
+
+
+def test_serve_stopped_with_sigterm_removes_its_socket_files(tmp_path: Path) -> None:
+    # Probe: plain serve (no --dp) had no SIGTERM handler, so DIR/rpc and DIR/work
+    # stayed; a second serve on its live directory, refused, printed a traceback.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "scheduler", "serve", "--endpoint", str(tmp_path / "ep")]
+    serve = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        with RpcClient(f"ipc://{tmp_path}/ep/rpc") as rpc:
+            assert rpc.call("get_load", timeout=120).success
+        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1, second.stderr
+        assert "Traceback" not in second.stderr and "ep/" in second.stderr, second.stderr
+        assert (tmp_path / "ep" / "rpc").exists()  # the refused one left the first's alone
+        serve.send_signal(signal.SIGTERM)
+        _, err = serve.communicate(timeout=60)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.communicate(timeout=30)
+    assert serve.returncode == 0 and "Traceback" not in err, err
+    assert sorted(p.name for p in (tmp_path / "ep").iterdir()) == []
