@@ -349,7 +349,10 @@ class AsyncEngine(EngineCore):
     # -- lifecycle --------------------------------------------------------------
 
     async def close(self, timeout: float = 30.0) -> None:
-        """Finish every accepted request with a terminal answer, then stop. Idempotent."""
+        """Finish every accepted request with a terminal answer, then stop. Idempotent.
+
+        ``timeout`` bounds the whole close: a scheduler process still running at
+        its end (hung, stopped) is killed."""
         if self.closed:
             return
         if self._watchdog is not None:

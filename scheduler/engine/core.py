@@ -233,6 +233,10 @@ class EngineCore:
         if self._closed:
             return
         self._closed = True
+        # One deadline for all of it: a scheduler that did not answer its shutdown in
+        # ``timeout`` is hung, not owed a second ``timeout`` to exit (probe: a stopped
+        # scheduler held a frontend's exit for twice its close timeout).
+        deadline = time.monotonic() + timeout
         supervisor = self._started.supervisor
         if supervisor is not None:  # restart nothing that is being shut down
             supervisor.stop()
@@ -242,8 +246,7 @@ class EngineCore:
             except Exception as exc:  # still tear down
                 log.warning("shutdown rpc failed: %s", exc)
         if self._thread is not None:
-            self._thread.join(timeout)
-        deadline = time.monotonic() + timeout
+            self._thread.join(max(0.1, deadline - time.monotonic()))
         killed = False
         essential = set(self._procs)
         for proc in self._started.all():

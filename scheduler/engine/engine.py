@@ -185,7 +185,10 @@ class Engine(EngineCore):
         return self._read_metrics(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish every accepted request with a terminal answer, then stop. Idempotent."""
+        """Finish every accepted request with a terminal answer, then stop. Idempotent.
+
+        ``timeout`` bounds the whole close: a scheduler process still running at
+        its end (hung, stopped) is killed."""
         self._shutdown(timeout, self._stop_reading)
 
     def __enter__(self) -> Self:

@@ -345,7 +345,9 @@ def test_a_hung_scheduler_holds_the_server_s_exit_seconds_not_a_minute() -> None
     try:
         t0 = time.monotonic()
         s.stop()
-        assert time.monotonic() - t0 < 20  # 5 s for the rpc, 5 for the processes, then killed
+        # ENGINE_CLOSE_S (5 s) for all of it, then killed: not 5 s more for the
+        # processes once the shutdown rpc went unanswered.
+        assert time.monotonic() - t0 < 9
     finally:
         wait_gone(pids, 10.0)
 
