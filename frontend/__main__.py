@@ -171,6 +171,14 @@ def _check_listen(host: str, port: int) -> None:
             trial.close()
 
 
+def base_url(host: str, port: int) -> str:
+    """The API's base URL as a client writes it: an IPv6 host in brackets; port 0 (any
+    free one) is not known until uvicorn binds, and its start-up line names it."""
+    where = f"[{host}]" if ":" in host else host
+    return f"http://{where}:{port}/v1" if port else \
+        f"http://{where}:<a free port, in uvicorn's line below>/v1"
+
+
 def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     """The app the arguments describe.
 
@@ -235,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
                              head_timeout=args.header_timeout, send_timeout=args.send_timeout)
     print(f"frontend: model {settings.model_name!r} ({app.tokenizer.name} tokenizer, "
-          f"{settings.mode} mode) on http://{args.host}:{args.port}/v1; scheduler rpc at "
+          f"{settings.mode} mode) on {base_url(args.host, args.port)}; scheduler rpc at "
           f"{settings.rpc_endpoint}", file=sys.stderr, flush=True)
     if args.http == "h11":
         log.warning("--http h11: uvicorn's h11 protocol bounds a request's head itself "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from frontend.__main__ import _check_listen, main, parse, settings_from
+from frontend.__main__ import _check_listen, base_url, main, parse, settings_from
 from scheduler import ModelConfig
 from tests.frontend.bpe import train_byte_level
 
@@ -28,6 +28,13 @@ def test_defaults_are_loopback_ring_byte_level(tmp_path: Path) -> None:
     assert settings.body_timeout == 30.0
     assert settings_from(parse(["--endpoint", str(tmp_path / "ep"), "--body-timeout",
                                 "2.5"]))[0].body_timeout == 2.5
+
+
+def test_the_start_up_line_names_a_url_a_client_can_use() -> None:
+    # Probe: --host ::1 printed http://::1:8000/v1, and --port 0 printed :0.
+    assert base_url("127.0.0.1", 8000) == "http://127.0.0.1:8000/v1"
+    assert base_url("::1", 8000) == "http://[::1]:8000/v1"
+    assert ":0/" not in base_url("127.0.0.1", 0) and "free port" in base_url("127.0.0.1", 0)
 
 
 def test_a_tokenizer_directory_sizes_the_model(tmp_path: Path) -> None:
