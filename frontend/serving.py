@@ -349,11 +349,12 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             """``send_timeout`` seconds with writing paused: a client that took anything
             meanwhile gets another period; one that read nothing has its connection
             aborted (what is buffered for it is dropped), and its handlers see it gone.
-            (Paused, nothing more is written: what is unread only shrinks as it reads.)"""
+            (Paused, nothing more is written: what is unread only shrinks as it reads.)
+            A transport already closing is no exception: its close waits for the client
+            to drain the buffer, for ever if it never reads (probe: ``connection:
+            close``, a keep-alive expiry or a half-close held 5 MB answers for ever)."""
             self._stall_timer = None
             transport: Any = self.transport
-            if transport.is_closing():
-                return
             if _unread(transport) < self._unread_then:  # it read: a slow client, not a gone one
                 self._arm_stall()
             else:
