@@ -348,11 +348,13 @@ class AsyncEngine(EngineCore):
 
     # -- lifecycle --------------------------------------------------------------
 
-    async def close(self, timeout: float = 30.0) -> None:
+    async def close(self, timeout: float | None = 30.0) -> None:
         """Finish every accepted request with a terminal answer, then stop. Idempotent.
 
-        ``timeout`` bounds the whole close: a scheduler process still running at
-        its end (hung, stopped) is killed."""
+        ``timeout`` bounds the whole close (``None``: as long as it takes): a
+        scheduler process still running at its end (hung, stopped) is killed. An
+        embedded (ring mode) scheduler is a thread, which cannot be: the close
+        waits for the step it is in."""
         if self.closed:
             return
         if self._watchdog is not None:

@@ -82,6 +82,11 @@ log = logging.getLogger("scheduler.engine")
 
 #: Seconds a data-parallel replica gets to exit after its dispatcher did.
 _REPLICA_GRACE = 2.0
+#: close(None) and close(inf): as long as it takes (11 days: a bound every join and
+#: wait takes, poll(2)'s milliseconds included).
+_FOREVER = 1e6
+#: The shutdown rpc's least wait, so that it is sent even by close(0).
+_SEND_AT_LEAST = 0.1
 _SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000  # waiting for room on the work channel
 
 
@@ -228,11 +233,15 @@ class EngineCore:
             raise RequestFailed(reply.rid, "metrics", reply.message)
         return text
 
-    def _shutdown(self, timeout: float, stop_reading: Callable[[], None]) -> None:
+    def _shutdown(self, timeout: float | None, stop_reading: Callable[[], None]) -> None:
         """Finish every accepted request with a terminal answer, then stop (once)."""
         if self._closed:
             return
         self._closed = True
+        # None or inf: wait as long as it takes; NaN or below 0: no wait (probe: inf and
+        # None raised here, after _closed was set: every request hung, processes stayed).
+        timeout = _FOREVER if timeout is None or timeout > _FOREVER else \
+            timeout if timeout > 0 else 0.0
         # One deadline for all of it: a scheduler that did not answer its shutdown in
         # ``timeout`` is hung, not owed a second ``timeout`` to exit (probe: a stopped
         # scheduler held a frontend's exit for twice its close timeout).
@@ -241,12 +250,21 @@ class EngineCore:
         if supervisor is not None:  # restart nothing that is being shut down
             supervisor.stop()
         if self._alive():
-            try:
-                self._rpc.call("shutdown", timeout=timeout, alive=self._alive)
+            try:  # sent whatever the timeout (a call with none left sends nothing)
+                self._rpc.call("shutdown", timeout=max(timeout, _SEND_AT_LEAST),
+                               alive=self._alive)
             except Exception as exc:  # still tear down
                 log.warning("shutdown rpc failed: %s", exc)
         if self._thread is not None:
+            # An embedded scheduler is a thread of ours: it cannot be killed, and its
+            # rings must outlive it, so it gets the step it is in (it has the shutdown)
+            # (probe: close(0) released the rings under a running thread; the process
+            # aborted at exit).
             self._thread.join(max(0.1, deadline - time.monotonic()))
+            if self._thread.is_alive():
+                log.warning("the embedded scheduler is still in a step after the close's "
+                            "%g s: waiting for it to end", timeout)
+                self._thread.join()
         killed = False
         essential = set(self._procs)
         for proc in self._started.all():

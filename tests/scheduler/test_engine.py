@@ -107,11 +107,16 @@ def test_abort_and_errors(engine: Engine) -> None:
     assert not reply.success and "unknown rpc method" in reply.message
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"]) -> None:
+# Probe: close(None) and close(inf) raised once the engine was marked closed (every
+# request hung, its processes stayed); close(0) in ring mode sent no shutdown and
+# released the rings under the running thread (the process aborted at exit).
+@pytest.mark.parametrize(("mode", "timeout"), [("ring", 30.0), ("zmq", 30.0), ("ring", 0.0),
+                                               ("ring", float("inf")), ("zmq", None)])
+def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"],
+                                              timeout: float | None) -> None:
     engine = Engine(mode, SMALL, max_batch=2)
     handles = [engine.submit([1], SamplingParams(max_new_tokens=100_000)) for _ in range(5)]
-    engine.close()
+    engine.close(timeout)
     engine.close()  # idempotent
     for h in handles:
         with pytest.raises((RequestFailed, EngineClosed)) as info:
