@@ -94,7 +94,7 @@ def _upstream(parser: argparse.ArgumentParser, args: argparse.Namespace
     out_server = CurveKeys.public_of(args.curve_out_server) if args.curve_out_server else None
     options = SocketOptions(hwm=args.hwm, allow_remote=args.allow_remote, curve_keys=keys,
                             curve_server_public=out_server)
-    print(f"serving: work={endpoints.work} rpc={endpoints.rpc} out={endpoints.out}"
+    print(f"starting on: work={endpoints.work} rpc={endpoints.rpc} out={endpoints.out}"
           f"{' (CURVE)' if keys else ''}", file=sys.stderr)
     return endpoints, options, allowed
 
@@ -216,15 +216,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _until_stopped(serve)
 
 
+def _stop_once(signum: int, frame: object) -> None:
+    """The first SIGINT or SIGTERM stops: it unwinds as Ctrl-C does. Those after it are
+    ignored, so the clean-up they would cut (bounded: sockets, then replicas' exits)
+    finishes (probe: a second signal gave a traceback from the clean-up, or status -15)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # (not SIG_IGN: that one raises
+        signal.signal(sig, _stopping)  # "ignored due to race condition" when pending)
+    raise KeyboardInterrupt
+
+
+def _stopping(signum: int, frame: object) -> None:
+    """A signal once stopping: nothing to do, the stop is under way."""
+
+
 def _until_stopped(serve: Callable[[], bool]) -> int:
     """Run ``serve`` (True once a ``shutdown`` reached all it serves) as a command.
 
     SIGTERM unwinds like Ctrl-C, so the channels close and remove their socket
-    files (probe: plain ``serve`` left them after SIGTERM). Asked to stop is
+    files (probe: plain ``serve`` left them after SIGTERM); a second signal is
+    ignored (:func:`_stop_once`). Asked to stop is
     exit 0, not a failure; a shutdown that did not reach every replica is 1;
     an endpoint another process serves is one line and 1, not a traceback.
     """
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop_once)
     try:
         return 0 if serve() else 1
     except KeyboardInterrupt:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import pytest
 import zmq
 
 from bus import CurveKeys, RpcClient, RpcTimeout, SocketOptions
-from scheduler.__main__ import main
+from scheduler.__main__ import _until_stopped, main
 
 
 def test_demo_runs_and_prints_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,3 +87,25 @@ def test_serve_refuses_a_directory_too_deep_for_its_sockets_in_one_line(
     assert info.value.code == 2
     assert "/work': its path is 108 bytes, more than the 107" in capsys.readouterr().err
     assert not deep.exists()
+
+
+def test_a_second_signal_does_not_cut_the_clean_up() -> None:
+    # Probe: a second SIGTERM or SIGINT while serve unwound from the first raised in its
+    # clean-up (a traceback from the channels' close, or status -15).
+    cleaned: list[bool] = []
+
+    def serve() -> bool:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before kill returns to here
+            raise AssertionError("SIGTERM did not stop serve")
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # during the clean-up
+            cleaned.append(True)
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert _until_stopped(serve) == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert cleaned == [True]

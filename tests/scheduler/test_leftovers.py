@@ -112,6 +112,7 @@ def test_serve_stopped_with_sigterm_removes_its_socket_files(tmp_path: Path) -> 
         assert "Traceback" not in second.stderr and "ep/" in second.stderr, second.stderr
         assert (tmp_path / "ep" / "rpc").exists()  # the refused one left the first's alone
         serve.send_signal(signal.SIGTERM)
+        serve.send_signal(signal.SIGINT)  # a second signal does not cut the clean-up
         _, err = serve.communicate(timeout=60)
     finally:
         if serve.poll() is None:
