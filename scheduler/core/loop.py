@@ -193,6 +193,10 @@ class Scheduler(ControlMethods):
                     # Outputs waiting for a consumer are retried every few ms;
                     # otherwise park until any inbox wakes us.
                     self.receiver.wait(0.005 if self.router.backlog else self.idle_timeout)
+        except KeyboardInterrupt:  # stopped by a signal (serve's SIGTERM, Ctrl-C): a
+            self.finish_all("shutdown", "the scheduler was stopped before the request "
+                                        "finished")  # shutdown, not a failure
+            raise
         except BaseException as exc:
             # Still answer everyone, saying why, before the error propagates.
             self.finish_all("internal", f"the scheduler failed: {type(exc).__name__}: {exc}")

@@ -46,7 +46,6 @@ from bus import (
 )
 from bus.channels import Inbox
 from messages import (
-    AbortReq,
     ErrorCode,
     ErrorOut,
     Message,
@@ -125,13 +124,13 @@ class Dispatcher:
         self.heartbeat_timeout = heartbeat_timeout
         self.join_timeout = join_timeout
         self.max_backlog = max_backlog
+        self.logs = DispatcherLogs()
         self.router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
                                        max_backlog=max_backlog)
-        self.router.on_overflow = functools.partial(
-            collapse, abort=self._abort_stuck, dropped_rpc=self._dropped_rpc)
+        self.router.on_overflow = functools.partial(collapse, abort=self._abort_stuck,
+                                                    dropped_rpc=self.logs.dropped_reply)
         self.clock = clock
         self.awake = AwakeClock(clock, max_gap=max(0.25, heartbeat_interval))
-        self.logs = DispatcherLogs()
         #: Whether the last ``shutdown`` reached every replica (``None``: none yet).
         self.shutdown_ok: bool | None = None
         self._upstream: list[Inbox[Request]] = [work, rpc]
@@ -163,11 +162,15 @@ class Dispatcher:
             if not self.step():
                 self.receiver.wait(self.TICK)
         self.serve_upstream()
-        while not self._done():
-            with self.router.batching():  # what one step forwards leaves as one burst
-                took = self.step()
-            if not took:
-                self.receiver.wait(max(0.0, self._next_tick - self.clock()))
+        try:
+            while not self._done():
+                with self.router.batching():  # what one step forwards leaves as one burst
+                    took = self.step()
+                if not took:
+                    self.receiver.wait(max(0.0, self._next_tick - self.clock()))
+        except KeyboardInterrupt:  # (probe: clients of a SIGTERMed dispatch got no answer,
+            self._finish(abort=True)  # and the replicas went on generating for them)
+            raise
         self._finish()
         return bool(self.shutdown_ok)
 
@@ -474,13 +477,7 @@ class Dispatcher:
     def _abort_stuck(self, rid: str) -> None:
         entry = self.ledger.finish(rid)
         if entry is not None:
-            try:
-                self.replicas[entry.replica].work.send_nowait(AbortReq(rid=rid))
-            except ChannelError:
-                pass  # the replica's own backlog will end it
-
-    def _dropped_rpc(self, reply: RpcReqOutput) -> None:
-        self.logs.dropped_rpc.add("rpc", f"rid {reply.rid!r}")
+            self.replicas[entry.replica].abort(rid)
 
     # -- stopping ---------------------------------------------------------------
 
@@ -489,9 +486,12 @@ class Dispatcher:
             return False
         return not len(self.ledger) or self.clock() >= self._stop_deadline
 
-    def _finish(self) -> None:
+    def _finish(self, abort: bool = False) -> None:
+        """Answer what is still in flight; ``abort``: stop it at its replica too."""
         for rep in self.replicas:
             for entry in self.ledger.lose(rep.index):
+                if abort:
+                    rep.abort(entry.rid)
                 self._error(entry.rid, _WORK, "shutdown",
                             f"the dispatcher stopped before request {entry.rid!r} finished")
         deadline = time.monotonic() + 1.0

@@ -184,6 +184,11 @@ class Replica:
             self.out.close()
         self.rpc.close()
 
+    def abort(self, rid: str) -> None:
+        """Ask it to abort ``rid`` (its work channel full or gone: its own backlog ends it)."""
+        with contextlib.suppress(ChannelError):
+            self.work.send_nowait(AbortReq(rid=rid))
+
     def close(self, linger: bool = True) -> None:
         """Close its channels and pidfds. Idempotent."""
         self._close_channels(linger)

@@ -45,6 +45,10 @@ class DispatcherLogs:
         self.dropped_rpc = LogSummary(log, "rpc replies dropped: their caller is not reading",
                                       interval=interval)
 
+    def dropped_reply(self, reply: RpcReqOutput) -> None:
+        """Count ``reply``, dropped: its caller does not read."""
+        self.dropped_rpc.add("rpc", f"rid {reply.rid!r}")
+
     def flush(self) -> None:
         """Log whatever was counted since the last summaries."""
         for s in (self.rejected, self.duplicate, self.hello, self.dropped_rpc):

@@ -30,6 +30,7 @@ from messages import (
 )
 from scheduler import Engine, ModelConfig, RequestFailed
 from tests import procs
+from tests.conftest import eventually
 
 # -- the dispatch table ---------------------------------------------------------
 
@@ -135,11 +136,34 @@ def test_dispatch_over_running_replicas_a_second_dispatcher_refused_and_a_restar
             replicas[1] = _serve(dirs[1])  # restarted: rejoins, no dispatcher restart
             back = load(True, time.monotonic() + 60)
             assert back.success, back.message
-            assert rpc.call("shutdown", timeout=30).success
-        front.wait(30)
+        # Stopped with SIGTERM mid-stream: its client gets a terminal answer, and the
+        # replica stops generating (probe: no answer; the replicas went on ~20 s).
+        out, work, rpc = _raw_client(dirs[2])
+        with out, work, rpc, RpcClient(f"ipc://{dirs[0]}/rpc") as rpc0:
+            assert _load(rpc).success
+            work.send(TokenizedGenerateReqInput(rid="t0", input_ids=token_ids([1, 2]), dp_rank=0,
+                                                sampling=SamplingParams(max_new_tokens=100_000),
+                                                stream=True))
+            seen: dict[str, list[Output]] = {}
+            _collect(out, lambda s: "t0" in s, seen)
+            front.send_signal(signal.SIGTERM)
+            _collect(out, lambda s: _ended_with(s, "t0") is not None, seen)
+            end = _ended_with(seen, "t0")
+            assert isinstance(end, ErrorOut) and end.code == "shutdown", end
+            assert front.wait(30) == 0
+            eventually(lambda: _running(rpc0) == 0, 10.0, "replica a to abort it")
     finally:
         for p in (*replicas, front):
             _stop(p)
+
+
+def _load(rpc: RpcClient) -> RpcReqOutput:
+    return rpc.call("get_load", timeout=60)
+
+
+def _running(rpc: RpcClient) -> object:
+    result = _load(rpc).result
+    return None if result is None else result["running"]
 
 
 def _raw_client(directory: Path) -> tuple[PullInbox[Output], PushOutbox[Request], RpcClient]:

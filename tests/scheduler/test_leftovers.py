@@ -11,9 +11,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from bus import RpcClient
+from bus import Envelope, PullInbox, PushOutbox, RpcClient
+from messages import (
+    Codec,
+    ErrorOut,
+    Output,
+    Request,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    token_ids,
+)
 from scheduler.launch.leftovers import make_run_dir, sweep_run_dirs
 from tests.procs import children, left_by, wait_gone
 
@@ -111,8 +121,16 @@ def test_serve_stopped_with_sigterm_removes_its_socket_files(tmp_path: Path) -> 
         assert second.returncode == 1, second.stderr
         assert "Traceback" not in second.stderr and "ep/" in second.stderr, second.stderr
         assert (tmp_path / "ep" / "rpc").exists()  # the refused one left the first's alone
-        serve.send_signal(signal.SIGTERM)
-        serve.send_signal(signal.SIGINT)  # a second signal does not cut the clean-up
+        with PullInbox(Codec(Output), f"ipc://{tmp_path}/ep/out") as out, \
+                PushOutbox(Codec(Request), f"ipc://{tmp_path}/ep/work") as work:
+            work.send(TokenizedGenerateReqInput(rid="r", input_ids=token_ids([1]), stream=True,
+                                                sampling=SamplingParams(max_new_tokens=10**5)))
+            assert out.socket.poll(60_000)  # it runs
+            serve.send_signal(signal.SIGTERM)
+            serve.send_signal(signal.SIGINT)  # a second signal does not cut the clean-up
+            # Its request ends as a shutdown, not as the scheduler's failure ("internal").
+            end = _error_for(out, "r")
+            assert end.code == "shutdown", end
         _, err = serve.communicate(timeout=60)
     finally:
         if serve.poll() is None:
@@ -120,3 +138,14 @@ def test_serve_stopped_with_sigterm_removes_its_socket_files(tmp_path: Path) -> 
             serve.communicate(timeout=30)
     assert serve.returncode == 0 and "Traceback" not in err, err
     assert sorted(p.name for p in (tmp_path / "ep").iterdir()) == []
+
+
+def _error_for(out: PullInbox[Output], rid: str) -> ErrorOut:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if out.socket.poll(100):
+            for env in out.drain(256):
+                assert isinstance(env, Envelope), env
+                if isinstance(env.message, ErrorOut) and env.message.rid == rid:
+                    return env.message
+    raise AssertionError(f"no ErrorOut for {rid!r}")
