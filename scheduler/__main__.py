@@ -234,9 +234,9 @@ def _until_stopped(serve: Callable[[], bool]) -> int:
 
     SIGTERM unwinds like Ctrl-C, so the channels close and remove their socket
     files (probe: plain ``serve`` left them after SIGTERM); a second signal is
-    ignored (:func:`_stop_once`). Asked to stop is
-    exit 0, not a failure; a shutdown that did not reach every replica is 1;
-    an endpoint another process serves is one line and 1, not a traceback.
+    ignored (:func:`_stop_once`). Asked to stop is exit 0, not a failure; a
+    shutdown that did not reach every replica is 1; an endpoint another
+    process serves is one line and 1, not a traceback.
     """
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop_once)
