@@ -229,6 +229,19 @@ def _stopping(signum: int, frame: object) -> None:
     """A signal once stopping: nothing to do, the stop is under way."""
 
 
+def _ignore_signals() -> None:
+    """SIGINT and SIGTERM ignored by the kernel from now on: the interpreter's exit puts a
+    Python handler back to the default, which a late second signal then meets
+    (second probe: status -15 or -2, 20-300 ms after the first)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        for _ in range(3):  # one pending raises "race condition": handled, then again
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+                break
+            except OSError:
+                continue
+
+
 def _until_stopped(serve: Callable[[], bool]) -> int:
     """Run ``serve`` (True once a ``shutdown`` reached all it serves) as a command.
 
@@ -243,6 +256,7 @@ def _until_stopped(serve: Callable[[], bool]) -> int:
     try:
         return 0 if serve() else 1
     except KeyboardInterrupt:
+        _ignore_signals()
         print("interrupted: stopping", file=sys.stderr)
         return 0
     except EndpointInUse as exc:
