@@ -237,11 +237,12 @@ class EngineCore:
         """Finish every accepted request with a terminal answer, then stop (once)."""
         if self._closed:
             return
-        self._closed = True
         # None or inf: wait as long as it takes; NaN or below 0: no wait (probe: inf and
-        # None raised here, after _closed was set: every request hung, processes stayed).
+        # None raised below, after _closed was set: every request hung, processes stayed).
+        # A timeout that is no number raises here, before anything is closed.
         timeout = _FOREVER if timeout is None or timeout > _FOREVER else \
             timeout if timeout > 0 else 0.0
+        self._closed = True
         # One deadline for all of it: a scheduler that did not answer its shutdown in
         # ``timeout`` is hung, not owed a second ``timeout`` to exit (probe: a stopped
         # scheduler held a frontend's exit for twice its close timeout).

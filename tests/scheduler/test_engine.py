@@ -116,6 +116,9 @@ def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"],
                                               timeout: float | None) -> None:
     engine = Engine(mode, SMALL, max_batch=2)
     handles = [engine.submit([1], SamplingParams(max_new_tokens=100_000)) for _ in range(5)]
+    with pytest.raises(TypeError):  # no number: refused before anything is closed
+        engine.close("5")  # type: ignore[arg-type]
+    assert not engine.closed
     engine.close(timeout)
     engine.close()  # idempotent
     for h in handles:
