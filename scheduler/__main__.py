@@ -234,7 +234,7 @@ def _ignore_signals() -> None:
     Python handler back to the default, which a late second signal then meets
     (second probe: status -15 or -2, 20-300 ms after the first)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
-        for _ in range(3):  # one pending raises "race condition": handled, then again
+        for _ in range(10):  # one pending raises "race condition": handled, then again
             try:
                 signal.signal(sig, signal.SIG_IGN)
                 break

@@ -52,7 +52,7 @@ from messages import (
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest, chunks, steps
-from scheduler.engine.core import EngineCore
+from scheduler.engine.core import EngineCore, close_timeout
 from scheduler.engine.handles import GenerateResult, StreamChunk
 from scheduler.engine.pending import Forgotten, Pending
 from scheduler.errors import EngineClosed, EngineError, Overloaded, RequestFailed
@@ -355,6 +355,7 @@ class AsyncEngine(EngineCore):
         scheduler process still running at its end (hung, stopped) is killed. An
         embedded (ring mode) scheduler is a thread, which cannot be: the close
         waits for the step it is in."""
+        seconds = close_timeout(timeout)  # (refused before anything is stopped)
         if self.closed:
             return
         if self._watchdog is not None:
@@ -363,7 +364,7 @@ class AsyncEngine(EngineCore):
         loop = asyncio.get_running_loop()
         # The shutdown rpc and joins block: run them off the loop, which keeps
         # delivering the terminal answers meanwhile.
-        await loop.run_in_executor(None, self._shutdown, timeout,
+        await loop.run_in_executor(None, self._shutdown, seconds,
                                    functools.partial(self._stop_reading, loop))
         self._unseen_log.flush()  # the last ones counted, not left unsaid
 

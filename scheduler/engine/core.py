@@ -73,7 +73,7 @@ from scheduler.launch.wiring import Endpoints, serve_ring
 from scheduler.models.loading import HFModelSpec, ModelArg, load_model, model_spec
 from scheduler.models.protocol import Model
 
-__all__ = ["EngineCore", "Item", "Pending"]
+__all__ = ["EngineCore", "Item", "Pending", "close_timeout"]
 
 R = TypeVar("R", bound=Request)
 P = TypeVar("P", bound="Pending")
@@ -88,6 +88,15 @@ _FOREVER = 1e6
 #: The shutdown rpc's least wait, so that it is sent even by close(0).
 _SEND_AT_LEAST = 0.1
 _SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000  # waiting for room on the work channel
+
+
+def close_timeout(timeout: float | None) -> float:
+    """``close``'s ``timeout`` as seconds every wait takes: None or inf, as long as it
+    takes; NaN or below 0, none. A timeout that is no number raises TypeError here,
+    before anything is closed (probe: inf, None and "5" raised once the engine was
+    marked closed: every request hung, the processes stayed)."""
+    return _FOREVER if timeout is None or timeout > _FOREVER else \
+        timeout if timeout > 0 else 0.0
 
 
 class EngineCore:
@@ -233,15 +242,11 @@ class EngineCore:
             raise RequestFailed(reply.rid, "metrics", reply.message)
         return text
 
-    def _shutdown(self, timeout: float | None, stop_reading: Callable[[], None]) -> None:
-        """Finish every accepted request with a terminal answer, then stop (once)."""
+    def _shutdown(self, timeout: float, stop_reading: Callable[[], None]) -> None:
+        """Finish every accepted request with a terminal answer, then stop (once);
+        ``timeout`` as :func:`close_timeout` gives it."""
         if self._closed:
             return
-        # None or inf: wait as long as it takes; NaN or below 0: no wait (probe: inf and
-        # None raised below, after _closed was set: every request hung, processes stayed).
-        # A timeout that is no number raises here, before anything is closed.
-        timeout = _FOREVER if timeout is None or timeout > _FOREVER else \
-            timeout if timeout > 0 else 0.0
         self._closed = True
         # One deadline for all of it: a scheduler that did not answer its shutdown in
         # ``timeout`` is hung, not owed a second ``timeout`` to exit (probe: a stopped

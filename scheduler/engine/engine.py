@@ -26,7 +26,7 @@ import numpy.typing as npt
 from messages import RpcReqOutput, SamplingParams, Scalar
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine.core import EngineCore
+from scheduler.engine.core import EngineCore, close_timeout
 from scheduler.engine.handles import GenerateResult, RequestHandle, StreamChunk
 from scheduler.models.loading import ModelArg
 
@@ -191,7 +191,7 @@ class Engine(EngineCore):
         scheduler process still running at its end (hung, stopped) is killed. An
         embedded (ring mode) scheduler is a thread, which cannot be: the close
         waits for the step it is in."""
-        self._shutdown(timeout, self._stop_reading)
+        self._shutdown(close_timeout(timeout), self._stop_reading)
 
     def __enter__(self) -> Self:
         return self

@@ -392,3 +392,20 @@ def test_a_delivered_chunk_is_not_tracked_by_the_collector() -> None:
     gc.collect()  # a tuple of numbers is untracked by the first collection that sees it
     assert not gc.is_tracked(chunk) and not gc.is_tracked(chunk.token_ids)
     assert not gc.is_tracked(chunk.logprobs)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_close_timeout_that_is_no_number_stops_nothing() -> None:
+    # Second probe: close("5") got as far as cancelling the watchdog (Engine: as far as
+    # marking itself closed) before the timeout was refused.
+    engine = AsyncEngine("zmq", SMALL)  # (its watchdog: the scheduler's process)
+    try:
+        await engine.start()
+        with pytest.raises(TypeError):
+            await engine.close("5")  # type: ignore[arg-type]
+        assert not engine.closed
+        assert engine._watchdog is not None and not engine._watchdog.cancelling()
+        out = await engine.generate([1], SamplingParams(max_new_tokens=2))
+        assert len(out.token_ids) == 2
+    finally:
+        await engine.close()
