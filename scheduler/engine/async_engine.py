@@ -52,9 +52,10 @@ from messages import (
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest, chunks, steps
-from scheduler.engine.core import EngineCore, close_timeout
+from scheduler.engine.core import EngineCore
 from scheduler.engine.handles import GenerateResult, StreamChunk
 from scheduler.engine.pending import Forgotten, Pending
+from scheduler.engine.stopping import close_timeout
 from scheduler.errors import EngineClosed, EngineError, Overloaded, RequestFailed
 from scheduler.models.loading import ModelArg
 

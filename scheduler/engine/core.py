@@ -57,6 +57,7 @@ from scheduler.core.metrics import metrics_text
 from scheduler.dp import Policy
 from scheduler.engine.pending import Forgotten, Item, Pending, PendingTable
 from scheduler.engine.sending import send_waiting
+from scheduler.engine.stopping import SEND_AT_LEAST, stop_processes, stop_thread
 from scheduler.errors import (
     EngineClosed,
     EngineError,
@@ -73,30 +74,14 @@ from scheduler.launch.wiring import Endpoints, serve_ring
 from scheduler.models.loading import HFModelSpec, ModelArg, load_model, model_spec
 from scheduler.models.protocol import Model
 
-__all__ = ["EngineCore", "Item", "Pending", "close_timeout"]
+__all__ = ["EngineCore", "Item", "Pending"]
 
 R = TypeVar("R", bound=Request)
 P = TypeVar("P", bound="Pending")
 
 log = logging.getLogger("scheduler.engine")
 
-#: Seconds a data-parallel replica gets to exit after its dispatcher did.
-_REPLICA_GRACE = 2.0
-#: close(None) and close(inf): as long as it takes (11 days: a bound every join and
-#: wait takes, poll(2)'s milliseconds included).
-_FOREVER = 1e6
-#: The shutdown rpc's least wait, so that it is sent even by close(0).
-_SEND_AT_LEAST = 0.1
 _SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000  # waiting for room on the work channel
-
-
-def close_timeout(timeout: float | None) -> float:
-    """``close``'s ``timeout`` as seconds every wait takes: None or inf, as long as it
-    takes; NaN or below 0, none. A timeout that is no number raises TypeError here,
-    before anything is closed (probe: inf, None and "5" raised once the engine was
-    marked closed: every request hung, the processes stayed)."""
-    return _FOREVER if timeout is None or timeout > _FOREVER else \
-        timeout if timeout > 0 else 0.0
 
 
 class EngineCore:
@@ -244,47 +229,24 @@ class EngineCore:
 
     def _shutdown(self, timeout: float, stop_reading: Callable[[], None]) -> None:
         """Finish every accepted request with a terminal answer, then stop (once);
-        ``timeout`` as :func:`close_timeout` gives it."""
+        ``timeout`` as :func:`~scheduler.engine.stopping.close_timeout` gives it."""
         if self._closed:
             return
         self._closed = True
-        # One deadline for all of it: a scheduler that did not answer its shutdown in
-        # ``timeout`` is hung, not owed a second ``timeout`` to exit (probe: a stopped
-        # scheduler held a frontend's exit for twice its close timeout).
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout  # one for all of it (scheduler.engine.stopping)
         supervisor = self._started.supervisor
         if supervisor is not None:  # restart nothing that is being shut down
             supervisor.stop()
         if self._alive():
             try:  # sent whatever the timeout (a call with none left sends nothing)
-                self._rpc.call("shutdown", timeout=max(timeout, _SEND_AT_LEAST),
+                self._rpc.call("shutdown", timeout=max(timeout, SEND_AT_LEAST),
                                alive=self._alive)
             except Exception as exc:  # still tear down
                 log.warning("shutdown rpc failed: %s", exc)
         if self._thread is not None:
-            # An embedded scheduler is a thread of ours: it cannot be killed, and its
-            # rings must outlive it, so it gets the step it is in (it has the shutdown)
-            # (probe: close(0) released the rings under a running thread; the process
-            # aborted at exit).
-            self._thread.join(max(0.1, deadline - time.monotonic()))
-            if self._thread.is_alive():
-                log.warning("the embedded scheduler is still in a step after the close's "
-                            "%g s: waiting for it to end", timeout)
-                self._thread.join()
-        killed = False
-        essential = set(self._procs)
-        for proc in self._started.all():
-            if self._gone is not None:  # a rank died: the others may wait on it forever
-                proc.kill()
-                killed = True
-            # A replica the dispatcher could not shut down (lost, stopped) gets a
-            # short grace once the dispatcher is gone, not the whole timeout.
-            left = deadline - time.monotonic()
-            proc.join(max(0.1, left if proc in essential else min(left, _REPLICA_GRACE)))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-                killed = True
+            stop_thread(self._thread, deadline)
+        killed = stop_processes(self._started.all(), set(self._procs), deadline,
+                                kill_now=self._gone is not None)
         if killed:  # a killed process left its shared-memory segments: unlink them now
             sweep_shm()
         stop_reading()

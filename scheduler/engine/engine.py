@@ -26,8 +26,9 @@ import numpy.typing as npt
 from messages import RpcReqOutput, SamplingParams, Scalar
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine.core import EngineCore, close_timeout
+from scheduler.engine.core import EngineCore
 from scheduler.engine.handles import GenerateResult, RequestHandle, StreamChunk
+from scheduler.engine.stopping import close_timeout
 from scheduler.models.loading import ModelArg
 
 __all__ = ["Engine", "GenerateResult", "RequestHandle", "StreamChunk"]
