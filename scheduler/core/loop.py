@@ -42,7 +42,7 @@ from scheduler.core.backpressure import InboxThrottle, collapse
 from scheduler.core.batch import Batch, Seq, StepFailed
 from scheduler.core.control import ControlMethods
 from scheduler.core.metrics import SchedulerMetrics, registry_for
-from scheduler.core.outputs import embedding_outputs, token_outputs
+from scheduler.core.outputs import embedding_outputs, stopped_by, token_outputs
 from scheduler.core.rpc_methods import RpcMethods
 from scheduler.models.protocol import Model
 
@@ -193,13 +193,9 @@ class Scheduler(ControlMethods):
                     # Outputs waiting for a consumer are retried every few ms;
                     # otherwise park until any inbox wakes us.
                     self.receiver.wait(0.005 if self.router.backlog else self.idle_timeout)
-        except KeyboardInterrupt:  # stopped by a signal (serve's SIGTERM, Ctrl-C): a
-            self.finish_all("shutdown", "the scheduler was stopped before the request "
-                                        "finished")  # shutdown, not a failure
-            raise
         except BaseException as exc:
             # Still answer everyone, saying why, before the error propagates.
-            self.finish_all("internal", f"the scheduler failed: {type(exc).__name__}: {exc}")
+            self.finish_all(*stopped_by(exc, "scheduler"))
             raise
         self.finish_all("shutdown")
 

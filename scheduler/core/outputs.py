@@ -1,4 +1,5 @@
-"""The outputs of one step: requests in flight turned into columnar batches, one per origin."""
+"""The outputs of one step: requests in flight turned into columnar batches, one per origin;
+and the terminal answer everything in flight gets when a loop stops on an exception."""
 
 from __future__ import annotations
 
@@ -6,10 +7,27 @@ import numpy as np
 import torch
 
 from bus import Origin
-from messages import BatchEmbeddingOut, BatchTokenIDOut, FinishReason, packed_u32, token_ids
+from messages import (
+    BatchEmbeddingOut,
+    BatchTokenIDOut,
+    ErrorCode,
+    FinishReason,
+    packed_u32,
+    token_ids,
+)
 from scheduler.core.batch import Seq
 
-__all__ = ["embedding_outputs", "token_outputs"]
+__all__ = ["embedding_outputs", "stopped_by", "token_outputs"]
+
+
+def stopped_by(exc: BaseException, who: str) -> tuple[ErrorCode, str]:
+    """The code and message that answer what ``who`` (a scheduler, a dispatcher) had in
+    flight when ``exc`` ended its loop: a signal (KeyboardInterrupt: serve's SIGTERM,
+    Ctrl-C) is a ``shutdown``, anything else its failure (probe: a stopped serve
+    answered ``internal``, a stopped dispatch nothing at all)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "shutdown", f"the {who} was stopped before the request finished"
+    return "internal", f"the {who} failed: {type(exc).__name__}: {exc}"
 
 
 def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:

@@ -59,6 +59,7 @@ from messages import (
 )
 from router import RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.backpressure import collapse
+from scheduler.core.outputs import stopped_by
 from scheduler.dp.fanout import CallerQueue, Fanout, merge_replies
 from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy, cost_of
 from scheduler.dp.liveness import AwakeClock
@@ -168,10 +169,10 @@ class Dispatcher:
                     took = self.step()
                 if not took:
                     self.receiver.wait(max(0.0, self._next_tick - self.clock()))
-        except KeyboardInterrupt:  # (probe: clients of a SIGTERMed dispatch got no answer,
-            self._finish(abort=True)  # and the replicas went on generating for them)
-            raise
-        self._finish()
+        except BaseException as exc:  # answered, and aborted at the replicas (probe: a
+            self._finish(*stopped_by(exc, "dispatcher"), abort=True)  # SIGTERMed dispatch's
+            raise  # clients got no answer, and its replicas went on generating for them)
+        self._finish("shutdown", "the dispatcher shut down before the request finished")
         return bool(self.shutdown_ok)
 
     def _ready(self, late: bool) -> bool:
@@ -475,8 +476,7 @@ class Dispatcher:
         self.receiver.add(rep.rpc)
 
     def _abort_stuck(self, rid: str) -> None:
-        entry = self.ledger.finish(rid)
-        if entry is not None:
+        if (entry := self.ledger.finish(rid)) is not None:
             self.replicas[entry.replica].abort(rid)
 
     # -- stopping ---------------------------------------------------------------
@@ -486,14 +486,13 @@ class Dispatcher:
             return False
         return not len(self.ledger) or self.clock() >= self._stop_deadline
 
-    def _finish(self, abort: bool = False) -> None:
+    def _finish(self, code: ErrorCode, msg: str, abort: bool = False) -> None:
         """Answer what is still in flight; ``abort``: stop it at its replica too."""
         for rep in self.replicas:
             for entry in self.ledger.lose(rep.index):
                 if abort:
                     rep.abort(entry.rid)
-                self._error(entry.rid, _WORK, "shutdown",
-                            f"the dispatcher stopped before request {entry.rid!r} finished")
+                self._error(entry.rid, _WORK, code, msg)
         deadline = time.monotonic() + 1.0
         while self.router.flush() and time.monotonic() < deadline:
             time.sleep(0.001)  # sleep-ok: pacing the last flush to a slow consumer

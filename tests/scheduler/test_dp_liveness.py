@@ -32,6 +32,7 @@ import pytest
 
 from bus import Envelope, PullInbox, PushOutbox, RpcCaller, RpcServer, SocketOptions, WouldBlock
 from messages import (
+    AbortReq,
     BatchTokenIDOut,
     Codec,
     ErrorOut,
@@ -416,3 +417,31 @@ def test_garbage_and_reused_rids_are_summarized_not_logged_each(
     raw.close(0)
     lines = [r for r in caplog.records if r.name == "scheduler.dp"]
     assert len(lines) <= 4, [r.getMessage()[:80] for r in lines]  # first + summary, per kind
+
+
+def test_a_dispatcher_that_fails_answers_and_aborts_what_it_had(rig: Rig) -> None:
+    # Probe: a SIGTERMed dispatch answered nothing in flight and left its replicas
+    # generating; any exception that ends the loop is the same case.
+    rids = rig.send(2)
+    rig.replica.take(2, wait_ms=5_000)
+
+    def fails() -> int:
+        raise RuntimeError("a bug")
+
+    rig.dispatcher.step = fails  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        rig.dispatcher.run()
+    answers: dict[str, ErrorOut] = {}
+    aborted: list[str] = []
+    deadline = time.monotonic() + 10
+    while (len(answers) < 2 or len(aborted) < 2) and time.monotonic() < deadline:
+        for env in rig.client_out.drain(64):
+            assert isinstance(env, Envelope) and isinstance(env.message, ErrorOut)
+            answers[env.message.rid] = env.message
+        if rig.replica.work.socket.poll(10):
+            for req in rig.replica.work.drain(64):
+                assert isinstance(req, Envelope) and isinstance(req.message, AbortReq)
+                aborted.append(req.message.rid)
+    assert sorted(answers) == sorted(aborted) == sorted(rids)
+    assert all(a.code == "internal" and "RuntimeError: a bug" in a.message
+               for a in answers.values())
