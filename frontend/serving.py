@@ -358,8 +358,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             if _unread(transport) < self._unread_then:  # it read: a slow client, not a gone one
                 self._arm_stall()
             else:
-                log.info("a client read nothing of its answer for %g s: its connection is "
-                         "reset and its request aborted", send_timeout)
+                log.info("client %s read nothing of its answer for %g s: its connection is "
+                         "reset and its request aborted", transport.get_extra_info("peername"),
+                         send_timeout)
                 _reset(transport)
 
         def connection_lost(self, exc: Exception | None) -> None:
