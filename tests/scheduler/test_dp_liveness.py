@@ -12,16 +12,17 @@ so what is in transit and when is decided here, not by the machine's load:
 * a replica truly silent while we run, or one that says it is idle while
   our requests get no answer and none of its outputs arrive, is lost.
 
-Then the same under load, end to end: ``Engine("zmq", dp_size=2)`` floods
-and nobody is declared lost.
+The same under load, end to end (a flood beside CPU hogs, counting the
+replicas declared lost), is ``dp_flood_false_losses`` in ``python -m
+benchmarks.soak``: on a machine's own timing the replicas catch up within
+a fraction of the heartbeat timeout, so only the controlled clock here can
+hold requests in a replica's socket for longer than the rules look.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -45,7 +46,7 @@ from messages import (
     TokenizedGenerateReqInput,
     token_ids,
 )
-from scheduler import Engine, ModelConfig, RequestFailed, SchedulerGone
+from scheduler import Engine, ModelConfig, SchedulerGone
 from scheduler.dp import Dispatcher, ReplicaSpec
 from scheduler.dp.liveness import AwakeClock, Health
 from scheduler.launch.wiring import Endpoints
@@ -312,33 +313,6 @@ def test_a_submit_blocked_on_a_full_channel_fails_promptly_when_the_scheduler_di
             t.join(30)
         assert time.monotonic() - killed < 3.0  # not the 10 s send timeout
         assert len(error) == 1 and isinstance(error[0], SchedulerGone), error
-
-
-# -- under load, end to end -----------------------------------------------------
-
-
-def test_a_flood_under_load_loses_no_healthy_replica() -> None:
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
-        # A generous start: the hogs and a busy host can make three interpreters slow.
-        with Engine("zmq", ModelConfig(kind="stub"), dp_size=2, start_timeout=300) as engine:
-            sp = SamplingParams(max_new_tokens=2)
-            failed: list[str] = []
-            for _ in range(1):
-                for h in engine.submit_many([[1 + n % 7, 2] for n in range(3000)], sp):
-                    try:
-                        h.result(120)
-                    except RequestFailed as exc:
-                        if exc.code != "overloaded":
-                            failed.append(str(exc))
-            load = engine.collective_rpc("get_load", timeout=120)
-            assert load.success, load.message
-            assert load.result is not None and load.result["dispatcher.lost"] == 0
-            assert failed == []
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
 
 
 def test_hello_through_a_dispatcher_with_its_replica_lost_is_accepted(
