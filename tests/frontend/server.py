@@ -78,6 +78,23 @@ class Server:
 
         return asyncio.run_coroutine_threadsafe(run(), loop).result(30)
 
+    def transport_of(self, client: socket.socket) -> asyncio.WriteTransport:
+        """The server's transport for ``client``'s connection (found among uvicorn's
+        open connections by the client's address, waiting for it to be accepted)."""
+        me = client.getsockname()
+        found: list[asyncio.WriteTransport] = []
+
+        def accepted() -> bool:
+            for protocol in list(self._server.server_state.connections):
+                transport = getattr(protocol, "transport", None)
+                if transport is not None and transport.get_extra_info("peername") == me:
+                    found.append(transport)
+                    return True
+            return False
+
+        eventually(accepted, 10.0, f"the server to accept {me}")
+        return found[0]
+
     def tasks(self, qualname: str) -> list[asyncio.Task[object]]:
         """The server's tasks running a coroutine of ``qualname`` (call on its loop)."""
         return [t for t in asyncio.all_tasks()

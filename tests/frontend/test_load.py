@@ -429,16 +429,38 @@ def test_a_stream_nobody_reads_is_aborted_after_the_send_timeout(tmp_path: Path)
 
 
 def test_a_slow_reader_is_not_taken_for_a_gone_one(tmp_path: Path) -> None:
-    # Second probe: steady readers at 6-34 KB/s were aborted as if they read nothing: the
-    # timer waited for the transport's buffer to drain, which moves only once the
-    # kernel's megabytes for the connection have.
-    with _small_reader(tmp_path, 1.0, {**LONG, "logprobs": 0}) as (_, rpc, slow):
+    # Steady readers at 6-34 KB/s were aborted as if they read nothing: the timer waited
+    # for the transport's buffer to drain, which moves only once the kernel's buffers
+    # for the connection have. Here the reader takes ~10 KB/s, so the transport's buffer
+    # (paused above its high mark, resumed at its low one) drains for seconds: writing
+    # must stay paused for several send timeouts, with the stream still running.
+    send_timeout = 1.0
+    with _small_reader(tmp_path, send_timeout, {**LONG, "logprobs": 0}) as (s, rpc, slow):
+        transport = s.transport_of(slow)
+        # The server's kernel buffer kept small (no autotuning), so writing pauses within
+        # a moment whatever the host's tcp_wmem: the pause is what is tested.
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                      4096)
+        low, high = transport.get_write_buffer_limits()
         got = 0
+        paused_since: float | None = None
+        paused_for = 0.0
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 12:  # past the point where writing pauses
-            got += len(slow.recv(4096))
+        while paused_for < 2.5 * send_timeout:  # paused past two stall timers
+            elapsed = time.monotonic() - t0
+            assert elapsed < 30, (f"writing was never paused for {2.5 * send_timeout} s "
+                                  f"(at most {paused_for:.1f} s; {got} B read)")
+            got += len(slow.recv(512))
             time.sleep(0.05)  # sleep-ok: the client's reading pace is what is tested
-            assert load(rpc)[0] == 1, f"cut after {time.monotonic() - t0:.1f} s, {got} B"
+            assert load(rpc)[0] == 1, (f"cut after {elapsed:.1f} s, {got} B read, writing "
+                                       f"paused for {paused_for:.1f} s")
+            size = transport.get_write_buffer_size()
+            if size > high or (paused_since is not None and size > low):  # paused
+                paused_since = paused_since or time.monotonic()
+                paused_for = time.monotonic() - paused_since
+            else:
+                paused_since = None
+        assert got > 0  # it read all along: slow, not gone
 
 
 def test_the_door_s_socket_file_is_removed_at_the_server_s_close(tmp_path: Path) -> None:
