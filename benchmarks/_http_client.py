@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
+import urllib.request
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
@@ -22,6 +24,82 @@ SHORT_STREAM_TOKENS = 32
 RPS_SECONDS = 1.5
 TTFT_SAMPLES = 100
 DISCONNECTS = 20
+
+
+# -- what the server spent, read around the load alone ------------------------------------------
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) of ``pid`` alone so far, from ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid``'s living descendants (the frontend's scheduler process)."""
+    total = 0.0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        total += sum(proc_cpu_s(c) + descendants_cpu_s(c) for c in children)
+    return total
+
+
+def loop_lag_counts(port: int) -> tuple[list[float], list[float]]:
+    """The server's ``tsb_http_loop_lag_seconds`` histogram: (bucket bounds, cumulative counts)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+    bounds, counts = [], []
+    for line in text.decode().splitlines():
+        if line.startswith("tsb_http_loop_lag_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            bounds.append(float("inf") if le == "+Inf" else float(le))
+            counts.append(float(line.rsplit(" ", 1)[1]))
+    return bounds, counts
+
+
+class ServerWindow:
+    """The server's CPU (its own process, its descendants) and loop-lag probes over
+    one window: opened right before the load starts, closed right after it ends,
+    so the client's start-up and the idle time between rounds are not in it."""
+
+    def __init__(self, pid: int | None, lag_port: int | None) -> None:
+        self.pid, self.lag_port = pid, lag_port
+        self.own = self.children = 0.0
+        self.lag: list[float] | None = None
+        self.bounds: list[float] | None = None
+
+    def __enter__(self) -> ServerWindow:
+        if self.lag_port is not None:
+            self.bounds, self.lag = loop_lag_counts(self.lag_port)
+        if self.pid is not None:
+            self.own, self.children = proc_cpu_s(self.pid), descendants_cpu_s(self.pid)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pid is not None:
+            self.own = proc_cpu_s(self.pid) - self.own
+            self.children = descendants_cpu_s(self.pid) - self.children
+        if self.lag_port is not None and self.lag is not None:
+            after = loop_lag_counts(self.lag_port)[1]
+            self.lag = [a - b for a, b in zip(after, self.lag, strict=True)]
+
+    def report(self) -> dict[str, object]:
+        return {"cpu_s": self.own, "children_cpu_s": self.children,
+                "lag_bounds": self.bounds, "lag_counts": self.lag}
+
+
+# -- the loads ------------------------------------------------------------------------------------
 
 
 def _post(path: str, body: dict[str, object]) -> bytes:
@@ -53,7 +131,8 @@ async def _response(reader: asyncio.StreamReader, on_event: Callable[[bytes], No
                 on_event(event)
 
 
-async def _rps(port: int, concurrency: int, seconds: float) -> float:
+async def _rps(port: int, concurrency: int, seconds: float) -> tuple[int, float]:
+    """(requests answered, seconds) of ``concurrency`` keep-alive clients for ``seconds``."""
     req = _post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1,
                                     "temperature": 0})
     done = 0
@@ -71,7 +150,7 @@ async def _rps(port: int, concurrency: int, seconds: float) -> float:
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+    return done, time.perf_counter() - t0
 
 
 def _stream_body(tokens: int) -> dict[str, object]:
@@ -109,8 +188,8 @@ class _StreamRead(asyncio.Protocol):
                 f"the server closed a stream early: {bytes(self.buf[-300:])!r}"))
 
 
-async def _streams(port: int, n: int, tokens: int) -> float:
-    """Tokens/s over ``n`` concurrent streams.
+async def _streams(port: int, n: int, tokens: int) -> tuple[int, float]:
+    """(tokens, seconds) of ``n`` concurrent streams.
 
     Each response is kept as it arrives (:class:`_StreamRead`) until the
     chunked body's last chunk, and only its last events are parsed (the usage
@@ -137,7 +216,7 @@ async def _streams(port: int, n: int, tokens: int) -> float:
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(n)))
-    return total / (time.perf_counter() - t0)
+    return total, time.perf_counter() - t0
 
 
 async def _ttft(port: int, samples: int) -> list[float]:
@@ -195,13 +274,21 @@ def _run(main: Coroutine[Any, Any, T]) -> T:
 
 
 def client(args: list[str]) -> None:
+    """``rps PORT [PID]``, ``streams PORT TOKENS [PID]``, ``ttft PORT``, ``disconnect PORT DIR``.
+
+    With a PID, ``rps`` and ``streams`` print a JSON object: the count done, the
+    seconds, and that server's CPU and loop-lag histogram over the load alone
+    (:class:`ServerWindow`; the lag where the server has the metric: ours).
+    """
     kind, port = args[0], int(args[1])
     result: object
-    if kind == "rps":
-        result = _run(_rps(port, CONCURRENCY, RPS_SECONDS))
-    elif kind == "streams":
-        result = _run(_streams(port, STREAMS, int(args[2]) if len(args) > 2
-                                    else STREAM_TOKENS))
+    if kind in ("rps", "streams"):
+        pid = int(args[-1]) if len(args) > (2 if kind == "rps" else 3) else None
+        lag_port = port if kind == "streams" and pid is not None else None
+        with ServerWindow(pid, lag_port) as window:
+            done, seconds = _run(_rps(port, CONCURRENCY, RPS_SECONDS) if kind == "rps"
+                                 else _streams(port, STREAMS, int(args[2])))
+        result = {"done": done, "seconds": seconds, **window.report()}
     elif kind == "ttft":
         result = _run(_ttft(port, TTFT_SAMPLES))
     else:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 
 def per_call_us(fn: Callable[[], object], *, repeats: int = 7, min_time: float = 0.05) -> float:
@@ -45,3 +46,19 @@ def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 3,
         for k, fn in fns.items():
             runs[k].append(per_call_us(fn, repeats=repeats, min_time=min_time))
     return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def print_checked(results: Mapping[str, object], keys: Collection[str], module: str) -> None:
+    """Print ``results`` as the last line's JSON object, then raise unless it has exactly
+    ``keys``: a benchmark's ``KEYS`` is its output schema, which the README's figures
+    are checked against without a run (the figures are printed either way).
+
+    Raises:
+        AssertionError: naming the keys printed but not declared, and declared but
+            not printed.
+    """
+    print(json.dumps(results))
+    extra, missing = set(results) - set(keys), set(keys) - set(results)
+    if extra or missing:
+        raise AssertionError(f"{module} prints keys not in its KEYS: {sorted(extra)}; "
+                             f"declares keys it does not print: {sorted(missing)}")

@@ -25,16 +25,29 @@ The last line is one JSON object, the stub model throughout:
   to its first chunk), concurrency 1, p50 of each.
 * ``loop_lag_ms_p99``: the server's event-loop lag while the 256 streams run,
   both lengths (its ``tsb_http_loop_lag_seconds`` histogram, a 20 ms probe:
-  the p99 is a bucket's bound).
-* ``cpu_ratio_vs_floor``: the floor's CPU time per request over the
-  frontend's (its scheduler process included), from ``/proc``: on a shared
-  box where other work takes the cores, what each request *costs* is
-  steadier than how many fit in a second. ``load_avg_1m`` says how shared,
-  and ``box_wake_cpu_us`` what a process pays in CPU to wake from a short
-  sleep here: the frontend and the scheduler each sleep about every other
-  request at concurrency 64 (the floor's loop never does), and at
-  concurrency 1 every request costs several wake-ups across the two
-  processes and libzmq's I/O threads.
+  the p99 is a bucket's bound), read by the load client right before and
+  right after each HTTP stream round: the loaded rounds only, not the idle
+  time between them nor the client's start-up.
+* CPU from ``/proc``, read by the load client around its load alone (on a
+  shared box where other work takes the cores, what each request *costs* is
+  steadier than how many fit in a second):
+  ``frontend_cpu_us_per_request`` is the door's process alone (``python -m
+  frontend``, every thread: HTTP, tokenizer, engine client, libzmq's I/O
+  threads) and ``floor_cpu_us_per_request`` the constant-answering uvicorn
+  floor, over the same 1-token concurrency-64 load, divided by the requests
+  answered; ``frontend_cpu_ratio_vs_floor`` is the first over the second.
+  ``scheduler_cpu_us_per_request`` is the door's child processes (the
+  scheduler, zmq mode, stub model) over the same load, and
+  ``cpu_ratio_vs_floor`` the floor's over the door's and its scheduler's
+  together. ``frontend_cpu_us_per_token`` and ``scheduler_cpu_us_per_token``
+  are the door's process and its scheduler over the 256 streams of 256
+  tokens, divided by the tokens streamed;
+  ``frontend_cpu_per_token_ratio_vs_scheduler`` is the first over the second.
+  ``load_avg_1m`` says how shared the box was, and ``box_wake_cpu_us`` what
+  a process pays in CPU to wake from a short sleep here: the frontend and
+  the scheduler each sleep about every other request at concurrency 64 (the
+  floor's loop never does), and at concurrency 1 every request costs several
+  wake-ups across the two processes and libzmq's I/O threads.
 * ``disconnect_to_free_ms_p99``: a stream is closed by its client after its
   first event; the time until ``get_load`` (through the server's rpc door)
   shows the slot free.
@@ -45,14 +58,14 @@ process (``python -m benchmarks.http client ...``): it shares no interpreter
 or GIL with the server, and it costs a fraction of what ``httpx`` does per
 request, so on a 2-core box it measures the server rather than itself. The
 stream client is a bare ``asyncio.Protocol`` on uvloop (each arriving piece
-is one append, nothing parsed until the answer's end): measured against the
-``StreamReader`` client it replaced, against one server in one run, 5.8 us
-of client CPU a token against 7.6 (start-up included), at the same rate.
+is one append, nothing parsed until the answer's end), cheaper per token
+than a ``StreamReader`` client at the same rate.
 ``stream_client_cpu_us_per_token`` prints its cost: the share of the box
 the HTTP side pays for a client that the in-process reference has not.
 Every client, and the ``AsyncEngine`` reference, runs on uvloop as the
-server does (the reference ran on the default loop until this round: a
-slower loop than a user would give it).
+server does (the default loop would be slower than a user would give it).
+Every server gets one uncounted round of the 1-token load first, and both
+stream paths (HTTP and the reference) one round of 32-token streams.
 """
 
 from __future__ import annotations
@@ -74,7 +87,6 @@ from typing import Any
 
 from benchmarks._http_client import (  # the load client: its own module
     MODEL,
-    RPS_SECONDS,
     SHORT_STREAM_TOKENS,
     STREAM_TOKENS,
     STREAMS,
@@ -82,8 +94,24 @@ from benchmarks._http_client import (  # the load client: its own module
     _run,
     client,
 )
+from benchmarks._timing import print_checked
 
 ROUNDS = 3
+#: Every key of the JSON object ``main`` prints (checked once printed), so a figure
+#: quoted elsewhere can be traced to this benchmark without running it.
+KEYS = frozenset({
+    "http_rps_ratio_vs_floor", "frontend_rps", "floor_rps", "floor_starlette_rps",
+    "frontend_cpu_ratio_vs_floor", "frontend_cpu_us_per_request", "floor_cpu_us_per_request",
+    "scheduler_cpu_us_per_request", "cpu_ratio_vs_floor", "floor_starlette_cpu_us_per_request",
+    "handler_only_rps", "handler_only_cpu_us_per_request", "stream_tokens_ratio_vs_async",
+    "http_stream_tokens_per_s", "stream_client_cpu_us_per_token", "frontend_cpu_us_per_token",
+    "scheduler_cpu_us_per_token", "frontend_cpu_per_token_ratio_vs_scheduler",
+    "async_stream_tokens_per_s", "stream_tokens_ratio_vs_async_32_tokens",
+    "http_stream_tokens_per_s_32_tokens", "async_stream_tokens_per_s_32_tokens",
+    "ttft_overhead_ms_p50", "http_ttft_ms_p50", "async_ttft_ms_p50", "loop_lag_ms_p99",
+    "disconnect_to_free_ms_p99", "disconnect_to_free_ms_p50", "bars", "load_avg_1m",
+    "box_wake_cpu_us", "client", "server",
+})
 _FLOOR_BODY = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0,
                           "model": MODEL, "choices": [{"index": 0, "text": "\u0000",
                                                        "finish_reason": "length",
@@ -202,28 +230,12 @@ def _children_cpu_s() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of ``pid`` and its descendants so far (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                total += sum(_cpu_s(int(c)) for c in f.read().split())
-    except OSError:
-        pass
-    return total
-
-
-async def _rps_round(port: int, pid: int) -> tuple[float, float]:
-    """(requests/s, server CPU microseconds per request) of one round."""
-    cpu0 = _cpu_s(pid)
-    rps = float(await _run_client("rps", port))  # type: ignore[arg-type]
-    cpu = _cpu_s(pid) - cpu0
-    return rps, cpu / (rps * RPS_SECONDS) * 1e6
+async def _load(kind: str, port: int, pid: int, *args: object) -> dict[str, Any]:
+    """One round of ``kind`` (``rps`` or ``streams``) from its own client process,
+    with the server's CPU and loop lag read over the load alone."""
+    got = await _run_client(kind, port, *args, pid)
+    assert isinstance(got, dict)
+    return got
 
 
 # -- the in-process reference (AsyncEngine, no HTTP) ---------------------------------------
@@ -289,21 +301,8 @@ def _start(cmd: list[str], port: int) -> subprocess.Popen[bytes]:
             time.sleep(0.1)  # sleep-ok: pacing of a start-up poll
 
 
-def _loop_lag_counts(port: int) -> tuple[list[float], list[float]]:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
-    bounds, counts = [], []
-    for line in text.decode().splitlines():
-        if line.startswith("tsb_http_loop_lag_seconds_bucket"):
-            le = line.split('le="')[1].split('"')[0]
-            bounds.append(float("inf") if le == "+Inf" else float(le))
-            counts.append(float(line.rsplit(" ", 1)[1]))
-    return bounds, counts
-
-
-def _p99_bound(bounds: list[float], before: list[float], after: list[float]) -> float:
-    delta = [a - b for a, b in zip(after, before, strict=True)]
+def _p99_bound(bounds: list[float], delta: list[float]) -> float:
+    """The first bucket bound under which 99% of the (cumulative) counts fall."""
     total = delta[-1]
     for bound, n in zip(bounds, delta, strict=True):
         if total and n >= 0.99 * total:
@@ -341,27 +340,29 @@ async def run() -> dict[str, object]:
         # process, its rounds alternating with the HTTP ones (the box's noise hits both).
         async with AsyncEngine("zmq", model, max_batch=STREAMS) as engine:
             gc.freeze()  # the reference runs as the server does (frontend.app)
-            await _run_client("rps", ports["frontend"])  # warm-up
-            rps: dict[str, list[tuple[float, float]]] = {k: [] for k in ports}
+            # Every server warmed alike, and both stream paths: one round each, not counted.
+            for name in names:
+                await _load("rps", ports[name], pids[name])
+            await _load("streams", ports["frontend"], pids["frontend"], SHORT_STREAM_TOKENS)
+            await _async_streams(engine, STREAMS, SHORT_STREAM_TOKENS)
+            rps: dict[str, list[dict[str, Any]]] = {k: [] for k in names}
             for _ in range(ROUNDS):
                 for name in names:
-                    rps[name].append(await _rps_round(ports[name], pids[name]))
-            streams: dict[int, tuple[list[float], list[float]]] = {
+                    rps[name].append(await _load("rps", ports[name], pids[name]))
+            streams: dict[int, tuple[list[dict[str, Any]], list[float]]] = {
                 n: ([], []) for n in (STREAM_TOKENS, SHORT_STREAM_TOKENS)}
             client_cpu: list[float] = []  # the stream client's CPU, us a token
-            bounds, before = _loop_lag_counts(ports["frontend"])
             for _ in range(ROUNDS):
-                for n, (http_rates, async_rates) in streams.items():
+                for n, (http_rounds, async_rates) in streams.items():
                     before_client = _children_cpu_s()
-                    http_rates.append(float(await _run_client(  # type: ignore[arg-type]
-                        "streams", ports["frontend"], n)))
+                    http_rounds.append(await _load("streams", ports["frontend"],
+                                                   pids["frontend"], n))
                     if n == STREAM_TOKENS:
                         client_cpu.append((_children_cpu_s() - before_client)
                                           / (STREAMS * n) * 1e6)
                     async_rates.append(await _async_streams(engine, STREAMS, n))
-            _, after = _loop_lag_counts(ports["frontend"])
-            http_streams, async_streams = streams[STREAM_TOKENS]
-            short_http, short_async = streams[SHORT_STREAM_TOKENS]
+            long_http, async_streams = streams[STREAM_TOKENS]
+            short_rounds, short_async = streams[SHORT_STREAM_TOKENS]
             http_ttft: list[float] = []
             async_ttft: list[float] = []
             for _ in range(ROUNDS):
@@ -383,14 +384,26 @@ async def run() -> dict[str, object]:
     med = statistics.median
 
     def rate(name: str) -> float:
-        return med(r for r, _ in rps[name])
+        return float(med(r["done"] / r["seconds"] for r in rps[name]))
 
-    def cpu(name: str) -> float:
-        return med(c for _, c in rps[name])
+    def cpu(name: str, part: str = "both") -> float:
+        """The server's CPU microseconds a request: its own process, its children, or both."""
+        keys = {"own": ("cpu_s",), "children": ("children_cpu_s",),
+                "both": ("cpu_s", "children_cpu_s")}[part]
+        return float(med(sum(r[k] for k in keys) / r["done"] * 1e6 for r in rps[name]))
 
     def starlette(figure: Callable[[str], float]) -> int | None:
         return round(figure("starlette")) if "starlette" in rps else None
 
+    def per_token(part: str) -> float:
+        return float(med(r[part] / r["done"] * 1e6 for r in long_http))
+
+    http_streams = [r["done"] / r["seconds"] for r in long_http]
+    short_http = [r["done"] / r["seconds"] for r in short_rounds]
+    # The loop lag over the HTTP stream rounds alone (both lengths), each read around its load.
+    lag = [sum(c) for c in zip(*(r["lag_counts"] for r in long_http + short_rounds),
+                                 strict=True)]
+    lag_bounds = long_http[0]["lag_bounds"]
     http_ttft_p50, async_ttft_p50 = med(http_ttft), med(async_ttft)
     dis = sorted(disconnects)
     return {
@@ -398,15 +411,21 @@ async def run() -> dict[str, object]:
         "frontend_rps": round(rate("frontend")),
         "floor_rps": round(rate("floor")),
         "floor_starlette_rps": starlette(rate),
-        "cpu_ratio_vs_floor": round(cpu("floor") / cpu("frontend"), 3),
-        "frontend_cpu_us_per_request": round(cpu("frontend")),
+        "frontend_cpu_ratio_vs_floor": round(cpu("frontend", "own") / cpu("floor"), 3),
+        "frontend_cpu_us_per_request": round(cpu("frontend", "own")),
         "floor_cpu_us_per_request": round(cpu("floor")),
+        "scheduler_cpu_us_per_request": round(cpu("frontend", "children")),
+        "cpu_ratio_vs_floor": round(cpu("floor") / cpu("frontend"), 3),
         "floor_starlette_cpu_us_per_request": starlette(cpu),
         "handler_only_rps": round(rate("handler")),
         "handler_only_cpu_us_per_request": round(cpu("handler")),
         "stream_tokens_ratio_vs_async": round(med(http_streams) / med(async_streams), 3),
         "http_stream_tokens_per_s": round(med(http_streams)),
         "stream_client_cpu_us_per_token": round(med(client_cpu), 2),
+        "frontend_cpu_us_per_token": round(per_token("cpu_s"), 2),
+        "scheduler_cpu_us_per_token": round(per_token("children_cpu_s"), 2),
+        "frontend_cpu_per_token_ratio_vs_scheduler": round(
+            per_token("cpu_s") / per_token("children_cpu_s"), 3),
         "async_stream_tokens_per_s": round(med(async_streams)),
         "stream_tokens_ratio_vs_async_32_tokens": round(med(short_http) / med(short_async), 3),
         "http_stream_tokens_per_s_32_tokens": round(med(short_http)),
@@ -414,12 +433,13 @@ async def run() -> dict[str, object]:
         "ttft_overhead_ms_p50": round(http_ttft_p50 - async_ttft_p50, 3),
         "http_ttft_ms_p50": round(http_ttft_p50, 3),
         "async_ttft_ms_p50": round(async_ttft_p50, 3),
-        "loop_lag_ms_p99": _p99_bound(bounds, before, after) * 1e3,
+        "loop_lag_ms_p99": _p99_bound(lag_bounds, lag) * 1e3,
         "disconnect_to_free_ms_p99": round(dis[min(len(dis) - 1, int(len(dis) * 0.99))], 3),
         "disconnect_to_free_ms_p50": round(med(dis), 3),
         "bars": {"http_rps_ratio_vs_floor": ">= 0.5", "stream_tokens_ratio_vs_async": ">= 0.8",
                  "ttft_overhead_ms_p50": "<= 1.0", "loop_lag_ms_p99": "<= 10",
-                 "disconnect_to_free_ms_p99": "<= 50"},
+                 "disconnect_to_free_ms_p99": "<= 50", "frontend_cpu_ratio_vs_floor": "<= 2.0",
+                 "frontend_cpu_per_token_ratio_vs_scheduler": "<= 1.2"},
         "load_avg_1m": os.getloadavg()[0],
         "box_wake_cpu_us": round(_wake_cpu_us(), 1),
         "client": "raw asyncio HTTP/1.1 on uvloop, own process (streams: a bare protocol)",
@@ -428,7 +448,7 @@ async def run() -> dict[str, object]:
 
 
 def main() -> None:
-    print(json.dumps(_run(run())))
+    print_checked(_run(run()), KEYS, "benchmarks.http")
 
 
 if __name__ == "__main__":
