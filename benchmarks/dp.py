@@ -12,7 +12,8 @@ Run: ``python -m benchmarks.dp``. The last line is one JSON object:
   default model spends reading one prompt token (4 prompts of 1024, one
   token out) and sampling one token in a running batch of 32 (1-token
   prompts, 32 tokens out), one scheduler, medians of 3: the weights of the
-  ledger's score (``scheduler/dp/ledger.py``).
+  ledger's score (``scheduler/dp/ledger.py``). ``sampled_token_in_prompt_tokens``
+  is the second over the first: what a sampled token weighs, in prompt tokens.
 * ``makespan_ratio_ours_vs_round_robin``: the default (real) model, 2
   replicas, 80 requests sent at once, 20 of them long (a 1024-token
   prompt) at random positions, the rest 32-token prompts, 4/16/64 tokens
@@ -254,6 +255,7 @@ def balance_part(res: dict[str, float]) -> None:
         f"{DECODE_US_PER_TOKEN})")
     res["prefill_us_per_token"] = round(pre, 1)
     res["decode_us_per_token"] = round(dec, 1)
+    res["sampled_token_in_prompt_tokens"] = round(dec / pre, 2)
     seeds = int(os.environ.get("BENCH_SEEDS", 5))
     say(f"makespan, 80 requests (20 long at random positions), {seeds} seeds:")
     res.update(balance(seeds))

@@ -15,11 +15,10 @@ dispatch alone. Two mixes, 2/8/32 types each:
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 
-from benchmarks._timing import per_call_us
+from benchmarks._timing import per_call_us, print_checked
 from bus import Origin
 from messages import Output
 from router import Router
@@ -90,23 +89,31 @@ def bench(n: int, hot: bool) -> tuple[float, float, float]:
             per_call_us(theirs) * 1000 / k)
 
 
+#: How many output types each contest routes.
+TYPE_COUNTS = (2, 8, 32)
+#: Every key of the JSON object ``main`` prints (checked once printed).
+KEYS = frozenset(f"{prefix}_ns_{n}" for n in TYPE_COUNTS
+                 for prefix in ("router", "dict", "chain", "hot_router", "hot_dict",
+                                "hot_chain_first"))
+
+
 def main() -> None:
     out: dict[str, float] = {}
-    for n in (2, 8, 32):
+    for n in TYPE_COUNTS:
         ours, plain, chain = bench(n, hot=False)
         out[f"router_ns_{n}"] = round(ours, 1)
         out[f"dict_ns_{n}"] = round(plain, 1)
         out[f"chain_ns_{n}"] = round(chain, 1)
         print(f"{n:3d} types, round robin: router {ours:6.1f} ns  dict {plain:6.1f} ns  "
               f"isinstance chain {chain:6.1f} ns", file=sys.stderr)
-    for n in (2, 8, 32):
+    for n in TYPE_COUNTS:
         ours, plain, chain = bench(n, hot=True)
         out[f"hot_router_ns_{n}"] = round(ours, 1)
         out[f"hot_dict_ns_{n}"] = round(plain, 1)
         out[f"hot_chain_first_ns_{n}"] = round(chain, 1)
         print(f"{n:3d} types, one hot: router {ours:6.1f} ns  dict {plain:6.1f} ns  "
               f"chain, hot type first {chain:6.1f} ns", file=sys.stderr)
-    print(json.dumps(out))
+    print_checked(out, KEYS, "benchmarks.router")
 
 
 if __name__ == "__main__":

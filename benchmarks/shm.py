@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import zmq
 
+from benchmarks._timing import print_checked
 from bus import PullInbox, PushOutbox, Receiver, ShmInbox, ShmOutbox, ShmReader, ShmWriter
 from bus.envelope import Envelope
 from messages import AbortReq, BatchEmbeddingOut, Codec, Output, Request
@@ -58,6 +59,14 @@ SIZES = {"tensor64m": 64 << 20, "tensor4m": 4 << 20, "tensor1m": 1 << 20,
 REPEATS = {"tensor64m": 16, "tensor4m": 48, "tensor1m": 64, "tensor512k": 80,
            "tensor256k": 80, "tensor64k": 80}
 MODES = ("zmq", "shm", "empty")
+#: Every key of the JSON object ``main`` prints (checked once printed).
+KEYS = frozenset({
+    *(f"{key}_{part}" for key in SIZES
+      for part in ("zmq_ms", "shm_ms", "shm_empty_ms", "floor_ms")),
+    *(f"ratio_{key}_{part}_vs_zmq" for key in SIZES for part in ("shm", "shm_empty")),
+    "ratio_tensor64m_shm_vs_floor", "shm_pays_from_bytes", "small_p50_us", "small_p99_us",
+    "idle_cpu_pct_reader", "busy_cpu_pct_reader",
+})
 BLOCK = 8
 
 
@@ -320,7 +329,7 @@ def main() -> None:
           f"{small['idle_cpu_pct_reader']:.2f}%, busy {small['busy_cpu_pct_reader']:.1f}%",
           file=sys.stderr)
     out.update({k: round(v, 2) for k, v in small.items()})
-    print(json.dumps(out))
+    print_checked(out, KEYS, "benchmarks.shm")
 
 
 if __name__ == "__main__":

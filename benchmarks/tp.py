@@ -14,7 +14,6 @@ object.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks._timing import print_checked
 from benchmarks.codec import pickled_twin
 from bus import Envelope, Origin
 from messages import Codec, Request, SamplingParams, TokenizedGenerateReqInput, token_ids
@@ -98,6 +98,11 @@ def _rank(rank: int, tp: TPConfig, out: Any) -> None:
     dist.destroy_process_group()
 
 
+#: Every key of the JSON object ``main`` prints (checked once printed).
+KEYS = frozenset(f"{kind}_us_{n}" for n in SIZES
+                 for kind in ("broadcast", "broadcast_shm", "broadcast_pickle", "decode_step"))
+
+
 def step_time_us(batch: int) -> float:
     model = TinyLM(ModelConfig())
     tokens = torch.zeros(max(batch, 1), dtype=torch.long)
@@ -131,7 +136,7 @@ def main() -> None:
         out[f"broadcast_shm_us_{n}"] = round(res[f"shm_{n}"], 1)
         out[f"broadcast_pickle_us_{n}"] = round(res[f"pickle_{n}"], 1)
         out[f"decode_step_us_{n}"] = round(step, 1)
-    print(json.dumps(out))
+    print_checked(out, KEYS, "benchmarks.tp")
 
 
 if __name__ == "__main__":

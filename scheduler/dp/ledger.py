@@ -34,15 +34,15 @@ __all__ = ["Cost", "Entry", "Ledger", "NoLiveReplica", "Policy", "cost_of"]
 Policy = Literal["least_loaded", "round_robin"]
 
 #: A replica's time to read one prompt token, and to sample one token in a
-#: running batch of 32, in microseconds: the default model, one replica,
-#: measured by ``python -m benchmarks.dp`` (``prefill_us_per_token``,
-#: ``decode_us_per_token``: 41.3 and 33.6 on the quiet 2-core box, the
-#: scheduler on one torch thread; only their ratio steers the choice). On
-#: this model a sampled token costs ~0.8 of a prompt token: a prompt is read
-#: in chunks of 512 by one recurrent pass, a step samples 32 requests at
-#: once. (The 1590 and 9117 quoted before were taken at a load average of
-#: ~15 with two OpenMP threads spin-waiting per scheduler: they measured the
-#: box.) Re-measure for another model (a GPU transformer differs again).
+#: running batch of 32, in microseconds: the default model, one replica, the
+#: scheduler on one torch thread, as ``python -m benchmarks.dp`` measures them
+#: (``prefill_us_per_token``, ``decode_us_per_token``; the README's benchmark
+#: table quotes a run). Only their ratio steers the choice: here a sampled
+#: token weighs 34/41 of a prompt token (the benchmark prints the measured
+#: ratio as ``sampled_token_in_prompt_tokens``), since a prompt is read in
+#: chunks of 512 by one recurrent pass and a step samples 32 requests at
+#: once. Measure them on a quiet box (OpenMP workers spin-waiting on a busy
+#: one measure the box, not the model), and again for another model.
 PREFILL_US_PER_TOKEN = 41
 DECODE_US_PER_TOKEN = 34
 
