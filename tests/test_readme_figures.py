@@ -3,8 +3,9 @@
 The table (section ``## Benchmarks``) has one row per figure: its value,
 the peer or floor beside it, the command and the JSON key that print it,
 and when it was measured. This test reads every row and checks, without
-running anything, that the command is ``python -m benchmarks.<name>`` of a
-module that exists and that every key the row names (in its key and peer
+running anything, that the command is ``python -m benchmarks.<name>`` (an
+environment variable before it, scenario names after it) of a module that
+exists and that every key the row names (in its key and peer
 columns) is in that benchmark's output schema: its ``KEYS`` where it
 declares them, else the keys its source writes literally (dict literals
 and ``results["key"] = ...``), with the modules of its ``SCENARIOS`` for
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMAND = re.compile(r"`(?:[A-Z_]+=\S+ )*python -m (benchmarks\.[a-z_]+)`")
+COMMAND = re.compile(r"`(?:[A-Z_]+=\S+ )*python -m (benchmarks\.[a-z0-9_]+)((?: [a-z0-9_]+)*)`")
 KEY = re.compile(r"`([a-z][a-z0-9_]*)`")
 
 
@@ -94,8 +95,10 @@ def test_the_table_has_a_row_per_figure_and_each_names_one_command() -> None:
 
 @pytest.mark.parametrize("row", _rows(), ids=lambda r: r["Figure"][:40])
 def test_each_row_s_keys_are_printed_by_its_command(row: dict[str, str]) -> None:
-    (name,) = COMMAND.findall(row["Command"])
+    ((name, args),) = COMMAND.findall(row["Command"])
     assert (ROOT / (name.replace(".", "/") + ".py")).exists(), name
+    scenarios = {s.__name__ for s in getattr(importlib.import_module(name), "SCENARIOS", ())}
+    assert set(args.split()) <= scenarios, f"{name} has no scenario {args.split()}"
     keys = schema(name)
     missing = [k for k in _named_keys(row) if k not in keys]
     assert not missing, f"{name} prints no {missing} (row {row['Figure']!r})"
