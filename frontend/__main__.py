@@ -18,7 +18,6 @@ from bus.sockets import make_socket, refuse_live_ipc
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.chat import ChatTemplate
 from frontend.errors import TokenizerError
-from frontend.listening import DoorServer
 from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, SEND_TIMEOUT_S, http_protocol
 from frontend.tokenizer import load_tokenizer
 from messages import MAX_TOKENS
@@ -236,6 +235,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve until interrupted."""
     import uvicorn
+
+    from frontend.listening import DoorServer
 
     args = parse(argv)
     _check_listen(args.host, args.port)  # before settings_from makes any directory
