@@ -284,11 +284,13 @@ class Acceptor:
     async def _connect(self, conn: socket.socket, make: Callable[[], asyncio.Protocol]) -> None:
         try:
             await self._loop.connect_accepted_socket(make, conn)
-        except BaseException as exc:
+        except Exception as exc:  # (its transport not made: the socket is still ours)
+            _answer_now(conn, self._refused_now)
+            self.refused += 1
+            self._log.add("not handed over", f"{type(exc).__name__}: {exc}")
+        except BaseException:
             conn.close()
-            if not isinstance(exc, Exception):
-                raise
-            log.warning("a connection could not be served: %s", exc)
+            raise
 
 
 def _reserve() -> int | None:
