@@ -4,18 +4,29 @@ A flood of rejected frames must not become a flood of log lines (each one a
 syscall and a formatted string, paid by the loop that should serve the next
 message). Events are counted per (channel, reason) and logged at most once
 per ``interval`` seconds, with their counts and one example reason.
+
+The last counts of a burst are logged within ``interval`` too, with no later
+event to carry them: counts held back arm a timer (one daemon thread, for
+that summary, until it fires) that logs them when the interval is up. A
+summary whose owner has a loop of its own costs that loop nothing more: no
+per-event syscall, and no poll of the summary from the loop.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 __all__ = ["LogSummary"]
 
 
 class LogSummary:
-    """Counts ``(channel, reason)`` events; logs one summary line per ``interval`` at most."""
+    """Counts ``(channel, reason)`` events; logs one summary line per ``interval`` at most,
+    and what it counted within ``interval`` of the count (a timer logs a burst's tail).
+
+    Thread-safe: events may be counted from any thread.
+    """
 
     def __init__(self, logger: logging.Logger, what: str, *, interval: float = 10.0,
                  level: int = logging.WARNING) -> None:
@@ -27,23 +38,54 @@ class LogSummary:
         self._counts: dict[str, int] = {}
         self._example: dict[str, str] = {}
         self._last = -float("inf")
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None  # armed while counts are held back
 
     def add(self, channel: str, reason: str) -> None:
-        """Count one event; log the summary if ``interval`` has passed since the last one."""
-        self.total += 1
-        self._counts[channel] = self._counts.get(channel, 0) + 1
-        self._example.setdefault(channel, reason[:200])
-        now = time.monotonic()
-        if now - self._last >= self.interval:
-            self.flush(now)
+        """Count one event; log the summary if ``interval`` has passed since the last one,
+        else make sure it is logged when the interval is up."""
+        with self._lock:
+            self.total += 1
+            self._counts[channel] = self._counts.get(channel, 0) + 1
+            self._example.setdefault(channel, reason[:200])
+            now = time.monotonic()
+            if now - self._last < self.interval:
+                if self._timer is None:
+                    self._timer = threading.Timer(self._last + self.interval - now, self._due)
+                    self._timer.daemon = True  # (never holds a process's exit)
+                    self._timer.name = f"log-summary: {self.what[:40]}"
+                    self._timer.start()
+                return
+            line = self._take(now)
+        self._log(line)
 
     def flush(self, now: float | None = None) -> None:
         """Log what was counted since the last summary (nothing if nothing was)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            line = self._take(time.monotonic() if now is None else now)
+        self._log(line)
+
+    def _due(self) -> None:
+        with self._lock:
+            self._timer = None
+            line = self._take(time.monotonic())
+        self._log(line)
+
+    def _take(self, now: float) -> str | None:
+        """The summary of what was counted, which is forgotten (None if nothing was)."""
         if not self._counts:
-            return
-        self._last = time.monotonic() if now is None else now
-        parts = ", ".join(f"{n} on {ch!r} (e.g. {self._example[ch]})"
-                          for ch, n in self._counts.items())
-        self.logger.log(self.level, "%s: %s", self.what, parts)
+            return None
+        self._last = now
+        line = ", ".join(f"{n} on {ch!r} (e.g. {self._example[ch]})"
+                         for ch, n in self._counts.items())
         self._counts.clear()
         self._example.clear()
+        return line
+
+    def _log(self, line: str | None) -> None:
+        # (outside the lock: a slow handler holds no thread that counts)
+        if line is not None:
+            self.logger.log(self.level, "%s: %s", self.what, line)

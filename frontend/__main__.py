@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import zmq
 
 from bus import EndpointInUse, SocketOptions
+from bus.fdlimit import raise_open_files_limit
 from bus.sockets import make_socket, refuse_live_ipc
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.chat import ChatTemplate
@@ -235,10 +236,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Serve until interrupted."""
     import uvicorn
 
+    from frontend.listening import DoorServer
+
     args = parse(argv)
     _check_listen(args.host, args.port)  # before settings_from makes any directory
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                                                                "%(message)s")
+    raise_open_files_limit("frontend")  # every client is a connection: a descriptor
     settings, app = settings_from(args)
     protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
                              head_timeout=args.header_timeout, send_timeout=args.send_timeout)
@@ -249,13 +253,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("--http h11: uvicorn's h11 protocol bounds a request's head itself "
                     "(16 KiB) and gives it no deadline; --max-header-bytes and "
                     "--header-timeout apply to httptools (the default)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, loop=args.loop, http=protocol, lifespan="on",
-                # X-Forwarded-For is a claim from the wire: nothing here reads a client
-                # address, and the middleware that would believe it costs every request.
-                proxy_headers=False,
-                timeout_graceful_shutdown=5)  # open streams get 5 s, then end with an error
-    return 0
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False, loop=args.loop, http=protocol, lifespan="on",
+                            # X-Forwarded-For is a claim from the wire: nothing here reads
+                            # a client address, and the middleware that would believe it
+                            # costs every request.
+                            proxy_headers=False,
+                            timeout_graceful_shutdown=5)  # open streams get 5 s, then an error
+    # Connections are accepted within the open-file limit (frontend.listening): past it,
+    # a 503 rather than a close without a word.
+    server = DoorServer(config, args.host, args.port)
+    with contextlib.suppress(KeyboardInterrupt):  # (as uvicorn.run)
+        server.run()
+    return 0 if server.started else 3
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from bus import CurveKeys, EndpointInUse, SocketOptions, check_endpoint
+from bus.fdlimit import raise_open_files_limit
 from scheduler.cli.demo import demo
 from scheduler.cli.options import add_curve_options, curve_options
 from scheduler.cli.rpc import run_rpc
@@ -185,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         return demo(args.mode, args.requests, args.max_new_tokens, args.seed,
                     use_async=args.use_async)
+    raise_open_files_limit(f"scheduler {args.command}")  # each client holds sockets
     if args.command == "dispatch":
         specs = _replica_specs(parser, args)
         endpoints, options, allowed = _upstream(parser, args)

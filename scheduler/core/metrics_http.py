@@ -1,17 +1,23 @@
-"""``/metrics`` over HTTP with bounded cost: a fixed pool of threads, idle connections timed out.
+"""``/metrics`` over HTTP where an idle or slow connection costs nothing but its socket.
 
 ``prometheus_client.start_http_server`` starts a thread per connection with
 no idle timeout and listens with a backlog of 5: fifty clients that connect
 and say nothing hold fifty threads for ever, and back-to-back connects past
-the backlog wait for SYN retries (seconds). Here:
+the backlog wait for SYN retries (seconds). A fixed pool of workers that
+read a request with a deadline is no better against slow clients: 300
+connections that trickle their request a byte at a time hold every worker,
+and a Prometheus scrape waited minutes behind them (outside probe). Here one
+thread does everything, over a selector and non-blocking sockets:
 
-* one thread accepts and watches connections (a selector): a connection
-  that has not sent a request within ``idle_timeout`` is closed, and at most
-  ``max_connections`` wait at once (the oldest is closed first);
-* a connection with bytes to read goes to one of ``workers`` threads, which
-  reads the request head within ``deadline`` seconds in all (a client that
-  trickles bytes is cut off), answers and closes; when every worker is busy
-  and ``workers`` more wait, a new one is answered ``503`` at once;
+* it accepts and reads every connection as bytes arrive, so a slow client
+  holds nothing but its socket and a few bytes of buffer;
+* a connection that has sent nothing within ``idle_timeout`` is closed,
+  and one whose request head is not whole within ``deadline`` seconds of
+  its accept (a client that trickles bytes) is cut off; at most
+  ``max_connections`` are open at once (past them the oldest is closed);
+* a whole request head is answered at once (the registry's text, made on
+  this thread) and written as the client takes it; one that takes nothing
+  for ``deadline`` seconds is cut off;
 * the listen backlog is ``backlog`` (128): a burst of connects is accepted
   at once, not after SYN retries.
 
@@ -21,8 +27,9 @@ request per connection (HTTP/1.0 style: ``Connection: close``).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
-import queue
 import selectors
 import socket
 import threading
@@ -36,6 +43,23 @@ log = logging.getLogger("scheduler.metrics")
 
 _MAX_HEAD = 8192
 
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large"}
+
+
+class _Conn:
+    """One client connection: what it sent of its request, what is left to write to it,
+    and when it is cut off."""
+
+    __slots__ = ("expires", "head", "out", "sock", "spoke")
+
+    def __init__(self, sock: socket.socket, expires: float) -> None:
+        self.sock = sock
+        self.head = bytearray()
+        self.out: memoryview | None = None  # the answer, once there is one
+        self.expires = expires
+        self.spoke = False  # it has sent a byte
+
 
 class MetricsServer:
     """Serve ``registry`` on ``http://host:port/metrics`` until :meth:`close`.
@@ -43,10 +67,10 @@ class MetricsServer:
     Args:
         registry: what to expose.
         host, port: where to listen (``port=0``: any free port, see :attr:`port`).
-        workers: threads that answer requests (the only ones besides the acceptor).
         idle_timeout: seconds a connection may stay silent before it is closed.
-        deadline: seconds to read one request head, in all.
-        max_connections: most connections waiting for their request at once.
+        deadline: seconds to read one request head, in all, from the accept; and
+            seconds a client may take nothing of its answer.
+        max_connections: most connections open at once (past them, the oldest is closed).
         backlog: the listen backlog.
 
     Raises:
@@ -54,8 +78,8 @@ class MetricsServer:
     """
 
     def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
-                 workers: int = 4, idle_timeout: float = 5.0, deadline: float = 10.0,
-                 max_connections: int = 256, backlog: int = 128) -> None:
+                 idle_timeout: float = 5.0, deadline: float = 10.0,
+                 max_connections: int = 1024, backlog: int = 128) -> None:
         self.registry = registry
         self.idle_timeout = idle_timeout
         self.deadline = deadline
@@ -70,29 +94,23 @@ class MetricsServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ)
-        self._waiting: dict[socket.socket, float] = {}  # insertion order = age
-        self._jobs: queue.Queue[socket.socket | None] = queue.Queue(maxsize=workers)
+        self._conns: dict[socket.socket, _Conn] = {}  # insertion order = age
+        self._expiries: list[tuple[float, int, _Conn]] = []  # a heap; stale entries skipped
+        self._seq = itertools.count()
         self._stop = threading.Event()
-        self.refused_busy = 0  # answered 503: every worker busy
-        self.closed_idle = 0  # closed before sending a request
-        self._threads = [threading.Thread(target=self._accept_loop, name="metrics-http",
-                                          daemon=True)]
-        self._threads += [threading.Thread(target=self._work, name=f"metrics-http-{i}",
-                                           daemon=True) for i in range(workers)]
-        for t in self._threads:
-            t.start()
+        self.closed_idle = 0  # closed before sending a byte
+        self.cut_off = 0  # closed past a deadline once it had sent something
+        self.answered = 0
+        self._thread = threading.Thread(target=self._run, name="metrics-http", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
-        """Stop serving; close every connection and join every thread. Idempotent."""
+        """Stop serving; close every connection and join the thread. Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._wake_w.send(b"x")
-        self._threads[0].join()
-        for _ in self._threads[1:]:
-            self._jobs.put(None)
-        for t in self._threads[1:]:
-            t.join()
+        self._thread.join()
         for sock in (self._listener, self._wake_r, self._wake_w):
             sock.close()
         self._sel.close()
@@ -103,128 +121,138 @@ class MetricsServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the acceptor -----------------------------------------------------------
+    # -- the loop ---------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
+    def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                for key, _ in self._sel.select(timeout=self._next_expiry()):
+                for key, events in self._sel.select(timeout=self._next_expiry()):
                     sock = key.fileobj
                     if sock is self._listener:
                         self._accept()
                     elif sock is not self._wake_r:
                         assert isinstance(sock, socket.socket)
-                        self._sel.unregister(sock)
-                        del self._waiting[sock]
-                        self._dispatch(sock)
+                        conn = self._conns.get(sock)
+                        if conn is None:
+                            continue  # closed earlier in this round
+                        try:
+                            if events & selectors.EVENT_READ:
+                                self._read(conn)
+                            else:
+                                self._write(conn)
+                        except Exception as exc:  # one bad client costs its own connection
+                            log.debug("metrics: a connection failed: %s", exc)
+                            self._close(conn)
                 self._expire()
         finally:
-            for sock in list(self._waiting):
-                self._sel.unregister(sock)
-                sock.close()
-            self._waiting.clear()
+            for conn in list(self._conns.values()):
+                self._close(conn)
 
     def _next_expiry(self) -> float:
-        if not self._waiting:
-            return 1.0
-        oldest = next(iter(self._waiting.values()))
-        return max(0.0, oldest + self.idle_timeout - time.monotonic())
+        while self._expiries:
+            at, _, conn = self._expiries[0]
+            if conn.sock in self._conns and conn.expires == at:
+                return max(0.0, at - time.monotonic())
+            heapq.heappop(self._expiries)  # closed, or given a later deadline
+        return 1.0
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._expiries and self._expiries[0][0] <= now:
+            at, _, conn = heapq.heappop(self._expiries)
+            if conn.sock not in self._conns or conn.expires != at:
+                continue
+            if conn.spoke:
+                self.cut_off += 1
+            else:
+                self.closed_idle += 1  # counted first: the peer sees the close at once
+            self._close(conn)
+
+    def _expires(self, conn: _Conn, at: float) -> None:
+        conn.expires = at
+        heapq.heappush(self._expiries, (at, next(self._seq), conn))
 
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # out of fds, say: drop this round, keep serving
                 log.warning("metrics: accept failed: %s", exc)
                 return
-            conn.setblocking(False)
-            if len(self._waiting) >= self.max_connections:
-                oldest = next(iter(self._waiting))
-                self._drop(oldest)
-            self._waiting[conn] = time.monotonic()
-            self._sel.register(conn, selectors.EVENT_READ)
+            sock.setblocking(False)
+            if len(self._conns) >= self.max_connections:
+                self._close(next(iter(self._conns.values())))  # the oldest
+            conn = _Conn(sock, 0.0)
+            self._conns[sock] = conn
+            self._expires(conn, time.monotonic() + self.idle_timeout)
+            self._sel.register(sock, selectors.EVENT_READ)
 
-    def _expire(self) -> None:
-        limit = time.monotonic() - self.idle_timeout
-        for sock, since in list(self._waiting.items()):
-            if since > limit:
-                break  # in order of age
-            self._drop(sock)
+    def _close(self, conn: _Conn) -> None:
+        if self._conns.pop(conn.sock, None) is not None:
+            self._sel.unregister(conn.sock)
+        conn.sock.close()
 
-    def _drop(self, sock: socket.socket) -> None:
-        self._sel.unregister(sock)
-        del self._waiting[sock]
-        self.closed_idle += 1  # counted first: the peer sees the close at once
-        sock.close()
-
-    def _dispatch(self, sock: socket.socket) -> None:
+    def _read(self, conn: _Conn) -> None:
         try:
-            self._jobs.put_nowait(sock)
-        except queue.Full:
-            self.refused_busy += 1
-            _reply(sock, 503, b"busy: try again\n", "text/plain", time.monotonic() + 1.0)
-            sock.close()
-
-    # -- the workers ------------------------------------------------------------
-
-    def _work(self) -> None:
-        while (sock := self._jobs.get()) is not None:
-            try:
-                self._answer(sock)
-            except Exception as exc:  # one bad client costs its own connection only
-                log.debug("metrics: request failed: %s", exc)
-            finally:
-                sock.close()
-
-    def _answer(self, sock: socket.socket) -> None:
-        until = time.monotonic() + self.deadline
-        head = _read_head(sock, until)
-        if head is None:
+            got = conn.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
             return
-        parts = head.split(b"\r\n", 1)[0].split()
+        except OSError:
+            got = b""
+        if not got:
+            self._close(conn)  # (gone before its answer)
+            return
+        if not conn.spoke:
+            conn.spoke = True
+            self._expires(conn, conn.expires - self.idle_timeout + self.deadline)
+        conn.head += got
+        end = conn.head.find(b"\r\n\r\n")
+        if end < 0:
+            end = conn.head.find(b"\n\n")
+        if end < 0:
+            if len(conn.head) > _MAX_HEAD:
+                self._answer(conn, 431, b"request head too large\n", "text/plain")
+            return
+        self._respond(conn, bytes(conn.head[:end]))
+
+    def _respond(self, conn: _Conn, head: bytes) -> None:
+        parts = head.split(b"\n", 1)[0].strip().split()
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-            _reply(sock, 400, b"bad request\n", "text/plain", until)
+            self._answer(conn, 400, b"bad request\n", "text/plain")
             return
         method, target = parts[0], parts[1].split(b"?", 1)[0]
         if method not in (b"GET", b"HEAD"):
-            _reply(sock, 405, b"GET only\n", "text/plain", until)
+            self._answer(conn, 405, b"GET only\n", "text/plain")
         elif target not in (b"/metrics", b"/"):
-            _reply(sock, 404, b"not found: try /metrics\n", "text/plain", until)
+            self._answer(conn, 404, b"not found: try /metrics\n", "text/plain")
         else:
-            body = generate_latest(self.registry)
-            _reply(sock, 200, body, CONTENT_TYPE_LATEST, until, head_only=method == b"HEAD")
+            self._answer(conn, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST,
+                         head_only=method == b"HEAD")
 
+    def _answer(self, conn: _Conn, status: int, body: bytes, content_type: str, *,
+                head_only: bool = False) -> None:
+        """Write the answer as the client takes it (the rest of its request is not read)."""
+        head = (f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        conn.out = memoryview(head if head_only else head + body)
+        self.answered += 1
+        self._expires(conn, time.monotonic() + self.deadline)
+        self._sel.modify(conn.sock, selectors.EVENT_WRITE)
+        self._write(conn)
 
-def _read_head(sock: socket.socket, until: float) -> bytes | None:
-    """The request head (up to the blank line), or None past the deadline or the size bound."""
-    buf = b""
-    while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
-        left = until - time.monotonic()
-        if left <= 0 or len(buf) > _MAX_HEAD:
-            return None
-        sock.settimeout(left)
+    def _write(self, conn: _Conn) -> None:
+        assert conn.out is not None
         try:
-            got = sock.recv(4096)
-        except (TimeoutError, OSError):
-            return None
-        if not got:
-            return buf or None
-        buf += got
-    return buf
-
-
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            503: "Service Unavailable"}
-
-
-def _reply(sock: socket.socket, status: int, body: bytes, content_type: str, until: float,
-           *, head_only: bool = False) -> None:
-    head = (f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    sock.settimeout(max(0.01, until - time.monotonic()))
-    try:
-        sock.sendall(head if head_only else head + body)
-    except OSError:
-        pass  # the client left, or stopped reading past the deadline
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)  # the client left
+            return
+        conn.out = conn.out[sent:]
+        if not conn.out:
+            self._close(conn)
+        elif sent:
+            self._expires(conn, time.monotonic() + self.deadline)  # it takes: more time

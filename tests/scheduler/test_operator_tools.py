@@ -106,8 +106,7 @@ def test_top_gives_up_on_a_trickling_server_after_a_whole_response_deadline(
 def metrics() -> Iterator[MetricsServer]:
     registry = CollectorRegistry()
     Gauge("tsb_test_value", "a test gauge", registry=registry).set(3)
-    server = MetricsServer(registry, "127.0.0.1", 0, workers=2, idle_timeout=0.5,
-                           deadline=1.0)
+    server = MetricsServer(registry, "127.0.0.1", 0, idle_timeout=0.5, deadline=1.0)
     yield server
     server.close()
 
@@ -154,6 +153,35 @@ def test_a_trickling_client_is_cut_off_at_the_deadline(metrics: MetricsServer) -
             pass
         assert time.monotonic() < deadline
     assert "tsb_test_value" in _get(metrics.port)  # and the server serves on
+
+
+def test_a_scrape_is_answered_while_300_slowloris_connections_trickle() -> None:
+    # Outside probe: 300 connections trickling their request held the 4 workers of the
+    # old server, and a Prometheus scrape failed for minutes; here they cost a socket.
+    registry = CollectorRegistry()
+    Gauge("tsb_test_value", "a test gauge", registry=registry).set(3)
+    slow: list[socket.socket] = []
+    with MetricsServer(registry, "127.0.0.1", 0) as server:  # (its defaults: 5 s, 10 s)
+        try:
+            for _ in range(300):
+                s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+                s.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
+                slow.append(s)
+            for _ in range(3):
+                for s in slow:
+                    s.sendall(b"x")  # a byte each, well within its deadline
+                t0 = time.monotonic()
+                assert "tsb_test_value 3.0" in _get(server.port)
+                assert time.monotonic() - t0 < 5.0  # (before: 503, or nothing for minutes)
+                time.sleep(0.2)  # sleep-ok: trickling on purpose
+            assert server.answered == 3 and server.cut_off == server.closed_idle == 0
+            for s in slow:  # every trickler is still open: none was answered or cut
+                s.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    s.recv(1)
+        finally:
+            for s in slow:
+                s.close()
 
 
 def _fds() -> set[str]:
