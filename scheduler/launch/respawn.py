@@ -48,8 +48,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from scheduler.errors import EngineError
+
 __all__ = ["BACKOFF", "BACKOFF_MAX", "STABLE", "STANDBY_AFTER", "STANDBY_WAIT", "TRIES",
-           "ReplicaSupervisor", "RespawnPolicy", "Standby"]
+           "NoReplicaLeft", "ReplicaSupervisor", "RespawnPolicy", "Standby"]
 
 log = logging.getLogger("scheduler.launch")
 
@@ -67,6 +69,11 @@ STANDBY_AFTER = 10.0
 STANDBY_WAIT = 30.0
 #: Seconds between two looks at the processes (an exit is restarted this late at most).
 _LOOK = 0.05
+
+
+class NoReplicaLeft(EngineError):
+    """Every replica was given up on: nothing is left to serve (the message says why,
+    on one line: :attr:`ReplicaSupervisor.none_left`)."""
 
 
 @dataclass(slots=True)
@@ -202,7 +209,9 @@ class ReplicaSupervisor:
         self._make_standby = standby
         self._all_started = started
         self._shut_down = shut_down
-        self._none_left = none_left
+        self._on_none_left = none_left
+        #: Once every replica is given up on: one line saying so (else ``None``).
+        self.none_left: str | None = None
         self._standby: Standby | None = None
         self._up_since: float | None = None  # when every replica had started
         self._stop = threading.Event()
@@ -273,8 +282,10 @@ class ReplicaSupervisor:
             log.error("replica%d exited (exit code %s) after %d restarts in a row: not "
                       "restarting it again%s", i, code, self.policy.tries,
                       "; the others serve on" if serving else "")
-            if not serving and self._none_left is not None:
-                self._none_left(self.none_left_reason())
+            if not serving:
+                self.none_left = self._none_left_line()
+                if self._on_none_left is not None:
+                    self._on_none_left(self.none_left)
             return
         self._due[i] = self.clock() + delay
         log.warning("replica%d exited (exit code %s): restarting it in %.2f s (try %d of %d)",
@@ -284,7 +295,7 @@ class ReplicaSupervisor:
         """Whether a replica may still serve (one not given up on)."""
         return len(self.given_up) < len(self.replicas)
 
-    def none_left_reason(self) -> str:
+    def _none_left_line(self) -> str:
         """One line: no replica can serve, and each one's last exit code."""
         codes = ", ".join(f"replica{i} exit code {self._exit_codes.get(i)}"
                           for i in range(len(self.replicas)))
