@@ -124,18 +124,18 @@ def check_model_loads(model: ModelSpec) -> None:
     assert isinstance(spec, HFModelSpec)
     root = Path(spec.path)
     from safetensors import SafetensorError, safe_open
-    from transformers import AutoConfig
-    try:
-        AutoConfig.from_pretrained(root, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(root / "config.json", _one_line(exc)) from exc
-    for weights in _weight_files(root):
+    for weights in _weight_files(root):  # first: reading a header costs no import
         try:
             with safe_open(str(weights), "pt"):
                 pass
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(weights, f"unreadable safetensors: {_one_line(exc)}") \
                 from exc
+    from transformers import AutoConfig
+    try:
+        AutoConfig.from_pretrained(root, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(root / "config.json", _one_line(exc)) from exc
 
 
 def _weight_files(root: Path) -> list[Path]:
