@@ -213,7 +213,7 @@ class ReplicaSupervisor:
         #: Once every replica is given up on: one line saying so (else ``None``).
         self.none_left: str | None = None
         self._standby: Standby | None = None
-        self._up_since: float | None = None  # when every replica had started
+        self._next_standby: float | None = None  # when to start a standby (once all started)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replica-supervisor",
                                         daemon=True)
@@ -245,12 +245,8 @@ class ReplicaSupervisor:
         """Look at every replica's processes once, at the policy's clock's now: restart
         those due, note those that exited, start a standby when one is wanted."""
         now = self.clock()
-        if self._up_since is None and self._all_started():
-            self._up_since = now
-        if self._make_standby is not None and self._up_since is not None and (
-                self._standby is None or self._standby.process.exitcode is not None) \
-                and now - self._up_since >= STANDBY_AFTER:
-            self._standby = self._make_standby()
+        if self._make_standby is not None:
+            self._keep_a_standby(now)
         for i, ranks in enumerate(self.replicas):
             if i in self.given_up or i in self.stopped:
                 continue
@@ -268,6 +264,26 @@ class ReplicaSupervisor:
                 log.info("replica%d stopped (shutdown)", i)
                 continue
             self._exited(i, ranks, next(c for c in codes if c is not None))
+
+    def _keep_a_standby(self, now: float) -> None:
+        """Start a standby :data:`STANDBY_AFTER` seconds after every replica started, a
+        new one at once after a take-over, and, after one that exited unasked (or was
+        let go, too slow), only :data:`STANDBY_AFTER` seconds later: one that cannot
+        start must not be started again every look."""
+        assert self._make_standby is not None
+        if self._next_standby is None:
+            if not self._all_started():
+                return
+            self._next_standby = now + STANDBY_AFTER
+        standby = self._standby
+        if standby is not None and standby.process.exitcode is not None:
+            log.warning("the standby (pid %s) exited (exit code %s) before it was needed: "
+                        "another in %.0f s", standby.process.pid, standby.process.exitcode,
+                        STANDBY_AFTER)
+            self._standby = None
+            self._next_standby = now + STANDBY_AFTER
+        if self._standby is None and now >= self._next_standby:
+            self._standby = self._make_standby()
 
     def _exited(self, i: int, ranks: list[BaseProcess], code: int) -> None:
         for p in ranks:  # a rank left alone would wait for its dead peer for ever
@@ -336,6 +352,7 @@ class ReplicaSupervisor:
         log.warning("the standby (pid %s) did not start within %.0f s: stopping it, "
                     "starting replica%d afresh", standby.process.pid, STANDBY_WAIT, i)
         self._standby = None
+        self._next_standby = now + STANDBY_AFTER
         _stop_standby(standby)
         return False
 

@@ -228,3 +228,28 @@ def test_a_standby_take_over_refuses_a_standby_not_ready() -> None:
     finally:
         theirs.close()
         ours.close()
+
+
+def test_a_standby_that_exits_unasked_is_replaced_only_after_a_pause() -> None:
+    clock = Clock()
+    standbys = _Standbys()
+    sup, _, _ = _supervisor(clock, 1, standby=standbys)
+    try:
+        sup.look()
+        assert standbys.made == []  # not while the replicas start
+        clock.now += STANDBY_AFTER
+        sup.look()
+        assert len(standbys.made) == 1
+        first = standbys.made[0][0].process
+        assert isinstance(first, Proc)
+        first.exitcode = 1  # it could not start
+        for _ in range(10):
+            sup.look()
+            clock.now += 0.05
+        assert len(standbys.made) == 1  # not one a look
+        clock.now += STANDBY_AFTER
+        sup.look()
+        assert len(standbys.made) == 2
+    finally:
+        sup.stop()
+        standbys.close()
