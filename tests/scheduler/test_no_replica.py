@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import Engine, ModelConfig, ModelLoadError
+from messages import SamplingParams
+from scheduler import Engine, ModelConfig, ModelLoadError, SchedulerGone
 from tests import procs
 
 
@@ -93,3 +94,18 @@ def test_serve_dp_whose_replicas_all_keep_dying_exits_1_saying_none_can_serve(
         serve.wait(30)
         if serve.stderr is not None:
             serve.stderr.close()
+
+
+def test_an_engine_whose_replicas_all_keep_dying_says_none_can_serve() -> None:
+    with Engine("zmq", ModelConfig(kind="stub"), dp_size=2) as engine:
+        deadline = time.monotonic() + 180
+        while engine.gone is None:  # every replica killed as soon as it is known
+            for pids in engine.replica_pids:
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            assert time.monotonic() < deadline, "the engine never said none can serve"
+            time.sleep(0.05)  # sleep-ok: pacing a deadline poll
+        assert engine.gone.startswith("no replica can serve: each exited 6 times")
+        with pytest.raises(SchedulerGone, match="no replica can serve"):
+            engine.generate([1, 2], SamplingParams(max_new_tokens=2))
