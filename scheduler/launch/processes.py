@@ -11,6 +11,7 @@ in place (:mod:`scheduler.launch.respawn`).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import select
@@ -124,8 +125,8 @@ def _serve_replica(directory: str, endpoints: Endpoints, model: ModelSpec, *,
                    tp: TPConfig | None = None) -> None:
     """A replica's rank 0: serve until a ``shutdown``, then say so in ``directory``."""
     serve_zmq(endpoints, model, max_batch=max_batch, tp=tp, limits=limits, metrics=metrics)
-    with open(_shutdown_mark(directory, os.getpid()), "x"):
-        pass
+    with contextlib.suppress(OSError), open(_shutdown_mark(directory, os.getpid()), "x"):
+        pass  # (no directory: whoever started us is gone or cleaning up; nobody asks)
 
 
 def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelSpec, *,

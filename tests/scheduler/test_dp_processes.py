@@ -516,3 +516,35 @@ def test_serve_dp_restarts_a_replica_killed_while_its_standby_is_still_starting(
     text = log.read_text()
     assert text.count("replica0 exited (exit code -9)") == 2, text
     assert text.count("replica0 restarted") == 2, text
+    assert "replica1 exited" not in text, text  # its exit 0 after shutdown: no death
+
+
+def test_serve_dp_does_not_restart_a_replica_a_shutdown_stopped(tmp_path: Path) -> None:
+    # Its exit 0 is no death only because it left the mark of that shutdown.
+    log = tmp_path / "serve.log"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with open(log, "w") as err:
+        serve = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--dp", "2",
+                                  "--endpoint", str(tmp_path / "ep")], stderr=err, text=True,
+                                 env={**os.environ, "TMPDIR": str(tmp)})
+    rpc = RpcClient(f"ipc://{tmp_path}/ep/rpc")
+    try:
+        deadline = time.monotonic() + 120
+        while not (reply := rpc.call("get_load", timeout=120)).success:  # both live
+            assert time.monotonic() < deadline
+        assert reply.result is not None
+        replica0 = reply.result["replica0.pid"]
+        assert isinstance(replica0, int)
+        (run_dir,) = tmp.glob(f"tsbrun-{serve.pid}-dp-*")
+        with RpcClient(f"ipc://{run_dir}/r0/rpc") as own:  # replica 0's own door
+            assert own.call("shutdown", timeout=30).success
+        procs.wait_gone([replica0], 30)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # a restart would come within 0.1 s
+            assert "replica0 exited" not in log.read_text()
+            time.sleep(0.1)  # sleep-ok: pacing a watch that must stay quiet
+    finally:
+        rpc.close()
+        serve.terminate()
+        serve.wait(60)
