@@ -24,7 +24,7 @@ from messages import MAX_TOKENS
 from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
 from scheduler.cli.options import add_curve_options, curve_options
 from scheduler.launch.leftovers import make_run_dir
-from scheduler.models.files import check_model_dir
+from scheduler.models.loading import check_model_loads
 
 log = logging.getLogger("frontend")
 
@@ -94,12 +94,13 @@ def _model(args: argparse.Namespace, vocab_size: int) -> ModelConfig | HFModelSp
     """``--model DIR`` (loaded by the scheduler, in whichever process it runs), else the
     tiny model with its vocabulary sized to the tokenizer."""
     if args.model is not None:
-        try:  # one line now, not a traceback from the engine's start-up
-            check_model_dir(os.path.expanduser(args.model))
+        spec = HFModelSpec(os.path.expanduser(args.model),
+                           None if args.dtype == "auto" else args.dtype, args.device)
+        try:  # one line now (that it would load), not a scheduler that dies at start-up
+            check_model_loads(spec)
         except ModelLoadError as exc:
             raise SystemExit(str(exc)) from exc
-        return HFModelSpec(os.path.expanduser(args.model),
-                           None if args.dtype == "auto" else args.dtype, args.device)
+        return spec
     return ModelConfig(vocab_size=vocab_size, kind=args.tiny_model)
 
 
@@ -220,9 +221,10 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
                          f"request may ask for), not {args.default_max_tokens}")
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "tiny")
+    model = _model(args, tokenizer.vocab_size)  # checked before the run directory is made
     door = _rpc_endpoint(SystemExit, args)
     settings = Settings(
-        mode=args.mode, model=_model(args, tokenizer.vocab_size), model_name=name,
+        mode=args.mode, model=model, model_name=name,
         max_batch=args.max_batch, tp_size=args.tp_size, dp_size=args.dp_size, limits=limits,
         metrics=args.metrics, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
         default_max_tokens=args.default_max_tokens, rpc_endpoint=door,

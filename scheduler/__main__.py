@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import os
 import shutil
@@ -20,8 +21,15 @@ from scheduler.core.admission import Limits
 from scheduler.dp import ReplicaSpec, serve_dispatch
 from scheduler.launch.leftovers import make_run_dir
 from scheduler.launch.processes import LOCAL_HEARTBEAT_TIMEOUT, start_replicas, supervise
+from scheduler.launch.respawn import NoReplicaLeft
 from scheduler.launch.wiring import Endpoints, serve_zmq
-from scheduler.models.loading import HFModelSpec, ModelLoadError, ModelSpec, model_spec
+from scheduler.models.loading import (
+    HFModelSpec,
+    ModelLoadError,
+    ModelSpec,
+    check_model_loads,
+    model_spec,
+)
 
 
 def private_dir(path: str, sockets: Sequence[str] = ()) -> str:
@@ -194,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             endpoints, specs, options=options, curve_clients=allowed, policy=args.policy,
             heartbeat_timeout=args.heartbeat_timeout, rpc_timeout=args.rpc_timeout,
             max_backlog=args.max_backlog))
+    for flag, value in (("--max-batch", args.max_batch), ("--dp", args.dp)):
+        if value < 1:  # checked before anything starts: no replica could ever serve
+            parser.error(f"{flag} must be at least 1, not {value}")
     try:
         model = _model(args)
     except ModelLoadError as exc:
@@ -261,17 +272,20 @@ def _until_stopped(serve: Callable[[], bool]) -> int:
         _ignore_signals()
         print("interrupted: stopping", file=sys.stderr)
         return 0
-    except EndpointInUse as exc:
+    except (EndpointInUse, NoReplicaLeft) as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 1
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
-    """``serve``'s model: the built-in one, or ``--model DIR`` (checked here: one line if wrong)."""
+    """``serve``'s model: the built-in one, or ``--model DIR`` (checked here, that it would
+    load, before any scheduler starts: one line if wrong)."""
     if args.model is None:
         return model_spec(None)
-    return model_spec(HFModelSpec(args.model, None if args.dtype == "auto" else args.dtype,
+    spec = model_spec(HFModelSpec(args.model, None if args.dtype == "auto" else args.dtype,
                                   args.device))
+    check_model_loads(spec)
+    return spec
 
 
 def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOptions,
@@ -281,18 +295,32 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
     A replica that dies is restarted (:mod:`scheduler.launch.respawn`).
     Exits 0 once a ``shutdown`` reached every replica, 1 if one was down;
     SIGINT or SIGTERM to this process alone stops its replicas at once and
-    exits 0 (a stop asked for is not a failure).
+    exits 0 (a stop asked for is not a failure). Once every replica has been
+    given up on, nothing can serve: one line says so and it exits 1.
     """
     directory = make_run_dir("dp")  # named for us: the replicas sweep it if we are killed
+    none_left: list[str] = []
+
+    def give_up(reason: str) -> None:  # (the supervisor's thread): stop the dispatcher,
+        none_left.append(reason)  # which runs in the main thread, as Ctrl-C would
+        _thread.interrupt_main(signal.SIGINT)
+
     procs, specs = start_replicas(directory, args.dp, model, max_batch=args.max_batch,
                                   limits=limits)
-    sup = supervise(procs, directory, model, max_batch=args.max_batch, limits=limits)
+    sup = supervise(procs, directory, model, max_batch=args.max_batch, limits=limits,
+                    none_left=give_up)
     reached = [False]  # a shutdown reached every replica: they exit by themselves
 
     def serve() -> bool:
-        reached[0] = serve_dispatch(endpoints, specs, options=options, curve_clients=allowed,
-                                    policy=args.dp_policy, max_backlog=limits.max_backlog,
-                                    heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT)
+        try:
+            reached[0] = serve_dispatch(endpoints, specs, options=options,
+                                        curve_clients=allowed, policy=args.dp_policy,
+                                        max_backlog=limits.max_backlog,
+                                        heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT)
+        except KeyboardInterrupt:
+            if none_left:
+                raise NoReplicaLeft(none_left[0]) from None
+            raise
         return reached[0]
 
     try:

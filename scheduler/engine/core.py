@@ -71,7 +71,13 @@ from scheduler.launch.leftovers import make_run_dir
 from scheduler.launch.processes import SchedulerProcesses, start_processes
 from scheduler.launch.tp import check_tp_room
 from scheduler.launch.wiring import Endpoints, serve_ring
-from scheduler.models.loading import HFModelSpec, ModelArg, load_model, model_spec
+from scheduler.models.loading import (
+    HFModelSpec,
+    ModelArg,
+    check_model_loads,
+    load_model,
+    model_spec,
+)
 from scheduler.models.protocol import Model
 
 __all__ = ["EngineCore", "Item", "Pending"]
@@ -97,6 +103,8 @@ class EngineCore:
                  metrics: bool = True) -> None:
         if mode not in ("ring", "zmq"):
             raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
+        if max_batch < 1:  # here, not in a scheduler process that would die at start
+            raise ValueError(f"max_batch must be at least 1, not {max_batch}")
         if tp_size < 1 or (tp_size > 1 and mode != "zmq"):
             raise ValueError("tp_size > 1 needs mode='zmq' (each rank is a process)")
         if tp_size > 1:
@@ -104,6 +112,8 @@ class EngineCore:
         if dp_size < 1 or (dp_size > 1 and mode != "zmq"):
             raise ValueError("dp_size > 1 needs mode='zmq' (each replica is a process)")
         self.model = model_spec(model)
+        if mode == "zmq":  # that it would load, before a process starts that could not
+            check_model_loads(self.model)
         if tp_size > 1 and isinstance(self.model, HFModelSpec):
             raise ValueError(f"tp_size={tp_size}: a Hugging Face model runs on one rank "
                              f"(use dp_size for more replicas)")
@@ -288,6 +298,12 @@ class EngineCore:
             log.exception("embedded scheduler crashed")
 
     def _alive(self) -> bool:
+        supervisor = self._started.supervisor
+        if supervisor is not None and supervisor.none_left is not None:
+            if self._gone is None:  # every replica given up on: nothing serves
+                self._gone = supervisor.none_left
+                log.error("%s: requests in flight fail, new ones are refused", self._gone)
+            return False
         dead = next((p for p in self._procs if not p.is_alive()), None)
         if dead is not None:
             if self._gone is None:

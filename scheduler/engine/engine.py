@@ -44,7 +44,11 @@ class Engine(EngineCore):
         model: the built-in model's :class:`~scheduler.ModelConfig` (default),
             or a Hugging Face model: a local directory (``str`` or ``Path``)
             or an :class:`~scheduler.HFModelSpec` (dtype, device). ``zmq``
-            mode loads it in the scheduler's process.
+            mode loads it in the scheduler's process, having checked here
+            that it would load (:class:`~scheduler.ModelLoadError` otherwise,
+            naming the file; with ``dp_size``, a dispatcher whose every
+            replica was given up on is :class:`~scheduler.SchedulerGone`,
+            saying so).
         max_batch: most requests decoding at once.
         start_timeout: seconds to wait for the scheduler to answer ``hello``,
             its first rpc (which also checks that it reads our wire layout:

@@ -11,6 +11,7 @@ in place (:mod:`scheduler.launch.respawn`).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import select
@@ -113,18 +114,36 @@ def _child(parent: int, target: Callable[..., None], *args: object, **kwargs: ob
     target(*args, **kwargs)
 
 
+def _shutdown_mark(directory: str, pid: int | None) -> str:
+    """The file a replica's rank 0 (``pid``) leaves in its directory once a ``shutdown``
+    stopped it: the supervisor's evidence that its exit is no death."""
+    return os.path.join(directory, f"shutdown-{pid}")
+
+
+def _serve_replica(directory: str, endpoints: Endpoints, model: ModelSpec, *,
+                   max_batch: int, limits: Limits, metrics: bool,
+                   tp: TPConfig | None = None) -> None:
+    """A replica's rank 0: serve until a ``shutdown``, then say so in ``directory``."""
+    serve_zmq(endpoints, model, max_batch=max_batch, tp=tp, limits=limits, metrics=metrics)
+    with contextlib.suppress(OSError), open(_shutdown_mark(directory, os.getpid()), "x"):
+        pass  # (no directory: whoever started us is gone or cleaning up; nobody asks)
+
+
 def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelSpec, *,
                      max_batch: int, tp_size: int, limits: Limits, metrics: bool,
-                     name: str, attempt: int = 0) -> list[BaseProcess]:
+                     name: str, attempt: int = 0, replica: bool = False) -> list[BaseProcess]:
     """A scheduler of ``tp_size`` ranks serving ``endpoints``; rank 0 first.
 
     ``attempt``: how many times it was restarted (each start rendezvouses its
-    ranks in a file of its own: a dead incarnation's is not reused)."""
+    ranks in a file of its own: a dead incarnation's is not reused).
+    ``replica``: rank 0 leaves :func:`_shutdown_mark` in ``directory`` when a
+    shutdown stops it."""
     ctx = multiprocessing.get_context("spawn")
     init = f"{directory}/tp-init" + (f"-{attempt}" if attempt else "")
     tp = TPConfig(tp_size, init) if tp_size > 1 else None
     me = os.getpid()
-    procs: list[BaseProcess] = [ctx.Process(target=_child, args=(me, serve_zmq, endpoints, model),
+    body: tuple[object, ...] = (_serve_replica, directory) if replica else (serve_zmq,)
+    procs: list[BaseProcess] = [ctx.Process(target=_child, args=(me, *body, endpoints, model),
                          kwargs={"max_batch": max_batch, "tp": tp, "limits": limits,
                                  "metrics": metrics},
                          name=name, daemon=True)]
@@ -162,15 +181,19 @@ def _start_replica(directory: str, model: ModelSpec, max_batch: int, tp_size: in
     sub = os.path.join(directory, f"r{i}")
     return _start_scheduler(Endpoints.in_dir(sub), sub, model, max_batch=max_batch,
                             tp_size=tp_size, limits=limits or Limits(), metrics=metrics,
-                            name=f"replica{i}", attempt=attempt)
+                            name=f"replica{i}", attempt=attempt, replica=True)
 
 
 def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, *,
               max_batch: int, tp_size: int = 1, limits: Limits | None = None,
-              metrics: bool = True, keep_going: Callable[[], bool] = lambda: True
-              ) -> ReplicaSupervisor:
+              metrics: bool = True, keep_going: Callable[[], bool] = lambda: True,
+              none_left: Callable[[str], None] | None = None) -> ReplicaSupervisor:
     """Restart the replicas :func:`start_replicas` started, in place, when they die
     (see :mod:`scheduler.launch.respawn`); started already, ``stop()`` it to end.
+
+    Any exit of a replica's processes is a death, unless its rank 0 left the
+    mark of a ``shutdown`` that stopped it. ``none_left`` is called (once, with
+    one line) when every replica has been given up on.
 
     With one rank per replica, a restart takes over a *standby*: a process
     started ahead that has imported everything and waits to be told which
@@ -179,11 +202,16 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
     def standby() -> Standby:
         return _start_standby(directory, model, max_batch, limits or Limits(), metrics)
 
+    def shut_down(i: int, ranks: list[BaseProcess]) -> bool:
+        return bool(ranks) and os.path.exists(
+            _shutdown_mark(os.path.join(directory, f"r{i}"), ranks[0].pid))
+
     sup = ReplicaSupervisor(procs, lambda i, attempt: _start_replica(
         directory, model, max_batch, tp_size, limits, metrics, i, attempt),
         keep_going=keep_going, standby=standby if tp_size == 1 else None,
         started=lambda: all(os.path.exists(os.path.join(directory, f"r{i}", "rpc"))
-                            for i in range(len(procs))))  # each bound its endpoints
+                            for i in range(len(procs))),  # each bound its endpoints
+        shut_down=shut_down, none_left=none_left)
     sup.start()
     return sup
 
@@ -191,16 +219,19 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
 def _stand_by(wake: Connection, directory: str, model: ModelSpec, max_batch: int,
               limits: Limits, metrics: bool) -> None:
     """A standby's body: say it is ready (everything is imported by now), wait for a
-    replica index (nothing: stand down), then serve it."""
+    replica index (nothing: stand down), then serve it as that replica's rank 0.
+
+    The supervisor hands it an index only after reading "ready", so a broken
+    pipe here means the supervisor is gone (or stood it down): nothing to serve."""
     try:
         wake.send_bytes(b"ready")
         data = wake.recv_bytes()
-    except (EOFError, OSError):  # the supervisor is gone
+    except (EOFError, OSError):
         return
     if data:
         sub = os.path.join(directory, f"r{int(data)}")
-        serve_zmq(Endpoints.in_dir(sub), model, max_batch=max_batch, limits=limits,
-                  metrics=metrics)
+        _serve_replica(sub, Endpoints.in_dir(sub), model, max_batch=max_batch, limits=limits,
+                       metrics=metrics)
 
 
 def _start_standby(directory: str, model: ModelSpec, max_batch: int, limits: Limits,

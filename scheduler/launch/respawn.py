@@ -5,22 +5,32 @@ with the others; without a restart its capacity would stay reduced for
 ever. :class:`ReplicaSupervisor` runs in the process that started the
 replicas (``Engine(dp_size=N)``, ``serve --dp``), watches their processes,
 and starts a replica again in place (the same ``ipc://`` endpoints) when
-one exits abnormally:
+one exits while it is meant to be serving:
 
-* after :data:`BACKOFF` seconds, doubling with each try up to
-  :data:`BACKOFF_MAX`; at most :data:`TRIES` tries in a row; a replica
-  that then stays up :data:`STABLE` seconds has its count reset;
+* when is decided by a :class:`RespawnPolicy`: after :data:`BACKOFF`
+  seconds, doubling with each try up to :data:`BACKOFF_MAX`; at most
+  :data:`TRIES` tries in a row; a replica that then stays up
+  :data:`STABLE` seconds has its count reset (the policy reads an injected
+  clock, so all of this is tested on a fake one);
 * each exit and restart is logged (``scheduler.launch``), and a replica
-  given up on is logged as an error;
+  given up on is logged as an error; once every replica is given up,
+  ``none_left`` is called with one line saying so (``serve --dp`` exits
+  non-zero with it);
 * where a *standby* can be had (one rank per replica), a process started
   ahead, imported and waiting, takes the dead replica's place at once and
   a new standby is started behind it; the first standby is started
   :data:`STANDBY_AFTER` seconds after every replica has started
   (``started()``): it must not slow their start, and a process that is
-  still importing cannot yet see its parent die;
-* a clean exit (code 0: the ``shutdown`` rpc reached it) is not restarted,
-  nor anything once :meth:`stop` was called or ``keep_going()`` says no
-  (the dispatcher is gone: the engine is closing).
+  still importing cannot yet see its parent die. A standby is handed a
+  replica only once it has said it is ready; one still starting is waited
+  for (it is further along than a fresh start would be) up to
+  :data:`STANDBY_WAIT` seconds, after which a fresh process is started;
+* an exit is a clean stop, not restarted, only when ``shut_down(i, ranks)``
+  says a ``shutdown`` reached that replica (its processes leave that
+  evidence themselves): an exit code of 0 alone proves nothing (a process
+  whose body merely returned exits 0 too). Nothing is restarted once
+  :meth:`stop` was called or ``keep_going()`` says no (the dispatcher is
+  gone: the engine is closing).
 
 The new process answers the dispatcher's next probe with its pid and
 rejoins under a new generation (:mod:`scheduler.dp.replica`), so outputs
@@ -34,12 +44,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-__all__ = ["BACKOFF", "BACKOFF_MAX", "STABLE", "STANDBY_AFTER", "TRIES", "ReplicaSupervisor",
-           "Standby"]
+from scheduler.errors import EngineError
+
+__all__ = ["BACKOFF", "BACKOFF_MAX", "STABLE", "STANDBY_AFTER", "STANDBY_WAIT", "TRIES",
+           "NoReplicaLeft", "ReplicaSupervisor", "RespawnPolicy", "Standby"]
 
 log = logging.getLogger("scheduler.launch")
 
@@ -53,8 +65,59 @@ BACKOFF_MAX = 5.0
 STABLE = 60.0
 #: Seconds after every replica started before the first standby is started.
 STANDBY_AFTER = 10.0
+#: Seconds a restart waits for a standby still starting before it starts a fresh process.
+STANDBY_WAIT = 30.0
 #: Seconds between two looks at the processes (an exit is restarted this late at most).
 _LOOK = 0.05
+
+
+class NoReplicaLeft(EngineError):
+    """Every replica was given up on: nothing is left to serve (the message says why,
+    on one line: :attr:`ReplicaSupervisor.none_left`)."""
+
+
+@dataclass(slots=True)
+class RespawnPolicy:
+    """When replica ``i`` is started again after an exit, and when it is given up on.
+
+    Per replica it counts the exits in a row: the ``n``-th is followed by a
+    wait of ``backoff * 2 ** (n - 1)`` seconds (at most ``backoff_max``), and
+    the one past ``tries`` gives the replica up. An exit that comes
+    ``stable`` seconds or more after the replica's last start counts as the
+    first again. Time is read from ``clock`` only.
+    """
+
+    replicas: int
+    tries: int = TRIES
+    backoff: float = BACKOFF
+    backoff_max: float = BACKOFF_MAX
+    stable: float = STABLE
+    clock: Callable[[], float] = time.monotonic
+    _failures: list[int] = field(init=False)
+    _started_at: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._failures = [0] * self.replicas
+        self._started_at = [self.clock()] * self.replicas
+
+    def started(self, i: int) -> None:
+        """Replica ``i`` was (re)started now."""
+        self._started_at[i] = self.clock()
+
+    def exited(self, i: int) -> float | None:
+        """Replica ``i`` exited now: seconds to wait before starting it again, or
+        ``None`` when it has used up its tries (give it up)."""
+        if self.clock() - self._started_at[i] >= self.stable:
+            self._failures[i] = 0  # it had served a while: this is a new bout
+        self._failures[i] += 1
+        n = self._failures[i]
+        if n > self.tries:
+            return None
+        return float(min(self.backoff_max, self.backoff * 2 ** (n - 1)))
+
+    def failures(self, i: int) -> int:
+        """Replica ``i``'s exits in a row."""
+        return self._failures[i]
 
 
 @dataclass(slots=True)
@@ -77,8 +140,12 @@ class Standby:
         """Make it serve replica ``i`` now; its processes.
 
         Raises:
+            RuntimeError: it has not said it is ready (it would still be
+                sending that on a pipe this closes).
             OSError: it is gone (its end of the pipe closed).
         """
+        if not self.ready:
+            raise RuntimeError(f"standby pid {self.process.pid} is not ready")
         self.wake.send_bytes(str(i).encode())
         self.wake.close()
         return [self.process]
@@ -90,41 +157,69 @@ class Standby:
         self.wake.close()
 
 
+def _stop_standby(standby: Standby) -> None:
+    """Stand ``standby`` down and wait for it (killed if it does not exit)."""
+    standby.stand_down()
+    standby.process.join(5.0)
+    if standby.process.is_alive():
+        standby.process.kill()
+        standby.process.join(5.0)
+
+
 class ReplicaSupervisor:
-    """Restarts replica ``i`` with ``start(i, attempt)`` when its processes exit abnormally.
+    """Restarts replica ``i`` with ``start(i, attempt)`` when its processes exit while
+    it is meant to be serving.
 
     ``replicas[i]`` is replica ``i``'s list of processes (every tp rank); it
     is replaced *in place* by the new ones, so whoever holds the list (the
     engine's process table, ``serve --dp``'s clean-up) sees them.
+
+    Args:
+        replicas: each replica's processes.
+        start: starts replica ``i`` afresh (``attempt``: its restarts so far + 1).
+        keep_going: ``False`` once nothing should be restarted any more.
+        policy: backoff, tries and reset (its clock is the supervisor's too).
+        standby: starts a standby (``None``: restarts always start afresh).
+        started: whether every replica has started (standbys wait for that).
+        shut_down: whether replica ``i``'s exited processes ``ranks`` stopped
+            because a ``shutdown`` reached them (the only exit not restarted).
+        none_left: called once, with one line, when every replica is given up.
     """
 
     def __init__(self, replicas: list[list[BaseProcess]],
                  start: Callable[[int, int], list[BaseProcess]], *,
-                 keep_going: Callable[[], bool] = lambda: True, tries: int = TRIES,
-                 backoff: float = BACKOFF, backoff_max: float = BACKOFF_MAX,
-                 stable: float = STABLE, standby: Callable[[], Standby] | None = None,
-                 started: Callable[[], bool] = lambda: True) -> None:
+                 keep_going: Callable[[], bool] = lambda: True,
+                 policy: RespawnPolicy | None = None,
+                 standby: Callable[[], Standby] | None = None,
+                 started: Callable[[], bool] = lambda: True,
+                 shut_down: Callable[[int, list[BaseProcess]], bool] = lambda i, ranks: False,
+                 none_left: Callable[[str], None] | None = None) -> None:
         self.replicas = replicas
         self._start = start
         self._keep_going = keep_going
-        self.tries, self.backoff, self.backoff_max, self.stable = tries, backoff, backoff_max, \
-            stable
+        self.policy = policy or RespawnPolicy(len(replicas))
+        self.clock = self.policy.clock
         self.restarts = [0] * len(replicas)  #: restarts done, per replica
         self.standby_used = 0  #: restarts that took over a standby
-        self.given_up: set[int] = set()
-        self._failures = [0] * len(replicas)  # exits in a row
-        self._started_at = [time.monotonic()] * len(replicas)
+        self.given_up: set[int] = set()  #: replicas that used up their tries
+        self.stopped: set[int] = set()  #: replicas a shutdown stopped
+        self._exit_codes: dict[int, int] = {}  # replica -> its last exit code
         self._due: dict[int, float] = {}  # replica -> when to restart it
+        self._waiting: dict[int, float] = {}  # replica -> since when it waits for the standby
         self._make_standby = standby
         self._all_started = started
+        self._shut_down = shut_down
+        self._on_none_left = none_left
+        #: Once every replica is given up on: one line saying so (else ``None``).
+        self.none_left: str | None = None
         self._standby: Standby | None = None
-        self._up_since: float | None = None  # when every replica had started
+        self._next_standby: float | None = None  # when to start a standby (once all started)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replica-supervisor",
                                         daemon=True)
 
     def start(self) -> None:
-        """Start watching (a daemon thread)."""
+        """Start watching (a daemon thread that calls :meth:`look` every 50 ms)."""
         self._thread.start()
 
     def stop(self) -> None:
@@ -137,71 +232,101 @@ class ReplicaSupervisor:
     def _stand_down(self) -> None:
         standby, self._standby = self._standby, None
         if standby is not None:
-            standby.stand_down()
-            standby.process.join(5.0)
-            if standby.process.is_alive():
-                standby.process.kill()
+            _stop_standby(standby)
 
     def _run(self) -> None:
         try:
-            self._watch()
+            while not self._stop.wait(_LOOK) and self._keep_going():
+                self.look()
         finally:
             self._stand_down()
 
-    def _watch(self) -> None:
-        while not self._stop.wait(_LOOK):
-            if not self._keep_going():
-                return
-            now = time.monotonic()
-            if self._up_since is None and self._all_started():
-                self._up_since = now
-            if self._make_standby is not None and self._up_since is not None and (
-                    self._standby is None or self._standby.process.exitcode is not None) \
-                    and now - self._up_since >= STANDBY_AFTER:
-                self._standby = self._make_standby()
-            for i, ranks in enumerate(self.replicas):
-                if i in self.given_up:
-                    continue
-                if i in self._due:
-                    if now >= self._due[i]:
-                        del self._due[i]
-                        self._restart(i)
-                    continue
-                codes = [p.exitcode for p in ranks]
-                if all(c is None for c in codes):
-                    continue
-                if all(c == 0 for c in codes if c is not None):
-                    self.given_up.add(i)  # stopped cleanly (shutdown): nothing to restart
-                    continue
-                self._exited(i, ranks, [c for c in codes if c is not None], now)
+    def look(self) -> None:
+        """Look at every replica's processes once, at the policy's clock's now: restart
+        those due, note those that exited, start a standby when one is wanted."""
+        now = self.clock()
+        if self._make_standby is not None:
+            self._keep_a_standby(now)
+        for i, ranks in enumerate(self.replicas):
+            if i in self.given_up or i in self.stopped:
+                continue
+            if i in self._due:
+                if now >= self._due[i]:
+                    del self._due[i]
+                    if not self._restart(i, now):
+                        self._due[i] = now  # it waits for the standby: looked at again
+                continue
+            codes = [p.exitcode for p in ranks]
+            if all(c is None for c in codes):
+                continue
+            if all(c == 0 for c in codes) and self._shut_down(i, ranks):
+                self.stopped.add(i)  # a shutdown reached it: nothing to restart
+                log.info("replica%d stopped (shutdown)", i)
+                continue
+            self._exited(i, ranks, next(c for c in codes if c is not None))
 
-    def _exited(self, i: int, ranks: list[BaseProcess], codes: list[int], now: float) -> None:
+    def _keep_a_standby(self, now: float) -> None:
+        """Start a standby :data:`STANDBY_AFTER` seconds after every replica started, a
+        new one at once after a take-over, and, after one that exited unasked (or was
+        let go, too slow), only :data:`STANDBY_AFTER` seconds later: one that cannot
+        start must not be started again every look."""
+        assert self._make_standby is not None
+        if self._next_standby is None:
+            if not self._all_started():
+                return
+            self._next_standby = now + STANDBY_AFTER
+        standby = self._standby
+        if standby is not None and standby.process.exitcode is not None:
+            log.warning("the standby (pid %s) exited (exit code %s) before it was needed: "
+                        "another in %.0f s", standby.process.pid, standby.process.exitcode,
+                        STANDBY_AFTER)
+            self._standby = None
+            self._next_standby = now + STANDBY_AFTER
+        if self._standby is None and now >= self._next_standby:
+            self._standby = self._make_standby()
+
+    def _exited(self, i: int, ranks: list[BaseProcess], code: int) -> None:
         for p in ranks:  # a rank left alone would wait for its dead peer for ever
             if p.exitcode is None:
                 p.kill()
             p.join(5.0)
-        if now - self._started_at[i] >= self.stable:
-            self._failures[i] = 0
-        self._failures[i] += 1
-        n = self._failures[i]
-        if n > self.tries:
+        self._exit_codes[i] = code
+        delay = self.policy.exited(i)
+        if delay is None:
             self.given_up.add(i)
+            serving = self._serving()
             log.error("replica%d exited (exit code %s) after %d restarts in a row: not "
-                      "restarting it again; the others serve on", i, codes[0], self.tries)
+                      "restarting it again%s", i, code, self.policy.tries,
+                      "; the others serve on" if serving else "")
+            if not serving:
+                self.none_left = self._none_left_line()
+                if self._on_none_left is not None:
+                    self._on_none_left(self.none_left)
             return
-        delay = min(self.backoff_max, self.backoff * 2 ** (n - 1))
-        self._due[i] = now + delay
+        self._due[i] = self.clock() + delay
         log.warning("replica%d exited (exit code %s): restarting it in %.2f s (try %d of %d)",
-                    i, codes[0], delay, n, self.tries)
+                    i, code, delay, self.policy.failures(i), self.policy.tries)
+
+    def _serving(self) -> bool:
+        """Whether a replica may still serve (one not given up on)."""
+        return len(self.given_up) < len(self.replicas)
+
+    def _none_left_line(self) -> str:
+        """One line: no replica can serve, and each one's last exit code."""
+        codes = ", ".join(f"replica{i} exit code {self._exit_codes.get(i)}"
+                          for i in range(len(self.replicas)))
+        return (f"no replica can serve: each exited {self.policy.tries + 1} times in a row "
+                f"({codes}; the log above has their errors)")
 
     def _take_standby(self, i: int) -> list[BaseProcess] | None:
-        """The standby's processes, now serving replica ``i`` (``None``: no standby ready)."""
-        standby, self._standby = self._standby, None
-        if standby is None or standby.process.exitcode is not None:
+        """The standby's processes, now serving replica ``i`` (``None``: none is ready)."""
+        standby = self._standby
+        if standby is None or standby.process.exitcode is not None or not standby.ready:
             return None
+        self._standby = None
         try:
             new = standby.take_over(i)
-        except OSError:
+        except OSError:  # it died between its "ready" and now: start afresh
             return None
         self.standby_used += 1
         return new
@@ -212,17 +337,41 @@ class ReplicaSupervisor:
         standby = self._standby
         return standby is not None and standby.process.exitcode is None and standby.ready
 
-    def _restart(self, i: int) -> None:
+    def _standby_starting(self, i: int, now: float) -> bool:
+        """Whether replica ``i``'s restart should wait for the standby, still starting
+        (no longer than :data:`STANDBY_WAIT`; then it is let go and a fresh one starts)."""
+        standby = self._standby
+        if standby is None or standby.process.exitcode is not None or standby.ready:
+            return False
+        if i not in self._waiting:
+            self._waiting[i] = now
+            log.info("replica%d waits for the standby (pid %s) to finish starting", i,
+                     standby.process.pid)
+        if now - self._waiting[i] < STANDBY_WAIT:
+            return True
+        log.warning("the standby (pid %s) did not start within %.0f s: stopping it, "
+                    "starting replica%d afresh", standby.process.pid, STANDBY_WAIT, i)
+        self._standby = None
+        self._next_standby = now + STANDBY_AFTER
+        _stop_standby(standby)
+        return False
+
+    def _restart(self, i: int, now: float) -> bool:
+        """Start replica ``i`` again; ``False``: not yet (it waits for the standby)."""
         if self._stop.is_set() or not self._keep_going():
-            return
+            return True
+        if self._standby_starting(i, now):
+            return False
+        self._waiting.pop(i, None)
         try:
             new = self._take_standby(i) or self._start(i, self.restarts[i] + 1)
         except Exception as exc:  # a failed start is a failed try
             log.warning("replica%d could not be restarted: %s", i, exc)
-            self._exited(i, [], [-1], time.monotonic())
-            return
+            self._exited(i, [], -1)
+            return True
         self.restarts[i] += 1
-        self._started_at[i] = time.monotonic()
+        self.policy.started(i)
         self.replicas[i][:] = new
         log.warning("replica%d restarted (pid %s, restart %d)", i,
                     ", ".join(str(p.pid) for p in new), self.restarts[i])
+        return True

@@ -11,8 +11,10 @@ error at the engine's constructor or the command line, not a dead child.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,7 +23,7 @@ from scheduler.models.protocol import Model
 from scheduler.models.tiny import ModelConfig, build_model
 
 __all__ = ["HFModelSpec", "ModelArg", "ModelLoadError", "ModelSpec", "check_model_dir",
-           "load_model", "model_spec", "own_process_threads"]
+           "check_model_loads", "load_model", "model_spec", "own_process_threads"]
 
 @dataclass(frozen=True, slots=True)
 class HFModelSpec:
@@ -100,3 +102,51 @@ def load_model(model: ModelSpec | Model) -> Model:
         raise ModelLoadError(spec.path, f"loading a Hugging Face model needs transformers "
                                         f"({exc}): {HF_EXTRA}") from exc
     return HFCausalLM(spec.path, dtype=spec.dtype, device=spec.device)
+
+
+def check_model_loads(model: ModelSpec) -> None:
+    """Check, without building it, that ``model`` would load: what a process that
+    starts schedulers runs first, so that a model no scheduler could load is one
+    error here rather than processes that die at start, one after the other.
+
+    For a directory: :func:`model_spec`'s checks, its ``config.json`` read as
+    ``transformers`` reads it (an unknown ``model_type`` fails here), and every
+    weight file's safetensors header read and matched against the file's size
+    (a truncated or corrupt file fails here). No tensor is read. The built-in
+    model needs nothing.
+
+    Raises:
+        ModelLoadError: naming the file and the cause.
+    """
+    if not isinstance(model, HFModelSpec):
+        return
+    spec = model_spec(model)
+    assert isinstance(spec, HFModelSpec)
+    root = Path(spec.path)
+    from safetensors import SafetensorError, safe_open
+    for weights in _weight_files(root):  # first: reading a header costs no import
+        try:
+            with safe_open(str(weights), "pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(weights, f"unreadable safetensors: {_one_line(exc)}") \
+                from exc
+    from transformers import AutoConfig
+    try:
+        AutoConfig.from_pretrained(root, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(root / "config.json", _one_line(exc)) from exc
+
+
+def _weight_files(root: Path) -> list[Path]:
+    """The safetensors files a model directory loads (its index's shards, or the one)."""
+    index = root / "model.safetensors.index.json"
+    if not index.is_file():
+        return [root / "model.safetensors"]
+    shards = json.loads(index.read_text())["weight_map"].values()  # check_model_dir read it
+    return [root / shard for shard in sorted(set(shards))]
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (transformers' run over several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__

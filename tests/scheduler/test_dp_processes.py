@@ -355,7 +355,7 @@ def test_closing_a_dp_engine_stops_its_supervisor_first() -> None:
 def test_a_replica_that_keeps_dying_is_given_up_after_its_tries() -> None:
     from multiprocessing.process import BaseProcess
 
-    from scheduler.launch.respawn import ReplicaSupervisor
+    from scheduler.launch.respawn import ReplicaSupervisor, RespawnPolicy
 
     class Dead(BaseProcess):
         exitcode = 1
@@ -370,7 +370,8 @@ def test_a_replica_that_keeps_dying_is_given_up_after_its_tries() -> None:
         starts.append(attempt)
         return [Dead()]
 
-    sup = ReplicaSupervisor([[Dead()]], start, tries=3, backoff=0.01, backoff_max=0.02)
+    sup = ReplicaSupervisor([[Dead()]], start,
+                            policy=RespawnPolicy(1, tries=3, backoff=0.01, backoff_max=0.02))
     sup.start()
     deadline = time.monotonic() + 30
     while 0 not in sup.given_up:
@@ -452,3 +453,98 @@ def test_serve_dp_stops_promptly_on_sigint_to_the_parent_alone(tmp_path: Path) -
         if serve.poll() is None:
             serve.kill()
         serve.wait(30)
+
+
+def _standby_appears(serve: subprocess.Popen[str], known: set[int], timeout: float) -> int:
+    """The pid of the next child of ``serve`` not in ``known`` (its replicas' standby)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        new = [p for p in procs.children(serve.pid) if p not in known and procs.alive(p)]
+        if new:
+            return new[0]
+        assert time.monotonic() < deadline, "no standby was started"
+        time.sleep(0.01)  # sleep-ok: pacing a deadline poll
+
+
+def _all_live_with_new_replica0(rpc: RpcClient, old: int, timeout: float) -> int:
+    """Poll get_load until every replica is live and replica 0 is not ``old``; its pid."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = rpc.call("get_load", timeout=30)
+        if reply.success and reply.result is not None and reply.result["replica0.pid"] != old:
+            pid = reply.result["replica0.pid"]
+            assert isinstance(pid, int)
+            return pid
+        assert time.monotonic() < deadline, f"replica0 not live again: {reply.message}"
+        time.sleep(0.1)  # sleep-ok: pacing a deadline poll
+
+
+def test_serve_dp_restarts_a_replica_killed_while_its_standby_is_still_starting(
+        tmp_path: Path) -> None:
+    # Twice: killed as the first standby starts, then again within seconds of that
+    # restart, as the next standby starts. Each time the standby, still importing,
+    # must not be handed the replica (it exited 0 on the closed pipe: never restarted).
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        serve = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--dp", "2",
+                                  "--endpoint", str(tmp_path / "ep")], stderr=err, text=True)
+    rpc = RpcClient(f"ipc://{tmp_path}/ep/rpc")
+    try:
+        deadline = time.monotonic() + 120
+        while not (reply := rpc.call("get_load", timeout=120)).success:  # both live
+            assert time.monotonic() < deadline
+        assert reply.result is not None
+        replica0, replica1 = reply.result["replica0.pid"], reply.result["replica1.pid"]
+        assert isinstance(replica0, int) and isinstance(replica1, int)
+        known = set(procs.children(serve.pid))
+        for _ in range(2):
+            standby = _standby_appears(serve, known, 60)
+            known.add(standby)
+            os.kill(replica0, signal.SIGKILL)  # the standby is still importing torch
+            replica0 = _all_live_with_new_replica0(rpc, replica0, 90)
+            known.add(replica0)
+        for _ in range(10):  # and they stay live
+            assert rpc.call("get_load", timeout=30).success
+        assert procs.alive(replica0) and procs.alive(replica1)
+        assert rpc.call("shutdown", timeout=30).success
+        assert serve.wait(60) == 0
+    finally:
+        rpc.close()
+        if serve.poll() is None:
+            serve.kill()
+        serve.wait(30)
+    text = log.read_text()
+    assert text.count("replica0 exited (exit code -9)") == 2, text
+    assert text.count("replica0 restarted") == 2, text
+    assert "replica1 exited" not in text, text  # its exit 0 after shutdown: no death
+
+
+def test_serve_dp_does_not_restart_a_replica_a_shutdown_stopped(tmp_path: Path) -> None:
+    # Its exit 0 is no death only because it left the mark of that shutdown.
+    log = tmp_path / "serve.log"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with open(log, "w") as err:
+        serve = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--dp", "2",
+                                  "--endpoint", str(tmp_path / "ep")], stderr=err, text=True,
+                                 env={**os.environ, "TMPDIR": str(tmp)})
+    rpc = RpcClient(f"ipc://{tmp_path}/ep/rpc")
+    try:
+        deadline = time.monotonic() + 120
+        while not (reply := rpc.call("get_load", timeout=120)).success:  # both live
+            assert time.monotonic() < deadline
+        assert reply.result is not None
+        replica0 = reply.result["replica0.pid"]
+        assert isinstance(replica0, int)
+        (run_dir,) = tmp.glob(f"tsbrun-{serve.pid}-dp-*")
+        with RpcClient(f"ipc://{run_dir}/r0/rpc") as own:  # replica 0's own door
+            assert own.call("shutdown", timeout=30).success
+        procs.wait_gone([replica0], 30)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # a restart would come within 0.1 s
+            assert "replica0 exited" not in log.read_text()
+            time.sleep(0.1)  # sleep-ok: pacing a watch that must stay quiet
+    finally:
+        rpc.close()
+        serve.terminate()
+        serve.wait(60)

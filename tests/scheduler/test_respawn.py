@@ -1,0 +1,255 @@
+"""The respawn policy and the replica supervisor on a fake clock, with fake processes:
+backoff, the reset after a stable minute, what counts as a death, and standbys that
+are not ready yet. (Real processes: test_dp_processes.py.)"""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import pytest
+
+from scheduler.launch.respawn import (
+    BACKOFF,
+    BACKOFF_MAX,
+    STABLE,
+    STANDBY_AFTER,
+    STANDBY_WAIT,
+    TRIES,
+    ReplicaSupervisor,
+    RespawnPolicy,
+    Standby,
+)
+
+
+class Clock:
+    """A clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Proc(BaseProcess):
+    """A process that exits when the test says so."""
+
+    exitcode: int | None = None
+    pid: int | None = None
+    _pids = iter(range(10_000, 20_000))
+
+    def __init__(self) -> None:
+        self.pid = next(Proc._pids)
+        self.exitcode = None
+        self.killed = False
+
+    def kill(self) -> None:
+        self.killed = True
+        if self.exitcode is None:
+            self.exitcode = -9
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+
+def test_the_documented_backoff_doubles_up_to_its_ceiling_and_gives_up_after_the_tries(
+) -> None:
+    clock = Clock()
+    policy = RespawnPolicy(1, clock=clock)
+    delays = []
+    for _ in range(TRIES + 1):
+        delays.append(policy.exited(0))
+        policy.started(0)
+        clock.now += 1.0  # up a second each time: no reset
+    # What the README promises: 0.1 s, doubling, at most 5 tries in a row.
+    assert (BACKOFF, BACKOFF_MAX, TRIES, STABLE) == (0.1, 5.0, 5, 60.0)
+    assert delays == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, None])
+    long = RespawnPolicy(1, tries=10, clock=clock)
+    assert [long.exited(0) for _ in range(10)][-4:] == [5.0, 5.0, 5.0, 5.0]  # the ceiling
+
+
+def test_a_replica_up_a_stable_minute_counts_its_tries_from_zero_again() -> None:
+    clock = Clock()
+    policy = RespawnPolicy(1, clock=clock)
+    for _ in range(TRIES):
+        assert policy.exited(0) is not None
+        policy.started(0)
+    clock.now += STABLE - 1.0  # not quite a minute: still the same bout
+    assert policy.exited(0) is None
+    policy = RespawnPolicy(1, clock=clock)
+    for _ in range(TRIES):
+        policy.exited(0)
+        policy.started(0)
+    clock.now += STABLE  # a stable minute: the next exit is the first of a new bout
+    assert policy.exited(0) == pytest.approx(BACKOFF)
+    assert policy.failures(0) == 1
+
+
+def _supervisor(clock: Clock, n: int = 1, **kwargs: object
+                ) -> tuple[ReplicaSupervisor, list[list[BaseProcess]], list[int]]:
+    replicas: list[list[BaseProcess]] = [[Proc()] for _ in range(n)]
+    starts: list[int] = []
+
+    def start(i: int, attempt: int) -> list[BaseProcess]:
+        starts.append(i)
+        return [Proc()]
+
+    sup = ReplicaSupervisor(replicas, start, policy=RespawnPolicy(n, clock=clock),
+                            **kwargs)  # type: ignore[arg-type]
+    return sup, replicas, starts
+
+
+def _die(replicas: list[list[BaseProcess]], i: int, code: int = -9) -> None:
+    proc = replicas[i][0]
+    assert isinstance(proc, Proc)
+    proc.exitcode = code
+
+
+def test_the_supervisor_waits_out_the_backoff_on_its_clock_and_resets_after_a_minute(
+) -> None:
+    clock = Clock()
+    told: list[str] = []
+    sup, replicas, starts = _supervisor(clock, 2, none_left=told.append)
+    for n in range(TRIES):
+        _die(replicas, 0)
+        sup.look()  # seen dead: due after the backoff
+        wait = min(BACKOFF_MAX, BACKOFF * 2 ** n)
+        clock.now += wait * 0.9
+        sup.look()
+        assert starts == [0] * n, "restarted before its backoff ran out"
+        clock.now += wait * 0.2
+        sup.look()
+        assert starts == [0] * (n + 1)
+    clock.now += STABLE  # stable a minute: the next death is a first try again
+    _die(replicas, 0)
+    sup.look()
+    clock.now += BACKOFF * 1.1
+    sup.look()
+    assert starts == [0] * (TRIES + 1) and sup.given_up == set()
+    for _ in range(TRIES + 1):  # five more deaths in a row, then given up
+        _die(replicas, 0)
+        sup.look()
+        clock.now += BACKOFF_MAX
+        sup.look()
+    assert sup.given_up == {0} and told == []  # replica1 still serves
+    for _ in range(TRIES + 1):
+        _die(replicas, 1, 1)
+        sup.look()
+        clock.now += BACKOFF_MAX
+        sup.look()
+    assert sup.given_up == {0, 1}
+    assert len(told) == 1 and "no replica can serve" in told[0] and "\n" not in told[0]
+    assert "replica1 exit code 1" in told[0]
+
+
+def test_an_exit_0_without_a_shutdown_is_a_death_and_with_one_a_stop() -> None:
+    clock = Clock()
+    stopped: set[int] = set()
+    sup, replicas, starts = _supervisor(clock, 2, shut_down=lambda i, ranks: i in stopped)
+    _die(replicas, 0, 0)  # exit 0, but no shutdown reached it
+    sup.look()
+    clock.now += BACKOFF * 1.1
+    sup.look()
+    assert starts == [0] and sup.restarts == [1, 0]
+    stopped.add(1)
+    _die(replicas, 1, 0)
+    sup.look()
+    clock.now += BACKOFF_MAX
+    sup.look()
+    assert starts == [0] and sup.stopped == {1} and sup.given_up == set()
+
+
+class _Standbys:
+    """Standbys on real pipes; the test plays the standby's side."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[Standby, Connection]] = []
+
+    def __call__(self) -> Standby:
+        theirs, ours = multiprocessing.Pipe()
+        standby = Standby(Proc(), ours)
+        self.made.append((standby, theirs))
+        return standby
+
+    def close(self) -> None:
+        for standby, theirs in self.made:
+            theirs.close()
+            standby.wake.close()
+
+
+def test_a_standby_still_starting_is_waited_for_never_handed_over(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    standbys = _Standbys()
+    sup, replicas, starts = _supervisor(clock, 2, standby=standbys)
+    try:
+        sup.look()
+        clock.now += STANDBY_AFTER
+        sup.look()  # the standby is started: it imports, it has not said "ready"
+        standby, theirs = standbys.made[0]
+        _die(replicas, 0)
+        sup.look()
+        for _ in range(5):  # the restart is due: it waits for the standby
+            clock.now += 1.0
+            sup.look()
+        assert starts == [] and sup.restarts == [0, 0] and not theirs.poll()
+        theirs.send_bytes(b"ready")  # it finished starting
+        sup.look()
+        assert theirs.recv_bytes() == b"0"  # handed replica 0 only now
+        assert replicas[0] == [standby.process] and sup.standby_used == 1
+        sup.look()  # a new standby behind it (standby_after passed long ago)
+        assert len(standbys.made) == 2
+        _die(replicas, 0)  # a second crash while that one starts: waited for too,
+        sup.look()  # and once it takes too long, a fresh start
+        clock.now += STANDBY_WAIT / 2
+        sup.look()
+        assert starts == []
+        clock.now += STANDBY_WAIT
+        sup.look()
+        assert starts == [0] and sup.restarts == [2, 0]
+        let_go = standbys.made[1][0]
+        assert isinstance(let_go.process, Proc)
+        assert let_go.wake.closed and let_go.process.killed
+    finally:
+        sup.stop()
+        standbys.close()
+
+
+def test_a_standby_take_over_refuses_a_standby_not_ready() -> None:
+    theirs, ours = multiprocessing.Pipe()
+    try:
+        with pytest.raises(RuntimeError, match="not ready"):
+            Standby(Proc(), ours).take_over(0)
+        assert not theirs.poll()
+    finally:
+        theirs.close()
+        ours.close()
+
+
+def test_a_standby_that_exits_unasked_is_replaced_only_after_a_pause() -> None:
+    clock = Clock()
+    standbys = _Standbys()
+    sup, _, _ = _supervisor(clock, 1, standby=standbys)
+    try:
+        sup.look()
+        assert standbys.made == []  # not while the replicas start
+        clock.now += STANDBY_AFTER
+        sup.look()
+        assert len(standbys.made) == 1
+        first = standbys.made[0][0].process
+        assert isinstance(first, Proc)
+        first.exitcode = 1  # it could not start
+        for _ in range(10):
+            sup.look()
+            clock.now += 0.05
+        assert len(standbys.made) == 1  # not one a look
+        clock.now += STANDBY_AFTER
+        sup.look()
+        assert len(standbys.made) == 2
+    finally:
+        sup.stop()
+        standbys.close()
