@@ -34,13 +34,19 @@ from pathlib import Path
 
 import torch
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    DynamicCache,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.cache_utils import DynamicLayer
 
 from scheduler.models.files import ModelLoadError, check_model_dir
 from scheduler.models.protocol import PromptChunk
 
-__all__ = ["HFCausalLM"]
+__all__ = ["HFCausalLM", "load_config"]
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, heads, n, dim)
 
@@ -77,11 +83,22 @@ class _Resident:
         self.width += 1
 
 
+def load_config(root: str | os.PathLike[str]) -> PretrainedConfig:
+    """A model directory's ``config.json``, as ``transformers`` reads it (local only).
+
+    Raises:
+        ValueError, OSError: ``transformers``' own (an unknown ``model_type``, ...).
+    """
+    config: PretrainedConfig = AutoConfig.from_pretrained(root, local_files_only=True)
+    return config
+
+
 class HFCausalLM:
     """A ``transformers`` causal LM serving the scheduler (see the module docstring).
 
     Args:
         path: a local directory with ``config.json`` and safetensors weights.
+        config: its ``config.json`` read already (:func:`load_config`), else read here.
         dtype: ``"float32"``, ``"bfloat16"``, ... (``None``: the checkpoint's own).
         device: ``"cpu"`` (default) or ``"cuda"``, ``"cuda:1"``, ...
 
@@ -90,14 +107,15 @@ class HFCausalLM:
             cache is not the full-attention kind this adapter batches.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, dtype: str | None = None,
-                 device: str = "cpu") -> None:
+    def __init__(self, path: str | os.PathLike[str], *, config: PretrainedConfig | None = None,
+                 dtype: str | None = None, device: str = "cpu") -> None:
         root = check_model_dir(path)
         if dtype is not None and dtype not in _DTYPES:
             raise ModelLoadError(root, f"unknown dtype {dtype!r} (one of {sorted(_DTYPES)})")
         self.device = torch.device(device)
         hf: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-            root, local_files_only=True, use_safetensors=True,
+            root, config=config if config is not None else load_config(root),
+            local_files_only=True, use_safetensors=True,
             dtype=_DTYPES[dtype] if dtype is not None else "auto")
         torch.nn.Module.to(hf, self.device)  # in place (a device_map would need accelerate)
         self.hf = hf  # from_pretrained leaves it in eval mode

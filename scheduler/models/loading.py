@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -85,6 +88,10 @@ def own_process_threads(model: ModelSpec) -> None:
 def load_model(model: ModelSpec | Model) -> Model:
     """The model a spec describes (a model passes through as it is).
 
+    Every failure to load a Hugging Face model is a :class:`ModelLoadError`
+    (one line naming the file and the cause), whatever raised it: this is
+    where ``transformers``' and ``safetensors``' errors are converted.
+
     Raises:
         ModelLoadError: as :func:`model_spec`, or the model failed to load.
     """
@@ -95,8 +102,36 @@ def load_model(model: ModelSpec | Model) -> Model:
     spec = model_spec(model)
     assert isinstance(spec, HFModelSpec)
     try:
-        from scheduler.models.hf import HFCausalLM
+        from scheduler.models.hf import HFCausalLM, load_config
     except ImportError as exc:
         raise ModelLoadError(spec.path, f"loading a Hugging Face model needs transformers "
                                         f"({exc}): {HF_EXTRA}") from exc
-    return HFCausalLM(spec.path, dtype=spec.dtype, device=spec.device)
+    root = Path(spec.path)
+    with _converted(root / "config.json"):
+        config = load_config(root)
+    with _converted(root):
+        return HFCausalLM(root, config=config, dtype=spec.dtype, device=spec.device)
+
+
+@contextmanager
+def _converted(path: Path) -> Iterator[None]:
+    """Any error the block raises, as a ModelLoadError about ``path`` (one line)."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(path, _one_line(exc)) from exc
+
+
+#: A cause longer than this is cut to its first sentence.
+_LONG = 200
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as one line: its type and the first line of its text (the first sentence
+    of a long one: ``transformers`` follows it with advice on upgrading)."""
+    text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    if len(text) > _LONG and ". " in text:
+        text = text[:text.index(". ") + 1]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
