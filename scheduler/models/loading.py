@@ -68,7 +68,7 @@ def model_spec(model: ModelArg) -> ModelSpec:
     return HFModelSpec(str(root), spec.dtype, spec.device)
 
 
-def own_process_threads(model: ModelSpec) -> None:
+def own_process_threads(model: ModelSpec | Model) -> None:
     """Size torch's intra-op thread pool for a process that serves ``model`` and nothing else.
 
     The built-in models (a small GRU, the stub) run one thread: their
