@@ -8,19 +8,53 @@ there (``tsbrun-*`` run directories) is its own and can be counted.
 from __future__ import annotations
 
 import http.client
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DoubleStop", "Failed", "double_ctrl_c", "failed_start", "free_port"]
+__all__ = ["BREAKS", "DoubleStop", "Failed", "broken_copy", "double_ctrl_c", "failed_start",
+           "free_port"]
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _truncate(d: Path) -> None:
+    weights = d / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+
+
+def _unknown_type(d: Path) -> None:
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
+
+
+#: How a model directory is broken, by name: each names the file a one-line error must
+#: name (``tokenizer.json`` only matters to the frontend).
+BREAKS: dict[str, tuple[str, Callable[[Path], None]]] = {
+    "truncated_weights": ("model.safetensors", _truncate),
+    "unknown_model_type": ("config.json", _unknown_type),
+    "missing_config": ("config.json", lambda d: (d / "config.json").unlink()),
+    "invalid_config_json": ("config.json",
+                            lambda d: (d / "config.json").write_text('{"model_type": "llama",')),
+    "missing_weights": ("model.safetensors", lambda d: (d / "model.safetensors").unlink()),
+    "missing_tokenizer": ("tokenizer.json", lambda d: (d / "tokenizer.json").unlink()),
+}
+
+
+def broken_copy(good: Path, dest: Path, how: str) -> Path:
+    """A copy of the model directory ``good`` at ``dest``, broken as :data:`BREAKS` says."""
+    shutil.copytree(good, dest)
+    BREAKS[how][1](dest)
+    return dest
 
 
 def free_port() -> int:
