@@ -51,7 +51,7 @@ from contextlib import contextmanager
 
 import zmq
 
-from benchmarks import soak_dp, soak_files
+from benchmarks import soak_dp, soak_files, soak_starts
 from benchmarks._fuzz import fuzz_codec, mutate, valid_frames
 from benchmarks._timing import percentiles
 from bus import RpcClient
@@ -341,7 +341,7 @@ def codec_fuzz() -> dict[str, float]:
 #: Every scenario, in the order a full run takes them.
 SCENARIOS: list[Callable[[], Mapping[str, object]]] = [
     codec_fuzz, serve_fuzz, overload, long_prompt, slow_consumer, kill_pending,
-    *soak_dp.SCENARIOS, *soak_files.SCENARIOS]
+    *soak_dp.SCENARIOS, *soak_files.SCENARIOS, *soak_starts.SCENARIOS]
 
 #: key -> (comparison, bound): what every run must hold (checked for the keys it printed).
 BOUNDS: dict[str, tuple[str, float]] = {
@@ -363,6 +363,7 @@ BOUNDS: dict[str, tuple[str, float]] = {
     "log_lines_per_1000_garbage_frames": ("<=", 5),
     "shm_full_sender_alive": ("==", 1),
     "leaked_files_after_kills": ("==", 0),
+    **soak_starts.BOUNDS,
 }
 
 _CMP: dict[str, Callable[[float, float], bool]] = {
