@@ -74,7 +74,7 @@ def run(app: Frontend, config: uvicorn.Config, announce: Callable[[], None]) -> 
 async def _run(app: Frontend, server: uvicorn.Server, handler: _Signals,
                announce: Callable[[], None]) -> int:
     handler.loop = asyncio.get_running_loop()
-    handler.starting = asyncio.current_task()  # type: ignore[assignment]
+    handler.starting = asyncio.current_task()
     try:
         try:
             await app.start()

@@ -37,14 +37,17 @@ def _unknown_type(d: Path) -> None:
     (d / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
 
 
+def _invalid_json(d: Path) -> None:
+    (d / "config.json").write_text('{"model_type": "llama",')
+
+
 #: How a model directory is broken, by name: each names the file a one-line error must
 #: name (``tokenizer.json`` only matters to the frontend).
 BREAKS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "truncated_weights": ("model.safetensors", _truncate),
     "unknown_model_type": ("config.json", _unknown_type),
     "missing_config": ("config.json", lambda d: (d / "config.json").unlink()),
-    "invalid_config_json": ("config.json",
-                            lambda d: (d / "config.json").write_text('{"model_type": "llama",')),
+    "invalid_config_json": ("config.json", _invalid_json),
     "missing_weights": ("model.safetensors", lambda d: (d / "model.safetensors").unlink()),
     "missing_tokenizer": ("tokenizer.json", lambda d: (d / "tokenizer.json").unlink()),
 }
