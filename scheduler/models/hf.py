@@ -27,8 +27,11 @@ How a step runs (measured on CPU, ``benchmarks/hf.py``):
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,11 +45,12 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers.cache_utils import DynamicLayer
+from transformers.utils import logging as hf_logging
 
 from scheduler.models.files import ModelLoadError, check_model_dir
 from scheduler.models.protocol import PromptChunk
 
-__all__ = ["HFCausalLM", "load_config"]
+__all__ = ["HFCausalLM", "held_log", "load_config"]
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, heads, n, dim)
 
@@ -81,6 +85,54 @@ class _Resident:
             self.buf = torch.cat([self.buf, torch.zeros_like(self.buf)], dim=1)
         self.buf[:, self.width] = True
         self.width += 1
+
+
+@contextmanager
+def held_log() -> Iterator[list[logging.LogRecord]]:
+    """``transformers``' log records while the block runs, held back; passed on to its
+    handlers when the block ends well, dropped (the caller has them) when it raises.
+
+    A load that fails logs its report (a size mismatch: a table of a dozen lines)
+    before it raises "look at the above report": held, a failure is one line made
+    of the error and the report's first row. Progress bars are off meanwhile
+    when stderr is no terminal (each bar is a line of a log).
+    """
+    lib = logging.getLogger("transformers")
+    held: list[logging.LogRecord] = []
+    hold = _Hold(held)
+    handlers, propagate = lib.handlers[:], lib.propagate
+    bars = hf_logging.is_progress_bar_enabled()
+    if bars and not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    for handler in handlers:
+        lib.removeHandler(handler)
+    lib.addHandler(hold)
+    lib.propagate = False
+    ok = False
+    try:
+        yield held
+        ok = True
+    finally:
+        lib.removeHandler(hold)
+        for handler in handlers:
+            lib.addHandler(handler)
+        lib.propagate = propagate
+        if bars:
+            hf_logging.enable_progress_bar()
+        if ok:
+            for record in held:
+                lib.handle(record)
+
+
+class _Hold(logging.Handler):
+    """Keeps every record it is given."""
+
+    def __init__(self, held: list[logging.LogRecord]) -> None:
+        super().__init__()
+        self.held = held
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.held.append(record)
 
 
 def load_config(root: str | os.PathLike[str]) -> PretrainedConfig:

@@ -11,8 +11,10 @@ error at the engine's constructor or the command line, not a dead child.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,26 +104,42 @@ def load_model(model: ModelSpec | Model) -> Model:
     spec = model_spec(model)
     assert isinstance(spec, HFModelSpec)
     try:
-        from scheduler.models.hf import HFCausalLM, load_config
+        from scheduler.models.hf import HFCausalLM, held_log, load_config
     except ImportError as exc:
         raise ModelLoadError(spec.path, f"loading a Hugging Face model needs transformers "
                                         f"({exc}): {HF_EXTRA}") from exc
     root = Path(spec.path)
     with _converted(root / "config.json"):
         config = load_config(root)
-    with _converted(root):
+    with held_log() as held, _converted(root, held):
         return HFCausalLM(root, config=config, dtype=spec.dtype, device=spec.device)
 
 
 @contextmanager
-def _converted(path: Path) -> Iterator[None]:
-    """Any error the block raises, as a ModelLoadError about ``path`` (one line)."""
+def _converted(path: Path, held: Sequence[logging.LogRecord] = ()) -> Iterator[None]:
+    """Any error the block raises, as a ModelLoadError about ``path`` (one line; with
+    the first row of a report the loader logged, ``held``, that names a mismatch)."""
     try:
         yield
     except ModelLoadError:
         raise
     except Exception as exc:
-        raise ModelLoadError(path, _one_line(exc)) from exc
+        rows = _rows(held)
+        reason = _one_line(exc) if not rows else f"{type(exc).__name__}: {rows[0]}" + \
+            (f" (and {len(rows) - 1} more like it)" if len(rows) > 1 else "")
+        raise ModelLoadError(path, reason) from exc
+
+
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _rows(held: Sequence[logging.LogRecord]) -> list[str]:
+    """The lines of ``held`` that name a mismatch, colour codes and table rules removed."""
+    lines = (_COLOUR.sub("", line) for record in held
+             for line in record.getMessage().splitlines())
+    return [" ".join(line.replace("|", " ").split()) for line in lines
+            if "mismatch" in line.lower() and "|" in line]
+
 
 
 #: A cause longer than this is cut to its first sentence.

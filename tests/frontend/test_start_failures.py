@@ -8,13 +8,15 @@ directory; a double Ctrl-C with open streams never aborts the process.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from scheduler import Engine, ModelLoadError
-from scheduler.models.loading import check_model_dir
+from scheduler.models.loading import HFModelSpec, check_model_dir, load_model
 from scheduler.models.tiny_hf import build_tiny_hf
 from tests.frontend.cli_runs import BREAKS, broken_copy, double_ctrl_c, failed_start, free_port
 
@@ -61,6 +63,19 @@ def test_a_model_that_loads_in_a_child_reports_its_error_to_the_parent(
     assert "no-such-model" in info.value.reason and "\n" not in str(info.value)
     with pytest.raises(ModelLoadError, match="no-such-model"):  # and in this process
         Engine("ring", broken["unknown_model_type"])
+
+
+def test_a_load_that_fails_after_its_report_is_one_line(good: Path, tmp_path: Path,
+                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    # transformers logs a table (a dozen lines) of mismatched weights, then raises "look
+    # at the above report": the report is held, and its first row is the reason.
+    shutil.copytree(good, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
+    capfd.readouterr()
+    with pytest.raises(ModelLoadError, match=r"size mismatch .* \(and \d+ more like it\)$"):
+        load_model(HFModelSpec(str(tmp_path / "m")))
+    assert "LOAD REPORT" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize(("how", "mode"), [
