@@ -103,7 +103,7 @@ def held_log() -> Iterator[list[logging.LogRecord]]:
     handlers, propagate = lib.handlers[:], lib.propagate
     bars = hf_logging.is_progress_bar_enabled()
     if bars and not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     for handler in handlers:
         lib.removeHandler(handler)
     lib.addHandler(hold)
@@ -118,7 +118,7 @@ def held_log() -> Iterator[list[logging.LogRecord]]:
             lib.addHandler(handler)
         lib.propagate = propagate
         if bars:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
         if ok:
             for record in held:
                 lib.handle(record)
