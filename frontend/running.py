@@ -77,6 +77,8 @@ async def _run(app: Frontend, server: uvicorn.Server, handler: _Signals,
     handler.starting = asyncio.current_task()
     try:
         try:
+            if handler.received:  # a signal before this task could be cancelled
+                raise asyncio.CancelledError
             await app.start()
         except asyncio.CancelledError:
             print("interrupted while starting: stopped", file=sys.stderr)
