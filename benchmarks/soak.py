@@ -51,7 +51,7 @@ from contextlib import contextmanager
 
 import zmq
 
-from benchmarks import soak_conns, soak_dp, soak_files, soak_respawn
+from benchmarks import soak_conns, soak_dp, soak_files, soak_respawn, soak_starts
 from benchmarks._fuzz import fuzz_codec, mutate, valid_frames
 from benchmarks._timing import percentiles
 from bus import RpcClient
@@ -342,7 +342,7 @@ def codec_fuzz() -> dict[str, float]:
 SCENARIOS: list[Callable[[], Mapping[str, object]]] = [
     codec_fuzz, serve_fuzz, overload, long_prompt, slow_consumer, kill_pending,
     *soak_dp.SCENARIOS, *soak_files.SCENARIOS, *soak_conns.SCENARIOS,
-    *soak_respawn.SCENARIOS]
+    *soak_respawn.SCENARIOS, *soak_starts.SCENARIOS]
 
 #: key -> (comparison, bound): what every run must hold (checked for the keys it printed).
 BOUNDS: dict[str, tuple[str, float]] = {
@@ -366,6 +366,7 @@ BOUNDS: dict[str, tuple[str, float]] = {
     "leaked_files_after_kills": ("==", 0),
     **soak_conns.BOUNDS,
     **soak_respawn.BOUNDS,
+    **soak_starts.BOUNDS,
 }
 
 _CMP: dict[str, Callable[[float, float], bool]] = {

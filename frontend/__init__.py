@@ -5,7 +5,9 @@ and below; nothing imports it. One job a module: ``schemas`` (the bodies,
 validated at the door), ``tokenizer`` (byte-level built in, or a Hugging
 Face ``tokenizer.json``), ``detokenizer`` (incremental, UTF-8 safe, stop
 strings), ``chat`` (the template), ``generate`` (completions and chat),
-``app`` (the ASGI app), ``asgi`` (its plumbing), ``rpc_door`` (the
+``app`` (the ASGI app), ``asgi`` (its plumbing), ``running`` (how
+``python -m frontend`` starts the engine, serves, and closes it whatever
+signals come), ``rpc_door`` (the
 scheduler's rpc endpoint for operators), ``metrics``, ``errors``.
 """
 

@@ -18,12 +18,13 @@ from bus.sockets import make_socket, refuse_live_ipc
 from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.chat import ChatTemplate
 from frontend.errors import TokenizerError
+from frontend.running import run
 from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, SEND_TIMEOUT_S, http_protocol
 from frontend.tokenizer import load_tokenizer
 from messages import MAX_TOKENS
 from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
 from scheduler.cli.options import add_curve_options, curve_options
-from scheduler.launch.leftovers import make_run_dir
+from scheduler.launch.leftovers import make_run_dir, remove_run_dir
 from scheduler.models.loading import check_model_loads
 
 log = logging.getLogger("frontend")
@@ -96,10 +97,10 @@ def _model(args: argparse.Namespace, vocab_size: int) -> ModelConfig | HFModelSp
     if args.model is not None:
         spec = HFModelSpec(os.path.expanduser(args.model),
                            None if args.dtype == "auto" else args.dtype, args.device)
-        try:  # one line now (that it would load), not a scheduler that dies at start-up
+        try:  # one line now (that it would load), before anything is made or started
             check_model_loads(spec)
         except ModelLoadError as exc:
-            raise SystemExit(str(exc)) from exc
+            raise SystemExit(f"error: {exc}") from exc
         return spec
     return ModelConfig(vocab_size=vocab_size, kind=args.tiny_model)
 
@@ -195,7 +196,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
         # compiled before any directory is made (a template that does not compile)
         template = ChatTemplate(tokenizer)
     except TokenizerError as exc:
-        raise SystemExit(str(exc)) from exc
+        raise SystemExit(f"error: {exc}") from exc
     try:
         keys, allowed = curve_options(args)
     except (OSError, ValueError) as exc:
@@ -222,7 +223,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "tiny")
     model = _model(args, tokenizer.vocab_size)  # checked before the run directory is made
-    door = _rpc_endpoint(SystemExit, args)
+    door = _rpc_endpoint(SystemExit, args)  # made last: nothing after it refuses
     settings = Settings(
         mode=args.mode, model=model, model_name=name,
         max_batch=args.max_batch, tp_size=args.tp_size, dp_size=args.dp_size, limits=limits,
@@ -231,7 +232,12 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
         run_dir=os.path.dirname(door[len("ipc://"):]) if args.endpoint is None else None,
         rpc_options=SocketOptions(allow_remote=args.allow_remote, curve_keys=keys),
         curve_clients=allowed)
-    return settings, Frontend(settings, tokenizer, template=template)
+    try:
+        return settings, Frontend(settings, tokenizer, template=template)
+    except BaseException:
+        if settings.run_dir is not None:
+            remove_run_dir(settings.run_dir)
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -246,28 +252,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                "%(message)s")
     raise_open_files_limit("frontend")  # every client is a connection: a descriptor
     settings, app = settings_from(args)
-    protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
-                             head_timeout=args.header_timeout, send_timeout=args.send_timeout)
-    print(f"frontend: model {settings.model_name!r} ({app.tokenizer.name} tokenizer, "
-          f"{settings.mode} mode) on {base_url(args.host, args.port)}; scheduler rpc at "
-          f"{settings.rpc_endpoint}", file=sys.stderr, flush=True)
-    if args.http == "h11":
-        log.warning("--http h11: uvicorn's h11 protocol bounds a request's head itself "
-                    "(16 KiB) and gives it no deadline; --max-header-bytes and "
-                    "--header-timeout apply to httptools (the default)")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, loop=args.loop, http=protocol, lifespan="on",
-                            # X-Forwarded-For is a claim from the wire: nothing here reads
-                            # a client address, and the middleware that would believe it
-                            # costs every request.
-                            proxy_headers=False,
-                            timeout_graceful_shutdown=5)  # open streams get 5 s, then an error
-    # Connections are accepted within the open-file limit (frontend.listening): past it,
-    # a 503 rather than a close without a word.
-    server = DoorServer(config, args.host, args.port)
-    with contextlib.suppress(KeyboardInterrupt):  # (as uvicorn.run)
-        server.run()
-    return 0 if server.started else 3
+    try:  # the run directory settings_from made is removed on every way out from here
+        protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
+                                 head_timeout=args.header_timeout,
+                                 send_timeout=args.send_timeout)
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+            loop=args.loop, http=protocol, lifespan="on",
+            # X-Forwarded-For is a claim from the wire: nothing here reads a client
+            # address, and the middleware that would believe it costs every request.
+            proxy_headers=False,
+            timeout_graceful_shutdown=5)  # open streams get 5 s, then end with an error
+
+        def announce() -> None:  # once the engine runs: a start that fails is one line
+            print(f"frontend: model {settings.model_name!r} ({app.tokenizer.name} tokenizer, "
+                  f"{settings.mode} mode) on {base_url(args.host, args.port)}; scheduler "
+                  f"rpc at {settings.rpc_endpoint}", file=sys.stderr, flush=True)
+            if args.http == "h11":
+                log.warning("--http h11: uvicorn's h11 protocol bounds a request's head "
+                            "itself (16 KiB) and gives it no deadline; --max-header-bytes "
+                            "and --header-timeout apply to httptools (the default)")
+
+        # Connections are accepted within the open-file limit (frontend.listening): past
+        # it, a 503 rather than a close without a word.
+        return run(app, DoorServer(config, args.host, args.port), announce)
+    finally:
+        if settings.run_dir is not None:
+            remove_run_dir(settings.run_dir)
 
 
 if __name__ == "__main__":

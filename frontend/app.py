@@ -212,15 +212,19 @@ class Frontend:
     # -- lifetime ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the engine (and the rpc door) on the running loop.
+        """Start the engine (and the rpc door) on the running loop; once started, nothing
+        (``python -m frontend`` starts it before the server runs its lifespan).
 
         Raises:
+            ModelLoadError: the model did not load (here, or in the scheduler process).
             RpcTimeout, SchedulerGone: the scheduler did not come up (or did not
                 answer ``model_info``).
             EndpointInUse: the rpc endpoint is served by a live listener.
             RuntimeError: ``model_info`` failed. Whatever raises, what was
                 started is closed first.
         """
+        if self.engine is not None:
+            return
         s = self.settings
         engine = self._make_engine(s)
         await engine.start()

@@ -28,8 +28,11 @@ from scheduler.models.loading import (
     ModelLoadError,
     ModelSpec,
     check_model_loads,
+    load_model,
     model_spec,
+    own_process_threads,
 )
+from scheduler.models.protocol import Model
 
 
 def private_dir(path: str, sockets: Sequence[str] = ()) -> str:
@@ -207,8 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{flag} must be at least 1, not {value}")
     try:
         model = _model(args)
+        # One scheduler here: its model is loaded before anything is bound or printed,
+        # so a model that does not load is one line (replicas load their own).
+        loaded = model if args.dp > 1 else _load(model)
     except ModelLoadError as exc:
-        parser.error(str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     endpoints, options, allowed = _upstream(parser, args)
     try:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
@@ -221,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
 
     def serve() -> bool:
-        serve_zmq(endpoints, model, max_batch=args.max_batch, options=options,
+        serve_zmq(endpoints, loaded, max_batch=args.max_batch, options=options,
                   curve_clients=allowed, limits=limits, metrics_port=args.metrics_port,
                   metrics_host=args.metrics_host)
         return True
@@ -275,6 +282,16 @@ def _until_stopped(serve: Callable[[], bool]) -> int:
     except (EndpointInUse, NoReplicaLeft) as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 1
+
+
+def _load(model: ModelSpec) -> Model:
+    """``serve``'s model, loaded in this process (sized as a scheduler process's own).
+
+    Raises:
+        ModelLoadError: it did not load (one line: the file and the cause).
+    """
+    own_process_threads(model)
+    return load_model(model)
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import shutil
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Literal, TypeVar
@@ -67,13 +67,14 @@ from scheduler.errors import (
     SchedulerGone,
 )
 from scheduler.handshake import hello
-from scheduler.launch.leftovers import make_run_dir
-from scheduler.launch.processes import SchedulerProcesses, start_processes
+from scheduler.launch.leftovers import make_run_dir, remove_run_dir
+from scheduler.launch.processes import SchedulerProcesses, load_failure, start_processes
 from scheduler.launch.tp import check_tp_room
 from scheduler.launch.wiring import Endpoints, serve_ring
 from scheduler.models.loading import (
     HFModelSpec,
     ModelArg,
+    ModelLoadError,
     check_model_loads,
     load_model,
     model_spec,
@@ -126,6 +127,9 @@ class EngineCore:
         self._metrics = metrics
         self._codec: Codec[Request] = WORK.inbound_codec()  # what the work channel carries
         self._dir = make_run_dir("engine")  # named for us: swept if we are killed
+        # Removed by this one finalizer: at close, when a constructor that failed
+        # leaves the engine to the collector, or at exit for an engine never closed.
+        self._remove_dir = weakref.finalize(self, remove_run_dir, self._dir)
         self.endpoints = Endpoints.in_dir(self._dir)
         self._table = PendingTable()
         # Unique per engine (random prefix) and cheap per request (a counter).
@@ -134,6 +138,7 @@ class EngineCore:
         self._send_lock = threading.Lock()  # serializes sends on the work socket
         self._closed = False
         self._gone: str | None = None
+        self._load_error: ModelLoadError | None = None  # why a scheduler process did not start
         self._thread: threading.Thread | None = None
         self._procs: list[BaseProcess] = []  # those whose death ends the engine
         self._started = SchedulerProcesses()
@@ -211,12 +216,15 @@ class EngineCore:
         Raises:
             ProtocolMismatch: the scheduler refused our layout (names each
                 breaking type and field).
+            ModelLoadError: the scheduler process could not load its model.
             RpcTimeout: no answer within ``timeout``.
             SchedulerGone: it died while starting.
         """
         try:
             hello(self._rpc, timeout, alive=self._alive)
         except PeerGone as exc:
+            if self._load_error is not None:  # the child's own, told over its report pipe
+                raise self._load_error from exc
             raise SchedulerGone(f"hello: {self._gone or exc}") from exc
 
     def _read_metrics(self, timeout: float = 30.0) -> str:
@@ -269,7 +277,7 @@ class EngineCore:
         for ring in (self._ingress, self._egress):
             if ring is not None:
                 ring.release()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._remove_dir()
 
     # -- internals --------------------------------------------------------------
 
@@ -307,6 +315,11 @@ class EngineCore:
         dead = next((p for p in self._procs if not p.is_alive()), None)
         if dead is not None:
             if self._gone is None:
+                self._load_error = load_failure(dead)
+                if self._load_error is not None:  # raised by the start: no log line
+                    self._gone = f"scheduler process {dead.name} did not start: " \
+                                 f"{self._load_error}"
+                    return False
                 self._gone = f"scheduler process {dead.name} exited (exit code {dead.exitcode})"
                 if not self.closed:  # said once, and not at this engine's own close (exit
                     # 0: it was told to stop, as by an operator's rpc shutdown)

@@ -20,14 +20,16 @@ sweep removes only directories of this user whose creator is dead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 from bus.shm.segment import dead_creators, sweep_stale, unlink_own
 
-__all__ = ["leave_files", "make_run_dir", "sweep_run_dirs"]
+__all__ = ["leave_files", "make_run_dir", "remove_run_dir", "run_dir", "sweep_run_dirs"]
 
 _RUN_DIR = re.compile(r"tsbrun-(\d+)-[a-z]+-[a-z0-9_]+")
 
@@ -40,6 +42,33 @@ def make_run_dir(kind: str) -> str:
     """
     sweep_run_dirs()
     return tempfile.mkdtemp(prefix=f"tsbrun-{os.getpid()}-{kind}-")
+
+
+def remove_run_dir(path: str) -> None:
+    """Remove ``path``, a run directory this process made; never raises.
+
+    One named for another pid is left: a child made by ``os.fork`` inherits
+    its parent's finalizers and exit hooks, and must not remove what the
+    parent still serves from.
+    """
+    m = _RUN_DIR.fullmatch(os.path.basename(path))
+    if m is None or int(m.group(1)) == os.getpid():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def run_dir(kind: str) -> Iterator[str]:
+    """A run directory (:func:`make_run_dir`) that the block owns: removed when it
+    ends, however it ends (an exception, a failed start, ``SystemExit``).
+
+    Raises:
+        OSError: the temp directory is not writable.
+    """
+    path = make_run_dir(kind)
+    try:
+        yield path
+    finally:
+        remove_run_dir(path)
 
 
 def sweep_run_dirs() -> list[str]:

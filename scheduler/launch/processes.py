@@ -12,9 +12,11 @@ in place (:mod:`scheduler.launch.respawn`).
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import select
+import sys
 import threading
 import time
 import weakref
@@ -29,9 +31,10 @@ from scheduler.launch.leftovers import leave_files
 from scheduler.launch.respawn import ReplicaSupervisor, Standby
 from scheduler.launch.tp import TPConfig
 from scheduler.launch.wiring import Endpoints, serve_follower, serve_zmq
-from scheduler.models.loading import ModelSpec
+from scheduler.models.loading import ModelLoadError, ModelSpec
 
-__all__ = ["SchedulerProcesses", "start_processes", "start_replicas", "supervise"]
+__all__ = ["SchedulerProcesses", "load_failure", "start_processes", "start_replicas",
+           "supervise"]
 
 #: A local replica's death is seen at once through its pids; silence means a
 #: hang (or a stopped process), and a busy 2-core machine can starve a
@@ -108,10 +111,39 @@ def _forget_in_fork() -> None:
 os.register_at_fork(after_in_child=_forget_in_fork)
 
 
-def _child(parent: int, target: Callable[..., None], *args: object, **kwargs: object) -> None:
-    """A spawned process's body: watch the parent, then run ``target``."""
+def _child(parent: int, target: Callable[..., None], *args: object,
+           _report: Connection | None = None, **kwargs: object) -> None:
+    """A spawned process's body: watch the parent, then run ``target``.
+
+    A model that does not load ends the process with exit code 1 and no
+    traceback: its one-line reason goes to the parent through ``_report``
+    (:func:`load_failure`), which raises it (a ``ModelLoadError`` in the parent
+    too), where a traceback here would bury it among the parent's lines.
+    """
     _watch_parent(parent)
-    target(*args, **kwargs)
+    try:
+        target(*args, **kwargs)
+    except ModelLoadError as exc:
+        if _report is None:
+            raise
+        _report.send_bytes(json.dumps([exc.path, exc.reason]).encode())
+        sys.exit(1)
+
+
+#: The read end of each started scheduler process's report pipe (see _child).
+_REPORTS: weakref.WeakKeyDictionary[BaseProcess, Connection] = weakref.WeakKeyDictionary()
+
+
+def load_failure(proc: BaseProcess) -> ModelLoadError | None:
+    """Why ``proc`` (a scheduler process that exited) failed to load its model, if it did."""
+    report = _REPORTS.get(proc)
+    try:
+        if report is None or not report.poll(0):
+            return None
+        path, reason = json.loads(report.recv_bytes())
+    except (OSError, EOFError, ValueError):
+        return None
+    return ModelLoadError(str(path), str(reason))
 
 
 def _shutdown_mark(directory: str, pid: int | None) -> str:
@@ -143,16 +175,20 @@ def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelSpec, *,
     tp = TPConfig(tp_size, init) if tp_size > 1 else None
     me = os.getpid()
     body: tuple[object, ...] = (_serve_replica, directory) if replica else (serve_zmq,)
+    reports = [ctx.Pipe(duplex=False) for _ in range(tp_size)]
     procs: list[BaseProcess] = [ctx.Process(target=_child, args=(me, *body, endpoints, model),
                          kwargs={"max_batch": max_batch, "tp": tp, "limits": limits,
-                                 "metrics": metrics},
+                                 "metrics": metrics, "_report": reports[0][1]},
                          name=name, daemon=True)]
     for rank in range(1, tp_size):
         procs.append(ctx.Process(target=_child, args=(me, serve_follower, rank, tp, model),
-                                 kwargs={"max_batch": max_batch, "limits": limits},
+                                 kwargs={"max_batch": max_batch, "limits": limits,
+                                         "_report": reports[rank][1]},
                                  name=f"{name}-rank{rank}", daemon=True))
-    for proc in procs:
+    for proc, (read, write) in zip(procs, reports, strict=True):
         proc.start()
+        write.close()  # the child's end: ours would keep the pipe open past its exit
+        _REPORTS[proc] = read
         _STARTED.add(proc)
     return procs
 

@@ -140,7 +140,7 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
         return sched
 
 
-def serve_zmq(endpoints: Endpoints, model: ModelSpec, *, max_batch: int = 64,
+def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int = 64,
               rpc_kind: Literal["dealer", "router"] = "router",
               options: SocketOptions = _OPTIONS, tp: TPConfig | None = None,
               curve_clients: Sequence[bytes] | None = None,
@@ -155,7 +155,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec, *, max_batch: int = 64,
     ``http://metrics_host:metrics_port/metrics`` serves the Prometheus
     metrics (loopback unless told otherwise; under tensor parallelism rank 0
     serves them: the other ranks run the very batches it broadcasts). The
-    model is loaded here, in the scheduler's process, from its spec.
+    model is loaded here, in the scheduler's process, from its spec, or comes
+    loaded (``serve`` loads it before anything is bound or printed).
     """
     codec: Codec[Request] = WORK.inbound_codec()  # each channel's door (messages.channels)
     out_codec: Codec[Output] = OUT.outbound_codec()

@@ -27,20 +27,30 @@ How a step runs (measured on CPU, ``benchmarks/hf.py``):
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    DynamicCache,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.cache_utils import DynamicLayer
+from transformers.utils import logging as hf_logging
 
 from scheduler.models.files import ModelLoadError, check_model_dir
 from scheduler.models.protocol import PromptChunk
 
-__all__ = ["HFCausalLM"]
+__all__ = ["HFCausalLM", "held_log", "load_config"]
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, heads, n, dim)
 
@@ -77,11 +87,70 @@ class _Resident:
         self.width += 1
 
 
+@contextmanager
+def held_log() -> Iterator[list[logging.LogRecord]]:
+    """``transformers``' log records while the block runs, held back; passed on to its
+    handlers when the block ends well, dropped (the caller has them) when it raises.
+
+    A load that fails logs its report (a size mismatch: a table of a dozen lines)
+    before it raises "look at the above report": held, a failure is one line made
+    of the error and the report's first row. Progress bars are off meanwhile
+    when stderr is no terminal (each bar is a line of a log).
+    """
+    lib = logging.getLogger("transformers")
+    held: list[logging.LogRecord] = []
+    hold = _Hold(held)
+    handlers, propagate = lib.handlers[:], lib.propagate
+    bars = hf_logging.is_progress_bar_enabled()
+    if bars and not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    for handler in handlers:
+        lib.removeHandler(handler)
+    lib.addHandler(hold)
+    lib.propagate = False
+    ok = False
+    try:
+        yield held
+        ok = True
+    finally:
+        lib.removeHandler(hold)
+        for handler in handlers:
+            lib.addHandler(handler)
+        lib.propagate = propagate
+        if bars:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+        if ok:
+            for record in held:
+                lib.handle(record)
+
+
+class _Hold(logging.Handler):
+    """Keeps every record it is given."""
+
+    def __init__(self, held: list[logging.LogRecord]) -> None:
+        super().__init__()
+        self.held = held
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.held.append(record)
+
+
+def load_config(root: str | os.PathLike[str]) -> PretrainedConfig:
+    """A model directory's ``config.json``, as ``transformers`` reads it (local only).
+
+    Raises:
+        ValueError, OSError: ``transformers``' own (an unknown ``model_type``, ...).
+    """
+    config: PretrainedConfig = AutoConfig.from_pretrained(root, local_files_only=True)
+    return config
+
+
 class HFCausalLM:
     """A ``transformers`` causal LM serving the scheduler (see the module docstring).
 
     Args:
         path: a local directory with ``config.json`` and safetensors weights.
+        config: its ``config.json`` read already (:func:`load_config`), else read here.
         dtype: ``"float32"``, ``"bfloat16"``, ... (``None``: the checkpoint's own).
         device: ``"cpu"`` (default) or ``"cuda"``, ``"cuda:1"``, ...
 
@@ -90,14 +159,15 @@ class HFCausalLM:
             cache is not the full-attention kind this adapter batches.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, dtype: str | None = None,
-                 device: str = "cpu") -> None:
+    def __init__(self, path: str | os.PathLike[str], *, config: PretrainedConfig | None = None,
+                 dtype: str | None = None, device: str = "cpu") -> None:
         root = check_model_dir(path)
         if dtype is not None and dtype not in _DTYPES:
             raise ModelLoadError(root, f"unknown dtype {dtype!r} (one of {sorted(_DTYPES)})")
         self.device = torch.device(device)
         hf: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-            root, local_files_only=True, use_safetensors=True,
+            root, config=config if config is not None else load_config(root),
+            local_files_only=True, use_safetensors=True,
             dtype=_DTYPES[dtype] if dtype is not None else "auto")
         torch.nn.Module.to(hf, self.device)  # in place (a device_map would need accelerate)
         self.hf = hf  # from_pretrained leaves it in eval mode

@@ -11,8 +11,11 @@ error at the engine's constructor or the command line, not a dead child.
 from __future__ import annotations
 
 import importlib.util
-import json
+import logging
 import os
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +70,7 @@ def model_spec(model: ModelArg) -> ModelSpec:
     return HFModelSpec(str(root), spec.dtype, spec.device)
 
 
-def own_process_threads(model: ModelSpec) -> None:
+def own_process_threads(model: ModelSpec | Model) -> None:
     """Size torch's intra-op thread pool for a process that serves ``model`` and nothing else.
 
     The built-in models (a small GRU, the stub) run one thread: their
@@ -87,6 +90,10 @@ def own_process_threads(model: ModelSpec) -> None:
 def load_model(model: ModelSpec | Model) -> Model:
     """The model a spec describes (a model passes through as it is).
 
+    Every failure to load a Hugging Face model is a :class:`ModelLoadError`
+    (one line naming the file and the cause), whatever raised it: this is
+    where ``transformers``' and ``safetensors``' errors are converted.
+
     Raises:
         ModelLoadError: as :func:`model_spec`, or the model failed to load.
     """
@@ -97,11 +104,16 @@ def load_model(model: ModelSpec | Model) -> Model:
     spec = model_spec(model)
     assert isinstance(spec, HFModelSpec)
     try:
-        from scheduler.models.hf import HFCausalLM
+        from scheduler.models.hf import HFCausalLM, held_log, load_config
     except ImportError as exc:
         raise ModelLoadError(spec.path, f"loading a Hugging Face model needs transformers "
                                         f"({exc}): {HF_EXTRA}") from exc
-    return HFCausalLM(spec.path, dtype=spec.dtype, device=spec.device)
+    root = Path(spec.path)
+    with _converted(root / "config.json"):
+        config = load_config(root)
+    with held_log() as held, _converted(root, held):
+        return HFCausalLM(root, config=config, dtype=spec.dtype, device=spec.device)
+
 
 
 def check_model_loads(model: ModelSpec) -> None:
@@ -109,11 +121,10 @@ def check_model_loads(model: ModelSpec) -> None:
     starts schedulers runs first, so that a model no scheduler could load is one
     error here rather than processes that die at start, one after the other.
 
-    For a directory: :func:`model_spec`'s checks, its ``config.json`` read as
-    ``transformers`` reads it (an unknown ``model_type`` fails here), and every
-    weight file's safetensors header read and matched against the file's size
-    (a truncated or corrupt file fails here). No tensor is read. The built-in
-    model needs nothing.
+    For a directory: :func:`model_spec`'s checks (``config.json`` read as JSON,
+    every weight file's safetensors header matched against its size; no tensor
+    is read), then ``config.json`` read as ``transformers`` reads it (an unknown
+    ``model_type`` fails here). The built-in model needs nothing.
 
     Raises:
         ModelLoadError: naming the file and the cause.
@@ -121,32 +132,51 @@ def check_model_loads(model: ModelSpec) -> None:
     if not isinstance(model, HFModelSpec):
         return
     spec = model_spec(model)
-    assert isinstance(spec, HFModelSpec)
-    root = Path(spec.path)
-    from safetensors import SafetensorError, safe_open
-    for weights in _weight_files(root):  # first: reading a header costs no import
-        try:
-            with safe_open(str(weights), "pt"):
-                pass
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(weights, f"unreadable safetensors: {_one_line(exc)}") \
-                from exc
-    from transformers import AutoConfig
     try:
-        AutoConfig.from_pretrained(root, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(root / "config.json", _one_line(exc)) from exc
+        from scheduler.models.hf import load_config
+    except ImportError as exc:
+        raise ModelLoadError(spec.path, f"loading a Hugging Face model needs transformers "
+                                        f"({exc}): {HF_EXTRA}") from exc
+    root = Path(spec.path)
+    with _converted(root / "config.json"):
+        load_config(root)
 
 
-def _weight_files(root: Path) -> list[Path]:
-    """The safetensors files a model directory loads (its index's shards, or the one)."""
-    index = root / "model.safetensors.index.json"
-    if not index.is_file():
-        return [root / "model.safetensors"]
-    shards = json.loads(index.read_text())["weight_map"].values()  # check_model_dir read it
-    return [root / shard for shard in sorted(set(shards))]
+@contextmanager
+def _converted(path: Path, held: Sequence[logging.LogRecord] = ()) -> Iterator[None]:
+    """Any error the block raises, as a ModelLoadError about ``path`` (one line; with
+    the first row of a report the loader logged, ``held``, that names a mismatch)."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        rows = _rows(held)
+        reason = _one_line(exc) if not rows else f"{type(exc).__name__}: {rows[0]}" + \
+            (f" (and {len(rows) - 1} more like it)" if len(rows) > 1 else "")
+        raise ModelLoadError(path, reason) from exc
+
+
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _rows(held: Sequence[logging.LogRecord]) -> list[str]:
+    """The lines of ``held`` that name a mismatch, colour codes and table rules removed."""
+    lines = (_COLOUR.sub("", line) for record in held
+             for line in record.getMessage().splitlines())
+    return [" ".join(line.replace("|", " ").split()) for line in lines
+            if "mismatch" in line.lower() and "|" in line]
+
+
+
+#: A cause longer than this is cut to its first sentence.
+_LONG = 200
 
 
 def _one_line(exc: BaseException) -> str:
-    """``exc``'s message on one line (transformers' run over several)."""
-    return " ".join(str(exc).split()) or type(exc).__name__
+    """``exc`` as one line: its type and the first line of its text (the first sentence
+    of a long one: ``transformers`` follows it with advice on upgrading)."""
+    text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    if len(text) > _LONG and ". " in text:
+        text = text[:text.index(". ") + 1]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
