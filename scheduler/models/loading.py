@@ -132,6 +132,7 @@ def check_model_loads(model: ModelSpec) -> None:
     if not isinstance(model, HFModelSpec):
         return
     spec = model_spec(model)
+    assert isinstance(spec, HFModelSpec)
     try:
         from scheduler.models.hf import load_config
     except ImportError as exc:
