@@ -250,9 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_listen(args.host, args.port)  # before settings_from makes any directory
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                                                                "%(message)s")
-    raise_open_files_limit("frontend")  # every client is a connection: a descriptor
     settings, app = settings_from(args)
     try:  # the run directory settings_from made is removed on every way out from here
+        # After settings_from's checks: a start refused there says one line, not this too.
+        raise_open_files_limit("frontend")  # every client is a connection: a descriptor
         protocol = http_protocol(args.http, max_head_bytes=args.max_header_bytes,
                                  head_timeout=args.header_timeout,
                                  send_timeout=args.send_timeout)

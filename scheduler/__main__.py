@@ -197,10 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         return demo(args.mode, args.requests, args.max_new_tokens, args.seed,
                     use_async=args.use_async)
-    raise_open_files_limit(f"scheduler {args.command}")  # each client holds sockets
     if args.command == "dispatch":
         specs = _replica_specs(parser, args)
         endpoints, options, allowed = _upstream(parser, args)
+        raise_open_files_limit("scheduler dispatch")  # each client holds sockets
         return _until_stopped(lambda: serve_dispatch(
             endpoints, specs, options=options, curve_clients=allowed, policy=args.policy,
             heartbeat_timeout=args.heartbeat_timeout, rpc_timeout=args.rpc_timeout,
@@ -217,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     endpoints, options, allowed = _upstream(parser, args)
+    # After the checks above: a start that fails says one line, not this one too.
+    raise_open_files_limit("scheduler serve")  # each client holds sockets
     try:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
     except ValueError as exc:
