@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Literal, Self, cast
@@ -38,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from bus import Envelope, LogSummary, Rejected
+from bus import ChannelClosed, Envelope, LogSummary, PeerGone, Rejected, RpcTimeout
 from messages import (
     SEND_BURST,
     AbortReq,
@@ -57,6 +58,7 @@ from scheduler.engine.handles import GenerateResult, StreamChunk
 from scheduler.engine.pending import Forgotten, Pending
 from scheduler.engine.stopping import close_timeout
 from scheduler.errors import EngineClosed, EngineError, Overloaded, RequestFailed
+from scheduler.handshake import HELLO_METHOD, hello_answer, hello_params
 from scheduler.models.loading import ModelArg
 
 __all__ = ["AsyncEngine", "AsyncHandle", "AsyncRequest"]
@@ -99,6 +101,7 @@ class AsyncEngine(EngineCore):
                          dp_policy=dp_policy, limits=limits, metrics=metrics)
         self._start_timeout = start_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0  # the loop's thread, once started
         self._watchdog: asyncio.Task[None] | None = None
         self._fd = self.outputs_fd
         pollable = self._out_inbox.pollable()
@@ -125,11 +128,15 @@ class AsyncEngine(EngineCore):
             SchedulerGone: it died while starting.
         """
         loop = self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         loop.add_reader(self._fd, self._on_readable)
+        loop.add_reader(self._rpc.fileno(), self._rpc.read_replies)
         self._reading = True
         self._watchdog = loop.create_task(self._watch())
         try:
-            await loop.run_in_executor(None, self._handshake, self._start_timeout)
+            hello_answer(await self.collective_rpc(HELLO_METHOD, timeout=self._start_timeout,
+                                                   **hello_params()),
+                         f"scheduler at {self._rpc.endpoint}")
         except BaseException:
             await self.close()
             raise
@@ -330,22 +337,53 @@ class AsyncEngine(EngineCore):
                              **params: Scalar) -> RpcReqOutput:
         """Call an rpc method on the scheduler without blocking the loop.
 
-        The blocking call runs in the loop's default executor (calls are
-        serialized on the one rpc socket, and matched to replies by rid);
-        outputs keep being delivered on the loop meanwhile.
+        Sent and answered on the event loop: the rpc socket is one of the
+        loop's readers, and its reply is matched to this call by rid. No
+        thread and no lock is held while it waits, so any number of calls are
+        in flight at once; once the scheduler is found gone, every one of
+        them fails at once (:class:`~scheduler.SchedulerGone`).
 
         Raises: as :meth:`Engine.collective_rpc <scheduler.Engine.collective_rpc>`.
         """
-        call = functools.partial(self._call_rpc, method, timeout=timeout, **params)
-        return await asyncio.get_running_loop().run_in_executor(None, call)
+        loop = self._loop
+        if loop is None:
+            raise EngineClosed("the engine is not started (use 'async with' or start())")
+        self._check_open()
+        rpc = self._rpc
+        answer: asyncio.Future[RpcReqOutput | Exception] = loop.create_future()
+        on_loop = self._loop_thread
+
+        def on_reply(reply: RpcReqOutput | Exception) -> None:
+            if threading.get_ident() == on_loop:
+                _settle(answer, reply)
+            else:  # read by a blocking call (the shutdown rpc) on another thread
+                loop.call_soon_threadsafe(_settle, answer, reply)
+
+        try:
+            call = rpc.start(method, on_reply, **params)
+            try:
+                async with asyncio.timeout(timeout):
+                    # A DEALER takes nothing until the scheduler's socket is connected.
+                    while not rpc.try_send(call):
+                        await asyncio.sleep(_RETRY_S)
+                    reply = await answer
+            except TimeoutError:
+                raise RpcTimeout(f"{rpc.name} ({rpc.endpoint})", method, call.rid,
+                                 timeout) from None
+            finally:
+                rpc.forget(call)
+            if isinstance(reply, Exception):
+                raise reply
+        except (PeerGone, ChannelClosed) as exc:
+            raise self._rpc_error(method, exc) from exc
+        return reply
 
     async def metrics(self, timeout: float = 30.0) -> str:
         """The scheduler's Prometheus metrics, as text (see ``Engine.metrics``).
 
         Raises: as :meth:`Engine.metrics <scheduler.Engine.metrics>`.
         """
-        call = functools.partial(self._read_metrics, timeout)
-        return await asyncio.get_running_loop().run_in_executor(None, call)
+        return self._metrics_of(await self.collective_rpc("metrics", timeout=timeout))
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -377,6 +415,7 @@ class AsyncEngine(EngineCore):
     async def _remove_reader(self) -> None:
         assert self._loop is not None
         self._loop.remove_reader(self._fd)
+        self._loop.remove_reader(self._rpc.fileno())
         self._reading = False
         self._table.deliver_all(self._backlog)  # read but not yet delivered: first, in order
         self._backlog.clear()
@@ -493,3 +532,10 @@ class AsyncEngine(EngineCore):
         while not self.closed:
             await asyncio.sleep(0.1)  # a liveness poll, not a wait for a condition
             self._check_alive()
+
+
+def _settle(future: asyncio.Future[RpcReqOutput | Exception],
+            reply: RpcReqOutput | Exception) -> None:
+    """Hand an rpc's reply (or the error that ends it) to its caller, unless it left."""
+    if not future.done():
+        future.set_result(reply)

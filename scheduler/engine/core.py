@@ -191,8 +191,15 @@ class EngineCore:
             raise EngineClosed(f"rpc {method!r}: the engine is closed")
         try:
             return self._rpc.call(method, timeout=timeout, alive=self._alive, **params)
-        except PeerGone as exc:
-            raise SchedulerGone(f"rpc {method!r}: {self._gone or exc}") from exc
+        except (PeerGone, ChannelClosed) as exc:
+            raise self._rpc_error(method, exc) from exc
+
+    def _rpc_error(self, method: str, exc: PeerGone | ChannelClosed) -> EngineError:
+        """The engine's error for an rpc the bus failed: the scheduler is gone
+        (``PeerGone``), or the engine closed its rpc client (``ChannelClosed``)."""
+        if isinstance(exc, PeerGone):
+            return SchedulerGone(f"rpc {method!r}: {self._gone or exc}")
+        return EngineClosed(f"rpc {method!r}: the engine closed before the reply")
 
     def _handshake(self, timeout: float) -> None:
         """Wait for the scheduler to answer ``hello`` (blocks): it is up, and it reads
@@ -221,7 +228,10 @@ class EngineCore:
             RequestFailed: the engine was built with ``metrics=False``.
             EngineClosed, SchedulerGone, RpcTimeout: as :meth:`_call_rpc`.
         """
-        reply = self._call_rpc("metrics", timeout=timeout)
+        return self._metrics_of(self._call_rpc("metrics", timeout=timeout))
+
+    def _metrics_of(self, reply: RpcReqOutput) -> str:
+        """The text of a ``metrics`` rpc's reply (RequestFailed if it failed)."""
         text = metrics_text(reply.result or {}, self.dp_size)
         if not reply.success or text is None:
             raise RequestFailed(reply.rid, "metrics", reply.message)
@@ -468,7 +478,9 @@ class EngineCore:
     def _check_alive(self) -> None:
         """Fail every pending request if the scheduler is gone."""
         if not self._alive():
-            self._fail_all(SchedulerGone(self._gone or "the scheduler is gone"))
+            why = self._gone or "the scheduler is gone"
+            self._fail_all(SchedulerGone(why))
+            self._rpc.fail_all(PeerGone(f"{self._rpc.name} ({self._rpc.endpoint})", why))
 
     def _put(self, rid: str, item: Item, *, final: bool) -> None:
         self._table.put(rid, item, final=final)
