@@ -4,6 +4,10 @@ Outputs are read on the event loop itself: ``loop.add_reader`` on the
 output inbox's fd (the egress ring's eventfd, or the PULL socket's zmq FD,
 drained to empty and re-checked, as its edge-triggered rules require) hands
 each output straight to its request's handle. No thread hop per message.
+Rpc replies are read the same way (the rpc socket's fd), each handed to the
+call waiting on its rid: rpc calls are in flight together, with no thread
+and no lock held for one. ``Engine`` runs this class on a private event-loop
+thread: it is the one client core under both faces.
 
 Cancellation aborts: cancelling a task awaiting :meth:`AsyncEngine.generate`
 or :meth:`AsyncEngine.embed`, or leaving :meth:`AsyncEngine.stream` early
@@ -31,8 +35,9 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Literal, Self, cast
 
 import numpy as np
@@ -49,11 +54,13 @@ from messages import (
     RpcReqOutput,
     SamplingParams,
     Scalar,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
 )
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest, chunks, steps
-from scheduler.engine.core import EngineCore
+from scheduler.engine.core import SEND_TIMEOUT, EngineCore, P
 from scheduler.engine.handles import GenerateResult, StreamChunk
 from scheduler.engine.pending import Forgotten, Pending
 from scheduler.engine.stopping import close_timeout
@@ -93,6 +100,10 @@ class AsyncEngine(EngineCore):
     Arguments are :class:`~scheduler.Engine`'s.
     """
 
+    #: Requests that failed (``Overloaded`` above all) and were collected
+    #: without ever being awaited: fire-and-forget submits.
+    unawaited_failures: int
+
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0, tp_size: int = 1,
                  dp_size: int = 1, dp_policy: Policy = "least_loaded",
@@ -103,7 +114,7 @@ class AsyncEngine(EngineCore):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the loop's thread, once started
         self._watchdog: asyncio.Task[None] | None = None
-        self._fd = self.outputs_fd
+        self._fd = self._outputs_fd
         pollable = self._out_inbox.pollable()
         self._zmq_out = pollable if isinstance(pollable, zmq.Socket) else None
         self._reading = False  # the loop's reader is registered
@@ -115,8 +126,6 @@ class AsyncEngine(EngineCore):
         # Sent in this turn of the loop: one burst at its end.
         self._outq: list[Request | _AbortOf] = []
         self._outq_cancels = 0  # _AbortOf items in _outq
-        #: Requests that failed (``Overloaded`` above all) and were collected
-        #: without ever being awaited: fire-and-forget submits.
         self.unawaited_failures = 0
         self._unseen_log = LogSummary(log, "requests failed with nobody awaiting them")
 
@@ -150,20 +159,16 @@ class AsyncEngine(EngineCore):
 
     # -- requests -------------------------------------------------------------
 
-    def _handle(self, rid: str) -> AsyncHandle:
+    def _on_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             raise EngineClosed("the engine is not started (use 'async with' or start())")
-        return AsyncHandle(rid, self._loop)
+        return self._loop
 
-    def _answer(self, rid: str) -> Answer:
-        if self._loop is None:
-            raise EngineClosed("the engine is not started (use 'async with' or start())")
-        return Answer(rid, self._loop)
+    def _handle(self, rid: str) -> AsyncHandle:
+        return AsyncHandle(rid, self._on_loop())
 
     def _request(self, rid: str) -> AsyncRequest:
-        if self._loop is None:
-            raise EngineClosed("the engine is not started (use 'async with' or start())")
-        return AsyncRequest(rid, self._loop, self._cancel, self._unseen_failure)
+        return AsyncRequest(rid, self._on_loop(), self._cancel, self._unseen_failure)
 
     def _unseen_failure(self, error: EngineError) -> None:
         """A request failed and was collected without ever being awaited: counted,
@@ -174,7 +179,8 @@ class AsyncEngine(EngineCore):
 
     async def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                        *, return_logprob: bool = False, rid: str | None = None,
-                       dp_rank: int | None = None) -> GenerateResult:
+                       dp_rank: int | None = None, timeout: float | None = None
+                       ) -> GenerateResult:
         """Generate and return the whole answer; cancelling the task aborts the request.
 
         Raises:
@@ -183,16 +189,26 @@ class AsyncEngine(EngineCore):
             InvalidRequest: refused before sending.
             SchedulerGone: the scheduler died meanwhile.
             EngineClosed: the engine is closed.
+            TimeoutError: no answer within ``timeout`` seconds (the request is aborted).
         """
         # An awaitable with no frame of its own, not the stream's async
         # generator: the hot path of many short requests.
-        return await self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
-                                 dp_rank=dp_rank)
+        request = self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
+                              dp_rank=dp_rank)
+        if timeout is None:
+            return await request
+        async with asyncio.timeout(timeout):
+            return await request
 
     def submit(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-               return_logprob: bool = False, rid: str | None = None,
+               stream: bool = False, return_logprob: bool = False, rid: str | None = None,
                dp_rank: int | None = None) -> AsyncRequest:
         """Send a generate request now; ``await`` what it returns for the answer.
+
+        ``stream=True`` has the scheduler send each step's tokens as it makes
+        them (the answer awaited is still the whole one: iterate
+        :meth:`stream` for the steps). ``dp_rank`` pins the request to one
+        data-parallel replica.
 
         Raises:
             InvalidRequest: refused before sending.
@@ -202,22 +218,42 @@ class AsyncEngine(EngineCore):
             SchedulerGone: the scheduler died.
             ValueError: ``input_ids`` are not valid token ids.
         """
-        return self._submit(self._generate_req(input_ids, sampling, False, return_logprob,
+        return self._submit(self._generate_req(input_ids, sampling, stream, return_logprob,
                                                rid, dp_rank), self._request)
 
+    def submit_many(self, inputs: Sequence[npt.ArrayLike],
+                    sampling: SamplingParams | None = None, *, stream: bool = False,
+                    return_logprob: bool = False, dp_rank: int | None = None
+                    ) -> list[AsyncRequest]:
+        """Send several generate requests at once (one burst); ``await`` each answer.
+
+        All are validated before any is sent.
+
+        Raises:
+            InvalidRequest, ValueError: one of them is refused (none was sent).
+            EngineClosed, SchedulerGone: as :meth:`submit`.
+        """
+        reqs = [self._validated(self._generate_req(ids, sampling, stream, return_logprob,
+                                                   None, dp_rank)) for ids in inputs]
+        requests = [self._request(r.rid) for r in reqs]
+        self._register(reqs, requests)
+        for req in reqs:  # queued in this turn of the loop: they leave as one burst
+            self._send(req)
+        return requests
+
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-               return_logprob: bool = False, rid: str | None = None
-               ) -> AsyncIterator[StreamChunk]:
+               return_logprob: bool = False, rid: str | None = None,
+               dp_rank: int | None = None) -> AsyncIterator[StreamChunk]:
         """Yield new tokens as each step produces them; leaving early aborts the request.
 
         Raises (while iterating): as :meth:`generate`.
         """
-        return chunks(self._stream_start(input_ids, sampling, return_logprob, rid),
+        return chunks(self._stream_start(input_ids, sampling, return_logprob, rid, dp_rank),
                       self._cancel)
 
     def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
-                     *, return_logprob: bool = False, rid: str | None = None
-                     ) -> AsyncIterator[list[StreamChunk]]:
+                     *, return_logprob: bool = False, rid: str | None = None,
+                     dp_rank: int | None = None) -> AsyncIterator[list[StreamChunk]]:
         """As :meth:`stream`, but yield every chunk that has arrived, oldest first, as one
         list (never empty; one chunk per scheduler step in it).
 
@@ -228,29 +264,76 @@ class AsyncEngine(EngineCore):
         Raises (while iterating): as :meth:`generate`; chunks that arrived
         before an error are yielded first.
         """
-        return steps(self._stream_start(input_ids, sampling, return_logprob, rid),
+        return steps(self._stream_start(input_ids, sampling, return_logprob, rid, dp_rank),
                      self._cancel)
 
     def _stream_start(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
-                      return_logprob: bool, rid: str | None) -> Callable[[], AsyncHandle]:
+                      return_logprob: bool, rid: str | None, dp_rank: int | None
+                      ) -> Callable[[], AsyncHandle]:
         """Sends the stream's request when called (at its first iteration, not before)."""
         return lambda: self._submit(self._generate_req(input_ids, sampling, True,
-                                                       return_logprob, rid), self._handle)
+                                                       return_logprob, rid, dp_rank),
+                                    self._handle)
 
-    async def embed(self, input_ids: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    async def embed(self, input_ids: npt.ArrayLike, *, rid: str | None = None,
+                    dp_rank: int | None = None, timeout: float | None = None
+                    ) -> npt.NDArray[np.float32]:
         """Embed a tokenized text; returns a unit-norm float32 vector.
 
         Raises: as :meth:`generate`.
         """
-        answer = self._submit(self._embed_req(input_ids), self._answer)
+        answer = self._submit(self._embed_req(input_ids, dp_rank, rid),
+                              lambda rid: Answer(rid, self._on_loop()))
         try:
-            item = await answer.future
+            async with asyncio.timeout(timeout):
+                item = await answer.future
         except asyncio.CancelledError:
+            answer.cancelled()
+            self._cancel(answer)
+            raise
+        except TimeoutError:
             answer.cancelled()
             self._cancel(answer)
             raise
         assert isinstance(item, np.ndarray)
         return item
+
+    async def _submit_waiting(self, reqs: Sequence[TokenizedGenerateReqInput
+                                                   | TokenizedEmbeddingReqInput],
+                              make: Callable[[str], P]) -> list[P]:
+        """Validate, register and send ``reqs`` in order, waiting for room on a full work
+        channel (the threaded face's backpressure), with the handles ``make`` builds.
+
+        Raises:
+            Overloaded: no room for the channel's send timeout in a row (says how
+                many were sent; those not sent are unregistered).
+            InvalidRequest: one is refused (none was sent).
+            EngineClosed, SchedulerGone: as :meth:`submit` (promptly, while waiting).
+        """
+        checked = [self._validated(r) for r in reqs]
+        handles = [make(r.rid) for r in checked]
+        self._register(checked, handles)
+        self._flush_sends()  # what this turn queued goes first
+        sent, since = 0, time.monotonic()
+        try:
+            while sent < len(checked):
+                self._check_open()
+                n = self._send_nowait(checked[sent:])
+                if n:
+                    sent, since = sent + n, time.monotonic()
+                    self._after_sends(n)
+                    continue
+                if time.monotonic() - since > SEND_TIMEOUT:
+                    raise Overloaded(checked[sent].rid, "overloaded", "the scheduler is not "
+                                     "taking requests (its work channel stayed full for "
+                                     f"{SEND_TIMEOUT:g} s): {sent} of {len(checked)} were sent")
+                if not self._alive():
+                    self._check_open()
+                await asyncio.sleep(_RETRY_S)
+        except BaseException:
+            self._table.unregister(handles[sent:])
+            raise
+        return handles
 
     async def abort(self, rid: str) -> None:
         """Abort a queued or running request (idempotent).
@@ -321,7 +404,7 @@ class AsyncEngine(EngineCore):
                 waiting.popleft()
                 continue
             try:
-                EngineCore._send(self, req, block=False)  # now, not at the turn's end
+                EngineCore._send(self, req)  # now, not at the turn's end
             except Overloaded:
                 assert self._loop is not None
                 self._loop.call_later(_RETRY_S, self._retry_aborts)
@@ -419,16 +502,16 @@ class AsyncEngine(EngineCore):
         self._reading = False
         self._table.deliver_all(self._backlog)  # read but not yet delivered: first, in order
         self._backlog.clear()
-        self.read_outputs()  # then what arrived last
+        self._read_outputs()  # then what arrived last
 
-    def _send(self, req: Request | _AbortOf, *, block: bool = False) -> None:
+    def _send(self, req: Request | _AbortOf) -> None:
         # Never blocks the loop. What is sent in one turn of the loop leaves at
         # its end, together: over zmq as one burst, on the ring in one put (one
         # lock, one wake-up of the scheduler). The lone request of an idle
         # frontend leaves as soon as its task awaits.
         if self._loop is None:
             assert not isinstance(req, _AbortOf)  # nothing is cancelled before start()
-            super()._send(req, block=False)  # a full work channel: Overloaded at once
+            super()._send(req)  # a full work channel: Overloaded at once
             self._after_sends(1)
             return
         self._check_open()
@@ -466,12 +549,7 @@ class AsyncEngine(EngineCore):
         rest, sent = queue, 0
         while rest:
             try:
-                if self._ingress is not None:
-                    n = self._ingress.put_many_nowait(rest)
-                else:
-                    assert self._work_out is not None
-                    with self._send_lock:
-                        n = self._work_out.send_many_nowait(rest)
+                n = self._send_nowait(rest)
             except EncodeError as exc:  # rest[0] alone cannot go (validated: not expected)
                 self._put(rest[0].rid, RequestFailed(rest[0].rid, "invalid_request", str(exc)),
                           final=True)

@@ -3,9 +3,9 @@
 Wiring a mode (the embedded scheduler thread, or the scheduler processes and
 their ipc endpoints), rid allocation, validation at submit, the pending
 table, mapping outputs and errors to each request, liveness, rpc and
-teardown. A face adds only how it waits: :class:`~scheduler.Engine` reads
-outputs on a thread, :class:`~scheduler.AsyncEngine` on the event loop
-(``loop.add_reader`` on the same fd).
+teardown. :class:`~scheduler.AsyncEngine` is the client built on it (one
+event loop reads outputs and rpc replies); :class:`~scheduler.Engine` runs an
+``AsyncEngine`` on a private event-loop thread.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from bus import (
     RingInbox,
     RpcClient,
     SocketOptions,
-    WouldBlock,
     sweep_shm,
 )
 from bus.channels import Inbox
@@ -56,7 +55,6 @@ from scheduler.core.admission import Limits
 from scheduler.core.metrics import metrics_text
 from scheduler.dp import Policy
 from scheduler.engine.pending import Forgotten, Item, Pending, PendingTable
-from scheduler.engine.sending import send_waiting
 from scheduler.engine.stopping import SEND_AT_LEAST, stop_processes, stop_thread
 from scheduler.errors import (
     EngineClosed,
@@ -71,25 +69,38 @@ from scheduler.launch.leftovers import make_run_dir
 from scheduler.launch.processes import SchedulerProcesses, start_processes
 from scheduler.launch.tp import check_tp_room
 from scheduler.launch.wiring import Endpoints, serve_ring
-from scheduler.models.loading import HFModelSpec, ModelArg, load_model, model_spec
+from scheduler.models.loading import HFModelSpec, ModelArg, ModelSpec, load_model, model_spec
 from scheduler.models.protocol import Model
 
-__all__ = ["EngineCore", "Item", "Pending"]
+__all__ = ["SEND_TIMEOUT", "EngineCore", "Item", "Pending"]
 
 R = TypeVar("R", bound=Request)
 P = TypeVar("P", bound="Pending")
 
 log = logging.getLogger("scheduler.engine")
 
-_SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000  # waiting for room on the work channel
+#: Seconds a submit waits for room on a full work channel before ``Overloaded``.
+SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000
 
 
 class EngineCore:
     """Wires a scheduler in one of two modes; see the faces for the arguments.
 
-    Does not read outputs by itself: a face calls :meth:`read_outputs` when
-    :attr:`outputs_fd` is readable (or after :meth:`wait_outputs`).
+    Does not read outputs by itself: a face calls :meth:`_read_outputs` when
+    :attr:`_outputs_fd` is readable.
     """
+
+    #: ``"ring"`` (scheduler embedded in this process) or ``"zmq"`` (in its own).
+    mode: Literal["ring", "zmq"]
+    #: The model the scheduler serves (as given, resolved).
+    model: ModelSpec
+    #: Tensor-parallel ranks per replica, and data-parallel replicas.
+    tp_size: int
+    dp_size: int
+    #: The scheduler's admission and backlog bounds.
+    limits: Limits
+    #: The scheduler's endpoints (in a private run directory).
+    endpoints: Endpoints
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, tp_size: int = 1, dp_size: int = 1,
@@ -121,7 +132,6 @@ class EngineCore:
         # Unique per engine (random prefix) and cheap per request (a counter).
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
-        self._send_lock = threading.Lock()  # serializes sends on the work socket
         self._closed = False
         self._gone: str | None = None
         self._thread: threading.Thread | None = None
@@ -335,9 +345,9 @@ class EngineCore:
             sampling=sampling or SamplingParams(), stream=stream, return_logprob=return_logprob,
             dp_rank=self._check_dp_rank(rid, dp_rank))
 
-    def _embed_req(self, input_ids: npt.ArrayLike, dp_rank: int | None = None
-                   ) -> TokenizedEmbeddingReqInput:
-        rid = self._new_rid()
+    def _embed_req(self, input_ids: npt.ArrayLike, dp_rank: int | None = None,
+                   rid: str | None = None) -> TokenizedEmbeddingReqInput:
+        rid = rid if rid is not None else self._new_rid()
         return TokenizedEmbeddingReqInput(rid=rid, input_ids=_packed(rid, input_ids),
                                           dp_rank=self._check_dp_rank(rid, dp_rank))
 
@@ -370,40 +380,6 @@ class EngineCore:
             raise
         return handle
 
-    def _submit_many(self, reqs: Sequence[TokenizedGenerateReqInput],
-                     make: Callable[[str], P]) -> list[P]:
-        """:meth:`_submit` for several at once, sent as bursts (blocks for room).
-
-        All are validated and registered before any is sent; if the channel
-        stays full, those not sent are unregistered and ``Overloaded`` says
-        how many were.
-        """
-        checked = [self._validated(r) for r in reqs]
-        handles = [make(r.rid) for r in checked]
-        self._register(checked, handles)
-        sent = 0
-        try:
-            if self._ingress is not None:
-                for req in checked:
-                    self._send(req)
-                    sent += 1
-            else:
-                def progressed(n: int) -> None:
-                    nonlocal sent
-                    sent += n
-                self._send_zmq(checked, progressed)
-        except BaseException:
-            self._table.unregister(handles[sent:])
-            raise
-        return handles
-
-    def _send_zmq(self, reqs: Sequence[Request],
-                  progress: Callable[[int], None] | None = None) -> int:
-        """Send ``reqs`` on the work socket (see :func:`send_waiting`); how many were sent."""
-        assert self._work_out is not None
-        return send_waiting(self._work_out, reqs, self._send_lock, self._check_open,
-                            self._alive, _SEND_TIMEOUT, progress)
-
     def _register(self, reqs: Sequence[Request], handles: Sequence[Pending]) -> None:
         self._table.register([r.rid for r in reqs], handles, self._check_open)
 
@@ -413,50 +389,49 @@ class EngineCore:
         if self._gone is not None:
             raise SchedulerGone(self._gone)
 
-    def _send(self, req: Request, *, block: bool = True) -> None:
-        """Send ``req`` to the scheduler; with ``block=False`` never wait for room.
+    def _send(self, req: Request) -> None:
+        """Send ``req`` to the scheduler now, never waiting for room.
 
         Raises:
-            Overloaded: the scheduler's work channel stayed full (at once
-                with ``block=False``; after the channel's send timeout otherwise).
-            EngineClosed, SchedulerGone: as the public calls (a scheduler that
-                dies while the send waits for room fails it promptly).
+            Overloaded: the scheduler's work channel is full.
+            EngineClosed, SchedulerGone: as the public calls.
         """
         self._check_open()
+        if not self._send_nowait([req]):
+            raise Overloaded(req.rid, "overloaded", "the scheduler is not taking requests "
+                                                    "(its work channel is full)")
+
+    def _send_nowait(self, reqs: Sequence[Request]) -> int:
+        """Send what of ``reqs`` the work channel takes now, in order (over zmq as
+        bursts, on the ring in one put); returns how many. Never blocks.
+
+        Raises:
+            EngineClosed: the channel is closed.
+            EncodeError: ``reqs[0]`` cannot be encoded (nothing was sent).
+        """
         try:
             if self._ingress is not None:
-                if block:
-                    self._ingress.put(req, timeout=30.0)
-                else:
-                    self._ingress.put_nowait(req)
-                return
+                return self._ingress.put_many_nowait(reqs)
             assert self._work_out is not None
-            if block:
-                self._send_zmq([req])
-                return
-            with self._send_lock:  # a zmq socket is not thread-safe
-                self._work_out.send_nowait(req)
+            return self._work_out.send_many_nowait(reqs)
         except ChannelClosed as exc:
             raise EngineClosed("the engine is closed") from exc
-        except WouldBlock as exc:
-            raise Overloaded(req.rid, "overloaded", f"the scheduler is not taking requests "
-                                                    f"(its work channel is full): {exc}") from exc
 
     def _forget(self, handle: Pending) -> Forgotten | None:
         """The caller left: see :meth:`PendingTable.forget` (by identity, never by rid)."""
         return self._table.forget(handle)
 
     @property
-    def outputs_fd(self) -> int:
+    def _outputs_fd(self) -> int:
         """An fd that is readable while outputs wait (for an event loop's reader)."""
         pollable = self._out_inbox.pollable()
         return pollable if isinstance(pollable, int) else int(pollable.get(zmq.FD))
 
-    def wait_outputs(self, timeout: float) -> bool:
+    def _wait_outputs(self, timeout: float) -> bool:
         """Park until outputs wait or ``timeout`` passes."""
         return self._outputs.wait(timeout)
 
-    def read_outputs(self, polls: int | None = None) -> int:
+    def _read_outputs(self, polls: int | None = None) -> int:
         """Deliver outputs waiting now to their requests; returns how many were read.
 
         Drains until the inbox is empty, or for at most ``polls`` polls (of up

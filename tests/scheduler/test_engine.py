@@ -128,16 +128,16 @@ def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"],
             assert info.value.code == "shutdown"
     with pytest.raises(EngineClosed):
         engine.submit([1])
-    assert not engine._reader.is_alive()
-    assert engine._thread is None or not engine._thread.is_alive()
-    assert not any(p.is_alive() for p in engine._procs)
+    assert not engine._loop_thread.is_alive()
+    assert engine._core._thread is None or not engine._core._thread.is_alive()
+    assert not any(p.is_alive() for p in engine._core._procs)
 
 
 def test_dead_scheduler_process_fails_pending_calls_promptly() -> None:
     engine = Engine("zmq", SMALL)
     try:
         h = engine.submit([1], SamplingParams(max_new_tokens=1_000_000))
-        pid = engine._procs[0].pid
+        pid = engine._core._procs[0].pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         t0 = time.perf_counter()
