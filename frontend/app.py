@@ -51,7 +51,7 @@ from frontend.asgi import (
 )
 from frontend.chat import ChatTemplate
 from frontend.errors import ApiError, bad_request, from_engine
-from frontend.generate import GenerateSettings, Generator
+from frontend.generate import GenerateSettings, OpenAIServing
 from frontend.metrics import HttpMetrics
 from frontend.rpc_door import RpcDoor
 from frontend.schemas import (
@@ -178,7 +178,7 @@ class Frontend:
         self.door: RpcDoor | None = None
         #: The most tokens a request's prompt and answer may hold (known once started).
         self.max_model_len: int | None = None
-        self._gen: Generator | None = None
+        self._gen: OpenAIServing | None = None
         self._gone = False
         self._lag: asyncio.Task[None] | None = None
         self._started = int(time.time())
@@ -233,7 +233,7 @@ class Frontend:
         except BaseException:  # a start that fails stops what it started
             await self.close()
             raise
-        self._gen = Generator(engine, self.tokenizer, GenerateSettings(
+        self._gen = OpenAIServing(engine, self.tokenizer, GenerateSettings(
             s.model_name, s.default_max_tokens, self.max_model_len), self.metrics, self.template)
         if self.metrics is not None:
             self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())
@@ -375,7 +375,7 @@ class Frontend:
         s = self.settings
         return read_body(scope, receive, s.max_body_bytes, s.body_timeout)
 
-    def _generator(self) -> Generator:
+    def _generator(self) -> OpenAIServing:
         if self._gen is None or self._gone:
             raise ApiError(503, "the scheduler is not available", type="server_error",
                            code="scheduler_unavailable")
@@ -420,7 +420,7 @@ class Frontend:
 
         return await self._guarded(receive, send, run)
 
-    async def _embedding_inputs(self, gen: Generator, req: EmbeddingRequest) -> list[list[int]]:
+    async def _embedding_inputs(self, gen: OpenAIServing, req: EmbeddingRequest) -> list[list[int]]:
         raw = req.input
         if isinstance(raw, str):
             texts = [await gen.tokenize(raw, special=True)]
