@@ -426,7 +426,11 @@ class AsyncEngine(EngineCore):
         in flight at once; once the scheduler is found gone, every one of
         them fails at once (:class:`~scheduler.SchedulerGone`).
 
-        Raises: as :meth:`Engine.collective_rpc <scheduler.Engine.collective_rpc>`.
+        Raises:
+            RpcTimeout: no reply in time.
+            SchedulerGone: the scheduler died (reported promptly, not at the timeout).
+            EngineClosed: the engine is closed.
+            DecodeError: the scheduler's reply could not be decoded.
         """
         loop = self._loop
         if loop is None:
@@ -464,7 +468,9 @@ class AsyncEngine(EngineCore):
     async def metrics(self, timeout: float = 30.0) -> str:
         """The scheduler's Prometheus metrics, as text (see ``Engine.metrics``).
 
-        Raises: as :meth:`Engine.metrics <scheduler.Engine.metrics>`.
+        Raises:
+            RequestFailed: the engine was built with ``metrics=False``.
+            EngineClosed, SchedulerGone, RpcTimeout: as :meth:`collective_rpc`.
         """
         return self._metrics_of(await self.collective_rpc("metrics", timeout=timeout))
 

@@ -44,7 +44,6 @@ from messages import (
     Request,
     RpcReqOutput,
     SamplingParams,
-    Scalar,
     TokenIds,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -64,7 +63,6 @@ from scheduler.errors import (
     RequestFailed,
     SchedulerGone,
 )
-from scheduler.handshake import hello
 from scheduler.launch.leftovers import make_run_dir
 from scheduler.launch.processes import SchedulerProcesses, start_processes
 from scheduler.launch.tp import check_tp_room
@@ -187,58 +185,12 @@ class EngineCore:
         self._alive()
         return self._gone
 
-    def _call_rpc(self, method: str, *, timeout: float = 30.0,
-                  **params: Scalar) -> RpcReqOutput:
-        """Call an rpc method on the scheduler and return its reply (blocks).
-
-        Raises:
-            RpcTimeout: no reply in time.
-            SchedulerGone: the scheduler died (reported promptly, not at the timeout).
-            EngineClosed: the engine is closed.
-            DecodeError: the scheduler's reply could not be decoded.
-        """
-        if self._closed:
-            raise EngineClosed(f"rpc {method!r}: the engine is closed")
-        try:
-            return self._rpc.call(method, timeout=timeout, alive=self._alive, **params)
-        except (PeerGone, ChannelClosed) as exc:
-            raise self._rpc_error(method, exc) from exc
-
     def _rpc_error(self, method: str, exc: PeerGone | ChannelClosed) -> EngineError:
         """The engine's error for an rpc the bus failed: the scheduler is gone
         (``PeerGone``), or the engine closed its rpc client (``ChannelClosed``)."""
         if isinstance(exc, PeerGone):
             return SchedulerGone(f"rpc {method!r}: {self._gone or exc}")
         return EngineClosed(f"rpc {method!r}: the engine closed before the reply")
-
-    def _handshake(self, timeout: float) -> None:
-        """Wait for the scheduler to answer ``hello`` (blocks): it is up, and it reads
-        our wire layout (a breaking difference raises before any request is sent).
-
-        Raises:
-            ProtocolMismatch: the scheduler refused our layout (names each
-                breaking type and field).
-            RpcTimeout: no answer within ``timeout``.
-            SchedulerGone: it died while starting.
-        """
-        try:
-            hello(self._rpc, timeout, alive=self._alive)
-        except PeerGone as exc:
-            raise SchedulerGone(f"hello: {self._gone or exc}") from exc
-
-    def _read_metrics(self, timeout: float = 30.0) -> str:
-        """The scheduler's Prometheus metrics, in the text exposition format (blocks).
-
-        Read over rpc, so it is consistent with the scheduler's own step (in
-        either mode) and parses with ``prometheus_client.parser``. With
-        ``dp_size > 1``, every sample carries a ``replica`` label (replicas
-        that did not answer are left out).
-
-        Raises:
-            RequestFailed: the engine was built with ``metrics=False``.
-            EngineClosed, SchedulerGone, RpcTimeout: as :meth:`_call_rpc`.
-        """
-        return self._metrics_of(self._call_rpc("metrics", timeout=timeout))
 
     def _metrics_of(self, reply: RpcReqOutput) -> str:
         """The text of a ``metrics`` rpc's reply (RequestFailed if it failed)."""
@@ -427,28 +379,13 @@ class EngineCore:
         pollable = self._out_inbox.pollable()
         return pollable if isinstance(pollable, int) else int(pollable.get(zmq.FD))
 
-    def _wait_outputs(self, timeout: float) -> bool:
-        """Park until outputs wait or ``timeout`` passes."""
-        return self._outputs.wait(timeout)
-
-    def _read_outputs(self, polls: int | None = None) -> int:
-        """Deliver outputs waiting now to their requests; returns how many were read.
-
-        Drains until the inbox is empty, or for at most ``polls`` polls (of up
-        to 1024 outputs each): an event loop reads a poll at a time, so the
-        requests woken get a turn before the next (an edge-triggered zmq fd
-        then needs its ``EVENTS`` read: see ``AsyncEngine._on_readable``).
-        """
-        total = 0
-        while polls is None or polls > 0:
+    def _read_outputs(self) -> None:
+        """Deliver every output waiting now to its request (the last read, at close)."""
+        while True:
             got = self._outputs.poll()
             self._table.deliver_all(got)
-            total += len(got)
             if len(got) < self._outputs.budget:
-                break
-            if polls is not None:
-                polls -= 1
-        return total
+                return
 
     def _check_alive(self) -> None:
         """Fail every pending request if the scheduler is gone."""

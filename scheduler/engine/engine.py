@@ -172,13 +172,10 @@ class Engine:
         data-parallel replica.
 
         Raises:
-            EngineClosed: the engine is closed.
-            SchedulerGone: the scheduler died.
-            InvalidRequest: the request breaks the wire's rules (a rid over
-                256 characters or not valid text, sampling out of range).
             Overloaded: the scheduler's work channel stayed full for the
                 channel's send timeout (nothing was sent).
-            ValueError: ``input_ids`` are not valid token ids.
+            InvalidRequest, ValueError, EngineClosed, SchedulerGone: as
+                :meth:`AsyncEngine.submit <scheduler.AsyncEngine.submit>`.
         """
         req = self._core._generate_req(input_ids, sampling, stream, return_logprob, rid,
                                        dp_rank)
@@ -210,11 +207,9 @@ class Engine:
         """Generate and wait for the whole answer.
 
         Raises:
-            RequestFailed: the scheduler rejected the request
-                (:class:`~scheduler.Overloaded` when it was too busy).
-            InvalidRequest: refused before sending.
-            SchedulerGone: the scheduler died meanwhile.
-            EngineError: no output within ``timeout`` seconds.
+            EngineError: no output within ``timeout`` seconds (the request goes on).
+            RequestFailed, InvalidRequest, SchedulerGone: as
+                :meth:`AsyncEngine.generate <scheduler.AsyncEngine.generate>`.
         """
         return self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
                            dp_rank=dp_rank).result(timeout)
@@ -251,10 +246,7 @@ class Engine:
         Idempotent: aborting a finished, unknown or already aborted request
         does nothing.
 
-        Raises:
-            InvalidRequest: ``rid`` is not a valid request id.
-            EngineClosed: the engine is closed.
-            SchedulerGone: the scheduler died.
+        Raises: as :meth:`AsyncEngine.abort <scheduler.AsyncEngine.abort>`.
         """
         self._run(self._core.abort(rid))
 
@@ -263,20 +255,14 @@ class Engine:
         """Call an rpc method on the scheduler and return its reply (calls from several
         threads are in flight at once).
 
-        Raises:
-            RpcTimeout: no reply in time.
-            SchedulerGone: the scheduler died (reported promptly, not at the timeout).
-            EngineClosed: the engine is closed.
-            DecodeError: the scheduler's reply could not be decoded.
+        Raises: as :meth:`AsyncEngine.collective_rpc <scheduler.AsyncEngine.collective_rpc>`.
         """
         return self._run(self._core.collective_rpc(method, timeout=timeout, **params))
 
     def metrics(self, timeout: float = 30.0) -> str:
         """The scheduler's Prometheus metrics, in the text exposition format.
 
-        Raises:
-            RequestFailed: the engine was built with ``metrics=False``.
-            EngineClosed, SchedulerGone, RpcTimeout: as :meth:`collective_rpc`.
+        Raises: as :meth:`AsyncEngine.metrics <scheduler.AsyncEngine.metrics>`.
         """
         return self._run(self._core.metrics(timeout))
 
