@@ -139,7 +139,7 @@ class AsyncEngine(EngineCore):
         loop = self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         loop.add_reader(self._fd, self._on_readable)
-        loop.add_reader(self._rpc.fileno(), self._rpc.read_replies)
+        loop.add_reader(self._rpc.fileno(), self._on_rpc_readable)
         self._reading = True
         self._watchdog = loop.create_task(self._watch())
         try:
@@ -298,42 +298,67 @@ class AsyncEngine(EngineCore):
         assert isinstance(item, np.ndarray)
         return item
 
-    async def _submit_waiting(self, reqs: Sequence[TokenizedGenerateReqInput
-                                                   | TokenizedEmbeddingReqInput],
-                              make: Callable[[str], P]) -> list[P]:
-        """Validate, register and send ``reqs`` in order, waiting for room on a full work
-        channel (the threaded face's backpressure), with the handles ``make`` builds.
+    def _submit_now(self, reqs: Sequence[TokenizedGenerateReqInput
+                                          | TokenizedEmbeddingReqInput],
+                    make: Callable[[str], P], *, on_loop: bool = True
+                    ) -> tuple[list[Request], list[P], int]:
+        """Validate and register ``reqs`` with the handles ``make`` builds, and send what
+        the work channel takes now, in order (the threaded face's submit: what is left
+        goes with :meth:`_send_rest`). Returns (the requests, their handles, how many
+        were sent).
+
+        Safe from another thread than the loop's with ``on_loop=False`` (the
+        table and the sends take their locks; what the loop queued this turn,
+        and its opportunistic read, are left to the loop): a blocking caller
+        submits with no hop to the loop.
+
+        Raises:
+            InvalidRequest: one is refused (none was sent).
+            EngineClosed, SchedulerGone: as :meth:`submit`.
+        """
+        checked: list[Request] = [self._validated(r) for r in reqs]
+        handles = [make(r.rid) for r in checked]
+        self._register(checked, handles)
+        if on_loop:
+            self._flush_sends()  # what this turn queued goes first
+        try:
+            self._check_open()
+            sent = self._send_nowait(checked)
+        except BaseException:
+            self._table.unregister(handles)
+            raise
+        if on_loop:
+            self._after_sends(sent)
+        return checked, handles, sent
+
+    async def _send_rest(self, reqs: list[Request], handles: Sequence[Pending],
+                         sent: int) -> None:
+        """Send ``reqs[sent:]``, waiting for room on a full work channel (the threaded
+        face's backpressure); those not sent when it fails are unregistered.
 
         Raises:
             Overloaded: no room for the channel's send timeout in a row (says how
-                many were sent; those not sent are unregistered).
-            InvalidRequest: one is refused (none was sent).
-            EngineClosed, SchedulerGone: as :meth:`submit` (promptly, while waiting).
+                many were sent).
+            EngineClosed, SchedulerGone: promptly, while waiting.
         """
-        checked = [self._validated(r) for r in reqs]
-        handles = [make(r.rid) for r in checked]
-        self._register(checked, handles)
-        self._flush_sends()  # what this turn queued goes first
-        sent, since = 0, time.monotonic()
+        since = time.monotonic()
         try:
-            while sent < len(checked):
+            while sent < len(reqs):
+                await asyncio.sleep(_RETRY_S)
                 self._check_open()
-                n = self._send_nowait(checked[sent:])
+                n = self._send_nowait(reqs[sent:])
                 if n:
                     sent, since = sent + n, time.monotonic()
                     self._after_sends(n)
-                    continue
-                if time.monotonic() - since > SEND_TIMEOUT:
-                    raise Overloaded(checked[sent].rid, "overloaded", "the scheduler is not "
+                elif time.monotonic() - since > SEND_TIMEOUT:
+                    raise Overloaded(reqs[sent].rid, "overloaded", "the scheduler is not "
                                      "taking requests (its work channel stayed full for "
-                                     f"{SEND_TIMEOUT:g} s): {sent} of {len(checked)} were sent")
-                if not self._alive():
+                                     f"{SEND_TIMEOUT:g} s): {sent} of {len(reqs)} were sent")
+                elif not self._alive():
                     self._check_open()
-                await asyncio.sleep(_RETRY_S)
         except BaseException:
             self._table.unregister(handles[sent:])
             raise
-        return handles
 
     async def abort(self, rid: str) -> None:
         """Abort a queued or running request (idempotent).
@@ -610,6 +635,14 @@ class AsyncEngine(EngineCore):
         if sock is not None and cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
             assert self._loop is not None
             self._loop.call_soon(self._on_readable)
+
+    def _on_rpc_readable(self) -> None:
+        # Outputs waiting now are delivered before the rpc replies: a reply the
+        # scheduler sent after a request's last tokens finds them delivered (a
+        # caller that waits for get_load to say idle, then reads its stream).
+        if self._reading:
+            self._on_readable()
+        self._rpc.read_replies()
 
     async def _watch(self) -> None:
         """Fail every waiting request promptly once the scheduler is gone."""

@@ -130,6 +130,9 @@ class EngineCore:
         # Unique per engine (random prefix) and cheap per request (a counter).
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
+        # Sends on the work socket: the loop's, and the blocking face's submits from
+        # its callers' threads.
+        self._send_lock = threading.Lock()
         self._closed = False
         self._gone: str | None = None
         self._thread: threading.Thread | None = None
@@ -365,7 +368,8 @@ class EngineCore:
             if self._ingress is not None:
                 return self._ingress.put_many_nowait(reqs)
             assert self._work_out is not None
-            return self._work_out.send_many_nowait(reqs)
+            with self._send_lock:  # a zmq socket is not thread-safe
+                return self._work_out.send_many_nowait(reqs)
         except ChannelClosed as exc:
             raise EngineClosed("the engine is closed") from exc
 

@@ -29,7 +29,13 @@ from typing import Literal, Self, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from messages import RpcReqOutput, SamplingParams, Scalar
+from messages import (
+    RpcReqOutput,
+    SamplingParams,
+    Scalar,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine.async_engine import AsyncEngine
@@ -108,6 +114,19 @@ class Engine:
             raise EngineClosed("the engine is closed")
         return asyncio.run_coroutine_threadsafe(work, self._loop).result()
 
+    def _submit(self, reqs: Sequence[TokenizedGenerateReqInput | TokenizedEmbeddingReqInput]
+                ) -> list[RequestHandle]:
+        """Submit ``reqs``: what the work channel takes at once from this thread (no hop
+        to the loop), the rest on the loop, waiting for room
+        (:meth:`AsyncEngine._send_rest`)."""
+        if self._loop.is_closed():
+            raise EngineClosed("the engine is closed")
+        core = self._core
+        checked, handles, sent = core._submit_now(reqs, RequestHandle, on_loop=False)
+        if sent < len(checked):
+            self._run(core._send_rest(checked, handles, sent))
+        return handles
+
     # -- what the engine is ---------------------------------------------------------
 
     @property
@@ -179,7 +198,7 @@ class Engine:
         """
         req = self._core._generate_req(input_ids, sampling, stream, return_logprob, rid,
                                        dp_rank)
-        return self._run(self._core._submit_waiting([req], RequestHandle))[0]
+        return self._submit([req])[0]
 
     def submit_many(self, inputs: Sequence[npt.ArrayLike],
                     sampling: SamplingParams | None = None, *, stream: bool = False,
@@ -199,7 +218,7 @@ class Engine:
         """
         reqs = [self._core._generate_req(ids, sampling, stream, return_logprob, None, dp_rank)
                 for ids in inputs]
-        return self._run(self._core._submit_waiting(reqs, RequestHandle))
+        return self._submit(reqs)
 
     def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                  return_logprob: bool = False, rid: str | None = None,
@@ -237,7 +256,7 @@ class Engine:
         Raises: as :meth:`generate`.
         """
         req = self._core._embed_req(input_ids, dp_rank, rid)
-        handle = self._run(self._core._submit_waiting([req], RequestHandle))[0]
+        handle = self._submit([req])[0]
         return handle.embedding(timeout)
 
     def abort(self, rid: str) -> None:
