@@ -491,7 +491,12 @@ class AsyncEngine(EngineCore):
         return reply
 
     async def metrics(self, timeout: float = 30.0) -> str:
-        """The scheduler's Prometheus metrics, as text (see ``Engine.metrics``).
+        """The scheduler's Prometheus metrics, in the text exposition format.
+
+        Read over rpc, so it is consistent with the scheduler's own step (in
+        either mode) and parses with ``prometheus_client.parser``. With
+        ``dp_size > 1``, every sample carries a ``replica`` label (replicas
+        that did not answer are left out).
 
         Raises:
             RequestFailed: the engine was built with ``metrics=False``.
