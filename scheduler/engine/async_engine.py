@@ -60,7 +60,7 @@ from messages import (
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest, chunks, steps
-from scheduler.engine.core import SEND_TIMEOUT, EngineCore, P
+from scheduler.engine.core import SEND_TIMEOUT, P, SchedulerClient
 from scheduler.engine.handles import GenerateResult, StreamChunk
 from scheduler.engine.pending import Forgotten, Pending
 from scheduler.engine.stopping import close_timeout
@@ -92,7 +92,7 @@ class _AbortOf:
         self.entry = entry
 
 
-class AsyncEngine(EngineCore):
+class AsyncEngine(SchedulerClient):
     """The engine for asyncio code: the same modes, options and errors as ``Engine``.
 
     Use it as ``async with AsyncEngine(...) as engine:`` (or ``await
@@ -429,7 +429,7 @@ class AsyncEngine(EngineCore):
                 waiting.popleft()
                 continue
             try:
-                EngineCore._send(self, req)  # now, not at the turn's end
+                SchedulerClient._send(self, req)  # now, not at the turn's end
             except Overloaded:
                 assert self._loop is not None
                 self._loop.call_later(_RETRY_S, self._retry_aborts)

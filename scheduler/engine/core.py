@@ -1,4 +1,4 @@
-"""``EngineCore``: what both engine faces share, so neither copies the other.
+"""``SchedulerClient``: the client side of a scheduler, under both engine faces.
 
 Wiring a mode (the embedded scheduler thread, or the scheduler processes and
 their ipc endpoints), rid allocation, validation at submit, the pending
@@ -70,7 +70,7 @@ from scheduler.launch.wiring import Endpoints, serve_ring
 from scheduler.models.loading import HFModelSpec, ModelArg, ModelSpec, load_model, model_spec
 from scheduler.models.protocol import Model
 
-__all__ = ["SEND_TIMEOUT", "EngineCore", "Item", "Pending"]
+__all__ = ["SEND_TIMEOUT", "SchedulerClient", "Item", "Pending"]
 
 R = TypeVar("R", bound=Request)
 P = TypeVar("P", bound="Pending")
@@ -81,8 +81,9 @@ log = logging.getLogger("scheduler.engine")
 SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000
 
 
-class EngineCore:
-    """Wires a scheduler in one of two modes; see the faces for the arguments.
+class SchedulerClient:
+    """The client side of a scheduler it starts in one of two modes (not the scheduler's
+    loop, which is :class:`~scheduler.Scheduler`); see the faces for the arguments.
 
     Does not read outputs by itself: a face calls :meth:`_read_outputs` when
     :attr:`_outputs_fd` is readable.
