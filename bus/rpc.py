@@ -279,7 +279,10 @@ class RpcClient(_ZmqEnd):
             if not answered.is_set():
                 self.read_replies()  # what arrived before we parked (the fd's edge is gone)
                 if not answered.is_set():
-                    select.select([self._fd], [], [], seconds)
+                    try:
+                        select.select([self._fd], [], [], seconds)
+                    except (OSError, ValueError):  # closed under us: close() failed the call
+                        return
                     self.read_replies()
         finally:
             self._reading.release()
