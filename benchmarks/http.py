@@ -110,7 +110,7 @@ KEYS = frozenset({
     "http_stream_tokens_per_s_32_tokens", "async_stream_tokens_per_s_32_tokens",
     "ttft_overhead_ms_p50", "http_ttft_ms_p50", "async_ttft_ms_p50", "loop_lag_ms_p99",
     "disconnect_to_free_ms_p99", "disconnect_to_free_ms_p50", "bars", "load_avg_1m",
-    "box_wake_cpu_us", "client", "server",
+    "box_wake_cpu_us", "client", "server", "rpc_concurrent_16_vs_one",
 })
 _FLOOR_BODY = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0,
                           "model": MODEL, "choices": [{"index": 0, "text": "\u0000",
@@ -277,6 +277,41 @@ async def _async_ttft(engine: object, samples: int) -> list[float]:
     return out
 
 
+async def _rpc_concurrent_16_vs_one(engine: object, rounds: int = 7) -> float:
+    """Median time of 16 ``get_load`` rpc calls at once over that of one, through the
+    ``AsyncEngine`` while :data:`STREAMS` streams run (served one after another, 16
+    calls take about 16 times one)."""
+    from messages import SamplingParams
+    from scheduler import AsyncEngine
+
+    assert isinstance(engine, AsyncEngine)
+    stop = asyncio.Event()
+
+    async def stream() -> None:
+        while not stop.is_set():
+            async for _ in engine.stream([104, 105], SamplingParams(max_new_tokens=256)):
+                if stop.is_set():
+                    break
+
+    streams = [asyncio.create_task(stream()) for _ in range(STREAMS)]
+    one: list[float] = []
+    many: list[float] = []
+    try:
+        while engine.pending < STREAMS:
+            await asyncio.sleep(0.01)
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            await engine.collective_rpc("get_load")
+            one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(engine.collective_rpc("get_load") for _ in range(16)))
+            many.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        await asyncio.gather(*streams)
+    return statistics.median(many) / statistics.median(one)
+
+
 # -- the run ---------------------------------------------------------------------------------
 
 
@@ -371,6 +406,7 @@ async def run() -> dict[str, object]:
                 http_ttft += got
                 async_ttft += await _async_ttft(engine, TTFT_SAMPLES)
             disconnects = await _run_client("disconnect", ports["frontend"], rpc_dir)
+            rpc_concurrent = await _rpc_concurrent_16_vs_one(engine)
     finally:
         for proc in procs:
             proc.terminate()
@@ -436,10 +472,12 @@ async def run() -> dict[str, object]:
         "loop_lag_ms_p99": _p99_bound(lag_bounds, lag) * 1e3,
         "disconnect_to_free_ms_p99": round(dis[min(len(dis) - 1, int(len(dis) * 0.99))], 3),
         "disconnect_to_free_ms_p50": round(med(dis), 3),
+        "rpc_concurrent_16_vs_one": round(rpc_concurrent, 3),
         "bars": {"http_rps_ratio_vs_floor": ">= 0.5", "stream_tokens_ratio_vs_async": ">= 0.8",
                  "ttft_overhead_ms_p50": "<= 1.0", "loop_lag_ms_p99": "<= 10",
                  "disconnect_to_free_ms_p99": "<= 50", "frontend_cpu_ratio_vs_floor": "<= 2.0",
-                 "frontend_cpu_per_token_ratio_vs_scheduler": "<= 1.2"},
+                 "frontend_cpu_per_token_ratio_vs_scheduler": "<= 1.2",
+                 "rpc_concurrent_16_vs_one": "<= 1.5"},
         "load_avg_1m": os.getloadavg()[0],
         "box_wake_cpu_us": round(_wake_cpu_us(), 1),
         "client": "raw asyncio HTTP/1.1 on uvloop, own process (streams: a bare protocol)",

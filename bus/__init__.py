@@ -19,7 +19,7 @@ from bus.errors import (
 from bus.logsummary import LogSummary
 from bus.receiver import Receiver, ReceiverStats
 from bus.ring import Ring, RingStats, open_ring
-from bus.rpc import RpcCaller, RpcClient, RpcServer
+from bus.rpc import RpcCall, RpcCaller, RpcClient, RpcServer
 from bus.shm.frames import DEFAULT_SHM_THRESHOLD
 from bus.shm.inbox import ShmInbox, ShmOutbox
 from bus.shm.reader import ShmReader
@@ -49,6 +49,7 @@ __all__ = [
     "Ring",
     "RingInbox",
     "RingStats",
+    "RpcCall",
     "RpcCaller",
     "RpcClient",
     "RpcServer",

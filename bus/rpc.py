@@ -2,7 +2,8 @@
 
 * :class:`RpcServer`: the scheduler's end, an inbox that replies to the
   peer that asked (ROUTER) — never to one named in the payload;
-* :class:`RpcClient`: call a method and wait for the reply (a frontend);
+* :class:`RpcClient`: calls matched to replies by rid, as many in flight at
+  once as callers make (threads blocking in ``call``, or an event loop);
 * :class:`RpcCaller`: many calls in flight at once, replies drained like any
   inbox, matched to calls by rid by the caller (a dispatcher asking every
   replica at once, with heartbeats beside). Sending never blocks.
@@ -13,10 +14,11 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, cast
 
 import zmq
 
@@ -38,7 +40,7 @@ from messages import (
     fit_text,
 )
 
-__all__ = ["RpcCaller", "RpcClient", "RpcServer"]
+__all__ = ["RpcCall", "RpcCaller", "RpcClient", "RpcServer"]
 
 log = logging.getLogger("bus.rpc")
 
@@ -47,18 +49,48 @@ M = TypeVar("M", bound=Message)
 _DEFAULT_OPTIONS = SocketOptions()
 #: Seconds between two warnings about undecodable replies (a flood logs a count).
 _LOG_EVERY = 1.0
+#: Seconds between two tries to send a call no server takes yet (not connected).
+_SEND_RETRY_S = 0.005
+#: Longest park of a blocking call between two looks at ``alive()``.
+_ALIVE_CHECK_S = 0.1
+#: Longest wait of a blocking call that does not hold the reading role before it
+#: looks whether the role is free (the reader that held it may have been answered).
+_FOLLOWER_S = 0.005
+
+
+class RpcCall:
+    """One call in flight on an :class:`RpcClient`: its rid, its encoded request, and
+    what its reply (or the error that ends it) is handed to."""
+
+    __slots__ = ("frames", "method", "on_reply", "rid", "sent")
+
+    def __init__(self, rid: str, method: str, frames: list[Frame],
+                 on_reply: Callable[[RpcReqOutput | Exception], None]) -> None:
+        self.rid = rid
+        self.method = method
+        self.frames = frames
+        self.on_reply = on_reply
+        self.sent = False
 
 
 class RpcClient(_ZmqEnd):
-    """The caller's end of an rpc channel (a DEALER that connects).
+    """The caller's end of an rpc channel (a DEALER that connects); many calls at once.
 
-    Replies are matched to calls by request id. After a timeout the client
-    stays usable: a late reply to the abandoned call is discarded (and
-    counted in ``discarded``), never returned to a later call. An undecodable
-    reply is never dropped silently: if it names the waiting call's rid the
-    call raises :class:`~messages.DecodeError` at once; otherwise it is
-    counted in ``discarded`` and logged (at most one warning a second, with
-    a count). Calls from several threads are serialized.
+    Calls in flight are a map of rid to :class:`RpcCall`; whoever drains the
+    socket (:meth:`read_replies`) hands each reply to the call with its rid.
+    :meth:`call` blocks one thread; :meth:`start`, :meth:`try_send` and
+    :meth:`read_replies` are the non-blocking pieces an event loop uses,
+    reading when :meth:`fileno` is readable. No lock is held for a call,
+    only for each socket operation: calls from several threads and from an
+    event loop are in flight together, and a slow one delays none of the
+    others.
+
+    After a timeout the client stays usable: a late reply to the abandoned
+    call is discarded (and counted in ``discarded``), never returned to a
+    later call. An undecodable reply is never dropped silently: if it names
+    a waiting call's rid that call fails with :class:`~messages.DecodeError`
+    at once; otherwise it is counted in ``discarded`` and logged (at most one
+    warning a second, with a count).
     """
 
     _ids = itertools.count()
@@ -73,16 +105,123 @@ class RpcClient(_ZmqEnd):
         # The rpc channel's doors (messages.channels), both directions.
         self._send_codec: Codec[Request] = RPC.inbound_codec()
         self._reply_codec: Codec[Output] = RPC.outbound_codec()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one socket operation at a time (never a whole call)
+        self._reading = threading.Lock()  # the blocking caller that waits on the socket
+        self._calls: dict[str, RpcCall] = {}
+        self._fd = int(sock.get(zmq.FD))
         self._prefix = f"rpc-{os.getpid()}-{next(self._ids)}-"
         self._seq = itertools.count()
         self.discarded = 0
         self._undecodable_unlogged = 0
         self._undecodable_logged_at = float("-inf")
 
+    @property
+    def in_flight(self) -> int:
+        """Calls started and not yet answered, failed or forgotten."""
+        return len(self._calls)
+
+    def fileno(self) -> int:
+        """An fd readable when replies may wait (zmq's, edge-triggered: a reader drains
+        with :meth:`read_replies`, which reads until none is left)."""
+        return self._fd
+
+    def start(self, method: str, on_reply: Callable[[RpcReqOutput | Exception], None],
+              /, **params: Scalar) -> RpcCall:
+        """Register a call of ``method(**params)``; send it with :meth:`try_send`.
+
+        ``on_reply`` gets the reply, or the error that ends the call
+        (:class:`~messages.DecodeError`, or what :meth:`fail_all` is given),
+        once, on the thread that read it.
+
+        Raises:
+            ChannelClosed: the client is closed.
+            EncodeError: a parameter is not a plain scalar.
+        """
+        if self._closed:
+            raise ChannelClosed(self._name, "call on a closed rpc client")
+        rid = f"{self._prefix}{next(self._seq)}"
+        frames = self._send_codec.encode(
+            RpcReqInput(rid=rid, method=method, parameters=dict(params)))
+        call = RpcCall(rid, method, frames, on_reply)
+        with self._lock:
+            self._calls[rid] = call
+        return call
+
+    def try_send(self, call: RpcCall) -> bool:
+        """Send ``call`` if the socket takes it now (False: no server connected yet,
+        or its queue is full; try again later). Never blocks.
+
+        Raises:
+            PeerGone: the socket failed.
+            ChannelClosed: the client is closed.
+        """
+        done: list[tuple[RpcCall, RpcReqOutput | Exception]] = []
+        with self._lock:
+            if self._closed:
+                raise ChannelClosed(self._name, "call on a closed rpc client")
+            try:
+                self.socket.send_multipart(call.frames, flags=zmq.NOBLOCK, copy=False)
+                call.sent = True
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as exc:
+                raise PeerGone(f"{self._name} ({self.endpoint})", str(exc)) from exc
+            # Any socket operation can take the fd's edge: read what it announced.
+            self._drain(done)
+        _hand_over(done)
+        return call.sent
+
+    def forget(self, call: RpcCall) -> None:
+        """Stop waiting for ``call`` (answered, timed out, or its caller left): a reply
+        that comes later is discarded."""
+        self._calls.pop(call.rid, None)
+
+    def fail_all(self, error: Exception) -> None:
+        """End every call in flight with ``error`` (the server is gone: none will be
+        answered)."""
+        with self._lock:
+            calls = list(self._calls.values())
+            self._calls.clear()
+        _hand_over([(c, error) for c in calls])
+
+    def read_replies(self) -> int:
+        """Hand every reply waiting now to its call; returns how many were read. Never
+        blocks."""
+        done: list[tuple[RpcCall, RpcReqOutput | Exception]] = []
+        with self._lock:
+            if self._closed:
+                return 0
+            n = self._drain(done)
+        _hand_over(done)
+        return n
+
+    def _drain(self, done: list[tuple[RpcCall, RpcReqOutput | Exception]]) -> int:
+        """Read replies until zmq says none is left (under ``_lock``); each answered
+        call goes into ``done``, to be handed its reply once the lock is released."""
+        sock, n = self.socket, 0
+        while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            received = sock.recv_multipart(copy=True)
+            n += 1
+            try:
+                reply = self._reply_codec.decode(received)
+            except DecodeError as exc:
+                owner = self._calls.pop(exc.rid, None) if exc.rid is not None else None
+                if owner is not None:  # its answer, unreadable: waiting longer cannot help
+                    done.append((owner, exc))
+                else:
+                    self._discard_undecodable(exc)
+                continue
+            call = self._calls.pop(reply.rid, None) if isinstance(reply, RpcReqOutput) \
+                else None
+            if call is None:
+                self.discarded += 1  # a late reply to an abandoned call
+                continue
+            done.append((call, cast(RpcReqOutput, reply)))
+        return n
+
     def call(self, method: str, *, timeout: float = 30.0,
              alive: Callable[[], bool] | None = None, **params: Scalar) -> RpcReqOutput:
-        """Call ``method(**params)`` and return its reply.
+        """Call ``method(**params)`` and return its reply (blocks this thread only).
 
         ``alive``, when given, is checked a few times a second while waiting:
         once it says the server is gone, the call fails at once instead of
@@ -91,57 +230,62 @@ class RpcClient(_ZmqEnd):
         Raises:
             RpcTimeout: no reply within ``timeout`` seconds (names endpoint,
                 method and rid).
-            PeerGone: ``alive()`` turned false while waiting.
+            PeerGone: ``alive()`` turned false while waiting (or :meth:`fail_all`).
             ChannelClosed: the client is closed.
             EncodeError: a parameter is not a plain scalar.
             DecodeError: the reply to this call arrived but cannot be decoded
                 (``.rid`` is this call's rid); raised as soon as it arrives.
         """
-        with self._lock:
-            if self._closed:
-                raise ChannelClosed(self._name, "call on a closed rpc client")
-            rid = f"{self._prefix}{next(self._seq)}"
-            frames = self._send_codec.encode(
-                RpcReqInput(rid=rid, method=method, parameters=dict(params)))
-            deadline = time.monotonic() + timeout
+        answered = threading.Event()
+        got: list[RpcReqOutput | Exception] = []
+
+        def on_reply(reply: RpcReqOutput | Exception) -> None:
+            got.append(reply)
+            answered.set()
+
+        call = self.start(method, on_reply, **params)
+        deadline = time.monotonic() + timeout
+        where = f"{self._name} ({self.endpoint})"
+        try:
             # The whole call, sending included, keeps to ``timeout``: a DEALER
             # with no usable peer (not connected yet, or refused by CURVE)
-            # would otherwise block for the socket's send timeout.
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self.socket.poll(max(1, int(left * 1000)), zmq.POLLOUT):
-                    raise RpcTimeout(f"{self._name} ({self.endpoint})", method, rid, timeout)
-                try:  # the peer can vanish between poll and send: never block here
-                    self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                    break
-                except zmq.Again:
-                    continue
-                except zmq.ZMQError as exc:
-                    raise PeerGone(f"{self._name} ({self.endpoint})", str(exc)) from exc
-            slice_ms = 100 if alive is not None else None
-            while True:
+            # takes nothing until one is.
+            while not got:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RpcTimeout(f"{self._name} ({self.endpoint})", method, rid, timeout)
-                ms = max(1, int(left * 1000))
-                if not self.socket.poll(ms if slice_ms is None else min(ms, slice_ms),
-                                        zmq.POLLIN):
-                    if alive is not None and not alive():
-                        raise PeerGone(f"{self._name} ({self.endpoint})",
-                                       f"the server is gone; rpc {method!r} (rid={rid!r}) "
-                                       "will not be answered")
+                    raise RpcTimeout(where, method, call.rid, timeout)
+                if alive is not None and not alive():
+                    raise PeerGone(where, f"the server is gone; rpc {method!r} "
+                                          f"(rid={call.rid!r}) will not be answered")
+                if not call.sent and not self.try_send(call):
+                    answered.wait(min(left, _SEND_RETRY_S))
                     continue
-                received = self.socket.recv_multipart()
-                try:
-                    reply = self._reply_codec.decode(received)
-                except DecodeError as exc:
-                    if exc.rid == rid:  # our answer, unreadable: waiting longer cannot help
-                        raise
-                    self._discard_undecodable(exc)
-                    continue
-                if isinstance(reply, RpcReqOutput) and reply.rid == rid:
-                    return reply
-                self.discarded += 1  # a late reply to an abandoned call
+                self._wait(answered, min(left, _ALIVE_CHECK_S))
+        finally:
+            self.forget(call)
+        reply = got[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def _wait(self, answered: threading.Event, seconds: float) -> None:
+        """Wait up to ``seconds`` for ``answered``: the one caller holding the reading
+        role parks on the socket's fd and hands out what arrives; the others wait on
+        their own event (woken by it), taking the role in turn when it is free."""
+        if not self._reading.acquire(blocking=False):
+            answered.wait(min(seconds, _FOLLOWER_S))
+            return
+        try:
+            if not answered.is_set():
+                self.read_replies()  # what arrived before we parked (the fd's edge is gone)
+                if not answered.is_set():
+                    try:
+                        select.select([self._fd], [], [], seconds)
+                    except (OSError, ValueError):  # closed under us: close() failed the call
+                        return
+                    self.read_replies()
+        finally:
+            self._reading.release()
 
     def _discard_undecodable(self, exc: DecodeError) -> None:
         """Count an undecodable reply no call waits for; warn, at most once a second."""
@@ -156,6 +300,17 @@ class RpcClient(_ZmqEnd):
                     fit_text(str(exc), 1000))
         self._undecodable_logged_at = now
         self._undecodable_unlogged = 0
+
+    def close(self) -> None:
+        """Close the socket (idempotent); calls still in flight fail with ChannelClosed."""
+        with self._lock:
+            super().close()
+        self.fail_all(ChannelClosed(self._name, "the rpc client closed before the reply"))
+
+
+def _hand_over(done: list[tuple[RpcCall, RpcReqOutput | Exception]]) -> None:
+    for call, reply in done:
+        call.on_reply(reply)
 
 
 class RpcServer(ZmqInbox[M]):

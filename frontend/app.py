@@ -31,7 +31,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -51,7 +51,7 @@ from frontend.asgi import (
 )
 from frontend.chat import ChatTemplate
 from frontend.errors import ApiError, bad_request, from_engine
-from frontend.generate import GenerateSettings, Generator
+from frontend.generate import GenerateSettings, OpenAIServing
 from frontend.metrics import HttpMetrics
 from frontend.rpc_door import RpcDoor
 from frontend.schemas import (
@@ -66,10 +66,9 @@ from frontend.schemas import (
     decode,
     encode,
 )
-from frontend.shared import SharedCall
 from frontend.tokenizer import Tokenizer
 from frontend.turns import loop_turns
-from messages import BusError, RpcReqOutput
+from messages import BusError
 from scheduler import (
     AsyncEngine,
     EngineError,
@@ -80,6 +79,8 @@ from scheduler import (
 )
 
 __all__ = ["Frontend", "Settings"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("frontend")
 
@@ -177,9 +178,7 @@ class Frontend:
         self.door: RpcDoor | None = None
         #: The most tokens a request's prompt and answer may hold (known once started).
         self.max_model_len: int | None = None
-        self._gen: Generator | None = None
-        self._load: SharedCall[RpcReqOutput] | None = None  # (both set when started)
-        self._scheduler_metrics: SharedCall[str] | None = None
+        self._gen: OpenAIServing | None = None
         self._gone = False
         self._lag: asyncio.Task[None] | None = None
         self._started = int(time.time())
@@ -238,11 +237,7 @@ class Frontend:
         except BaseException:  # a start that fails stops what it started
             await self.close()
             raise
-        self._load = SharedCall(lambda: engine.collective_rpc("get_load", timeout=RPC_WAIT_S),
-                                RPC_WAIT_S)
-        self._scheduler_metrics = SharedCall(lambda: engine.metrics(timeout=RPC_WAIT_S),
-                                             RPC_WAIT_S)
-        self._gen = Generator(engine, self.tokenizer, GenerateSettings(
+        self._gen = OpenAIServing(engine, self.tokenizer, GenerateSettings(
             s.model_name, s.default_max_tokens, self.max_model_len), self.metrics, self.template)
         if self.metrics is not None:
             self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())
@@ -384,7 +379,7 @@ class Frontend:
         s = self.settings
         return read_body(scope, receive, s.max_body_bytes, s.body_timeout)
 
-    def _generator(self) -> Generator:
+    def _generator(self) -> OpenAIServing:
         if self._gen is None or self._gone:
             raise ApiError(503, "the scheduler is not available", type="server_error",
                            code="scheduler_unavailable")
@@ -429,7 +424,7 @@ class Frontend:
 
         return await self._guarded(receive, send, run)
 
-    async def _embedding_inputs(self, gen: Generator, req: EmbeddingRequest) -> list[list[int]]:
+    async def _embedding_inputs(self, gen: OpenAIServing, req: EmbeddingRequest) -> list[list[int]]:
         raw = req.input
         if isinstance(raw, str):
             texts = [await gen.tokenize(raw, special=True)]
@@ -471,12 +466,13 @@ class Frontend:
         return 200
 
     async def _health(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        engine, load = self.engine, self._load
-        if engine is None or load is None or self._gone or engine.closed:
+        engine = self.engine
+        if engine is None or self._gen is None or self._gone or engine.closed:
             raise ApiError(503, "the scheduler is not running", type="server_error",
                            code="scheduler_unavailable")
         try:
-            reply = await load()  # one call in flight, shared (frontend.shared)
+            reply = await _within_rpc_wait(engine.collective_rpc("get_load",
+                                                                 timeout=RPC_WAIT_S))
         except Exception as exc:
             if isinstance(exc, SchedulerGone):
                 self._gone = True
@@ -490,14 +486,25 @@ class Frontend:
         return 200
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        scheduler_metrics = self._scheduler_metrics
-        if self.metrics is None or scheduler_metrics is None:  # (no route when metrics are off)
+        engine = self.engine
+        if self.metrics is None or engine is None or self._gen is None:  # (no route when off)
             raise ApiError(503, "the engine is not running", type="server_error",
                            code="scheduler_unavailable")
         try:
-            text = (await scheduler_metrics()).encode()  # one in flight, as _health's
+            text = (await _within_rpc_wait(engine.metrics(timeout=RPC_WAIT_S))).encode()
         except (BusError, TimeoutError) as exc:  # (RpcTimeout too: busy past 5 s)
             raise ApiError(503, f"the scheduler's metrics are not available: {exc}",
                            type="server_error", code="scheduler_unavailable") from None
         await send_bytes(send, 200, text + self.metrics.text(), TEXT)
         return 200
+
+
+async def _within_rpc_wait(call: Awaitable[T]) -> T:
+    """``call``'s answer, or ``TimeoutError`` once it took ``RPC_WAIT_S``: each ``/health``
+    and ``/metrics`` call waits for its own rpc (many are in flight at once), never
+    longer than that, however the scheduler fares."""
+    try:
+        async with asyncio.timeout(RPC_WAIT_S):
+            return await call
+    except TimeoutError:
+        raise TimeoutError(f"no answer within {RPC_WAIT_S:g} s") from None

@@ -53,7 +53,7 @@ from frontend.turns import loop_turns
 from messages import SamplingParams, packed_u32
 from scheduler import AsyncEngine, EngineError, StreamChunk
 
-__all__ = ["Generator", "GenerateSettings"]
+__all__ = ["GenerateSettings", "OpenAIServing", "RequestState"]
 
 #: Prompts longer than this (characters) are tokenized off the event loop.
 _TOKENIZE_INLINE = 16384
@@ -85,8 +85,9 @@ class GenerateSettings:
     max_model_len: int | None = None
 
 
-class _Shape:
-    """How one endpoint spells an answer: a completion or a chat completion."""
+class _ResponseBuilder:
+    """Builds one request's answer as its endpoint spells it (a completion or a chat
+    completion): the whole body, or its Server-Sent Events one by one."""
 
     def __init__(self, chat: bool, rid: str, model: str, tok: Tokenizer) -> None:
         self.chat = chat
@@ -163,6 +164,45 @@ class _Shape:
                                  [CompletionChoice(0, text, finish, lp)], usage=usage))
 
 
+@dataclass(slots=True, kw_only=True)
+class RequestState:
+    """One completion or chat completion being answered: what its answer is made from.
+
+    Attributes:
+        endpoint: ``"completions"`` or ``"chat"`` (the metrics' label).
+        response: builds its bodies and events, as its endpoint spells them.
+        prompt_ids: the tokenized prompt.
+        sampling: what the scheduler is asked for.
+        detok: its text so far (incremental, UTF-8 safe) and its stop strings.
+        has_stops: whether stop strings were given (the answer is then read as a
+            stream, step by step, even when it is sent whole).
+        logprobs: whether each token's log-probability is asked for.
+        stream: answered as Server-Sent Events (else as one body).
+        include_usage: a last event carries the usage (``stream_options``).
+        continuous_usage: every event carries the usage so far.
+        send: the ASGI send of its connection.
+        t0: when the request arrived (``time.perf_counter``), for time to first token.
+    """
+
+    endpoint: str
+    response: _ResponseBuilder
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    detok: Detokenizer
+    has_stops: bool
+    logprobs: bool
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    send: Send
+    t0: float
+
+    def usage(self) -> Usage:
+        """The usage so far: the prompt's tokens and the answer's."""
+        prompt, answer = len(self.prompt_ids), self.detok.tokens
+        return Usage(prompt, answer, prompt + answer)
+
+
 def _push(detok: Detokenizer, ids: Sequence[int], offsets: bool
           ) -> tuple[str, list[int] | None]:
     """``detok.push(ids)``, and each id's ``text_offset`` when ``offsets``."""
@@ -171,7 +211,7 @@ def _push(detok: Detokenizer, ids: Sequence[int], offsets: bool
     return detok.push(ids), None
 
 
-class Generator:
+class OpenAIServing:
     """Answers ``/v1/completions`` and ``/v1/chat/completions`` over one engine."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: GenerateSettings,
@@ -229,10 +269,10 @@ class Generator:
             ids = await asyncio.get_running_loop().run_in_executor(
                 None, self._prompt_ids, prompt)
         max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
-        return await self._answer(_Shape(False, next(self._ids), req.model,
-                                         self.tokenizer),
-                                  ids, req, max_tokens, req.stops(), [], req.logprobs is not None,
-                                  send, t0, "completions")
+        return await self._answer(self._state(
+            req, endpoint="completions", prompt_ids=ids, max_tokens=max_tokens,
+            stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
+            send=send, t0=t0))
 
     def _prompt_ids(self, prompt: list[int | str]) -> list[int]:
         """A prompt given as token ids, checked against the vocabulary.
@@ -265,9 +305,10 @@ class Generator:
         max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
                                   "max_tokens" if req.max_completion_tokens is None
                                   else "max_completion_tokens")
-        return await self._answer(_Shape(True, next(self._ids), req.model, self.tokenizer),
-                                  ids, req, max_tokens, [*req.stops(), *self.template.stops],
-                                  self.template.stop_ids, req.logprobs, send, t0, "chat")
+        return await self._answer(self._state(
+            req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
+            stops=[*req.stops(), *self.template.stops], extra_stop_ids=self.template.stop_ids,
+            logprobs=req.logprobs, send=send, t0=t0))
 
     def _budget(self, prompt: int, asked: int | None, default: int, where: str,
                 field: str = "max_tokens") -> int:
@@ -309,53 +350,75 @@ class Generator:
         except (ValueError, TypeError) as exc:
             raise bad_request(f"sampling: {exc}") from None
 
-    async def _answer(self, shape: _Shape, ids: list[int],
-                      req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                      stops: list[str], extra_stop_ids: Sequence[int], logprobs: bool,
-                      send: Send, t0: float, endpoint: str) -> int:
-        if not ids:
-            raise bad_request("the prompt is empty (no tokens)", param="prompt"
-                              if not shape.chat else "messages")
-        sampling = self._sampling(req, max_tokens, extra_stop_ids)
-        detok = Detokenizer(self.tokenizer, stops, ids)
+    def _state(self, req: CompletionRequest | ChatCompletionRequest, *, endpoint: str,
+               prompt_ids: list[int], max_tokens: int, stops: list[str],
+               extra_stop_ids: Sequence[int], logprobs: bool, send: Send, t0: float
+               ) -> RequestState:
+        """The state of ``req`` about to be answered.
+
+        Raises:
+            ApiError: 400: an empty prompt, or sampling out of range.
+        """
+        chat = endpoint == "chat"
+        if not prompt_ids:
+            raise bad_request("the prompt is empty (no tokens)",
+                              param="messages" if chat else "prompt")
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage
-        # OpenAI's (and vLLM's) continuous_usage_stats: every event carries the usage so far.
-        continuous = include_usage and opts is not None and opts.continuous_usage_stats
+        return RequestState(
+            endpoint=endpoint,
+            response=_ResponseBuilder(chat, next(self._ids), req.model, self.tokenizer),
+            prompt_ids=prompt_ids,
+            sampling=self._sampling(req, max_tokens, extra_stop_ids),
+            detok=Detokenizer(self.tokenizer, stops, prompt_ids), has_stops=bool(stops),
+            logprobs=logprobs, stream=req.stream, include_usage=include_usage,
+            # OpenAI's (and vLLM's) continuous_usage_stats: every event carries the usage
+            # so far.
+            continuous_usage=include_usage and opts is not None and opts.continuous_usage_stats,
+            send=send, t0=t0)
+
+    async def _answer(self, state: RequestState) -> int:
         try:
-            if not req.stream and not stops:  # one awaitable, no stream: the cheap path
-                result = await self.engine.submit(ids, sampling, return_logprob=logprobs)
-                text, offsets = _push(detok, result.token_ids, logprobs and not shape.chat)
-                text += detok.finish()
-                usage = Usage(len(ids), len(result.token_ids), len(ids) + len(result.token_ids))
-                body = shape.whole(text, result.finish_reason, result.token_ids,
-                                   result.logprobs, usage, offsets)
-                self._first_token(endpoint, t0)
-                await send_bytes(send, 200, body)
-                return 200
-            return await self._stream(shape, ids, sampling, detok, logprobs, req.stream,
-                                      include_usage, continuous, send, t0, endpoint)
+            if not state.stream and not state.has_stops:
+                return await self._whole(state)  # one awaitable, no stream: the cheap path
+            return await self._stream(state)
         except EngineError as exc:
             raise from_engine(exc) from None
 
-    def _first_token(self, endpoint: str, t0: float) -> None:
-        if self.metrics is not None:
-            self.metrics.first_token(endpoint, time.perf_counter() - t0)
+    async def _whole(self, state: RequestState) -> int:
+        """Answer with one body, from the engine's one answer (no stop strings to watch)."""
+        result = await self.engine.submit(state.prompt_ids, state.sampling,
+                                          return_logprob=state.logprobs)
+        detok, response = state.detok, state.response
+        text, offsets = _push(detok, result.token_ids, state.logprobs and not response.chat)
+        text += detok.finish()
+        prompt, answer = len(state.prompt_ids), len(result.token_ids)
+        body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
+                              Usage(prompt, answer, prompt + answer), offsets)
+        self._first_token(state)
+        await send_bytes(state.send, 200, body)
+        return 200
 
-    async def _stream(self, shape: _Shape, ids: list[int], sampling: SamplingParams,
-                      detok: Detokenizer, logprobs: bool, stream: bool, include_usage: bool,
-                      continuous: bool, send: Send, t0: float, endpoint: str) -> int:
+    def _first_token(self, state: RequestState) -> None:
+        if self.metrics is not None:
+            self.metrics.first_token(state.endpoint, time.perf_counter() - state.t0)
+
+    async def _stream(self, state: RequestState) -> int:
+        """Answer from the engine's stream: as events (``stream``), or as one body where
+        stop strings must be watched step by step."""
         # Steps, not chunks: what arrived while this task waited for the loop
         # goes out in one write (one event per step in it), and the loop gets
         # a turn between two writes.
         steps = cast(AsyncGenerator[list[StreamChunk], None],
-                     self.engine.stream_steps(ids, sampling, return_logprob=logprobs))
+                     self.engine.stream_steps(state.prompt_ids, state.sampling,
+                                              return_logprob=state.logprobs))
         it = aiter(steps)
+        detok, response, send = state.detok, state.response, state.send
         started = False
         pieces: list[str] = []  # the non-streamed answer with stop strings
         out_ids: list[int] = []
-        out_lps: list[float] | None = [] if logprobs else None
-        offsets_wanted = logprobs and not shape.chat  # (a completion's text_offset)
+        out_lps: list[float] | None = [] if state.logprobs else None
+        offsets_wanted = state.logprobs and not response.chat  # (a completion's text_offset)
         out_offsets: list[int] = []
         finish: str | None = None
         try:
@@ -370,27 +433,27 @@ class Generator:
                     finish = "stop" if detok.stopped else chunk.finish_reason
                     if finish is not None:
                         text += detok.finish()
-                    if not stream:
+                    if not state.stream:
                         pieces.append(text)
                         out_ids.extend(chunk.token_ids)
                         if out_lps is not None and chunk.logprobs is not None:
                             out_lps.extend(chunk.logprobs)
                         if offsets is not None:
                             out_offsets.extend(offsets)
-                    elif text or finish is not None or chunk.logprobs or continuous:
-                        events.append(shape.event(text, finish, chunk.token_ids,
-                                                  chunk.logprobs, self._usage(ids, detok)
-                                                  if continuous else None, offsets))
+                    elif text or finish is not None or chunk.logprobs or state.continuous_usage:
+                        events.append(response.event(
+                            text, finish, chunk.token_ids, chunk.logprobs,
+                            state.usage() if state.continuous_usage else None, offsets))
                     if finish is not None:
                         break
                 if events:
                     if finish is not None:
-                        if include_usage:
-                            events.append(shape.usage_event(self._usage(ids, detok)))
+                        if state.include_usage:
+                            events.append(response.usage_event(state.usage()))
                         events.append(_DONE)
                     if not started:
                         started = True
-                        self._first_token(endpoint, t0)
+                        self._first_token(state)
                         await send({"type": "http.response.start", "status": 200,
                                     "headers": SSE})
                     await send({"type": "http.response.body", "body": b"".join(events),
@@ -407,14 +470,10 @@ class Generator:
             return 200
         finally:
             await steps.aclose()  # not finished (a stop string, a client gone): abort
-        if not stream:
+        if not state.stream:
             assert finish is not None
-            self._first_token(endpoint, t0)
-            await send_bytes(send, 200, shape.whole(
-                "".join(pieces), finish, out_ids[:detok.tokens], out_lps, self._usage(ids, detok),
+            self._first_token(state)
+            await send_bytes(send, 200, response.whole(
+                "".join(pieces), finish, out_ids[:detok.tokens], out_lps, state.usage(),
                 out_offsets if offsets_wanted else None))
         return 200
-
-    @staticmethod
-    def _usage(ids: Sequence[int], detok: Detokenizer) -> Usage:
-        return Usage(len(ids), detok.tokens, len(ids) + detok.tokens)

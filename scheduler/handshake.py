@@ -37,6 +37,7 @@ from bus import RpcClient
 from messages import (
     PROTOCOL_VERSION,
     ProtocolMismatch,
+    RpcReqOutput,
     RpcResult,
     Scalar,
     compare_peers,
@@ -47,7 +48,8 @@ from messages import (
     wire_layout,
 )
 
-__all__ = ["HELLO_METHOD", "HelloReply", "answer_hello", "hello", "local_protocol"]
+__all__ = ["HELLO_METHOD", "HelloReply", "answer_hello", "hello", "hello_answer", "hello_params",
+           "local_protocol"]
 
 log = logging.getLogger("scheduler.handshake")
 
@@ -146,10 +148,23 @@ def hello(client: RpcClient, timeout: float = 5.0, *,
             each breaking type and field (and ``.peer`` the endpoint).
         RpcTimeout, PeerGone, ChannelClosed: as :meth:`bus.RpcClient.call`.
     """
+    reply = client.call(HELLO_METHOD, timeout=timeout, alive=alive, **hello_params())
+    return hello_answer(reply, f"scheduler at {client.endpoint}")
+
+
+def hello_params() -> dict[str, Scalar]:
+    """The ``hello`` rpc's parameters: our protocol version, fingerprint and layout (for
+    a caller that makes the call its own way, as ``AsyncEngine`` does)."""
     fp, layout = local_protocol()
-    reply = client.call(HELLO_METHOD, timeout=timeout, alive=alive,
-                        protocol_version=PROTOCOL_VERSION, fingerprint=fp, layout=layout)
-    peer = f"scheduler at {client.endpoint}"
+    return {"protocol_version": PROTOCOL_VERSION, "fingerprint": fp, "layout": layout}
+
+
+def hello_answer(reply: RpcReqOutput, peer: str) -> HelloReply:
+    """What ``peer``'s answer to our ``hello`` says; raise if it refused our layout.
+
+    Raises:
+        ProtocolMismatch: as :func:`hello`.
+    """
     if not reply.success:  # a scheduler that predates hello, or a bad layout
         raise ProtocolMismatch(peer, [f"hello failed: {reply.message}"])
     result = reply.result or {}

@@ -4,6 +4,10 @@ Outputs are read on the event loop itself: ``loop.add_reader`` on the
 output inbox's fd (the egress ring's eventfd, or the PULL socket's zmq FD,
 drained to empty and re-checked, as its edge-triggered rules require) hands
 each output straight to its request's handle. No thread hop per message.
+Rpc replies are read the same way (the rpc socket's fd), each handed to the
+call waiting on its rid: rpc calls are in flight together, with no thread
+and no lock held for one. ``Engine`` runs this class on a private event-loop
+thread: it is the one client core under both faces.
 
 Cancellation aborts: cancelling a task awaiting :meth:`AsyncEngine.generate`
 or :meth:`AsyncEngine.embed`, or leaving :meth:`AsyncEngine.stream` early
@@ -30,15 +34,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Literal, Self, cast
 
 import numpy as np
 import numpy.typing as npt
 import zmq
 
-from bus import Envelope, LogSummary, Rejected
+from bus import ChannelClosed, Envelope, LogSummary, PeerGone, Rejected, RpcTimeout
 from messages import (
     SEND_BURST,
     AbortReq,
@@ -48,15 +54,18 @@ from messages import (
     RpcReqOutput,
     SamplingParams,
     Scalar,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
 )
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest, chunks, steps
-from scheduler.engine.core import EngineCore
+from scheduler.engine.core import SEND_TIMEOUT, P, SchedulerClient
 from scheduler.engine.handles import GenerateResult, StreamChunk
 from scheduler.engine.pending import Forgotten, Pending
 from scheduler.engine.stopping import close_timeout
 from scheduler.errors import EngineClosed, EngineError, Overloaded, RequestFailed
+from scheduler.handshake import HELLO_METHOD, hello_answer, hello_params
 from scheduler.models.loading import ModelArg
 
 __all__ = ["AsyncEngine", "AsyncHandle", "AsyncRequest"]
@@ -83,13 +92,17 @@ class _AbortOf:
         self.entry = entry
 
 
-class AsyncEngine(EngineCore):
+class AsyncEngine(SchedulerClient):
     """The engine for asyncio code: the same modes, options and errors as ``Engine``.
 
     Use it as ``async with AsyncEngine(...) as engine:`` (or ``await
     engine.start()`` and ``await engine.close()``), from one event loop.
     Arguments are :class:`~scheduler.Engine`'s.
     """
+
+    #: Requests that failed (``Overloaded`` above all) and were collected
+    #: without ever being awaited: fire-and-forget submits.
+    unawaited_failures: int
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0, tp_size: int = 1,
@@ -99,8 +112,9 @@ class AsyncEngine(EngineCore):
                          dp_policy=dp_policy, limits=limits, metrics=metrics)
         self._start_timeout = start_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0  # the loop's thread, once started
         self._watchdog: asyncio.Task[None] | None = None
-        self._fd = self.outputs_fd
+        self._fd = self._outputs_fd
         pollable = self._out_inbox.pollable()
         self._zmq_out = pollable if isinstance(pollable, zmq.Socket) else None
         self._reading = False  # the loop's reader is registered
@@ -112,8 +126,6 @@ class AsyncEngine(EngineCore):
         # Sent in this turn of the loop: one burst at its end.
         self._outq: list[Request | _AbortOf] = []
         self._outq_cancels = 0  # _AbortOf items in _outq
-        #: Requests that failed (``Overloaded`` above all) and were collected
-        #: without ever being awaited: fire-and-forget submits.
         self.unawaited_failures = 0
         self._unseen_log = LogSummary(log, "requests failed with nobody awaiting them")
 
@@ -125,11 +137,15 @@ class AsyncEngine(EngineCore):
             SchedulerGone: it died while starting.
         """
         loop = self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         loop.add_reader(self._fd, self._on_readable)
+        loop.add_reader(self._rpc.fileno(), self._on_rpc_readable)
         self._reading = True
         self._watchdog = loop.create_task(self._watch())
         try:
-            await loop.run_in_executor(None, self._handshake, self._start_timeout)
+            hello_answer(await self.collective_rpc(HELLO_METHOD, timeout=self._start_timeout,
+                                                   **hello_params()),
+                         f"scheduler at {self._rpc.endpoint}")
         except BaseException:
             await self.close()
             raise
@@ -143,20 +159,16 @@ class AsyncEngine(EngineCore):
 
     # -- requests -------------------------------------------------------------
 
-    def _handle(self, rid: str) -> AsyncHandle:
+    def _on_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             raise EngineClosed("the engine is not started (use 'async with' or start())")
-        return AsyncHandle(rid, self._loop)
+        return self._loop
 
-    def _answer(self, rid: str) -> Answer:
-        if self._loop is None:
-            raise EngineClosed("the engine is not started (use 'async with' or start())")
-        return Answer(rid, self._loop)
+    def _handle(self, rid: str) -> AsyncHandle:
+        return AsyncHandle(rid, self._on_loop())
 
     def _request(self, rid: str) -> AsyncRequest:
-        if self._loop is None:
-            raise EngineClosed("the engine is not started (use 'async with' or start())")
-        return AsyncRequest(rid, self._loop, self._cancel, self._unseen_failure)
+        return AsyncRequest(rid, self._on_loop(), self._cancel, self._unseen_failure)
 
     def _unseen_failure(self, error: EngineError) -> None:
         """A request failed and was collected without ever being awaited: counted,
@@ -167,7 +179,8 @@ class AsyncEngine(EngineCore):
 
     async def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                        *, return_logprob: bool = False, rid: str | None = None,
-                       dp_rank: int | None = None) -> GenerateResult:
+                       dp_rank: int | None = None, timeout: float | None = None
+                       ) -> GenerateResult:
         """Generate and return the whole answer; cancelling the task aborts the request.
 
         Raises:
@@ -176,16 +189,26 @@ class AsyncEngine(EngineCore):
             InvalidRequest: refused before sending.
             SchedulerGone: the scheduler died meanwhile.
             EngineClosed: the engine is closed.
+            TimeoutError: no answer within ``timeout`` seconds (the request is aborted).
         """
         # An awaitable with no frame of its own, not the stream's async
         # generator: the hot path of many short requests.
-        return await self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
-                                 dp_rank=dp_rank)
+        request = self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
+                              dp_rank=dp_rank)
+        if timeout is None:
+            return await request
+        async with asyncio.timeout(timeout):
+            return await request
 
     def submit(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-               return_logprob: bool = False, rid: str | None = None,
+               stream: bool = False, return_logprob: bool = False, rid: str | None = None,
                dp_rank: int | None = None) -> AsyncRequest:
         """Send a generate request now; ``await`` what it returns for the answer.
+
+        ``stream=True`` has the scheduler send each step's tokens as it makes
+        them (the answer awaited is still the whole one: iterate
+        :meth:`stream` for the steps). ``dp_rank`` pins the request to one
+        data-parallel replica.
 
         Raises:
             InvalidRequest: refused before sending.
@@ -195,22 +218,42 @@ class AsyncEngine(EngineCore):
             SchedulerGone: the scheduler died.
             ValueError: ``input_ids`` are not valid token ids.
         """
-        return self._submit(self._generate_req(input_ids, sampling, False, return_logprob,
+        return self._submit(self._generate_req(input_ids, sampling, stream, return_logprob,
                                                rid, dp_rank), self._request)
 
+    def submit_many(self, inputs: Sequence[npt.ArrayLike],
+                    sampling: SamplingParams | None = None, *, stream: bool = False,
+                    return_logprob: bool = False, dp_rank: int | None = None
+                    ) -> list[AsyncRequest]:
+        """Send several generate requests at once (one burst); ``await`` each answer.
+
+        All are validated before any is sent.
+
+        Raises:
+            InvalidRequest, ValueError: one of them is refused (none was sent).
+            EngineClosed, SchedulerGone: as :meth:`submit`.
+        """
+        reqs = [self._validated(self._generate_req(ids, sampling, stream, return_logprob,
+                                                   None, dp_rank)) for ids in inputs]
+        requests = [self._request(r.rid) for r in reqs]
+        self._register(reqs, requests)
+        for req in reqs:  # queued in this turn of the loop: they leave as one burst
+            self._send(req)
+        return requests
+
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-               return_logprob: bool = False, rid: str | None = None
-               ) -> AsyncIterator[StreamChunk]:
+               return_logprob: bool = False, rid: str | None = None,
+               dp_rank: int | None = None) -> AsyncIterator[StreamChunk]:
         """Yield new tokens as each step produces them; leaving early aborts the request.
 
         Raises (while iterating): as :meth:`generate`.
         """
-        return chunks(self._stream_start(input_ids, sampling, return_logprob, rid),
+        return chunks(self._stream_start(input_ids, sampling, return_logprob, rid, dp_rank),
                       self._cancel)
 
     def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
-                     *, return_logprob: bool = False, rid: str | None = None
-                     ) -> AsyncIterator[list[StreamChunk]]:
+                     *, return_logprob: bool = False, rid: str | None = None,
+                     dp_rank: int | None = None) -> AsyncIterator[list[StreamChunk]]:
         """As :meth:`stream`, but yield every chunk that has arrived, oldest first, as one
         list (never empty; one chunk per scheduler step in it).
 
@@ -221,29 +264,101 @@ class AsyncEngine(EngineCore):
         Raises (while iterating): as :meth:`generate`; chunks that arrived
         before an error are yielded first.
         """
-        return steps(self._stream_start(input_ids, sampling, return_logprob, rid),
+        return steps(self._stream_start(input_ids, sampling, return_logprob, rid, dp_rank),
                      self._cancel)
 
     def _stream_start(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
-                      return_logprob: bool, rid: str | None) -> Callable[[], AsyncHandle]:
+                      return_logprob: bool, rid: str | None, dp_rank: int | None
+                      ) -> Callable[[], AsyncHandle]:
         """Sends the stream's request when called (at its first iteration, not before)."""
         return lambda: self._submit(self._generate_req(input_ids, sampling, True,
-                                                       return_logprob, rid), self._handle)
+                                                       return_logprob, rid, dp_rank),
+                                    self._handle)
 
-    async def embed(self, input_ids: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    async def embed(self, input_ids: npt.ArrayLike, *, rid: str | None = None,
+                    dp_rank: int | None = None, timeout: float | None = None
+                    ) -> npt.NDArray[np.float32]:
         """Embed a tokenized text; returns a unit-norm float32 vector.
 
         Raises: as :meth:`generate`.
         """
-        answer = self._submit(self._embed_req(input_ids), self._answer)
+        answer = self._submit(self._embed_req(input_ids, dp_rank, rid),
+                              lambda rid: Answer(rid, self._on_loop()))
         try:
-            item = await answer.future
+            async with asyncio.timeout(timeout):
+                item = await answer.future
         except asyncio.CancelledError:
+            answer.cancelled()
+            self._cancel(answer)
+            raise
+        except TimeoutError:
             answer.cancelled()
             self._cancel(answer)
             raise
         assert isinstance(item, np.ndarray)
         return item
+
+    def _submit_now(self, reqs: Sequence[TokenizedGenerateReqInput
+                                          | TokenizedEmbeddingReqInput],
+                    make: Callable[[str], P], *, on_loop: bool = True
+                    ) -> tuple[list[Request], list[P], int]:
+        """Validate and register ``reqs`` with the handles ``make`` builds, and send what
+        the work channel takes now, in order (the threaded face's submit: what is left
+        goes with :meth:`_send_rest`). Returns (the requests, their handles, how many
+        were sent).
+
+        Safe from another thread than the loop's with ``on_loop=False`` (the
+        table and the sends take their locks; what the loop queued this turn,
+        and its opportunistic read, are left to the loop): a blocking caller
+        submits with no hop to the loop.
+
+        Raises:
+            InvalidRequest: one is refused (none was sent).
+            EngineClosed, SchedulerGone: as :meth:`submit`.
+        """
+        checked: list[Request] = [self._validated(r) for r in reqs]
+        handles = [make(r.rid) for r in checked]
+        self._register(checked, handles)
+        if on_loop:
+            self._flush_sends()  # what this turn queued goes first
+        try:
+            self._check_open()
+            sent = self._send_nowait(checked)
+        except BaseException:
+            self._table.unregister(handles)
+            raise
+        if on_loop:
+            self._after_sends(sent)
+        return checked, handles, sent
+
+    async def _send_rest(self, reqs: list[Request], handles: Sequence[Pending],
+                         sent: int) -> None:
+        """Send ``reqs[sent:]``, waiting for room on a full work channel (the threaded
+        face's backpressure); those not sent when it fails are unregistered.
+
+        Raises:
+            Overloaded: no room for the channel's send timeout in a row (says how
+                many were sent).
+            EngineClosed, SchedulerGone: promptly, while waiting.
+        """
+        since = time.monotonic()
+        try:
+            while sent < len(reqs):
+                await asyncio.sleep(_RETRY_S)
+                self._check_open()
+                n = self._send_nowait(reqs[sent:])
+                if n:
+                    sent, since = sent + n, time.monotonic()
+                    self._after_sends(n)
+                elif time.monotonic() - since > SEND_TIMEOUT:
+                    raise Overloaded(reqs[sent].rid, "overloaded", "the scheduler is not "
+                                     "taking requests (its work channel stayed full for "
+                                     f"{SEND_TIMEOUT:g} s): {sent} of {len(reqs)} were sent")
+                elif not self._alive():
+                    self._check_open()
+        except BaseException:
+            self._table.unregister(handles[sent:])
+            raise
 
     async def abort(self, rid: str) -> None:
         """Abort a queued or running request (idempotent).
@@ -314,7 +429,7 @@ class AsyncEngine(EngineCore):
                 waiting.popleft()
                 continue
             try:
-                EngineCore._send(self, req, block=False)  # now, not at the turn's end
+                SchedulerClient._send(self, req)  # now, not at the turn's end
             except Overloaded:
                 assert self._loop is not None
                 self._loop.call_later(_RETRY_S, self._retry_aborts)
@@ -330,22 +445,64 @@ class AsyncEngine(EngineCore):
                              **params: Scalar) -> RpcReqOutput:
         """Call an rpc method on the scheduler without blocking the loop.
 
-        The blocking call runs in the loop's default executor (calls are
-        serialized on the one rpc socket, and matched to replies by rid);
-        outputs keep being delivered on the loop meanwhile.
+        Sent and answered on the event loop: the rpc socket is one of the
+        loop's readers, and its reply is matched to this call by rid. No
+        thread and no lock is held while it waits, so any number of calls are
+        in flight at once; once the scheduler is found gone, every one of
+        them fails at once (:class:`~scheduler.SchedulerGone`).
 
-        Raises: as :meth:`Engine.collective_rpc <scheduler.Engine.collective_rpc>`.
+        Raises:
+            RpcTimeout: no reply in time.
+            SchedulerGone: the scheduler died (reported promptly, not at the timeout).
+            EngineClosed: the engine is closed.
+            DecodeError: the scheduler's reply could not be decoded.
         """
-        call = functools.partial(self._call_rpc, method, timeout=timeout, **params)
-        return await asyncio.get_running_loop().run_in_executor(None, call)
+        loop = self._loop
+        if loop is None:
+            raise EngineClosed("the engine is not started (use 'async with' or start())")
+        self._check_open()
+        rpc = self._rpc
+        answer: asyncio.Future[RpcReqOutput | Exception] = loop.create_future()
+        on_loop = self._loop_thread
+
+        def on_reply(reply: RpcReqOutput | Exception) -> None:
+            if threading.get_ident() == on_loop:
+                _settle(answer, reply)
+            else:  # read by a blocking call (the shutdown rpc) on another thread
+                loop.call_soon_threadsafe(_settle, answer, reply)
+
+        try:
+            call = rpc.start(method, on_reply, **params)
+            try:
+                async with asyncio.timeout(timeout):
+                    # A DEALER takes nothing until the scheduler's socket is connected.
+                    while not rpc.try_send(call):
+                        await asyncio.sleep(_RETRY_S)
+                    reply = await answer
+            except TimeoutError:
+                raise RpcTimeout(f"{rpc.name} ({rpc.endpoint})", method, call.rid,
+                                 timeout) from None
+            finally:
+                rpc.forget(call)
+            if isinstance(reply, Exception):
+                raise reply
+        except (PeerGone, ChannelClosed) as exc:
+            raise self._rpc_error(method, exc) from exc
+        return reply
 
     async def metrics(self, timeout: float = 30.0) -> str:
-        """The scheduler's Prometheus metrics, as text (see ``Engine.metrics``).
+        """The scheduler's Prometheus metrics, in the text exposition format.
 
-        Raises: as :meth:`Engine.metrics <scheduler.Engine.metrics>`.
+        Read over rpc, so it is consistent with the scheduler's own step (in
+        either mode) and parses with ``prometheus_client.parser``. With
+        ``dp_size > 1``, every sample carries a ``replica`` label (replicas
+        that did not answer are left out).
+
+        Raises:
+            RequestFailed: the engine was built with ``metrics=False``.
+            EngineClosed, SchedulerGone, RpcTimeout: as :meth:`collective_rpc`.
         """
-        call = functools.partial(self._read_metrics, timeout)
-        return await asyncio.get_running_loop().run_in_executor(None, call)
+        return self._metrics_of(await self.collective_rpc("metrics", timeout=timeout))
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -377,19 +534,20 @@ class AsyncEngine(EngineCore):
     async def _remove_reader(self) -> None:
         assert self._loop is not None
         self._loop.remove_reader(self._fd)
+        self._loop.remove_reader(self._rpc.fileno())
         self._reading = False
         self._table.deliver_all(self._backlog)  # read but not yet delivered: first, in order
         self._backlog.clear()
-        self.read_outputs()  # then what arrived last
+        self._read_outputs()  # then what arrived last
 
-    def _send(self, req: Request | _AbortOf, *, block: bool = False) -> None:
+    def _send(self, req: Request | _AbortOf) -> None:
         # Never blocks the loop. What is sent in one turn of the loop leaves at
         # its end, together: over zmq as one burst, on the ring in one put (one
         # lock, one wake-up of the scheduler). The lone request of an idle
         # frontend leaves as soon as its task awaits.
         if self._loop is None:
             assert not isinstance(req, _AbortOf)  # nothing is cancelled before start()
-            super()._send(req, block=False)  # a full work channel: Overloaded at once
+            super()._send(req)  # a full work channel: Overloaded at once
             self._after_sends(1)
             return
         self._check_open()
@@ -427,12 +585,7 @@ class AsyncEngine(EngineCore):
         rest, sent = queue, 0
         while rest:
             try:
-                if self._ingress is not None:
-                    n = self._ingress.put_many_nowait(rest)
-                else:
-                    assert self._work_out is not None
-                    with self._send_lock:
-                        n = self._work_out.send_many_nowait(rest)
+                n = self._send_nowait(rest)
             except EncodeError as exc:  # rest[0] alone cannot go (validated: not expected)
                 self._put(rest[0].rid, RequestFailed(rest[0].rid, "invalid_request", str(exc)),
                           final=True)
@@ -488,8 +641,23 @@ class AsyncEngine(EngineCore):
             assert self._loop is not None
             self._loop.call_soon(self._on_readable)
 
+    def _on_rpc_readable(self) -> None:
+        # Outputs waiting now are delivered before the rpc replies: a reply the
+        # scheduler sent after a request's last tokens finds them delivered (a
+        # caller that waits for get_load to say idle, then reads its stream).
+        if self._reading:
+            self._on_readable()
+        self._rpc.read_replies()
+
     async def _watch(self) -> None:
         """Fail every waiting request promptly once the scheduler is gone."""
         while not self.closed:
             await asyncio.sleep(0.1)  # a liveness poll, not a wait for a condition
             self._check_alive()
+
+
+def _settle(future: asyncio.Future[RpcReqOutput | Exception],
+            reply: RpcReqOutput | Exception) -> None:
+    """Hand an rpc's reply (or the error that ends it) to its caller, unless it left."""
+    if not future.done():
+        future.set_result(reply)

@@ -1,11 +1,11 @@
-"""``EngineCore``: what both engine faces share, so neither copies the other.
+"""``SchedulerClient``: the client side of a scheduler, under both engine faces.
 
 Wiring a mode (the embedded scheduler thread, or the scheduler processes and
 their ipc endpoints), rid allocation, validation at submit, the pending
 table, mapping outputs and errors to each request, liveness, rpc and
-teardown. A face adds only how it waits: :class:`~scheduler.Engine` reads
-outputs on a thread, :class:`~scheduler.AsyncEngine` on the event loop
-(``loop.add_reader`` on the same fd).
+teardown. :class:`~scheduler.AsyncEngine` is the client built on it (one
+event loop reads outputs and rpc replies); :class:`~scheduler.Engine` runs an
+``AsyncEngine`` on a private event-loop thread.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from bus import (
     RingInbox,
     RpcClient,
     SocketOptions,
-    WouldBlock,
     sweep_shm,
 )
 from bus.channels import Inbox
@@ -45,7 +44,6 @@ from messages import (
     Request,
     RpcReqOutput,
     SamplingParams,
-    Scalar,
     TokenIds,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -56,7 +54,6 @@ from scheduler.core.admission import Limits
 from scheduler.core.metrics import metrics_text
 from scheduler.dp import Policy
 from scheduler.engine.pending import Forgotten, Item, Pending, PendingTable
-from scheduler.engine.sending import send_waiting
 from scheduler.engine.stopping import SEND_AT_LEAST, stop_processes, stop_thread
 from scheduler.errors import (
     EngineClosed,
@@ -66,7 +63,6 @@ from scheduler.errors import (
     RequestFailed,
     SchedulerGone,
 )
-from scheduler.handshake import hello
 from scheduler.launch.leftovers import make_run_dir, remove_run_dir
 from scheduler.launch.processes import SchedulerProcesses, load_failure, start_processes
 from scheduler.launch.tp import check_tp_room
@@ -75,28 +71,43 @@ from scheduler.models.loading import (
     HFModelSpec,
     ModelArg,
     ModelLoadError,
+    ModelSpec,
     check_model_loads,
     load_model,
     model_spec,
 )
 from scheduler.models.protocol import Model
 
-__all__ = ["EngineCore", "Item", "Pending"]
+__all__ = ["SEND_TIMEOUT", "SchedulerClient", "Item", "Pending"]
 
 R = TypeVar("R", bound=Request)
 P = TypeVar("P", bound="Pending")
 
 log = logging.getLogger("scheduler.engine")
 
-_SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000  # waiting for room on the work channel
+#: Seconds a submit waits for room on a full work channel before ``Overloaded``.
+SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000
 
 
-class EngineCore:
-    """Wires a scheduler in one of two modes; see the faces for the arguments.
+class SchedulerClient:
+    """The client side of a scheduler it starts in one of two modes (not the scheduler's
+    loop, which is :class:`~scheduler.Scheduler`); see the faces for the arguments.
 
-    Does not read outputs by itself: a face calls :meth:`read_outputs` when
-    :attr:`outputs_fd` is readable (or after :meth:`wait_outputs`).
+    Does not read outputs by itself: a face calls :meth:`_read_outputs` when
+    :attr:`_outputs_fd` is readable.
     """
+
+    #: ``"ring"`` (scheduler embedded in this process) or ``"zmq"`` (in its own).
+    mode: Literal["ring", "zmq"]
+    #: The model the scheduler serves (as given, resolved).
+    model: ModelSpec
+    #: Tensor-parallel ranks per replica, and data-parallel replicas.
+    tp_size: int
+    dp_size: int
+    #: The scheduler's admission and backlog bounds.
+    limits: Limits
+    #: The scheduler's endpoints (in a private run directory).
+    endpoints: Endpoints
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, tp_size: int = 1, dp_size: int = 1,
@@ -135,7 +146,9 @@ class EngineCore:
         # Unique per engine (random prefix) and cheap per request (a counter).
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
-        self._send_lock = threading.Lock()  # serializes sends on the work socket
+        # Sends on the work socket: the loop's, and the blocking face's submits from
+        # its callers' threads.
+        self._send_lock = threading.Lock()
         self._closed = False
         self._gone: str | None = None
         self._load_error: ModelLoadError | None = None  # why a scheduler process did not start
@@ -192,54 +205,19 @@ class EngineCore:
         self._alive()
         return self._gone
 
-    def _call_rpc(self, method: str, *, timeout: float = 30.0,
-                  **params: Scalar) -> RpcReqOutput:
-        """Call an rpc method on the scheduler and return its reply (blocks).
+    def _rpc_error(self, method: str, exc: PeerGone | ChannelClosed) -> EngineError:
+        """The engine's error for an rpc the bus failed: the scheduler is gone
+        (``PeerGone``; its own ``ModelLoadError`` when it told us over its report
+        pipe that its model did not load), or the engine closed its rpc client
+        (``ChannelClosed``)."""
+        if isinstance(exc, PeerGone) and self._load_error is not None:
+            return self._load_error
+        if isinstance(exc, PeerGone):
+            return SchedulerGone(f"rpc {method!r}: {self._gone or exc}")
+        return EngineClosed(f"rpc {method!r}: the engine closed before the reply")
 
-        Raises:
-            RpcTimeout: no reply in time.
-            SchedulerGone: the scheduler died (reported promptly, not at the timeout).
-            EngineClosed: the engine is closed.
-            DecodeError: the scheduler's reply could not be decoded.
-        """
-        if self._closed:
-            raise EngineClosed(f"rpc {method!r}: the engine is closed")
-        try:
-            return self._rpc.call(method, timeout=timeout, alive=self._alive, **params)
-        except PeerGone as exc:
-            raise SchedulerGone(f"rpc {method!r}: {self._gone or exc}") from exc
-
-    def _handshake(self, timeout: float) -> None:
-        """Wait for the scheduler to answer ``hello`` (blocks): it is up, and it reads
-        our wire layout (a breaking difference raises before any request is sent).
-
-        Raises:
-            ProtocolMismatch: the scheduler refused our layout (names each
-                breaking type and field).
-            ModelLoadError: the scheduler process could not load its model.
-            RpcTimeout: no answer within ``timeout``.
-            SchedulerGone: it died while starting.
-        """
-        try:
-            hello(self._rpc, timeout, alive=self._alive)
-        except PeerGone as exc:
-            if self._load_error is not None:  # the child's own, told over its report pipe
-                raise self._load_error from exc
-            raise SchedulerGone(f"hello: {self._gone or exc}") from exc
-
-    def _read_metrics(self, timeout: float = 30.0) -> str:
-        """The scheduler's Prometheus metrics, in the text exposition format (blocks).
-
-        Read over rpc, so it is consistent with the scheduler's own step (in
-        either mode) and parses with ``prometheus_client.parser``. With
-        ``dp_size > 1``, every sample carries a ``replica`` label (replicas
-        that did not answer are left out).
-
-        Raises:
-            RequestFailed: the engine was built with ``metrics=False``.
-            EngineClosed, SchedulerGone, RpcTimeout: as :meth:`_call_rpc`.
-        """
-        reply = self._call_rpc("metrics", timeout=timeout)
+    def _metrics_of(self, reply: RpcReqOutput) -> str:
+        """The text of a ``metrics`` rpc's reply (RequestFailed if it failed)."""
         text = metrics_text(reply.result or {}, self.dp_size)
         if not reply.success or text is None:
             raise RequestFailed(reply.rid, "metrics", reply.message)
@@ -354,9 +332,9 @@ class EngineCore:
             sampling=sampling or SamplingParams(), stream=stream, return_logprob=return_logprob,
             dp_rank=self._check_dp_rank(rid, dp_rank))
 
-    def _embed_req(self, input_ids: npt.ArrayLike, dp_rank: int | None = None
-                   ) -> TokenizedEmbeddingReqInput:
-        rid = self._new_rid()
+    def _embed_req(self, input_ids: npt.ArrayLike, dp_rank: int | None = None,
+                   rid: str | None = None) -> TokenizedEmbeddingReqInput:
+        rid = rid if rid is not None else self._new_rid()
         return TokenizedEmbeddingReqInput(rid=rid, input_ids=_packed(rid, input_ids),
                                           dp_rank=self._check_dp_rank(rid, dp_rank))
 
@@ -389,40 +367,6 @@ class EngineCore:
             raise
         return handle
 
-    def _submit_many(self, reqs: Sequence[TokenizedGenerateReqInput],
-                     make: Callable[[str], P]) -> list[P]:
-        """:meth:`_submit` for several at once, sent as bursts (blocks for room).
-
-        All are validated and registered before any is sent; if the channel
-        stays full, those not sent are unregistered and ``Overloaded`` says
-        how many were.
-        """
-        checked = [self._validated(r) for r in reqs]
-        handles = [make(r.rid) for r in checked]
-        self._register(checked, handles)
-        sent = 0
-        try:
-            if self._ingress is not None:
-                for req in checked:
-                    self._send(req)
-                    sent += 1
-            else:
-                def progressed(n: int) -> None:
-                    nonlocal sent
-                    sent += n
-                self._send_zmq(checked, progressed)
-        except BaseException:
-            self._table.unregister(handles[sent:])
-            raise
-        return handles
-
-    def _send_zmq(self, reqs: Sequence[Request],
-                  progress: Callable[[int], None] | None = None) -> int:
-        """Send ``reqs`` on the work socket (see :func:`send_waiting`); how many were sent."""
-        assert self._work_out is not None
-        return send_waiting(self._work_out, reqs, self._send_lock, self._check_open,
-                            self._alive, _SEND_TIMEOUT, progress)
-
     def _register(self, reqs: Sequence[Request], handles: Sequence[Pending]) -> None:
         self._table.register([r.rid for r in reqs], handles, self._check_open)
 
@@ -432,72 +376,59 @@ class EngineCore:
         if self._gone is not None:
             raise SchedulerGone(self._gone)
 
-    def _send(self, req: Request, *, block: bool = True) -> None:
-        """Send ``req`` to the scheduler; with ``block=False`` never wait for room.
+    def _send(self, req: Request) -> None:
+        """Send ``req`` to the scheduler now, never waiting for room.
 
         Raises:
-            Overloaded: the scheduler's work channel stayed full (at once
-                with ``block=False``; after the channel's send timeout otherwise).
-            EngineClosed, SchedulerGone: as the public calls (a scheduler that
-                dies while the send waits for room fails it promptly).
+            Overloaded: the scheduler's work channel is full.
+            EngineClosed, SchedulerGone: as the public calls.
         """
         self._check_open()
+        if not self._send_nowait([req]):
+            raise Overloaded(req.rid, "overloaded", "the scheduler is not taking requests "
+                                                    "(its work channel is full)")
+
+    def _send_nowait(self, reqs: Sequence[Request]) -> int:
+        """Send what of ``reqs`` the work channel takes now, in order (over zmq as
+        bursts, on the ring in one put); returns how many. Never blocks.
+
+        Raises:
+            EngineClosed: the channel is closed.
+            EncodeError: ``reqs[0]`` cannot be encoded (nothing was sent).
+        """
         try:
             if self._ingress is not None:
-                if block:
-                    self._ingress.put(req, timeout=30.0)
-                else:
-                    self._ingress.put_nowait(req)
-                return
+                return self._ingress.put_many_nowait(reqs)
             assert self._work_out is not None
-            if block:
-                self._send_zmq([req])
-                return
             with self._send_lock:  # a zmq socket is not thread-safe
-                self._work_out.send_nowait(req)
+                return self._work_out.send_many_nowait(reqs)
         except ChannelClosed as exc:
             raise EngineClosed("the engine is closed") from exc
-        except WouldBlock as exc:
-            raise Overloaded(req.rid, "overloaded", f"the scheduler is not taking requests "
-                                                    f"(its work channel is full): {exc}") from exc
 
     def _forget(self, handle: Pending) -> Forgotten | None:
         """The caller left: see :meth:`PendingTable.forget` (by identity, never by rid)."""
         return self._table.forget(handle)
 
     @property
-    def outputs_fd(self) -> int:
+    def _outputs_fd(self) -> int:
         """An fd that is readable while outputs wait (for an event loop's reader)."""
         pollable = self._out_inbox.pollable()
         return pollable if isinstance(pollable, int) else int(pollable.get(zmq.FD))
 
-    def wait_outputs(self, timeout: float) -> bool:
-        """Park until outputs wait or ``timeout`` passes."""
-        return self._outputs.wait(timeout)
-
-    def read_outputs(self, polls: int | None = None) -> int:
-        """Deliver outputs waiting now to their requests; returns how many were read.
-
-        Drains until the inbox is empty, or for at most ``polls`` polls (of up
-        to 1024 outputs each): an event loop reads a poll at a time, so the
-        requests woken get a turn before the next (an edge-triggered zmq fd
-        then needs its ``EVENTS`` read: see ``AsyncEngine._on_readable``).
-        """
-        total = 0
-        while polls is None or polls > 0:
+    def _read_outputs(self) -> None:
+        """Deliver every output waiting now to its request (the last read, at close)."""
+        while True:
             got = self._outputs.poll()
             self._table.deliver_all(got)
-            total += len(got)
             if len(got) < self._outputs.budget:
-                break
-            if polls is not None:
-                polls -= 1
-        return total
+                return
 
     def _check_alive(self) -> None:
         """Fail every pending request if the scheduler is gone."""
         if not self._alive():
-            self._fail_all(SchedulerGone(self._gone or "the scheduler is gone"))
+            why = self._gone or "the scheduler is gone"
+            self._fail_all(SchedulerGone(why))
+            self._rpc.fail_all(PeerGone(f"{self._rpc.name} ({self._rpc.endpoint})", why))
 
     def _put(self, rid: str, item: Item, *, final: bool) -> None:
         self._table.put(rid, item, final=final)

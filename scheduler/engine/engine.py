@@ -9,32 +9,48 @@ thread); ``Engine(mode="zmq")`` runs it in its own process. Either way::
             ...
         engine.collective_rpc("save_checkpoint", path="/tmp/model.ckpt")
 
-The threaded face of :class:`~scheduler.engine.core.EngineCore`: a reader
-thread hands outputs to each request's queue. ``AsyncEngine`` is the asyncio
-face of the same core.
+The blocking face of :class:`~scheduler.AsyncEngine`, as SGLang's ``Engine``
+and vLLM's ``LLM`` are of their async cores: it runs an ``AsyncEngine`` on
+an event loop of its own (a private thread), and each call hands its work
+to that loop and waits for the answer. Outputs and rpc replies are read by
+that one loop, as in the asyncio face; a request's outputs reach its
+:class:`~scheduler.RequestHandle` (a thread-safe queue). So both faces offer
+the same methods with the same parameters, and behave alike, by
+construction (``tests/scheduler/test_parity.py`` checks the first).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Literal, Self
+from collections.abc import Coroutine, Iterator, Sequence
+from typing import Literal, Self, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from messages import RpcReqOutput, SamplingParams, Scalar
+from messages import (
+    RpcReqOutput,
+    SamplingParams,
+    Scalar,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine.core import EngineCore
+from scheduler.engine.async_engine import AsyncEngine
 from scheduler.engine.handles import GenerateResult, RequestHandle, StreamChunk
 from scheduler.engine.stopping import close_timeout
-from scheduler.models.loading import ModelArg
+from scheduler.errors import EngineClosed
+from scheduler.launch.wiring import Endpoints
+from scheduler.models.loading import ModelArg, ModelSpec
 
 __all__ = ["Engine", "GenerateResult", "RequestHandle", "StreamChunk"]
 
+T = TypeVar("T")
 
-class Engine(EngineCore):
+
+class Engine:
     """Wires a scheduler in one of two modes and offers the calls a frontend needs.
 
     Args:
@@ -78,42 +94,120 @@ class Engine(EngineCore):
                  *, max_batch: int = 64, start_timeout: float = 60.0,
                  tp_size: int = 1, dp_size: int = 1, dp_policy: Policy = "least_loaded",
                  limits: Limits | None = None, metrics: bool = True) -> None:
-        super().__init__(mode, model, max_batch=max_batch, tp_size=tp_size, dp_size=dp_size,
-                         dp_policy=dp_policy, limits=limits, metrics=metrics)
-        self._reader_stop = threading.Event()
-        self._reader = threading.Thread(target=self._read_outputs, name="engine-reader",
-                                        daemon=True)
-        self._reader.start()
+        self._core = AsyncEngine(mode, model, max_batch=max_batch, start_timeout=start_timeout,
+                                 tp_size=tp_size, dp_size=dp_size, dp_policy=dp_policy,
+                                 limits=limits, metrics=metrics)
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever,
+                                             name="engine-loop", daemon=True)
+        self._loop_thread.start()
         try:
-            self._handshake(start_timeout)
+            self._run(self._core.start())
         except BaseException:
-            self.close()
+            self._stop_loop()
             raise
 
-    # -- public API -------------------------------------------------------------
+    def _run(self, work: Coroutine[object, object, T]) -> T:
+        """Run ``work`` on the engine's loop and wait for its outcome (from any thread
+        but the loop's own)."""
+        if threading.get_ident() == self._loop_thread.ident:
+            work.close()
+            raise RuntimeError("a blocking Engine call from its own event loop's thread")
+        if self._loop.is_closed():
+            work.close()
+            raise EngineClosed("the engine is closed")
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+
+    def _submit(self, reqs: Sequence[TokenizedGenerateReqInput | TokenizedEmbeddingReqInput]
+                ) -> list[RequestHandle]:
+        """Submit ``reqs``: what the work channel takes at once from this thread (no hop
+        to the loop), the rest on the loop, waiting for room
+        (:meth:`AsyncEngine._send_rest`)."""
+        if self._loop.is_closed():
+            raise EngineClosed("the engine is closed")
+        core = self._core
+        checked, handles, sent = core._submit_now(reqs, RequestHandle, on_loop=False)
+        if sent < len(checked):
+            self._run(core._send_rest(checked, handles, sent))
+        return handles
+
+    # -- what the engine is ---------------------------------------------------------
+
+    @property
+    def mode(self) -> Literal["ring", "zmq"]:
+        """``"ring"`` (scheduler embedded in this process) or ``"zmq"`` (in its own)."""
+        return self._core.mode
+
+    @property
+    def model(self) -> ModelSpec:
+        """The model the scheduler serves (as given, resolved)."""
+        return self._core.model
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks per replica."""
+        return self._core.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas."""
+        return self._core.dp_size
+
+    @property
+    def limits(self) -> Limits:
+        """The scheduler's admission and backlog bounds."""
+        return self._core.limits
+
+    @property
+    def endpoints(self) -> Endpoints:
+        """The scheduler's endpoints (in a private run directory)."""
+        return self._core.endpoints
+
+    @property
+    def pending(self) -> int:
+        """Requests sent and not yet answered (their handles wait)."""
+        return self._core.pending
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has begun."""
+        return self._core.closed
+
+    @property
+    def gone(self) -> str | None:
+        """Why the scheduler is gone, or None while it runs (see ``AsyncEngine.gone``)."""
+        return self._core.gone
+
+    @property
+    def replica_pids(self) -> list[tuple[int, ...]]:
+        """The process ids of each data-parallel replica (see ``AsyncEngine``)."""
+        return self._core.replica_pids
+
+    # -- requests ---------------------------------------------------------------------
 
     def submit(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                stream: bool = False, return_logprob: bool = False,
                rid: str | None = None, dp_rank: int | None = None) -> RequestHandle:
         """Send a generate request; returns its handle at once.
 
-        ``dp_rank`` pins the request to one data-parallel replica.
+        ``stream=True`` has the scheduler send each step's tokens as it makes
+        them (iterate the handle). ``dp_rank`` pins the request to one
+        data-parallel replica.
 
         Raises:
-            EngineClosed: the engine is closed.
-            SchedulerGone: the scheduler died.
-            InvalidRequest: the request breaks the wire's rules (a rid over
-                256 characters or not valid text, sampling out of range).
             Overloaded: the scheduler's work channel stayed full for the
                 channel's send timeout (nothing was sent).
-            ValueError: ``input_ids`` are not valid token ids.
+            InvalidRequest, ValueError, EngineClosed, SchedulerGone: as
+                :meth:`AsyncEngine.submit <scheduler.AsyncEngine.submit>`.
         """
-        req = self._generate_req(input_ids, sampling, stream, return_logprob, rid, dp_rank)
-        return self._submit(req, RequestHandle)
+        req = self._core._generate_req(input_ids, sampling, stream, return_logprob, rid,
+                                       dp_rank)
+        return self._submit([req])[0]
 
     def submit_many(self, inputs: Sequence[npt.ArrayLike],
                     sampling: SamplingParams | None = None, *, stream: bool = False,
-                    return_logprob: bool = False) -> list[RequestHandle]:
+                    return_logprob: bool = False, dp_rank: int | None = None
+                    ) -> list[RequestHandle]:
         """Send several generate requests at once; returns their handles, in order.
 
         Over zmq they travel as bursts (one message and one encode per up to
@@ -126,34 +220,48 @@ class Engine(EngineCore):
                 many were sent; the others have no handle).
             EngineClosed, SchedulerGone: as :meth:`submit`.
         """
-        reqs = [self._generate_req(ids, sampling, stream, return_logprob, None)
+        reqs = [self._core._generate_req(ids, sampling, stream, return_logprob, None, dp_rank)
                 for ids in inputs]
-        return self._submit_many(reqs, RequestHandle)
+        return self._submit(reqs)
 
     def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-                 return_logprob: bool = False, timeout: float | None = None,
-                 dp_rank: int | None = None) -> GenerateResult:
+                 return_logprob: bool = False, rid: str | None = None,
+                 dp_rank: int | None = None, timeout: float | None = None) -> GenerateResult:
         """Generate and wait for the whole answer.
 
         Raises:
-            RequestFailed: the scheduler rejected the request
-                (:class:`~scheduler.Overloaded` when it was too busy).
-            InvalidRequest: refused before sending.
-            SchedulerGone: the scheduler died meanwhile.
+            EngineError: no output within ``timeout`` seconds (the request goes on).
+            RequestFailed, InvalidRequest, SchedulerGone: as
+                :meth:`AsyncEngine.generate <scheduler.AsyncEngine.generate>`.
         """
-        return self.submit(input_ids, sampling, return_logprob=return_logprob,
+        return self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
                            dp_rank=dp_rank).result(timeout)
 
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-               return_logprob: bool = False) -> Iterator[StreamChunk]:
+               return_logprob: bool = False, rid: str | None = None,
+               dp_rank: int | None = None) -> Iterator[StreamChunk]:
         """Generate, yielding new tokens as each step produces them."""
-        return iter(self.submit(input_ids, sampling, stream=True, return_logprob=return_logprob))
+        return iter(self.submit(input_ids, sampling, stream=True,
+                                return_logprob=return_logprob, rid=rid, dp_rank=dp_rank))
 
-    def embed(self, input_ids: npt.ArrayLike, *, timeout: float | None = None,
-              dp_rank: int | None = None) -> npt.NDArray[np.float32]:
-        """Embed a tokenized text; returns a unit-norm float32 vector."""
-        return self._submit(self._embed_req(input_ids, dp_rank),
-                            RequestHandle).embedding(timeout)
+    def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
+                     *, return_logprob: bool = False, rid: str | None = None,
+                     dp_rank: int | None = None) -> Iterator[list[StreamChunk]]:
+        """As :meth:`stream`, but yield every chunk that has arrived, oldest first, as one
+        list (never empty)."""
+        return self.submit(input_ids, sampling, stream=True, return_logprob=return_logprob,
+                           rid=rid, dp_rank=dp_rank).steps()
+
+    def embed(self, input_ids: npt.ArrayLike, *, rid: str | None = None,
+              dp_rank: int | None = None, timeout: float | None = None
+              ) -> npt.NDArray[np.float32]:
+        """Embed a tokenized text; returns a unit-norm float32 vector.
+
+        Raises: as :meth:`generate`.
+        """
+        req = self._core._embed_req(input_ids, dp_rank, rid)
+        handle = self._submit([req])[0]
+        return handle.embedding(timeout)
 
     def abort(self, rid: str) -> None:
         """Abort a queued or running request; it ends with finish reason ``abort``.
@@ -161,33 +269,27 @@ class Engine(EngineCore):
         Idempotent: aborting a finished, unknown or already aborted request
         does nothing.
 
-        Raises:
-            InvalidRequest: ``rid`` is not a valid request id.
-            EngineClosed: the engine is closed.
-            SchedulerGone: the scheduler died.
+        Raises: as :meth:`AsyncEngine.abort <scheduler.AsyncEngine.abort>`.
         """
-        self._send(self._abort_req(rid))
+        self._run(self._core.abort(rid))
 
     def collective_rpc(self, method: str, *, timeout: float = 30.0,
                        **params: Scalar) -> RpcReqOutput:
-        """Call an rpc method on the scheduler and return its reply.
+        """Call an rpc method on the scheduler and return its reply (calls from several
+        threads are in flight at once).
 
-        Raises:
-            RpcTimeout: no reply in time.
-            SchedulerGone: the scheduler died (reported promptly, not at the timeout).
-            EngineClosed: the engine is closed.
-            DecodeError: the scheduler's reply could not be decoded.
+        Raises: as :meth:`AsyncEngine.collective_rpc <scheduler.AsyncEngine.collective_rpc>`.
         """
-        return self._call_rpc(method, timeout=timeout, **params)
+        return self._run(self._core.collective_rpc(method, timeout=timeout, **params))
 
     def metrics(self, timeout: float = 30.0) -> str:
         """The scheduler's Prometheus metrics, in the text exposition format.
 
-        Raises:
-            RequestFailed: the engine was built with ``metrics=False``.
-            EngineClosed, SchedulerGone, RpcTimeout: as :meth:`collective_rpc`.
+        Raises: as :meth:`AsyncEngine.metrics <scheduler.AsyncEngine.metrics>`.
         """
-        return self._read_metrics(timeout)
+        return self._run(self._core.metrics(timeout))
+
+    # -- lifetime ---------------------------------------------------------------------
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish every accepted request with a terminal answer, then stop. Idempotent.
@@ -196,23 +298,22 @@ class Engine(EngineCore):
         scheduler process still running at its end (hung, stopped) is killed. An
         embedded (ring mode) scheduler is a thread, which cannot be: the close
         waits for the step it is in."""
-        self._shutdown(close_timeout(timeout), self._stop_reading)
+        close_timeout(timeout)  # (refused before anything is closed)
+        if not self._loop_thread.is_alive():
+            return
+        try:
+            self._run(self._core.close(timeout))
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        if self._loop_thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join()
+        self._loop.close()
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _stop_reading(self) -> None:
-        self._reader_stop.set()
-        self._reader.join()
-
-    def _read_outputs(self) -> None:
-        while True:
-            if not self.wait_outputs(0.1):
-                if self._reader_stop.is_set():
-                    return
-                self._check_alive()
-                continue
-            self.read_outputs()

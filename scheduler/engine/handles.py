@@ -85,6 +85,31 @@ class RequestHandle:
                 self._done = True
             yield item
 
+    def steps(self) -> Iterator[list[StreamChunk]]:
+        """As iterating, but every chunk that has arrived, oldest first, as one list.
+
+        Raises: as iterating; chunks that arrived before an error are yielded first.
+        """
+        while not self._done:
+            got: list[StreamChunk] = []
+            item: _Item | None = self._queue.get()
+            while item is not None:
+                if isinstance(item, EngineError):
+                    self._done = True
+                    if got:
+                        yield got
+                    raise item
+                assert isinstance(item, StreamChunk)
+                got.append(item)
+                if item.finish_reason is not None:
+                    self._done = True
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            yield got
+
     def result(self, timeout: float | None = None) -> GenerateResult:
         """Wait for the whole answer (all chunks joined)."""
         ids: list[int] = []

@@ -1,6 +1,6 @@
 """The pending table: which handle waits on which rid, and what each output gives it.
 
-Shared by both engine faces (through :class:`~scheduler.engine.core.EngineCore`):
+Shared by both engine faces (through :class:`~scheduler.engine.core.SchedulerClient`):
 a handle is registered before its request is sent; outputs are turned into
 the *items* handles receive (a :class:`~scheduler.StreamChunk` per request
 of a token batch, an embedding row, or the error that ends it); the

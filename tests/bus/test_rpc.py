@@ -337,3 +337,75 @@ def test_a_closing_socket_leaves_a_newer_listener_s_file_alone(
     finally:
         new.close()
     assert not (live / "rpc").exists()
+
+
+def _answer_once_all_arrived(server: RpcServer[Request], n: int, stop: threading.Event
+                             ) -> threading.Thread:
+    """Answer nothing until ``n`` calls are in, then every one of them, last first."""
+
+    def loop() -> None:
+        receiver = Receiver([server])
+        held: list[Envelope[Request]] = []
+        while not stop.is_set() and len(held) < n:
+            if receiver.wait(0.05):
+                held.extend(env for env in receiver.poll() if isinstance(env, Envelope))
+        for env in reversed(held):
+            assert isinstance(env.message, RpcReqInput)
+            server.reply(OUT.encode(RpcReqOutput(rid=env.message.rid, success=True,
+                                                 message=env.message.method)), env.origin)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    return t
+
+
+def test_calls_from_several_threads_are_in_flight_together(
+        ctx: zmq.Context[zmq.Socket[bytes]], ipc: Callable[[str], str]) -> None:
+    # The server answers only once all 4 calls have arrived: calls serialized on the
+    # client (a lock held for a whole call) never get there, and every one times out.
+    ep = ipc("rpc")
+    stop = threading.Event()
+    with RpcServer(REQ, ep, ctx=ctx) as server, RpcClient(ep, ctx=ctx) as client:
+        t = _answer_once_all_arrived(server, 4, stop)
+        got: dict[int, str] = {}
+
+        def call(i: int) -> None:
+            got[i] = client.call(f"m{i}", timeout=10).message
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        try:
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        finally:
+            stop.set()
+            t.join()
+        assert got == {i: f"m{i}" for i in range(4)}
+        assert client.in_flight == 0
+
+
+def test_fail_all_ends_every_waiting_call_at_once(
+        ctx: zmq.Context[zmq.Socket[bytes]], ipc: Callable[[str], str]) -> None:
+    ep = ipc("rpc")
+    with RpcServer(REQ, ep, ctx=ctx), RpcClient(ep, ctx=ctx) as client:
+        errors: list[Exception] = []
+
+        def call() -> None:
+            try:
+                client.call("never_answered", timeout=30)
+            except ChannelClosed as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + 10
+        while client.in_flight < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+        t0 = time.monotonic()
+        client.fail_all(ChannelClosed("rpc", "the server is gone"))
+        for th in threads:
+            th.join()
+        assert len(errors) == 4 and time.monotonic() - t0 < 2

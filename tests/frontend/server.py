@@ -123,10 +123,11 @@ class ScriptedEngine(AsyncEngine):
     script: Sequence[int] = ()
 
     def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
-                     *, return_logprob: bool = False, rid: str | None = None
-                     ) -> AsyncIterator[list[StreamChunk]]:
+                     *, return_logprob: bool = False, rid: str | None = None,
+                     dp_rank: int | None = None) -> AsyncIterator[list[StreamChunk]]:
         return self._scripted(super().stream_steps(input_ids, sampling,
-                                                   return_logprob=return_logprob, rid=rid))
+                                                   return_logprob=return_logprob, rid=rid,
+                                                   dp_rank=dp_rank))
 
     async def _scripted(self, steps: AsyncIterator[list[StreamChunk]]
                         ) -> AsyncIterator[list[StreamChunk]]:

@@ -266,6 +266,48 @@ async def test_a_dead_scheduler_fails_every_waiting_task_promptly(
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_a_stopped_scheduler_fails_every_waiting_rpc_caller_at_once() -> None:
+    # 16 rpc calls wait for a stopped scheduler, each with its own deadline: they are
+    # in flight together (a lock held for a call let one in at a time), and when the
+    # scheduler dies every one of them fails at once, long before its timeout.
+    engine = AsyncEngine("zmq", SMALL)
+    await engine.start()
+    pid = engine._procs[0].pid
+    assert pid is not None
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        calls = [asyncio.create_task(engine.collective_rpc("get_load", timeout=60))
+                 for _ in range(16)]
+        deadline = time.monotonic() + 10
+        while engine._rpc.in_flight < 16:  # every call sent, none answered
+            assert time.monotonic() < deadline, engine._rpc.in_flight
+            await asyncio.sleep(0.01)  # sleep-ok: pacing of a deadline poll
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+        assert all(isinstance(r, SchedulerGone) for r in results), results
+        assert time.monotonic() - t0 < 2
+        assert engine._rpc.in_flight == 0
+    finally:
+        await engine.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_rpc_calls_waiting_when_the_engine_closes_end_with_engine_closed() -> None:
+    engine = AsyncEngine("zmq", SMALL)
+    await engine.start()
+    pid = engine._procs[0].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # nothing is answered; close kills it past its timeout
+    calls = [asyncio.create_task(engine.collective_rpc("get_load", timeout=60))
+             for _ in range(4)]
+    await asyncio.sleep(0)  # let them send
+    await engine.close(timeout=0.5)
+    results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+    assert all(isinstance(r, EngineClosed | SchedulerGone) for r in results), results
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_cancelled_rid_is_not_reused_before_its_request_ended(engine: AsyncEngine) -> None:
     from scheduler import InvalidRequest
 

@@ -246,7 +246,10 @@ def test_a_pin_out_of_range_is_refused_at_submit(dp_engine: Engine) -> None:
 
 
 def test_abort_of_unknown_rid_is_harmless_over_the_wire(dp_engine: Engine) -> None:
-    dp_engine._send(AbortReq(rid="never-was"))
+    async def send() -> None:  # on the engine's loop, as any of its sends
+        dp_engine._core._send(AbortReq(rid="never-was"))
+
+    dp_engine._run(send())
     assert dp_engine.generate([7], SamplingParams(max_new_tokens=1)).token_ids
 
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Literal
 
 import pytest
 
+from bus import RpcTimeout
 from messages import SamplingParams
 from scheduler import (
     Engine,
@@ -128,16 +130,16 @@ def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"],
             assert info.value.code == "shutdown"
     with pytest.raises(EngineClosed):
         engine.submit([1])
-    assert not engine._reader.is_alive()
-    assert engine._thread is None or not engine._thread.is_alive()
-    assert not any(p.is_alive() for p in engine._procs)
+    assert not engine._loop_thread.is_alive()
+    assert engine._core._thread is None or not engine._core._thread.is_alive()
+    assert not any(p.is_alive() for p in engine._core._procs)
 
 
 def test_dead_scheduler_process_fails_pending_calls_promptly() -> None:
     engine = Engine("zmq", SMALL)
     try:
         h = engine.submit([1], SamplingParams(max_new_tokens=1_000_000))
-        pid = engine._procs[0].pid
+        pid = engine._core._procs[0].pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         t0 = time.perf_counter()
@@ -149,6 +151,35 @@ def test_dead_scheduler_process_fails_pending_calls_promptly() -> None:
         with pytest.raises(SchedulerGone):
             engine.submit([1])
     finally:
+        engine.close()
+
+
+def test_rpc_calls_from_several_threads_wait_together() -> None:
+    # 8 threads call a stopped scheduler with a 1 s timeout: in flight together, they
+    # all time out about 1 s later; served one after another, the last waited 8 s.
+    engine = Engine("zmq", ModelConfig(kind="stub"))
+    pid = engine._core._procs[0].pid
+    assert pid is not None
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        errors: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                engine.collective_rpc("get_load", timeout=1.0)
+            except RpcTimeout as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(errors) == 8
+        assert time.monotonic() - t0 < 4, "the calls waited one after another"
+    finally:
+        os.kill(pid, signal.SIGCONT)
         engine.close()
 
 

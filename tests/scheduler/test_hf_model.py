@@ -138,7 +138,7 @@ def _wait(cond: Callable[[], bool], timeout: float = 30.0) -> None:
 
 def test_an_abort_mid_decode_frees_that_requests_kv_cache(model_dir: Path) -> None:
     with Engine("ring", model_dir) as engine:
-        model = engine._loaded  # the adapter the embedded scheduler runs
+        model = engine._core._loaded  # the adapter the embedded scheduler runs
         assert isinstance(model, HFCausalLM)
         short = engine.submit([5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0))
         # Greedy: the answer is the same every run, and its first 2000 tokens hold no
@@ -167,7 +167,7 @@ def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(model_dir: Path) 
         assert mine.result(timeout=60).token_ids == alone
         for h in others:
             h.result(timeout=60)
-        assert engine._loaded is not None and engine._loaded.live_states == 0
+        assert engine._core._loaded is not None and engine._core._loaded.live_states == 0
 
 
 def test_embedding_is_the_unit_mean_of_last_hidden_states_also_when_chunked(

@@ -52,7 +52,7 @@ def test_a_dying_rank_is_reported_and_the_engine_shuts_down() -> None:
     engine = Engine("zmq", SMALL, tp_size=2)
     try:
         h = engine.submit([1], SamplingParams(max_new_tokens=1_000_000))
-        pid = engine._procs[1].pid
+        pid = engine._core._procs[1].pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -71,7 +71,7 @@ def test_a_dying_rank_is_reported_and_the_engine_shuts_down() -> None:
         t0 = time.monotonic()
         engine.close(timeout=10)
         assert time.monotonic() - t0 < 15
-    assert not any(p.is_alive() for p in engine._procs)
+    assert not any(p.is_alive() for p in engine._core._procs)
 
 
 def test_tp_needs_processes() -> None:
