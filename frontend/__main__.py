@@ -23,15 +23,20 @@ from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, SEND_TIMEOUT_S, htt
 from frontend.tokenizer import load_tokenizer
 from messages import MAX_TOKENS
 from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
-from scheduler.cli.options import add_curve_options, curve_options
+from scheduler.cli.options import (
+    add_backlog_option,
+    add_curve_options,
+    add_scheduler_options,
+    curve_options,
+)
 from scheduler.launch.leftovers import make_run_dir, remove_run_dir
 from scheduler.models.loading import check_model_loads
 
 log = logging.getLogger("frontend")
 
 
-def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line (see ``python -m frontend --help``)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (see ``python -m frontend --help``)."""
     p = argparse.ArgumentParser(prog="python -m frontend",
                                 description="An OpenAI-compatible HTTP server over the bus.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
@@ -40,12 +45,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="ring: the scheduler runs in this process (a thread, fed through an "
                         "in-process ring); zmq: in its own process")
     p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--dp-size", type=int, default=1)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--max-queued-requests", type=int, default=Limits().max_queued_requests,
-                   help="requests waiting beyond this are answered 503 (Retry-After)")
-    p.add_argument("--max-queued-tokens", type=int, default=Limits().max_queued_tokens)
-    p.add_argument("--max-backlog", type=int, default=Limits().max_backlog)
+    add_scheduler_options(p)
+    add_backlog_option(p)
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="request bodies past this are answered 413")
     p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="SECONDS",
@@ -66,12 +67,6 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="a Hugging Face tokenizer.json (or a directory with one and its "
                         "tokenizer_config.json); default: --model's directory, else the "
                         "built-in byte-level tokenizer")
-    p.add_argument("--model", metavar="DIR", default=None,
-                   help="a Hugging Face causal LM in a local directory (config.json and "
-                        "safetensors; needs the [hf] extra); its tokenizer is the default")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"],
-                   default="auto", help="--model's weights dtype (auto: the checkpoint's)")
-    p.add_argument("--device", default="cpu", help="--model's device: cpu or cuda[:N]")
     p.add_argument("--tiny-model", choices=["gru", "stub"], default="gru",
                    help="without --model: the small seeded GRU, or a zero-cost stub "
                         "(benchmarks)")
@@ -88,7 +83,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="uvicorn's event loop (auto: uvloop when installed)")
     p.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
                    help="uvicorn's HTTP parser (auto: httptools when installed)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (see ``python -m frontend --help``)."""
+    return build_parser().parse_args(argv)
 
 
 def _model(args: argparse.Namespace, vocab_size: int) -> ModelConfig | HFModelSpec:
@@ -226,7 +226,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     door = _rpc_endpoint(SystemExit, args)  # made last: nothing after it refuses
     settings = Settings(
         mode=args.mode, model=model, model_name=name,
-        max_batch=args.max_batch, tp_size=args.tp_size, dp_size=args.dp_size, limits=limits,
+        max_batch=args.max_batch, tp_size=args.tp_size, dp_size=args.dp_size,
+        dp_policy=args.dp_policy, limits=limits,
         metrics=args.metrics, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
         default_max_tokens=args.default_max_tokens, rpc_endpoint=door,
         run_dir=os.path.dirname(door[len("ipc://"):]) if args.endpoint is None else None,

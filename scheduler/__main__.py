@@ -14,7 +14,13 @@ from collections.abc import Callable, Sequence
 from bus import CurveKeys, EndpointInUse, SocketOptions, check_endpoint
 from bus.fdlimit import raise_open_files_limit
 from scheduler.cli.demo import demo
-from scheduler.cli.options import add_curve_options, curve_options
+from scheduler.cli.options import (
+    add_backlog_option,
+    add_curve_options,
+    add_dp_policy_option,
+    add_scheduler_options,
+    curve_options,
+)
 from scheduler.cli.rpc import run_rpc
 from scheduler.cli.top import run_top
 from scheduler.core.admission import Limits
@@ -75,6 +81,11 @@ def private_dir(path: str, sockets: Sequence[str] = ()) -> str:
     return os.path.realpath(path)
 
 
+def _metrics_url(host: str, port: int) -> str:
+    """The metrics endpoint's URL as a client writes it: an IPv6 host in brackets."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
 def _add_upstream(p: argparse.ArgumentParser) -> None:
     """The options of whatever serves clients: its endpoint, limits, CURVE."""
     p.add_argument("--endpoint", required=True,
@@ -83,9 +94,7 @@ def _add_upstream(p: argparse.ArgumentParser) -> None:
                         "here; one output consumer connects)")
     p.add_argument("--hwm", type=int, default=SocketOptions().hwm,
                    help="zmq high-water mark per socket and direction (messages)")
-    p.add_argument("--max-backlog", type=int, default=Limits().max_backlog,
-                   help="outputs kept for a consumer that is not reading before its "
-                        "requests are aborted")
+    add_backlog_option(p)
     add_curve_options(p, what="this server's endpoints")
     p.add_argument("--curve-out-server", metavar="PUBLIC_FILE",
                    help="the output receiver's public key, when outputs connect to it")
@@ -130,7 +139,8 @@ def _replica_specs(parser: argparse.ArgumentParser, args: argparse.Namespace
     return specs
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (see ``python -m scheduler --help``)."""
     parser = argparse.ArgumentParser(prog="python -m scheduler")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="run a generate workload and print a summary")
@@ -143,25 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = sub.add_parser("serve", help="run a scheduler for outside clients (zmq mode)")
     s.add_argument("--mode", choices=["zmq"], default="zmq")
     _add_upstream(s)
-    s.add_argument("--max-batch", type=int, default=64)
-    s.add_argument("--max-queued-requests", type=int, default=Limits().max_queued_requests,
-                   help="requests waiting beyond this are answered 'overloaded' at once")
-    s.add_argument("--max-queued-tokens", type=int, default=Limits().max_queued_tokens,
-                   help="tokens (prompt + max_new_tokens) waiting beyond this: 'overloaded'")
-    s.add_argument("--dp", type=int, default=1,
-                   help="data-parallel replicas: that many local schedulers behind one "
-                        "dispatcher serving --endpoint")
-    s.add_argument("--dp-policy", choices=["least_loaded", "round_robin"],
-                   default="least_loaded")
-    s.add_argument("--model", metavar="DIR", default=None,
-                   help="a Hugging Face causal LM in a local directory (config.json + "
-                        "safetensors; needs pip install -e '.[hf]'); default: the built-in "
-                        "tiny model")
-    s.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"],
-                   default="auto", help="--model's weights dtype (auto: the checkpoint's)")
-    s.add_argument("--device", default="cpu", help="--model's device: cpu or cuda[:N]")
+    add_scheduler_options(s)
     s.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on http://HOST:PORT/metrics")
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free "
+                        "port; the 'metrics:' line on stderr names it once bound)")
     s.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics endpoint binds (default: loopback)")
     x = sub.add_parser("dispatch", help="serve one endpoint over scheduler replicas that "
@@ -173,8 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a replica's CURVE public key (once for all, or once per replica)")
     x.add_argument("--replica-curve-keys", metavar="SECRET_FILE",
                    help="the key pair this dispatcher presents to CURVE replicas")
-    x.add_argument("--policy", choices=["least_loaded", "round_robin"],
-                   default="least_loaded")
+    add_dp_policy_option(x)
     x.add_argument("--heartbeat-timeout", type=float, default=2.0,
                    help="seconds of silence after which a replica is lost (a replica "
                         "answers between steps: keep it above the longest step)")
@@ -189,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("method")
     r.add_argument("params", nargs="*", metavar="key=value")
     r.add_argument("--timeout", type=float, default=30.0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "rpc":
         return run_rpc(args.endpoint, args.method, args.params, timeout=args.timeout)
@@ -202,17 +201,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         endpoints, options, allowed = _upstream(parser, args)
         raise_open_files_limit("scheduler dispatch")  # each client holds sockets
         return _until_stopped(lambda: serve_dispatch(
-            endpoints, specs, options=options, curve_clients=allowed, policy=args.policy,
+            endpoints, specs, options=options, curve_clients=allowed, policy=args.dp_policy,
             heartbeat_timeout=args.heartbeat_timeout, rpc_timeout=args.rpc_timeout,
             max_backlog=args.max_backlog))
-    for flag, value in (("--max-batch", args.max_batch), ("--dp", args.dp)):
+    for flag, value in (("--max-batch", args.max_batch), ("--dp-size", args.dp_size)):
         if value < 1:  # checked before anything starts: no replica could ever serve
             parser.error(f"{flag} must be at least 1, not {value}")
     try:
         model = _model(args)
         # One scheduler here: its model is loaded before anything is bound or printed,
         # so a model that does not load is one line (replicas load their own).
-        loaded = model if args.dp > 1 else _load(model)
+        loaded = model if args.dp_size > 1 else _load(model)
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -223,16 +222,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.dp > 1:
+    if args.dp_size > 1:
         return _serve_dp(args, endpoints, options, allowed, limits, model)
-    if args.metrics_port is not None:
-        print(f"metrics: http://{args.metrics_host}:{args.metrics_port}/metrics",
-              file=sys.stderr)
+
+    def metrics_bound(port: int) -> None:  # once it listens: port 0's pick is known
+        print(f"metrics: {_metrics_url(args.metrics_host, port)}", file=sys.stderr, flush=True)
 
     def serve() -> bool:
         serve_zmq(endpoints, loaded, max_batch=args.max_batch, options=options,
                   curve_clients=allowed, limits=limits, metrics_port=args.metrics_port,
-                  metrics_host=args.metrics_host)
+                  metrics_host=args.metrics_host, metrics_bound=metrics_bound)
         return True
 
     return _until_stopped(serve)
@@ -309,7 +308,7 @@ def _model(args: argparse.Namespace) -> ModelSpec:
 
 def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOptions,
               allowed: list[bytes] | None, limits: Limits, model: ModelSpec) -> int:
-    """``serve --dp N``: N local replicas (private ipc) behind a dispatcher on ``endpoints``.
+    """``serve --dp-size N``: N local replicas (private ipc) behind a dispatcher on ``endpoints``.
 
     A replica that dies is restarted (:mod:`scheduler.launch.respawn`).
     Exits 0 once a ``shutdown`` reached every replica, 1 if one was down;
@@ -324,7 +323,7 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
         none_left.append(reason)  # which runs in the main thread, as Ctrl-C would
         _thread.interrupt_main(signal.SIGINT)
 
-    procs, specs = start_replicas(directory, args.dp, model, max_batch=args.max_batch,
+    procs, specs = start_replicas(directory, args.dp_size, model, max_batch=args.max_batch,
                                   limits=limits)
     sup = supervise(procs, directory, model, max_batch=args.max_batch, limits=limits,
                     none_left=give_up)

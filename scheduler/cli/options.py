@@ -1,12 +1,73 @@
-"""Command-line options that ``python -m scheduler`` and ``python -m frontend`` share."""
+"""Command-line options that ``python -m scheduler`` and ``python -m frontend`` share.
+
+Each option that means the same thing in both commands is defined here once, so both
+spell it, default it and document it alike (``tests/scheduler/test_cli_options.py``
+compares the parsers). An option's older spelling stays accepted as a deprecated alias
+for one release; its help says which.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from bus import CurveKeys
+from scheduler.core.admission import Limits
 
-__all__ = ["add_curve_options", "curve_options"]
+__all__ = ["DEPRECATED_ALIASES", "add_backlog_option", "add_curve_options",
+           "add_dp_policy_option", "add_scheduler_options", "curve_options"]
+
+#: Old spelling -> the option it is an alias of (accepted for one release, then removed).
+DEPRECATED_ALIASES: dict[str, str] = {"--dp": "--dp-size", "--policy": "--dp-policy"}
+
+_DTYPES = ["auto", "float32", "bfloat16", "float16", "float64"]
+
+
+def _deprecated(option: str) -> str:
+    """The help's note on ``option``'s deprecated aliases (empty when it has none)."""
+    old = [alias for alias, new in DEPRECATED_ALIASES.items() if new == option]
+    return f" ({', '.join(old)}: deprecated alias, removed in the next release)" if old else ""
+
+
+def _option_strings(option: str) -> list[str]:
+    """``option`` and its deprecated aliases, as argparse takes them."""
+    return [option, *(alias for alias, new in DEPRECATED_ALIASES.items() if new == option)]
+
+
+def add_dp_policy_option(p: argparse.ArgumentParser) -> None:
+    """``--dp-size``'s companion: how the dispatcher picks a replica for a request."""
+    p.add_argument(*_option_strings("--dp-policy"), dest="dp_policy",
+                   choices=["least_loaded", "round_robin"], default="least_loaded",
+                   help="how a request's replica is picked (default: least_loaded)"
+                        + _deprecated("--dp-policy"))
+
+
+def add_backlog_option(p: argparse.ArgumentParser) -> None:
+    """``--max-backlog``: outputs kept for a consumer that is not reading."""
+    p.add_argument("--max-backlog", type=int, default=Limits().max_backlog,
+                   help="outputs kept for a consumer that is not reading before its "
+                        "requests are aborted")
+
+
+def add_scheduler_options(p: argparse.ArgumentParser) -> None:
+    """The scheduler's own options: its batch and queue bounds, its data-parallel
+    replicas and their policy, and its model."""
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="requests decoded together in one step")
+    p.add_argument("--max-queued-requests", type=int, default=Limits().max_queued_requests,
+                   help="requests waiting beyond this are refused as overloaded (HTTP 503 "
+                        "with Retry-After)")
+    p.add_argument("--max-queued-tokens", type=int, default=Limits().max_queued_tokens,
+                   help="tokens (prompt + max_new_tokens) waiting beyond this: overloaded")
+    p.add_argument(*_option_strings("--dp-size"), dest="dp_size", type=int, default=1,
+                   help="data-parallel replicas: that many local schedulers, each its own "
+                        "process, behind one dispatcher" + _deprecated("--dp-size"))
+    add_dp_policy_option(p)
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="a Hugging Face causal LM in a local directory (config.json and "
+                        "safetensors; needs the [hf] extra); default: the built-in tiny model")
+    p.add_argument("--dtype", choices=_DTYPES, default="auto",
+                   help="--model's weights dtype (auto: the checkpoint's)")
+    p.add_argument("--device", default="cpu", help="--model's device: cpu or cuda[:N]")
 
 
 def add_curve_options(p: argparse.ArgumentParser, *, what: str) -> None:

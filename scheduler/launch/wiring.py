@@ -96,14 +96,18 @@ def rpc_codec() -> Codec[Request]:
 
 
 @contextlib.contextmanager
-def _metrics_http(sched: Scheduler, host: str, port: int | None) -> Iterator[None]:
-    """Serve ``sched``'s metrics over HTTP while the block runs (nothing if ``port`` is None)."""
+def _metrics_http(sched: Scheduler, host: str, port: int | None,
+                  bound: Callable[[int], None] | None = None) -> Iterator[None]:
+    """Serve ``sched``'s metrics over HTTP while the block runs (nothing if ``port`` is None);
+    ``bound`` is told the port listened on (the one picked, for ``port=0``)."""
     if port is None or sched.registry is None:
         yield
         return
     # Bounded threads, idle connections timed out, a real listen backlog
     # (prometheus_client's server has none of the three).
-    with MetricsServer(sched.registry, host, port):
+    with MetricsServer(sched.registry, host, port) as server:
+        if bound is not None:
+            bound(server.port)
         yield
 
 
@@ -145,7 +149,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
               options: SocketOptions = _OPTIONS, tp: TPConfig | None = None,
               curve_clients: Sequence[bytes] | None = None,
               limits: Limits | None = None, metrics: bool = True,
-              metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
+              metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+              metrics_bound: Callable[[int], None] | None = None) -> None:
     """Run a scheduler over zmq until shut down (the body of the scheduler process).
 
     With ``tp``, this is rank 0 of ``tp.world_size`` ranks: it owns the
@@ -154,7 +159,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
     holding one of those public keys are served. With ``metrics_port``,
     ``http://metrics_host:metrics_port/metrics`` serves the Prometheus
     metrics (loopback unless told otherwise; under tensor parallelism rank 0
-    serves them: the other ranks run the very batches it broadcasts). The
+    serves them: the other ranks run the very batches it broadcasts), and
+    ``metrics_bound`` is called with the port once it listens. The
     model is loaded here, in the scheduler's process, from its spec, or comes
     loaded (``serve`` loads it before anything is bound or printed).
     """
@@ -187,7 +193,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
                               metrics=metrics or metrics_port is not None,
                               rpc_reduce=rpc_reducer(0, world) if tp is not None else None)
             _settled()
-            with _metrics_http(sched, metrics_host, metrics_port):
+            with _metrics_http(sched, metrics_host, metrics_port, metrics_bound):
                 sched.run()
     finally:
         if broadcast is not None:

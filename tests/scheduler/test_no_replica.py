@@ -16,6 +16,7 @@ import pytest
 
 from messages import SamplingParams
 from scheduler import Engine, ModelConfig, ModelLoadError, SchedulerGone
+from scheduler.cli.options import DEPRECATED_ALIASES
 from tests import procs
 
 
@@ -34,7 +35,7 @@ def test_serve_refuses_arguments_no_replica_could_serve_before_starting_one(
         tmp_path: Path, args: list[str]) -> None:
     code, err, _ = _serve(tmp_path, *args)  # --dp 2 --max-batch 0 ran for ever before
     assert code != 0
-    flag = args[-2]
+    flag = DEPRECATED_ALIASES.get(args[-2], args[-2])  # named as --help names it
     assert f"{flag} must be at least 1, not 0" in err, err
     assert "Traceback" not in err
 
