@@ -69,6 +69,7 @@ from frontend.schemas import (
 from frontend.tokenizer import Tokenizer
 from frontend.turns import loop_turns
 from messages import BusError
+from messages.checks import prompt_problem
 from scheduler import (
     AsyncEngine,
     EngineError,
@@ -443,11 +444,9 @@ class Frontend:
                               "one kind", param="input")
         vocab = self.tokenizer.vocab_size
         for i, ids in enumerate(texts):
-            if not ids:
-                raise bad_request(f"input[{i}] is empty (no tokens)", param="input")
-            if max(ids) >= vocab:
-                raise bad_request(f"input[{i}]: token id {max(ids)} is outside the "
-                                  f"vocabulary (0..{vocab - 1})", param="input")
+            problem = prompt_problem(ids, vocab)
+            if problem:
+                raise bad_request(f"input[{i}]: {problem}", param="input")
             limit = self.max_model_len
             if limit is not None and len(ids) > limit:  # as a completion's prompt is told
                 raise bad_request(f"input[{i}]: this model's maximum context length is "

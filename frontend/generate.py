@@ -51,6 +51,7 @@ from frontend.schemas import (
 from frontend.tokenizer import Tokenizer
 from frontend.turns import loop_turns
 from messages import SamplingParams, packed_u32
+from messages.checks import prompt_problem
 from scheduler import AsyncEngine, EngineError, StreamChunk
 
 __all__ = ["GenerateSettings", "OpenAIServing", "RequestState"]
@@ -278,17 +279,16 @@ class OpenAIServing:
         """A prompt given as token ids, checked against the vocabulary.
 
         Raises:
-            ApiError: 400: an id outside the vocabulary, or a list of prompts.
+            ApiError: 400: no ids, an id outside the vocabulary, or a list of prompts.
         """
         if not all(isinstance(t, int) for t in prompt):
             raise bad_request("prompt: a list of prompts (a batch) is not supported; send "
                               "one prompt, as a string or a list of token ids, per request",
                               param="prompt", code="unsupported_value")
         ids = [t for t in prompt if isinstance(t, int)]
-        bad = next((t for t in ids if t >= self._vocab), None)
-        if bad is not None:
-            raise bad_request(f"prompt: token id {bad} is outside the vocabulary "
-                              f"(0..{self._vocab - 1})", param="prompt")
+        problem = prompt_problem(ids, self._vocab)
+        if problem:
+            raise bad_request(f"prompt: {problem}", param="prompt")
         return ids
 
     async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:

@@ -140,16 +140,6 @@ class Batch:
         """Requests whose prompt is not read whole yet (not started, or part-way)."""
         return len(self.waiting) + len(self.partial)
 
-    def unreadable(self, ids: TokenIds, rid: str) -> str:
-        """Why the model cannot read prompt ``ids`` (``""``: it can)."""
-        vocab, most = self.model.vocab_size, self.model.max_prompt_tokens
-        top = int(np.frombuffer(ids, np.uint32).max())
-        if top >= vocab:
-            return f"request {rid!r}: token id {top} is outside the vocabulary (size {vocab})"
-        if most is not None and len(ids) > most:
-            return f"request {rid!r}: {len(ids)} prompt tokens, the model reads at most {most}"
-        return ""
-
     def queue(self, seq: Seq) -> str:
         """Queue ``seq``; returns why it was refused (``""``: queued)."""
         refused = self.admission.refuse(seq.cost)

@@ -425,8 +425,8 @@ class Scheduler(ControlMethods):
     def _check_ids(self, ids: TokenIds, rid: str) -> str:
         if rid in self._live:
             return f"request id {rid!r} is already in flight"
-        return (input_ids_problem(rid, ids, self.model_facts().vocab_size)
-                or self.batch.unreadable(ids, rid))
+        return input_ids_problem(rid, ids, self.model_facts().vocab_size,
+                                 self.batch.model.max_prompt_tokens)
 
     def _queue_sizes(self) -> tuple[int, int]:
         return len(self.batch.running), self.batch.queued
