@@ -153,8 +153,8 @@ _BOUND_IPC: weakref.WeakKeyDictionary[zmq.Socket[bytes], tuple[str, int, int]] =
 
 def close_socket(sock: zmq.Socket[bytes], linger: int | None = None) -> None:
     """Close ``sock``; the ipc socket file it bound is removed first, if the path still
-    names that very file (libzmq leaves it, and an operator's directory kept it after
-    a clean exit: outside probe, ``DIR/rpc``). A path that names another file now (the
+    names that very file (libzmq leaves it, so an operator's directory would keep
+    ``DIR/rpc`` after a clean exit). A path that names another file now (the
     directory was moved or cleared, and a new server bound there) is left alone."""
     bound = _BOUND_IPC.pop(sock, None)
     if bound is not None:

@@ -116,8 +116,8 @@ def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> s
         if port.isdigit() and int(port) == args.port:  # the door would take it first
             raise parser_error(f"--endpoint {spec}: the rpc door needs a port other than "
                                f"the HTTP server's (--port {args.port})")
-        # Here, not once the engine has started (outside probes: tcp://host:notaport,
-        # a port in use): the door's own bind, tried and let go.
+        # Here, not once the engine has started (tcp://host:notaport, a port in
+        # use): the door's own bind, tried and let go.
         ctx = zmq.Context()
         try:
             make_socket(ctx, zmq.ROUTER, spec, bind=True, sending=False,
@@ -206,7 +206,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     # Checked here, before anything starts: a bad bound is the operator's to fix, not
-    # each client's 400 or 413 (outside probe: --default-max-tokens -5, --max-body-bytes -1).
+    # each client's 400 or 413 (--default-max-tokens -5, --max-body-bytes -1).
     for flag, value in (("--body-timeout", args.body_timeout),
                         ("--header-timeout", args.header_timeout),
                         ("--send-timeout", args.send_timeout),

@@ -312,7 +312,7 @@ class Frontend:
         except asyncio.CancelledError:
             # Only the server's shutdown cancels here (a generation's own cancellation
             # is _guarded's): an answer in OpenAI's shape, not uvicorn's 500 and a
-            # traceback per waiting /metrics call (outside probe).
+            # traceback per waiting /metrics call.
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()

@@ -243,8 +243,8 @@ class OpenAIServing:
 
     async def tokenize_all(self, texts: Sequence[str], *, special: bool) -> list[list[int]]:
         """Each text's ids; texts long together are tokenized off the event loop, in one
-        call (outside probe: 153 embedding inputs each under the bound held the loop
-        1.2-1.5 s, one at a time)."""
+        call (inline, one at a time, 153 embedding inputs each under the bound would
+        hold the loop over a second)."""
         encode = self.tokenizer.encode
         if sum(map(len, texts)) <= _TOKENIZE_INLINE:
             return [encode(text, add_special_tokens=special) for text in texts]

@@ -4,9 +4,9 @@ Every connection is a file descriptor. Past the process's limit on open
 files the kernel refuses ``accept()`` (``EMFILE``), and what a server does
 then decides what the client sees: uvloop (libuv) accepts each waiting
 connection and closes it at once, without a word; asyncio stops accepting
-for a second. An outside probe opened 1,200 concurrent streams under the
-usual soft limit of 1,024: 207 connections were closed with no HTTP answer
-and no log line.
+for a second. With 1,200 concurrent streams under the usual soft limit of
+1,024, some 200 connections would be closed with no HTTP answer and no log
+line.
 
 ``python -m frontend`` raises its soft limit to the hard one at start-up
 (:func:`bus.fdlimit.raise_open_files_limit`), and accepts connections

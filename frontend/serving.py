@@ -3,8 +3,8 @@
 uvicorn closes a keep-alive connection that stays silent for
 ``timeout_keep_alive`` seconds after a response, but arms that timer only
 after a response: a connection that never sends a byte stays open for ever,
-and some 20,000 of them took every file descriptor (an outside probe: every
-client, ``/health`` included, was then turned away). :func:`http_protocol`
+and some 20,000 of them take every file descriptor (every client,
+``/health`` included, is then turned away). :func:`http_protocol`
 arms the same timer when a connection is made, so a silent new connection
 is closed as a silent idle one is (and so is one whose bytes begin nothing,
 below); ``--body-timeout`` covers a request's body.
@@ -16,9 +16,9 @@ a client that leaves is seen by every request of its connection, not only
 the last one it pipelined (uvicorn tells that one alone).
 
 A request's head (its request line and headers) is bounded too, in size
-and in time: uvicorn's httptools protocol read headers without limit (an
-outside probe sent 64 MB of them and the server kept every byte) and
-without a deadline (a client that sent half its headers and stopped held
+and in time: uvicorn's httptools protocol reads headers without limit (a
+client may send 64 MB of them and the server keeps every byte) and
+without a deadline (a client that sends half its headers and stops holds
 its connection for ever, the idle timer being cancelled by its first
 byte). Past ``max_head_bytes`` the answer is a 431 (what a request sends
 that is not its body counts: its head, and a chunked body's framing beyond
@@ -30,9 +30,9 @@ head's size itself and has no deadline.)
 A client that stops reading its answer is gone after ``send_timeout``
 seconds: once the transport's write buffer is full, the writer waits for
 the client; a client that drains nothing for that long has its connection
-aborted, so its request is aborted too (outside probe: 8 streams never
-read held their tokens, ~45 bytes each, for as long as the connection
-stayed open, while the scheduler generated them at full speed).
+aborted, so its request is aborted too (else a stream nobody reads holds
+its tokens, ~45 bytes each, for as long as the connection stays open,
+while the scheduler generates them at full speed).
 
 An HTTP/1.0 request's answer is never chunked (:func:`_close_delimited`).
 """
@@ -114,7 +114,8 @@ def _unread(transport: Any) -> int:
     """Bytes written to ``transport`` that its client has not taken: the transport's
     buffer, and (Linux) the kernel's send queue (``SIOCOUTQ``): a reader slower than
     the answer drains the kernel's megabytes long before the transport's buffer moves
-    (outside probe: steady readers at 6-34 KB/s were cut as if gone)."""
+    (counting the transport's buffer alone, steady readers at 6-34 KB/s would be
+    cut as if gone)."""
     unread = int(transport.get_write_buffer_size())
     sock = transport.get_extra_info("socket")
     if sock is not None and _SIOCOUTQ is not None:
@@ -185,7 +186,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         def _idle(self) -> None:
             """Arm uvicorn's idle timer for what is left of the connection's idle time:
             bytes that begin nothing (blank lines) do not buy a client a new period
-            (outside probe: a CRLF every 3 s held 50 of 50 connections)."""
+            (else a CRLF every 3 s holds a connection for ever)."""
             me: Any = self  # (uvicorn's attributes, untyped here)
             now = me.loop.time()
             if self._idle_since is None:
@@ -202,9 +203,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
 
         # A request pipelined behind one still answering becomes the
         # connection's ``cycle``, and uvicorn tells only that one when the
-        # client leaves: the earlier one never saw its disconnect, so it held
-        # its slot to its end (outside probe: a non-streamed request, or any
-        # stream on the asyncio loop, ran to max_tokens). The earlier ones are
+        # client leaves: the earlier one would never see its disconnect, and
+        # would hold its slot to its end (a non-streamed request, or any
+        # stream on the asyncio loop, runs to max_tokens). The earlier ones are
         # kept here (until answered) and told too.
         @property
         def cycle(self) -> Any:
@@ -319,9 +320,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 # answered: blank lines before a request (which the parser skips), or
                 # the rest of a body the answer did not wait for (a 413, a 404).
                 # uvicorn cancelled the idle timer on the first byte; arm it again, or
-                # such a connection is held for ever (outside probes: 200 held each
-                # way). (Not while a request is being answered, headers sent or not:
-                # the timer closes, it does not ask.)
+                # such a connection is held for ever. (Not while a request is being
+                # answered, headers sent or not: the timer closes, it does not ask.)
                 if not self.transport.is_closing():
                     self._idle()
 
@@ -351,8 +351,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             aborted (what is buffered for it is dropped), and its handlers see it gone.
             (Paused, nothing more is written: what is unread only shrinks as it reads.)
             A transport already closing is no exception: its close waits for the client
-            to drain the buffer, for ever if it never reads (probe: ``connection:
-            close``, a keep-alive expiry or a half-close held 5 MB answers for ever)."""
+            to drain the buffer, for ever if it never reads (after ``connection:
+            close``, a keep-alive expiry or a half-close)."""
             self._stall_timer = None
             transport: Any = self.transport
             if _unread(transport) < self._unread_then:  # it read: a slow client, not a gone one

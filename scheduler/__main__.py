@@ -76,8 +76,8 @@ def private_dir(path: str, sockets: Sequence[str] = ()) -> str:
                               f"(mode {stat.S_IMODE(st.st_mode):04o}): refusing it; "
                               f"chmod 700 it or use a new directory")
     # The directory just checked, as the kernel found it: a symlink and ".." in
-    # ``path`` resolve there, where abspath's text would name another (outside probe:
-    # L/../d bound the sockets in an unchecked 0777 directory).
+    # ``path`` resolve there, where abspath's text would name another (``L/../d``
+    # would bind the sockets in an unchecked 0777 directory).
     return os.path.realpath(path)
 
 
@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _stop_once(signum: int, frame: object) -> None:
     """The first SIGINT or SIGTERM stops: it unwinds as Ctrl-C does. Those after it are
     ignored, so the clean-up they would cut (bounded: sockets, then replicas' exits)
-    finishes (probe: a second signal gave a traceback from the clean-up, or status -15)."""
+    finishes (a second signal would give a traceback from the clean-up, or status -15)."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # (not SIG_IGN: that one raises
         signal.signal(sig, _stopping)  # "ignored due to race condition" when pending)
     raise KeyboardInterrupt
@@ -253,7 +253,7 @@ def _stopping(signum: int, frame: object) -> None:
 def _ignore_signals() -> None:
     """SIGINT and SIGTERM ignored by the kernel from now on: the interpreter's exit puts a
     Python handler back to the default, which a late second signal then meets
-    (second probe: status -15 or -2, 20-300 ms after the first)."""
+    (status -15 or -2 for a second signal 20-300 ms after the first)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         for _ in range(10):  # one pending raises "race condition": handled, then again
             try:
@@ -267,7 +267,7 @@ def _until_stopped(serve: Callable[[], bool]) -> int:
     """Run ``serve`` (True once a ``shutdown`` reached all it serves) as a command.
 
     SIGTERM unwinds like Ctrl-C, so the channels close and remove their socket
-    files (probe: plain ``serve`` left them after SIGTERM); a second signal is
+    files (Python's default SIGTERM would leave them); a second signal is
     ignored (:func:`_stop_once`). Asked to stop is exit 0, not a failure; a
     shutdown that did not reach every replica is 1; an endpoint another
     process serves is one line and 1, not a traceback.

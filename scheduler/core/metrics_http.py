@@ -6,7 +6,7 @@ and say nothing hold fifty threads for ever, and back-to-back connects past
 the backlog wait for SYN retries (seconds). A fixed pool of workers that
 read a request with a deadline is no better against slow clients: 300
 connections that trickle their request a byte at a time hold every worker,
-and a Prometheus scrape waited minutes behind them (outside probe). Here one
+and a Prometheus scrape waits minutes behind them. Here one
 thread does everything, over a selector and non-blocking sockets:
 
 * it accepts and reads every connection as bytes arrive, so a slow client

@@ -23,8 +23,8 @@ __all__ = ["embedding_outputs", "stopped_by", "token_outputs"]
 def stopped_by(exc: BaseException, who: str) -> tuple[ErrorCode, str]:
     """The code and message that answer what ``who`` (a scheduler, a dispatcher) had in
     flight when ``exc`` ended its loop: a signal (KeyboardInterrupt: serve's SIGTERM,
-    Ctrl-C) is a ``shutdown``, anything else its failure (probe: a stopped serve
-    answered ``internal``, a stopped dispatch nothing at all)."""
+    Ctrl-C) is a ``shutdown``, anything else its failure (a stopped serve must not
+    answer ``internal``, nor a stopped dispatch stay silent)."""
     if isinstance(exc, KeyboardInterrupt):
         return "shutdown", f"the {who} was stopped before the request finished"
     return "internal", f"the {who} failed: {type(exc).__name__}: {exc}"

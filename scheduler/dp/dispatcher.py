@@ -169,9 +169,9 @@ class Dispatcher:
                     took = self.step()
                 if not took:
                     self.receiver.wait(max(0.0, self._next_tick - self.clock()))
-        except BaseException as exc:  # answered, and aborted at the replicas (probe: a
+        except BaseException as exc:  # answered, and aborted at the replicas (else a
             self._finish(*stopped_by(exc, "dispatcher"), abort=True)  # SIGTERMed dispatch's
-            raise  # clients got no answer, and its replicas went on generating for them)
+            raise  # clients get no answer, and its replicas go on generating for them)
         self._finish("shutdown", "the dispatcher shut down before the request finished")
         return bool(self.shutdown_ok)
 

@@ -2,8 +2,8 @@
 
 ``close(timeout)`` bounds the whole close: the shutdown rpc and the exits
 share one deadline, and a scheduler process still running at its end (hung,
-stopped) is killed (probe: a stopped scheduler held a frontend's exit for
-twice its close timeout). An embedded scheduler is a thread of the caller,
+stopped) is killed (else a stopped scheduler would hold a frontend's exit
+past its close timeout). An embedded scheduler is a thread of the caller,
 which cannot be killed: it gets the step it is in.
 """
 
@@ -31,16 +31,16 @@ _REPLICA_GRACE = 2.0
 def close_timeout(timeout: float | None) -> float:
     """``close``'s ``timeout`` as seconds every wait takes: None or inf, as long as it
     takes; NaN or below 0, none. A timeout that is no number raises TypeError here,
-    before anything is closed (probe: inf, None and "5" raised once the engine was
-    marked closed: every request hung, the processes stayed)."""
+    before anything is closed (raised once the engine is marked closed, every
+    request would hang and the processes stay)."""
     return _FOREVER if timeout is None or timeout > _FOREVER else \
         timeout if timeout > 0 else 0.0
 
 
 def stop_thread(thread: threading.Thread, deadline: float) -> None:
     """Join an embedded scheduler's thread, which has the shutdown: by ``deadline``,
-    else through the step it is in (its rings must outlive it; probe: close(0)
-    released them under a running thread, and the process aborted at exit)."""
+    else through the step it is in (its rings must outlive it: released under a
+    running thread, they abort the process at exit)."""
     thread.join(max(0.1, deadline - time.monotonic()))
     if thread.is_alive():
         log.warning("the embedded scheduler is still in a step at the close's deadline: "

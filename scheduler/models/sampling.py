@@ -9,8 +9,8 @@ from messages import SamplingParams
 __all__ = ["GREEDY_BELOW", "sample_next"]
 
 #: A temperature below this samples greedily (as vLLM's): dividing float32 logits by
-#: a smaller one overflows them to inf, and the softmax of that is NaN (outside probe:
-#: temperature 1e-300 rounded to 0.0 in float32 and sampled non-argmax tokens).
+#: a smaller one overflows them to inf, and the softmax of that is NaN (temperature
+#: 1e-300 rounds to 0.0 in float32 and would sample non-argmax tokens).
 GREEDY_BELOW = 1e-5
 
 

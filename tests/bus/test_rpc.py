@@ -134,8 +134,8 @@ def test_closed_client_refuses_calls(ctx: zmq.Context[zmq.Socket[bytes]],
         client.call("x")
 
 
-# IPv6: zmq refused the literal ("No such device") until the socket was told (outside
-# probe); a tcp address in use was zmq's bare "Address already in use".
+# IPv6: zmq refuses the literal ("No such device") unless the socket is told; a tcp
+# address in use must be named, not zmq's bare "Address already in use".
 @pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
 def test_push_pull_over_tcp_loopback_and_an_address_in_use_is_named(
         ctx: zmq.Context[zmq.Socket[bytes]], host: str) -> None:
@@ -307,7 +307,7 @@ def test_a_listener_with_a_full_backlog_is_still_a_listener(tmp_path: Path) -> N
 
 def test_a_bound_ipc_socket_s_file_is_removed_at_its_close(
         ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path) -> None:
-    # Outside probe: libzmq leaves the file, and an operator's --endpoint DIR kept DIR/rpc
+    # Without this: libzmq leaves the file, and an operator's --endpoint DIR kept DIR/rpc
     # after a clean exit. Each channel that binds removes it; one that connects does not.
     server = RpcServer(Codec(RpcReqInput), f"ipc://{tmp_path}/rpc", ctx=ctx)
     inbox = PullInbox(REQ, f"ipc://{tmp_path}/work", ctx=ctx)

@@ -210,13 +210,13 @@ def test_unknown_model_is_404(server: Server) -> None:
     body = httpx.post(f"{server.url}/v1/completions",
                       json={"model": "gpt-9", "prompt": "x"}).json()
     assert body["error"]["param"] == "model" and body["error"]["code"] == "model_not_found"
-    # ... and so is GET /v1/models/gpt-9 (outside probe: "not_found", "no route")
+    # ... and so is GET /v1/models/gpt-9 (without it: "not_found", "no route")
     body = httpx.get(f"{server.url}/v1/models/gpt-9").json()
     assert body["error"]["param"] == "model" and body["error"]["code"] == "model_not_found"
 
 
 def test_a_prompt_past_the_wire_s_token_bound_is_400_not_500(server: Server) -> None:
-    # Outside probe: 1.1 MB of text within the 4 MiB body limit tokenized past the
+    # Without this: 1.1 MB of text within the 4 MiB body limit tokenized past the
     # wire's 2^20 tokens, and the packing's ValueError became a 500 and a traceback.
     # (Both meet the model's context first: max_model_len is that bound.)
     for path, body in [("/v1/completions", {"model": "tiny", "prompt": "a" * 1_100_000}),
@@ -239,7 +239,7 @@ class _Threads(ByteTokenizer):
 
 
 def test_embedding_inputs_long_together_are_tokenized_off_the_loop() -> None:
-    # Outside probe: 153 inputs, each under the bound a text is tokenized inline to,
+    # Without this: 153 inputs, each under the bound a text is tokenized inline to,
     # held the event loop 1.2-1.5 s (with a BPE tokenizer) one after another.
     tok = _Threads()
     s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
@@ -257,7 +257,7 @@ def test_embedding_inputs_long_together_are_tokenized_off_the_loop() -> None:
 
 
 def test_a_batch_of_one_prompt_and_an_empty_suffix_are_served(server: Server) -> None:
-    # Outside probe: LangChain's OpenAI LLM sends prompt=[text]; "suffix": "" asks nothing.
+    # Without this: LangChain's OpenAI LLM sends prompt=[text]; "suffix": "" asks nothing.
     def post(**body: object) -> httpx.Response:
         return httpx.post(f"{server.url}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0, **body})
@@ -270,7 +270,7 @@ def test_a_batch_of_one_prompt_and_an_empty_suffix_are_served(server: Server) ->
 
 
 def test_answer_ids_carry_the_server_s_run() -> None:
-    # Outside probe: ids restarted at cmpl-0 with each start, and repeated across replicas.
+    # Without this: ids restarted at cmpl-0 with each start, and repeated across replicas.
     tok = ByteTokenizer()
     settings = Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"), metrics=False)
     runs = []

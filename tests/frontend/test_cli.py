@@ -66,7 +66,7 @@ def test_bad_arguments_exit_with_a_reason(tmp_path: Path, argv: list[str], says:
 
 
 def test_a_chat_template_that_does_not_compile_stops_start_up(tmp_path: Path) -> None:
-    # Outside probe: the engine started (~10 s), then "the engine did not start" and a
+    # Without this: the engine started (~10 s), then "the engine did not start" and a
     # TemplateSyntaxError traceback; now one line, before anything starts.
     tok = train_byte_level(tmp_path / "tok", chat_template="{% for m in messages %}{{ m }")
     with pytest.raises(SystemExit, match="chat template does not compile"):
@@ -75,7 +75,7 @@ def test_a_chat_template_that_does_not_compile_stops_start_up(tmp_path: Path) ->
 
 
 def test_an_endpoint_that_cannot_serve_stops_start_up(tmp_path: Path) -> None:
-    # Outside probe: both were found only after the engine had started, with a traceback.
+    # Without this: both were found only after the engine had started, with a traceback.
     with pytest.raises(SystemExit, match=r"--endpoint: .* needs a port"):
         settings_from(parse(["--endpoint", "tcp://127.0.0.1:notaport"]))
     with pytest.raises(SystemExit, match=r"--endpoint: .*beyond loopback"):
@@ -115,7 +115,7 @@ def test_a_shared_endpoint_directory_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_http_port_in_use_stops_start_up_before_the_engine(tmp_path: Path) -> None:
-    # Outside probe: uvicorn binds only after the engine has started (a model load),
+    # Without this: uvicorn binds only after the engine has started (a model load),
     # then exited with an error; now one line, before anything starts.
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
@@ -127,7 +127,7 @@ def test_an_http_port_in_use_stops_start_up_before_the_engine(tmp_path: Path) ->
 
 def test_start_up_refuses_what_would_fail_later(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    # Outside probe of the start-up checks: each of these got past them and failed once
+    # Without the start-up checks, each of these got past them and failed once
     # the engine had started, or did something else than the operator asked.
     # (called by main before settings_from, so before any directory is made)
     with pytest.raises(SystemExit, match="--port must be 0-65535, not 70000"):  # (was 4464)
@@ -160,7 +160,7 @@ def test_start_up_refuses_what_would_fail_later(tmp_path: Path,
 
 def test_the_door_is_bound_where_it_was_checked(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    # Outside probe (second): L/../d, with L a symlink, was made and checked where the
+    # Without this: L/../d, with L a symlink, was made and checked where the
     # kernel resolves it (real/d), but bound where abspath's text points (a 0777 d).
     (tmp_path / "real" / "sub").mkdir(parents=True)
     (tmp_path / "L").symlink_to(tmp_path / "real" / "sub")

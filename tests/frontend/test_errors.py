@@ -82,7 +82,7 @@ def test_completion_400_names_the_field(server: Server, body: object, param: str
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
      "top_logprobs"),
     # Content is required in every message, null included: OpenAI allows it absent only
-    # beside tool_calls, which this server does not take (outside probe: accepted as "").
+    # beside tool_calls, which this server does not take (without it: accepted as "").
     ({"model": "tiny", "messages": [{"role": "user"}]}, "messages[0].content"),
     ({"model": "tiny", "messages": [{"role": "user", "content": None}]},
      "messages[0].content"),
@@ -99,7 +99,7 @@ def test_chat_400_names_the_field(server: Server, body: object, param: str) -> N
 
 
 def test_max_tokens_and_max_completion_tokens_that_differ_are_400(server: Server) -> None:
-    # Outside probe: both were accepted and one silently won.
+    # Without this: both were accepted and one silently won.
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
     r = post(server, "/v1/chat/completions", {**chat, "max_tokens": 3,
                                               "max_completion_tokens": 5})
@@ -138,7 +138,7 @@ def test_body_past_the_limit_is_413(server: Server) -> None:
 
 @pytest.mark.parametrize("encoding", ["gzip", "br, gzip"])
 def test_an_encoded_body_is_415(server: Server, encoding: str) -> None:
-    # Outside probe: a gzip body was answered "invalid JSON", as if it were malformed.
+    # Without this: a gzip body was answered "invalid JSON", as if it were malformed.
     body = gzip.compress(b'{"model": "tiny", "prompt": "x", "max_tokens": 1}')
     r = httpx.post(f"{server.url}/v1/completions", content=body,
                    headers={"content-encoding": encoding, "content-type": "application/json"})
@@ -165,7 +165,7 @@ def test_routes(server: Server) -> None:
 
 @pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/tiny", "/metrics"])
 def test_head_is_get_without_a_body(server: Server, path: str) -> None:
-    # A load balancer's health check often sends HEAD (outside probe: 405).
+    # A load balancer's health check often sends HEAD (without it: 405).
     get = httpx.get(f"{server.url}{path}")
     head = httpx.head(f"{server.url}{path}")
     assert head.status_code == get.status_code == 200, head.text
@@ -187,7 +187,7 @@ def test_status_counted_in_metrics(server: Server) -> None:
 
 
 def test_null_is_not_given_as_in_openai(server: Server) -> None:
-    # Outside probe: "temperature": null and ten more were 400 "Expected float, got
+    # Without this: "temperature": null and ten more were 400 "Expected float, got
     # null"; OpenAI's spec and vLLM read null as the default (non-Python clients send it).
     nulls = ["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
              "top_k", "ignore_eos", "stop", "seed", "tool_choice", "response_format"]
@@ -206,7 +206,7 @@ def test_null_is_not_given_as_in_openai(server: Server) -> None:
     for field, value in (("top_p", "high"), ("tool_choice", "auto")):
         r = post(server, "/v1/chat/completions", {**chat, field: value})
         assert r.status_code == 400 and error(r)["param"] == field, r.text
-    # Second probe: the nulls are left out of the raw JSON, never parsed by us: a deep
+    # Without this: the nulls are left out of the raw JSON, never parsed by us: a deep
     # value was a RecursionError and a 500, an out-of-range one was blamed on the null.
     head = b'{"model": "tiny", "prompt": "x", "temperature": null, '
     r = post(server, "/v1/completions", head + b'"x": ' + b"[" * 1100 + b"]" * 1100 + b"}")
@@ -229,7 +229,7 @@ class _FailingMetrics(AsyncEngine):
 
 
 def test_a_failure_outside_a_generation_is_an_openai_error_never_uvicorns_text() -> None:
-    # Outside probe: a scheduler busy past 5 s made /metrics uvicorn's plain-text 500
+    # Without this: a scheduler busy past 5 s made /metrics uvicorn's plain-text 500
     # and a traceback (RpcTimeout is a bus error, not an EngineError).
     tok = ByteTokenizer()
     s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub")), tok,
@@ -294,7 +294,7 @@ def test_concurrent_health_and_metrics_calls_each_wait_for_their_own_call() -> N
 
 def test_health_waits_at_most_its_bound_and_a_shutdown_answers_those_waiting(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Outside probe: /health queued behind a /metrics call to a stopped scheduler
+    # Without this: /health queued behind a /metrics call to a stopped scheduler
     # answered after 10 s, not 5; and /metrics calls still waiting when the shutdown
     # cancelled them were uvicorn's 500, each with a traceback.
     import frontend.app

@@ -113,7 +113,7 @@ def _soft_limit(pid: int) -> int:
 
 
 def test_start_up_raises_a_low_soft_limit_and_serves_past_it(tmp_path: Path) -> None:
-    # Outside probe: 1,200 concurrent streams under a soft limit of 1,024 (hard higher):
+    # Without this: 1,200 concurrent streams under a soft limit of 1,024 (hard higher):
     # 207 connections closed with no answer. 256 here, and 300 streams.
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < 1024:

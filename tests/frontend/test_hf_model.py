@@ -93,7 +93,7 @@ def test_ignore_eos_gives_exactly_max_tokens_where_the_model_would_stop(
 
 
 def test_the_models_context_bounds_max_tokens_as_openai_does(server: Server) -> None:
-    # Outside probe: past the context a request failed its whole batch (500), and a
+    # Without this: past the context a request failed its whole batch (500), and a
     # chat without max_tokens (256 by default) always failed on a 128-position model.
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["max_model_len"] == 4096  # build_tiny_hf's context

@@ -127,7 +127,7 @@ def test_dead_scheduler_is_503(small: tuple[Server, RpcClient]) -> None:
         eventually(lambda: load(rpc)[0] == 1, 30.0, "the request to run")
         assert rpc.call("shutdown", timeout=10.0).success
         cut = waiting.result(timeout=60.0)
-    # Outside probe: a 500, where the scheduler going away is a 503 every other way.
+    # Without this: a 500, where the scheduler going away is a 503 every other way.
     assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutdown", cut.text
     eventually(lambda: httpx.get(f"{server.url}/health").status_code == 503, 10.0,
                "health to say 503")
@@ -139,7 +139,7 @@ def test_dead_scheduler_is_503(small: tuple[Server, RpcClient]) -> None:
 
 def test_the_rpc_door_fails_fast_once_the_scheduler_is_gone(tmp_path: Path) -> None:
     """A killed scheduler process: the call waiting at the door, and each one after it,
-    is answered at once with a failure naming the scheduler as gone (outside probe: each
+    is answered at once with a failure naming the scheduler as gone (without it: each
     waited out its whole timeout)."""
     before = set(children(os.getpid()))
     server = Server(Settings(mode="zmq", model=STUB, rpc_endpoint=f"ipc://{tmp_path}/rpc"),
@@ -176,7 +176,7 @@ def test_the_rpc_door_fails_fast_once_the_scheduler_is_gone(tmp_path: Path) -> N
 
 def test_the_door_over_tensor_parallel_ranks() -> None:
     # model_info answers each rank's value as a list under tensor parallel: the door
-    # read it as no answer and did not start (found by review, not by a test).
+    # must read that as one answer, or it would not start.
     server = Server(Settings(mode="zmq", tp_size=2, model=STUB), TOK)
     try:
         models = httpx.get(f"{server.url}/v1/models").json()
@@ -196,7 +196,7 @@ def test_rpc_cli(small: tuple[Server, RpcClient], tmp_path: Path,
     reply = msgspec.json.decode(capsys.readouterr().out)
     assert reply["success"] is False and "no_such_method" in reply["message"]
     # A method name the wire refuses is answered at the door, not left to time out
-    # (outside probe: silence for the whole timeout).
+    # (without it: silence for the whole timeout).
     t0 = time.monotonic()
     assert scheduler_main(["rpc", "--timeout", "30", str(tmp_path), "not-an-identifier"]) == 1
     assert msgspec.json.decode(capsys.readouterr().out)["success"] is False
@@ -205,7 +205,7 @@ def test_rpc_cli(small: tuple[Server, RpcClient], tmp_path: Path,
 
 def test_rpc_cli_where_nothing_listens_says_so_at_once(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Outside probe: 34 s of silence, then "no reply within 30 s", for a directory with
+    # Without this: 34 s of silence, then "no reply within 30 s", for a directory with
     # no socket and for a socket its server left behind.
     stale = tmp_path / "stale"
     stale.mkdir()
@@ -216,7 +216,7 @@ def test_rpc_cli_where_nothing_listens_says_so_at_once(
         assert scheduler_main(["rpc", str(target), "get_load", "--timeout", "30"]) == 2
         assert time.monotonic() - t0 < 10
         assert "nothing listens at" in capsys.readouterr().err
-    # Second probe: a malformed endpoint was zmq's traceback, an empty one a wrong path.
+    # Without this: a malformed endpoint was zmq's traceback, an empty one a wrong path.
     for bad in ("tcp://127.0.0.1:abc", "tcp://", "ipc://", ""):
         assert scheduler_main(["rpc", bad, "get_load", "--timeout", "30"]) == 2, bad
         err = capsys.readouterr().err
@@ -303,7 +303,7 @@ def test_a_client_that_leaves_frees_a_request_with_another_pipelined_behind_it(
         small: tuple[Server, RpcClient], stream: bool) -> None:
     """uvicorn tells only a connection's last pipelined request that its client left:
     the one answering before it held its slot to its end (not streamed), or failed on
-    its writes and was counted a 500 (streamed) (outside probe). It is a 499 now."""
+    its writes and was counted a 500 (streamed). It is a 499."""
     server, rpc = small
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(raw_post("/v1/completions", {**ENDLESS, "stream": stream})
@@ -335,7 +335,7 @@ def test_a_stream_cancelled_by_the_server_shutting_down_ends_with_an_error_event
 
 
 def test_a_hung_scheduler_holds_the_server_s_exit_seconds_not_a_minute() -> None:
-    # Outside probe: SIGTERM with a SIGSTOPped scheduler took ~70 s to exit (the engine's
+    # Without this: SIGTERM with a SIGSTOPped scheduler took ~70 s to exit (the engine's
     # close waited 30 s for its shutdown rpc, then 30 s more for the processes).
     s = Server(Settings(mode="zmq", model=STUB), TOK)
     pids = [p.pid for p in s.engine._procs if p.pid is not None]
@@ -353,7 +353,7 @@ def test_a_hung_scheduler_holds_the_server_s_exit_seconds_not_a_minute() -> None
 
 
 def test_a_run_directory_made_for_the_server_is_removed_at_its_close(tmp_path: Path) -> None:
-    # Third probe: python -m frontend with no --endpoint left its run directory after
+    # Without this: python -m frontend with no --endpoint left its run directory after
     # SIGTERM (uvicorn re-raises the signal after its shutdown, so no atexit runs).
     made = tmp_path / "run"
     made.mkdir(mode=0o700)
@@ -405,7 +405,7 @@ def _reset_soon(sock: socket.socket, what: str) -> None:
 
 
 def test_a_stream_nobody_reads_is_aborted_after_the_send_timeout(tmp_path: Path) -> None:
-    # Outside probe: streams never read kept their tokens (~45 bytes each) for as long as
+    # Without this: streams never read kept their tokens (~45 bytes each) for as long as
     # their connections stayed open, while the scheduler generated them at full speed.
     # (Logprobs keep ~40 bytes a token when a stalled stream's steps merge into one event,
     # so the answer outgrows any kernel's buffers long before it could finish: CI's took
@@ -420,7 +420,7 @@ def test_a_stream_nobody_reads_is_aborted_after_the_send_timeout(tmp_path: Path)
         # Aborted, not finished, with a reset: what the kernel held for the client is
         # dropped (a plain close left it to an orphaned socket, offered for minutes).
         _reset_soon(stalled, "the unread stream")
-        # Second probe: an answer the server had begun to close (connection: close, a
+        # Without this: an answer the server had begun to close (connection: close, a
         # keep-alive expiry, a client's half-close) was exempt, and held for ever: a
         # closing transport waits for its buffer to drain, which never happens.
         big = {"model": "tiny", "input": ["a"] * 2000}  # ~5 MB of embeddings
@@ -464,7 +464,7 @@ def test_a_slow_reader_is_not_taken_for_a_gone_one(tmp_path: Path) -> None:
 
 
 def test_the_door_s_socket_file_is_removed_at_the_server_s_close(tmp_path: Path) -> None:
-    # Outside probe: DIR/rpc stayed after a clean Ctrl-C (an operator's --endpoint DIR).
+    # Without this: DIR/rpc stayed after a clean Ctrl-C (an operator's --endpoint DIR).
     s = Server(Settings(model=STUB, rpc_endpoint=f"ipc://{tmp_path}/rpc"), TOK)
     assert (tmp_path / "rpc").exists()
     s.stop()

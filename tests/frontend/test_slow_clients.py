@@ -1,7 +1,7 @@
 """A client that sends headers and then dribbles its body, or never sends it, is answered
-408 at the body-read deadline (outside probe: it held a handler for ever); one that
+408 at the body-read deadline (without it: it held a handler for ever); one that
 dribbles its headers is answered 408 at theirs, and one whose headers never end 431
-(outside probe: 64 MB of headers were read and kept, half a head held a connection)."""
+(without it: 64 MB of headers were read and kept, half a head held a connection)."""
 
 from __future__ import annotations
 
@@ -198,8 +198,8 @@ def test_blank_lines_alone_do_not_hold_a_connection(server: Server) -> None:
 
 
 def test_blank_lines_trickled_do_not_extend_the_idle_time(server: Server) -> None:
-    # Each CRLF (which begins nothing) restarted the idle timer: one every 3 s held 50
-    # of 50 connections (outside probe). The idle time now runs from when it began.
+    # A CRLF begins nothing and must not restart the idle timer (else one every 3 s
+    # holds a connection for ever): the idle time runs from when it began.
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         t0 = time.monotonic()
         closed = False
@@ -303,7 +303,7 @@ def test_a_late_pipelined_head_is_refused_after_the_answer_before_it(
 
 def test_pipelined_heads_past_the_bound_together_are_each_answered(server: Server) -> None:
     # Small heads, pipelined in one write, past the bound together: each is its own
-    # head (outside probe: a read holding them was charged to the last one, a false
+    # head (without it: a read holding them was charged to the last one, a false
     # refusal of valid requests).
     one = b"GET /health HTTP/1.1\r\nhost: test\r\nx-pad: " + b"p" * 400 + b"\r\n\r\n"
     n = 3 * MAX_HEAD // len(one) + 1
@@ -327,7 +327,7 @@ def test_pipelined_heads_past_the_bound_together_are_each_answered(server: Serve
 def test_a_body_the_answer_did_not_wait_for_does_not_hold_the_connection(
         server: Server) -> None:
     # /health answers without reading a body; one more byte of it (then silence)
-    # cancelled the idle timer, and nothing armed it again (outside probe: 200 held).
+    # cancelled the idle timer, and nothing armed it again (without it: 200 held).
     with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nhost: test\r\ncontent-length: 1000000\r\n\r\n")
         got = b""
@@ -343,7 +343,7 @@ def test_a_body_the_answer_did_not_wait_for_does_not_hold_the_connection(
 
 def test_a_431_never_comes_before_an_earlier_answer(slow_server: Server) -> None:
     # A 70 KB head pipelined behind a request still being answered: its refusal cannot
-    # be written before that answer (outside probe: the client got only the 431).
+    # be written before that answer (without it: the client got only the 431).
     big = b"GET /health HTTP/1.1\r\nhost: test\r\nx-pad: " + b"a" * (70 << 10) + b"\r\n\r\n"
     with socket.create_connection(("127.0.0.1", slow_server.port), timeout=WAIT) as sock:
         sock.sendall(raw_post("/v1/completions", {"model": "tiny", "prompt": "x",

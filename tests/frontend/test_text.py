@@ -108,7 +108,7 @@ def test_tokenizer_chat_template_with_jinja(tmp_path: Path) -> None:
     assert t.source == "tokenizer"
     assert t.render([ChatMessage(role="user", content="hi")]) == \
         "[user] hi<|endoftext|>[assistant] "
-    # A message's name reaches the template (outside probe: it was accepted and dropped).
+    # A message's name reaches the template (without it: it was accepted and dropped).
     assert t.render([ChatMessage(role="user", content="hi", name="ann")]) == \
         "[user ann] hi<|endoftext|>[assistant] "
 
@@ -251,7 +251,7 @@ def test_an_event_spliced_around_its_text_is_the_event_encoded_whole(texts: list
 @given(text=st.text(st.sampled_from("a\u2028\u2029\u0085\u00e9\n\r\u20ac")), chat=st.booleans(),
        whole=st.booleans())
 def test_an_event_is_one_line_whatever_its_text(text: str, chat: bool, whole: bool) -> None:
-    # Outside probe: msgspec writes U+2028, U+2029 and U+0085 raw, and a reader that
+    # Without this: msgspec writes U+2028, U+2029 and U+0085 raw, and a reader that
     # splits lines as str.splitlines does (httpx's iter_lines) cut the event in two.
     shape = _ResponseBuilder(chat, "7", "tiny", ByteTokenizer())
     shape.event("", None, [], None, None)  # (past the first event: the spliced one)
@@ -265,7 +265,7 @@ def test_an_event_is_one_line_whatever_its_text(text: str, chat: bool, whole: bo
 
 
 def test_text_offset_after_invalid_bytes_and_past_a_stop() -> None:
-    # Second probe: the id after bytes it shows invalid was placed on their U+FFFD, and
+    # Without this: the id after bytes it shows invalid was placed on their U+FFFD, and
     # ids whose text a stop string cut pointed past the answer's end.
     tok = ByteTokenizer()
     d = Detokenizer(tok)

@@ -255,7 +255,7 @@ async def test_a_dead_scheduler_fails_every_waiting_task_promptly(
         assert all(isinstance(r, SchedulerGone) for r in results)
         assert time.monotonic() - t0 < 2
         assert engine.pending == 0
-        # ... and the operator's log says so, once (outside probe: not a word)
+        # ... and the operator's log says so, once (without it: not a word)
         gone = [r.getMessage() for r in caplog.records if "exited (exit code -9)" in
                 r.getMessage()]
         assert len(gone) == 1 and "requests in flight fail" in gone[0], gone
@@ -438,7 +438,7 @@ def test_a_delivered_chunk_is_not_tracked_by_the_collector() -> None:
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_close_timeout_that_is_no_number_stops_nothing() -> None:
-    # Second probe: close("5") got as far as cancelling the watchdog (Engine: as far as
+    # Without this: close("5") got as far as cancelling the watchdog (Engine: as far as
     # marking itself closed) before the timeout was refused.
     engine = AsyncEngine("zmq", SMALL)  # (its watchdog: the scheduler's process)
     try:

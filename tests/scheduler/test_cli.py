@@ -80,7 +80,7 @@ def test_serve_with_curve_serves_only_admitted_clients(
 
 def test_serve_refuses_a_directory_too_deep_for_its_sockets_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Outside probe: a ValueError traceback once the directory was made (and left).
+    # Without this: a ValueError traceback once the directory was made (and left).
     deep = tmp_path / ("d" * (102 - len(str(tmp_path))))  # rpc fits; work does not
     with pytest.raises(SystemExit) as info:
         main(["serve", "--endpoint", str(deep)])

@@ -137,7 +137,7 @@ def test_dispatch_over_running_replicas_a_second_dispatcher_refused_and_a_restar
             back = load(True, time.monotonic() + 60)
             assert back.success, back.message
         # Stopped with SIGTERM mid-stream: its client gets a terminal answer, and the
-        # replica stops generating (probe: no answer; the replicas went on ~20 s).
+        # replica stops generating (not silence while the replicas go on ~20 s).
         out, work, rpc = _raw_client(dirs[2])
         with out, work, rpc, RpcClient(f"ipc://{dirs[0]}/rpc") as rpc0:
             assert _load(rpc).success

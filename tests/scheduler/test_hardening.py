@@ -1,4 +1,4 @@
-"""The outside probe's findings, each through the public API: one bad actor costs itself alone.
+"""Hardening, each case through the public API: one bad actor costs itself alone.
 
 Numbers in the test names refer to the hardening issue's list.
 """

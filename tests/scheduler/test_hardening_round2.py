@@ -1,5 +1,5 @@
-"""The outside probe's findings after the first hardening round, each through the
-public API (the first round's are in test_hardening.py).
+"""More hardening cases, each through the public API (beside those in
+test_hardening.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from scheduler import (
 )
 from tests.scheduler.rig import CODEC, SMALL, Loop, gen
 
-# -- found by the outside probe after the first round -----------------------------------
+# -- one bad actor costs itself alone ------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["ring", "zmq"])

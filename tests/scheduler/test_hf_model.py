@@ -231,7 +231,7 @@ def test_a_prompt_past_the_models_context_is_refused(model_dir: Path) -> None:
 def test_a_request_that_fills_the_context_ends_length_and_fails_no_other(
         tmp_path: Path) -> None:
     # GPT-2's positions are a table: reading past it raised IndexError, and the step
-    # failed every request in the batch (outside probe: 9 answers of 500 for one).
+    # failed every request in the batch (without it: 9 answers of 500 for one).
     gpt2 = build_tiny_hf(tmp_path / "gpt2", arch="gpt2", max_positions=32, layers=1)
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)

@@ -131,7 +131,7 @@ def test_serve_stopped_with_sigterm_removes_its_socket_files(tmp_path: Path) -> 
             # Its request ends as a shutdown, not as the scheduler's failure ("internal").
             end = _error_for(out, "r")
             assert end.code == "shutdown", end
-        # Nor do more, up to its last instant (second probe: the interpreter's exit put
+        # Nor do more, up to its last instant (without it: the interpreter's exit put
         # the handlers back to the default, and a signal then was status -15).
         deadline = time.monotonic() + 60
         while serve.poll() is None and time.monotonic() < deadline:

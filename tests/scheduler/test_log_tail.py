@@ -28,7 +28,7 @@ def _summed(text: str, what: str) -> int:
 
 
 def test_a_burst_of_garbage_to_serve_is_logged_whole_once_it_stops(tmp_path: Path) -> None:
-    # Outside probe: the first frame of a flood was logged, the rest never (the summary
+    # Without this: the first frame of a flood was logged, the rest never (the summary
     # waited for an event after its interval, and none came).
     log = tmp_path / "serve.log"
     where = tmp_path / "sched"

@@ -156,7 +156,7 @@ def test_a_trickling_client_is_cut_off_at_the_deadline(metrics: MetricsServer) -
 
 
 def test_a_scrape_is_answered_while_300_slowloris_connections_trickle() -> None:
-    # Outside probe: 300 connections trickling their request held the 4 workers of the
+    # Without this: 300 connections trickling their request held the 4 workers of the
     # old server, and a Prometheus scrape failed for minutes; here they cost a socket.
     registry = CollectorRegistry()
     Gauge("tsb_test_value", "a test gauge", registry=registry).set(3)

@@ -79,7 +79,7 @@ def test_prompts_part_way_read_are_reached_however_many_wait_to_start(
     # Each prompt is a step and one token: read in two chunks, holding a slot
     # between them. With every slot held by prompts part-way read and more
     # not-started requests ahead of them than a step looks at, the scheduler
-    # spun for ever (an outside probe: 330 embeddings of 513 tokens, _SCAN 256).
+    # spun for ever (without it: 330 embeddings of 513 tokens, _SCAN 256).
     monkeypatch.setattr("scheduler.core.batch._SCAN", 4)
     lp = Loop("ring", ctx, ipc, max_prefill_tokens=BUDGET, max_batch=2)
     try:

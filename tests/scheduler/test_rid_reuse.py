@@ -154,7 +154,7 @@ def test_the_table_removes_an_entry_only_by_its_owner() -> None:
 
 @pytest.mark.asyncio
 async def test_an_explicit_abort_waiting_for_room_spares_the_rid_s_next_request() -> None:
-    # Outside probe: an abort() of a request that had ended, kept for a retry by
+    # Without this: an abort() of a request that had ended, kept for a retry by
     # a full channel, was sent after a new request reused the rid, and aborted it.
     async with AsyncEngine("ring", SMALL, max_batch=16) as engine:
         assert (await engine.generate([1, 2], SP, rid="v")).finish_reason == "length"

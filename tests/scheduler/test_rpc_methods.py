@@ -139,7 +139,7 @@ def engine() -> Iterator[Engine]:
 
 def test_engine_long_path_fails_promptly_with_a_fitting_message(engine: Engine) -> None:
     # A path that fits the request but whose error (quoting it) does not fit the reply:
-    # the probe's case, which used to time out instead.
+    # the reply must still come, promptly, with the message cut to fit.
     path = "/nonexistent/" + "x" * (MAX_TEXT - len("/nonexistent/"))
     t0 = time.monotonic()
     out = engine.collective_rpc("save_checkpoint", path=path, timeout=30)

@@ -13,7 +13,7 @@ from scheduler.models.sampling import GREEDY_BELOW, sample_next
 @given(temperature=st.floats(min_value=0.0, max_value=GREEDY_BELOW, exclude_max=True),
        seed=st.integers(0, 2**32 - 1))
 def test_a_temperature_below_the_floor_is_greedy(temperature: float, seed: int) -> None:
-    # Outside probe: 1e-300 became 0.0 in float32; logits / 0 -> inf, softmax -> NaN, and
+    # Without this: 1e-300 became 0.0 in float32; logits / 0 -> inf, softmax -> NaN, and
     # the search over a NaN cdf picked tokens far from the argmax.
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(seed)) * 30
     params = [SamplingParams(temperature=temperature, seed=seed)] * 3

@@ -28,7 +28,7 @@ def test_tp_start_up_names_the_size_of_a_small_dev_shm(monkeypatch: pytest.Monke
 
 def test_tp_start_up_names_a_shm_directory_it_cannot_read(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
-    # Outside probe: TSB_SHM_DIR naming a missing directory started the ranks,
+    # Without this: TSB_SHM_DIR naming a missing directory started the ranks,
     # which failed with two tracebacks and SchedulerGone after 9 s.
     monkeypatch.setattr(tp, "shm_space", lambda: None)
     with pytest.raises(ShmSpaceError, match="cannot be read"):
