@@ -157,7 +157,7 @@ class Acceptor:
                  make_protocol: Callable[[], asyncio.Protocol], connections: Sized,
                  budget: ConnectionBudget) -> None:
         self.budget = budget
-        self.refused = 0  # connections answered 503: past budget.serve, or out of descriptors
+        self.refused = 0  # 503s sent: on a connection past budget.serve, or out of descriptors
         self._listeners = list(listeners)
         self._make = make_protocol
         self._connections = connections
@@ -177,6 +177,7 @@ class Acceptor:
         async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
             if scope.get("type") == "http":
                 await send_bytes(send, 503, body, refusal_headers)
+                self._refused_past_budget()
 
         self._refuse_app = refuse
         self._listening()
@@ -267,14 +268,17 @@ class Acceptor:
         conn.setblocking(False)
         make = self._make
         if self.open_connections() >= self.budget.serve:
-            self.refused += 1
-            self._log.add("past the connection budget", f"{self.open_connections()} "
-                          f"connections open, {self.budget.serve} served under the open-file "
-                          f"limit of {self.budget.files}")
-            make = self._refusing
+            make = self._refusing  # (counted when it answers a request: one may never come)
         task = self._loop.create_task(self._connect(conn, make))
         self._handing.add(task)
         task.add_done_callback(self._handing.discard)
+
+    def _refused_past_budget(self) -> None:
+        """Count a 503 sent on a connection accepted past ``budget.serve``."""
+        self.refused += 1
+        self._log.add("past the connection budget", f"{self.open_connections()} "
+                      f"connections open, {self.budget.serve} served under the open-file "
+                      f"limit of {self.budget.files}")
 
     def _refusing(self) -> asyncio.Protocol:
         protocol: Any = self._make()
