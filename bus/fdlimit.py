@@ -1,4 +1,5 @@
-"""A server's open-file limit: raised to the hard limit at start-up, and said when low.
+"""A server's open-file limit: raised to the hard limit at start-up, said when low, and
+the connections it holds under it.
 
 Every connection a server holds is a file descriptor, and so is every
 socket, pipe and eventfd it holds besides. The usual soft limit on open
@@ -14,20 +15,35 @@ caps and how to raise it.
 
 The raised limit is inherited by the processes a server starts (replicas,
 ranks). Nothing here uses ``select()``, whose descriptors must stay below
-1,024: every wait is ``poll``/``epoll``.
+1,024: every wait is ``poll``/``epoll`` (:mod:`bus.fdwait`).
+
+A server that accepts connections holds at most what its limit leaves
+(:class:`ConnectionBudget`, from :func:`open_files_limit` and
+:func:`files_in_use`), and when ``accept()`` fails for lack of descriptors
+all the same (:data:`NO_FILES`) it stops reading its listening socket for
+a moment rather than spin on it (``python -m frontend``'s
+``frontend.listening.Acceptor``, the scheduler's metrics port).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import resource
+from dataclasses import dataclass
 
-__all__ = ["LOW_HARD_LIMIT", "open_files_limit", "raise_open_files_limit"]
+__all__ = ["ACCEPT_GONE", "LOW_HARD_LIMIT", "NO_FILES", "ConnectionBudget", "files_in_use",
+           "open_files_limit", "raise_open_files_limit"]
 
 log = logging.getLogger("bus.fdlimit")
 
 #: A hard limit on open files below this is logged at start-up as a ceiling on clients.
 LOW_HARD_LIMIT = 65536
+#: ``accept()`` errors that mean "no descriptor (or memory) for one more connection".
+NO_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: ``accept()`` errors that concern one connection only (it left before it was taken).
+ACCEPT_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ECONNRESET})
 
 
 def open_files_limit() -> int:
@@ -69,3 +85,36 @@ def raise_open_files_limit(server: str) -> int:
                     "that is refused; raise it (ulimit -Hn, systemd LimitNOFILE=, docker "
                     "--ulimit nofile=) to serve more", server, hard)
     return open_files_limit() if soft == resource.RLIM_INFINITY else soft
+
+
+def files_in_use() -> int:
+    """How many descriptors this process has open (Linux: ``/proc/self/fd``; else 64)."""
+    try:
+        return max(0, len(os.listdir("/proc/self/fd")) - 1)  # (less listdir's own)
+    except OSError:
+        return 64
+
+
+@dataclass(frozen=True)
+class ConnectionBudget:
+    """How many connections a server holds under its open-file limit.
+
+    Attributes:
+        files: the open-file limit (soft ``RLIMIT_NOFILE``).
+        serve: connections served at once; a new one past them is answered 503.
+        accept: connections open at once (served or being answered 503); past
+            them a new connection waits in the listen backlog.
+    """
+
+    files: int
+    serve: int
+    accept: int
+
+    @classmethod
+    def for_limit(cls, files: int, in_use: int) -> ConnectionBudget:
+        """The budget for an open-file limit of ``files`` with ``in_use`` descriptors
+        already open: a spare of 1/32 of the limit (at least 32) is left for what the
+        process opens later (rpc clients, files), an eighth of the rest (at most 64)
+        for connections that are answered 503."""
+        accept = max(2, files - in_use - max(32, files // 32))
+        return cls(files, max(1, accept - max(1, min(64, accept // 8))), accept)

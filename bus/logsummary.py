@@ -10,22 +10,35 @@ event to carry them: counts held back arm a timer (one daemon thread, for
 that summary, until it fires) that logs them when the interval is up. A
 summary whose owner has a loop of its own costs that loop nothing more: no
 per-event syscall, and no poll of the summary from the loop.
+
+What is still held back when the process exits is logged then: every
+summary is in a weak registry, and an ``atexit`` hook flushes them all
+(the timer's thread is a daemon, which the exit would otherwise cut
+short). An owner need not remember to flush at its close; one that has a
+close may flush there all the same, to log its tail before the exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 
 __all__ = ["LogSummary"]
+
+#: Every summary alive, flushed at the interpreter's exit (see :func:`_flush_all`).
+_LIVE: weakref.WeakSet[LogSummary] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
 
 
 class LogSummary:
     """Counts ``(channel, reason)`` events; logs one summary line per ``interval`` at most,
     and what it counted within ``interval`` of the count (a timer logs a burst's tail).
 
-    Thread-safe: events may be counted from any thread.
+    Thread-safe: events may be counted from any thread. What is held back when the
+    interpreter exits is logged then (an ``atexit`` hook flushes every summary).
     """
 
     def __init__(self, logger: logging.Logger, what: str, *, interval: float = 10.0,
@@ -40,6 +53,8 @@ class LogSummary:
         self._last = -float("inf")
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None  # armed while counts are held back
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def add(self, channel: str, reason: str) -> None:
         """Count one event; log the summary if ``interval`` has passed since the last one,
@@ -89,3 +104,19 @@ class LogSummary:
         # (outside the lock: a slow handler holds no thread that counts)
         if line is not None:
             self.logger.log(self.level, "%s: %s", self.what, line)
+
+
+def _flush_all() -> None:
+    """Log what every live summary holds back (at the interpreter's exit)."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for summary in live:
+        try:
+            summary.flush()
+        except Exception:  # (a handler that fails at exit: the next summary still logs)
+            continue
+
+
+# Registered after ``logging`` registered its own shutdown: atexit runs hooks last-in
+# first-out, so the summaries are logged before the handlers are flushed and closed.
+atexit.register(_flush_all)

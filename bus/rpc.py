@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ import zmq
 from bus.channels import ZmqInbox, _ZmqEnd
 from bus.envelope import Origin
 from bus.errors import ChannelClosed, PeerGone, RpcTimeout
+from bus.fdwait import wait_readable
 from bus.sockets import SocketOptions, make_socket
 from messages import (
     RPC,
@@ -280,7 +280,7 @@ class RpcClient(_ZmqEnd):
                 self.read_replies()  # what arrived before we parked (the fd's edge is gone)
                 if not answered.is_set():
                     try:
-                        select.select([self._fd], [], [], seconds)
+                        wait_readable([self._fd], seconds)
                     except (OSError, ValueError):  # closed under us: close() failed the call
                         return
                     self.read_replies()

@@ -33,18 +33,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import socket
 from collections.abc import Callable, Sequence, Sized
-from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 
 from bus import LogSummary
-from bus.fdlimit import open_files_limit
+from bus.fdlimit import (
+    ACCEPT_GONE,
+    NO_FILES,
+    ConnectionBudget,
+    files_in_use,
+    open_files_limit,
+)
 from frontend.asgi import JSON, Receive, Scope, Send, send_bytes
 from frontend.errors import ApiError
 
@@ -56,43 +60,6 @@ log = logging.getLogger("frontend")
 _BATCH = 64
 #: Seconds between checks for room while accepting is paused.
 _PAUSE_S = 0.02
-#: ``accept()`` errors that mean "no descriptor (or memory) for one more connection".
-_NO_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-#: ``accept()`` errors that concern one connection only (it left before it was taken).
-_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ECONNRESET})
-
-
-def files_in_use() -> int:
-    """How many descriptors this process has open (Linux: ``/proc/self/fd``; else 64)."""
-    try:
-        return max(0, len(os.listdir("/proc/self/fd")) - 1)  # (less listdir's own)
-    except OSError:
-        return 64
-
-
-@dataclass(frozen=True)
-class ConnectionBudget:
-    """How many connections a server holds under its open-file limit.
-
-    Attributes:
-        files: the open-file limit (soft ``RLIMIT_NOFILE``).
-        serve: connections served at once; a new one past them is answered 503.
-        accept: connections open at once (served or being answered 503); past
-            them a new connection waits in the listen backlog.
-    """
-
-    files: int
-    serve: int
-    accept: int
-
-    @classmethod
-    def for_limit(cls, files: int, in_use: int) -> ConnectionBudget:
-        """The budget for an open-file limit of ``files`` with ``in_use`` descriptors
-        already open: a spare of 1/32 of the limit (at least 32) is left for what the
-        process opens later (rpc clients, files), an eighth of the rest (at most 64)
-        for connections that are answered 503."""
-        accept = max(2, files - in_use - max(32, files // 32))
-        return cls(files, max(1, accept - max(1, min(64, accept // 8))), accept)
 
 
 def open_listeners(host: str, port: int, backlog: int) -> list[socket.socket]:
@@ -157,7 +124,7 @@ class Acceptor:
                  make_protocol: Callable[[], asyncio.Protocol], connections: Sized,
                  budget: ConnectionBudget) -> None:
         self.budget = budget
-        self.refused = 0  # connections answered 503: past budget.serve, or out of descriptors
+        self.refused = 0  # 503s sent: on a connection past budget.serve, or out of descriptors
         self._listeners = list(listeners)
         self._make = make_protocol
         self._connections = connections
@@ -177,6 +144,7 @@ class Acceptor:
         async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
             if scope.get("type") == "http":
                 await send_bytes(send, 503, body, refusal_headers)
+                self._refused_past_budget()
 
         self._refuse_app = refuse
         self._listening()
@@ -235,9 +203,9 @@ class Acceptor:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if exc.errno in _GONE:
+                if exc.errno in ACCEPT_GONE:
                     continue
-                if exc.errno in _NO_FILES and self._answer_on_reserve(listener, exc):
+                if exc.errno in NO_FILES and self._answer_on_reserve(listener, exc):
                     continue
                 # No reserve to answer with, or an error of the listening socket itself:
                 # retried shortly, not in a loop spinning on a readable socket.
@@ -267,14 +235,17 @@ class Acceptor:
         conn.setblocking(False)
         make = self._make
         if self.open_connections() >= self.budget.serve:
-            self.refused += 1
-            self._log.add("past the connection budget", f"{self.open_connections()} "
-                          f"connections open, {self.budget.serve} served under the open-file "
-                          f"limit of {self.budget.files}")
-            make = self._refusing
+            make = self._refusing  # (counted when it answers a request: one may never come)
         task = self._loop.create_task(self._connect(conn, make))
         self._handing.add(task)
         task.add_done_callback(self._handing.discard)
+
+    def _refused_past_budget(self) -> None:
+        """Count a 503 sent on a connection accepted past ``budget.serve``."""
+        self.refused += 1
+        self._log.add("past the connection budget", f"{self.open_connections()} "
+                      f"connections open, {self.budget.serve} served under the open-file "
+                      f"limit of {self.budget.files}")
 
     def _refusing(self) -> asyncio.Protocol:
         protocol: Any = self._make()

@@ -117,6 +117,7 @@ class RpcDoor:
             self._caller.close()
             if self._auth is not None:
                 self._auth.stop()
+            self._rejected.flush()  # a burst's tail, logged as the door closes (else at exit)
 
     def _scheduler_gone(self) -> str | None:
         """Why the scheduler is gone (asked of the engine until it is), or None."""

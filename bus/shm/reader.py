@@ -10,6 +10,7 @@ import struct
 import time
 
 from bus.errors import ChannelClosed, EndOfChannel, PeerGone, WouldBlock
+from bus.fdwait import wait_readable
 from bus.shm.layout import (
     _ATTACHED,
     _CAP_W,
@@ -193,7 +194,7 @@ class ShmReader:
         if self._w[_CLOSED_W]:
             raise EndOfChannel(self.name, "the writer closed and every record was taken")
         if self._gone is None and self._writer_fd >= 0:
-            if select.select([self._writer_fd], [], [], 0)[0]:
+            if wait_readable([self._writer_fd], 0):
                 self._gone = PeerGone(self.name, f"the writer (pid {self.writer_pid}) died")
         elif self._gone is None and not pid_alive(self.writer_pid):  # pragma: no cover
             self._gone = PeerGone(self.name, f"the writer (pid {self.writer_pid}) died")

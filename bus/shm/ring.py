@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bus.errors import ChannelClosed, PeerGone, WouldBlock
+from bus.fdwait import wait_readable
 from bus.shm.layout import (
     _ATTACHED,
     _CAP_W,
@@ -248,7 +249,7 @@ class ShmWriter:
                     self._pidfds[r] = fd
                     poller.register(fd, select.POLLIN)
         for r, fd in list(self._pidfds.items()):
-            if select.select([fd], [], [], 0)[0] or w[8 + r * 8 + _STATE] != _ATTACHED:
+            if wait_readable([fd], 0) or w[8 + r * 8 + _STATE] != _ATTACHED:
                 del self._pidfds[r]
                 poller.unregister(fd)
                 os.close(fd)

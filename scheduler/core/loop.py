@@ -197,7 +197,11 @@ class Scheduler(ControlMethods):
             # Still answer everyone, saying why, before the error propagates.
             self.finish_all(*stopped_by(exc, "scheduler"))
             raise
-        self.finish_all("shutdown")
+        else:
+            self.finish_all("shutdown")
+        finally:  # a burst's tail, logged as the loop ends (else at the exit)
+            for summary in (self._rejects, self._misaddressed, self._not_carried):
+                summary.flush()
 
     def step(self) -> int:
         """One iteration: poll, handle, one model step, route. Returns how many were polled."""

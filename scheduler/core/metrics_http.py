@@ -14,7 +14,14 @@ thread does everything, over a selector and non-blocking sockets:
 * a connection that has sent nothing within ``idle_timeout`` is closed,
   and one whose request head is not whole within ``deadline`` seconds of
   its accept (a client that trickles bytes) is cut off; at most
-  ``max_connections`` are open at once (past them the oldest is closed);
+  ``max_connections`` are open at once, fewer where the open-file limit
+  leaves fewer (:class:`bus.fdlimit.ConnectionBudget`); past them the
+  oldest that has sent nothing is closed (else the oldest);
+* an ``accept()`` refused for lack of descriptors all the same (the
+  process opened more elsewhere) closes a connection in the same way to
+  make room, or, with none open, stops reading the listening socket for a
+  moment (a readable listener would spin the thread, a warning per turn);
+  such failures are logged as periodic summaries (:class:`bus.LogSummary`);
 * a whole request head is answered at once (the registry's text, made on
   this thread) and written as the client takes it; one that takes nothing
   for ``deadline`` seconds is cut off;
@@ -37,11 +44,16 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from bus import LogSummary
+from bus.fdlimit import ACCEPT_GONE, NO_FILES, ConnectionBudget, files_in_use, open_files_limit
+
 __all__ = ["MetricsServer"]
 
 log = logging.getLogger("scheduler.metrics")
 
 _MAX_HEAD = 8192
+#: Seconds the listening socket is not read after an ``accept()`` that failed.
+_PAUSE_S = 0.1
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             431: "Request Header Fields Too Large"}
@@ -70,7 +82,9 @@ class MetricsServer:
         idle_timeout: seconds a connection may stay silent before it is closed.
         deadline: seconds to read one request head, in all, from the accept; and
             seconds a client may take nothing of its answer.
-        max_connections: most connections open at once (past them, the oldest is closed).
+        max_connections: most connections open at once (past them, the oldest is closed);
+            lowered to what the open-file limit leaves
+            (:attr:`ConnectionBudget.accept`, computed when the server starts).
         backlog: the listen backlog.
 
     Raises:
@@ -83,7 +97,8 @@ class MetricsServer:
         self.registry = registry
         self.idle_timeout = idle_timeout
         self.deadline = deadline
-        self.max_connections = max_connections
+        budget = ConnectionBudget.for_limit(open_files_limit(), files_in_use())
+        self.max_connections = max(1, min(max_connections, budget.accept))
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                     flags=socket.AI_PASSIVE)[0][0]
         self._listener = socket.create_server((host, port), family=family, backlog=backlog)
@@ -101,6 +116,9 @@ class MetricsServer:
         self.closed_idle = 0  # closed before sending a byte
         self.cut_off = 0  # closed past a deadline once it had sent something
         self.answered = 0
+        self.accept_failures = 0  # accept() calls that failed (out of descriptors, say)
+        self._listening_at: float | None = None  # paused: the listener is read again then
+        self._accept_log = LogSummary(log, "metrics: accept() failed")
         self._thread = threading.Thread(target=self._run, name="metrics-http", daemon=True)
         self._thread.start()
 
@@ -114,6 +132,7 @@ class MetricsServer:
         for sock in (self._listener, self._wake_r, self._wake_w):
             sock.close()
         self._sel.close()
+        self._accept_log.flush()
 
     def __enter__(self) -> MetricsServer:
         return self
@@ -144,17 +163,23 @@ class MetricsServer:
                             log.debug("metrics: a connection failed: %s", exc)
                             self._close(conn)
                 self._expire()
+                if self._listening_at is not None and time.monotonic() >= self._listening_at:
+                    self._listening_at = None
+                    self._sel.register(self._listener, selectors.EVENT_READ)
         finally:
             for conn in list(self._conns.values()):
                 self._close(conn)
 
     def _next_expiry(self) -> float:
+        wait = 1.0
+        if self._listening_at is not None:
+            wait = min(wait, max(0.0, self._listening_at - time.monotonic()))
         while self._expiries:
             at, _, conn = self._expiries[0]
             if conn.sock in self._conns and conn.expires == at:
-                return max(0.0, at - time.monotonic())
+                return min(wait, max(0.0, at - time.monotonic()))
             heapq.heappop(self._expiries)  # closed, or given a later deadline
-        return 1.0
+        return wait
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -178,16 +203,35 @@ class MetricsServer:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of fds, say: drop this round, keep serving
-                log.warning("metrics: accept failed: %s", exc)
+            except OSError as exc:
+                if exc.errno in ACCEPT_GONE:
+                    continue  # (that client left before it was taken)
+                self.accept_failures += 1
+                out_of_files = exc.errno in NO_FILES
+                self._accept_log.add(
+                    "out of file descriptors" if out_of_files else "listening socket",
+                    f"{exc} with {len(self._conns)} connections open; open-file limit "
+                    f"{open_files_limit()}")
+                if out_of_files and self._conns:
+                    self._make_room()
+                    continue
+                # Nothing of ours to close, or an error of the listener itself: it stays
+                # readable, so it is not read for a moment rather than retried in a spin.
+                self._sel.unregister(self._listener)
+                self._listening_at = time.monotonic() + _PAUSE_S
                 return
             sock.setblocking(False)
             if len(self._conns) >= self.max_connections:
-                self._close(next(iter(self._conns.values())))  # the oldest
+                self._make_room()
             conn = _Conn(sock, 0.0)
             self._conns[sock] = conn
             self._expires(conn, time.monotonic() + self.idle_timeout)
             self._sel.register(sock, selectors.EVENT_READ)
+
+    def _make_room(self) -> None:
+        """Close the oldest connection that has sent nothing, else the oldest one."""
+        oldest = next(iter(self._conns.values()))
+        self._close(next((c for c in self._conns.values() if not c.spoke), oldest))
 
     def _close(self, conn: _Conn) -> None:
         if self._conns.pop(conn.sock, None) is not None:

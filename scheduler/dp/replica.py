@@ -29,13 +29,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import signal
 from dataclasses import dataclass, field
 
 import zmq
 
 from bus import ChannelError, PullInbox, PushOutbox, RpcCaller, SocketOptions
+from bus.fdwait import wait_readable
 from messages import OUT, WORK, AbortReq, Output, Request
 from scheduler.dp.liveness import Health
 from scheduler.launch.wiring import Endpoints
@@ -118,7 +118,7 @@ class Replica:
             return None
         if -1 in self._pidfds:
             return "its process was gone at start-up"
-        ready, _, _ = select.select(self._pidfds, [], [], 0)
+        ready = wait_readable(self._pidfds, 0)
         if not ready:
             return None
         return f"its process {self._pids[self._pidfds.index(ready[0])]} exited"

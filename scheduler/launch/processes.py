@@ -15,7 +15,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import select
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from bus.fdwait import wait_readable
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
 from scheduler.launch.leftovers import leave_files
@@ -86,7 +86,7 @@ def _watch_parent(parent: int) -> None:
         return
 
     def wait() -> None:
-        select.select([fd], [], [])
+        wait_readable([fd], None)
         _orphaned()
 
     threading.Thread(target=wait, name="parent-watch", daemon=True).start()

@@ -14,7 +14,7 @@ import os
 import resource
 import socket
 from collections.abc import Callable
-from typing import cast
+from typing import Any, ClassVar, cast
 
 import pytest
 
@@ -92,3 +92,75 @@ def test_past_the_last_descriptor_connections_are_answered_503(
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "connections answered 503 for lack of file descriptors" in said
     assert "out of file descriptors" in said
+
+
+class _Served(asyncio.Protocol):
+    """Runs its ``app`` on the first bytes it reads (a stand-in for uvicorn's protocol,
+    whose ``.app`` the acceptor replaces on a connection past the budget)."""
+
+    made: ClassVar[list[_Served]] = []
+
+    def __init__(self) -> None:
+        self.app: Callable[..., Any] | None = None
+        self.transport: asyncio.WriteTransport | None = None
+        _Served.made.append(self)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.WriteTransport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        assert self.app is not None and self.transport is not None
+        transport = self.transport
+
+        async def send(event: dict[str, Any]) -> None:
+            if event["type"] == "http.response.start":
+                transport.write(b"HTTP/1.1 %d -\r\n\r\n" % event["status"])
+            else:
+                transport.write(event["body"])
+                transport.close()
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        asyncio.get_running_loop().create_task(self.app({"type": "http"}, receive, send))
+
+
+async def _past_the_budget() -> tuple[int, bytes]:
+    loop = asyncio.get_running_loop()
+    listener = open_listeners("127.0.0.1", 0, 128)[0]
+    port = listener.getsockname()[1]
+    _Served.made.clear()
+    open_now = [object()] * 5  # the budget's one served connection is taken
+    acceptor = Acceptor([listener], _Served, open_now, ConnectionBudget(1 << 20, 1, 100))
+    silent, asking = socket.socket(), socket.socket()
+    try:
+        for c in (silent, asking):
+            c.setblocking(False)
+        await loop.sock_connect(silent, ("127.0.0.1", port))
+        while not _Served.made or _Served.made[-1].transport is None:
+            await asyncio.sleep(0.005)  # sleep-ok: pacing of a deadline-bound poll
+        silent.close()  # accepted past the budget, and gone without a request
+        await loop.sock_connect(asking, ("127.0.0.1", port))
+        await loop.sock_sendall(asking, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        got = b""
+        while chunk := await asyncio.wait_for(loop.sock_recv(asking, 4096), 30):
+            got += chunk
+        return acceptor.refused, got
+    finally:
+        acceptor.close()
+        silent.close()
+        asking.close()
+
+
+def test_only_connections_answered_503_are_counted_as_refused(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Two connections past the budget, one of which never asks: one 503 is sent, and one
+    # is counted and logged (not a connection merely handed to the refusing protocol).
+    with caplog.at_level(logging.WARNING, logger="frontend"), asyncio.Runner() as runner:
+        refused, answer = runner.run(asyncio.wait_for(_past_the_budget(), 60))
+    assert answer.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in answer
+    assert refused == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["connections answered 503 for lack of file descriptors: 1 on "
+                    "'past the connection budget' (e.g. 5 connections open, 1 served under "
+                    f"the open-file limit of {1 << 20})"], said

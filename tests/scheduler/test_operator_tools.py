@@ -4,7 +4,9 @@ server against idle and back-to-back connections, and an Engine's fds at close()
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -14,9 +16,11 @@ from collections.abc import Callable, Iterator
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
+from bus.fdlimit import ConnectionBudget, files_in_use
 from scheduler import Engine, ModelConfig
 from scheduler.cli.top import ScrapeError, run_top, scrape
 from scheduler.core.metrics_http import MetricsServer
+from tests.conftest import eventually
 
 SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
 
@@ -206,3 +210,93 @@ def test_a_closed_engine_releases_its_pipes_at_close_not_at_gc() -> None:
         assert not left, left  # before: 2 pipes per scheduler process, until collected
     finally:
         gc.enable()
+
+
+@pytest.fixture
+def nofile() -> Iterator[None]:
+    """The soft limit on open files, put back after the test."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _limit_to(more: int) -> None:
+    """Lower the soft limit so that exactly ``more`` more descriptors can be opened."""
+    used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    free = [n for n in range(max(used) + more + 2) if n not in used]
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (free[more], hard))
+
+
+def _accept_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "accept" in r.getMessage()]
+
+
+def _scrape_on(sock: socket.socket, port: int) -> bytes:
+    """``GET /metrics`` on a socket made before the descriptors ran out."""
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got
+
+
+def test_out_of_descriptors_the_metrics_port_pauses_instead_of_spinning(
+        nofile: None, caplog: pytest.LogCaptureFixture) -> None:
+    # Outside review: with no descriptor left, accept() failed and the listener stayed
+    # readable: 169,726 identical warnings in 8 s, a thread spinning at 100% CPU.
+    registry = CollectorRegistry()
+    Gauge("tsb_test_value", "a test gauge", registry=registry).set(3)
+    clients = [socket.socket() for _ in range(20)]
+    scraper = socket.socket()
+    with caplog.at_level(logging.WARNING, logger="scheduler.metrics"), \
+            MetricsServer(registry, "127.0.0.1", 0) as server:
+        try:
+            _limit_to(0)
+            for c in clients:  # (no descriptor needed: the sockets exist)
+                c.setblocking(False)
+                assert c.connect_ex(("127.0.0.1", server.port)) in (0, 115)  # EINPROGRESS
+            eventually(lambda: bool(_accept_lines(caplog)), 30, "an accept() to fail")
+            failed = server.accept_failures
+            time.sleep(1.0)  # sleep-ok: a window in which a spinning accept fails thousands
+            lines = _accept_lines(caplog)
+            assert len(lines) == 1, (len(lines), lines[:3])  # a summary, not a line each
+            assert "out of file descriptors" in lines[0]
+            assert server.accept_failures - failed <= 30  # a pause of 0.1 s between tries
+        finally:
+            for c in clients:
+                c.close()
+        _limit_to(64)
+        assert b"tsb_test_value 3.0" in _scrape_on(scraper, server.port)  # serving again
+        scraper.close()
+
+
+def test_out_of_descriptors_an_idle_connection_makes_room_for_a_scrape(
+        nofile: None, caplog: pytest.LogCaptureFixture) -> None:
+    registry = CollectorRegistry()
+    Gauge("tsb_test_value", "a test gauge", registry=registry).set(3)
+    idle = [socket.socket() for _ in range(10)]
+    scraper = socket.socket()
+    with caplog.at_level(logging.WARNING, logger="scheduler.metrics"), \
+            MetricsServer(registry, "127.0.0.1", 0, idle_timeout=60) as server:
+        try:
+            _limit_to(3)
+            for c in idle:
+                c.setblocking(False)
+                assert c.connect_ex(("127.0.0.1", server.port)) in (0, 115)
+            assert b"tsb_test_value 3.0" in _scrape_on(scraper, server.port)
+        finally:
+            for c in [*idle, scraper]:
+                c.close()
+        assert 1 <= server.accept_failures <= 30
+        assert len(_accept_lines(caplog)) == 1
+
+
+def test_the_metrics_port_holds_what_the_open_file_limit_leaves(nofile: None) -> None:
+    _limit_to(200)
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    budget = ConnectionBudget.for_limit(limit, files_in_use())
+    with MetricsServer(CollectorRegistry(), "127.0.0.1", 0) as server:
+        assert server.max_connections == budget.accept < 200  # (before: 1,024 whatever the limit)
