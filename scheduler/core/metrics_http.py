@@ -153,7 +153,7 @@ class MetricsServer:
                         assert isinstance(sock, socket.socket)
                         conn = self._conns.get(sock)
                         if conn is None:
-                            continue  # closed earlier in this round
+                            continue  # closed earlier in this pass
                         try:
                             if events & selectors.EVENT_READ:
                                 self._read(conn)
