@@ -45,6 +45,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="requests waiting beyond this are answered 503 (Retry-After)")
     p.add_argument("--max-queued-tokens", type=int, default=Limits().max_queued_tokens)
     p.add_argument("--max-backlog", type=int, default=Limits().max_backlog)
+    p.add_argument("--prefix-cache-bytes", type=int, default=Limits().prefix_cache_bytes,
+                   help="bytes of prompts' keys and values kept for reuse (0: off)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="request bodies past this are answered 413")
     p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="SECONDS",
@@ -200,7 +202,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"CURVE keys: {exc}") from exc
     try:
-        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
+        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog,
+                        args.prefix_cache_bytes)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     # Checked here, before anything starts: a bad bound is the operator's to fix, not

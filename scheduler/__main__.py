@@ -137,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="requests waiting beyond this are answered 'overloaded' at once")
     s.add_argument("--max-queued-tokens", type=int, default=Limits().max_queued_tokens,
                    help="tokens (prompt + max_new_tokens) waiting beyond this: 'overloaded'")
+    s.add_argument("--prefix-cache-bytes", type=int, default=Limits().prefix_cache_bytes,
+                   help="bytes of prompts' keys and values kept for reuse (0: off)")
     s.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas: that many local schedulers behind one "
                         "dispatcher serving --endpoint")
@@ -200,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     endpoints, options, allowed = _upstream(parser, args)
     try:
-        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
+        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog,
+                        args.prefix_cache_bytes)
     except ValueError as exc:
         parser.error(str(exc))
     if args.dp > 1:

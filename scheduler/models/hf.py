@@ -22,6 +22,13 @@ How a step runs (measured on CPU, ``benchmarks/hf.py``):
   one request at a time, each from its own cache.
 * **embedding**: the mean of the last hidden states (after the final norm)
   over the whole prompt, unit-normed.
+* **prefix cache** (:meth:`HFCausalLM.set_prefix_cache`): a generate
+  prompt read whole leaves its per-layer keys and values in a
+  :class:`~scheduler.models.radix.RadixTree` (each node a copy of its span's
+  slice, bounded in bytes, least recently used evicted first); a new prompt
+  starts from a copy of its longest cached prefix and reads only the rest.
+  Embedding prompts neither read nor fill it: their answer is a mean over
+  every position's hidden state, which keys and values do not give back.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from transformers.cache_utils import DynamicLayer
 
 from scheduler.models.files import ModelLoadError, check_model_dir
 from scheduler.models.protocol import PromptChunk
+from scheduler.models.radix import Hit, RadixTree, TreeStats
 
 __all__ = ["HFCausalLM"]
 
@@ -75,6 +83,22 @@ class _Resident:
             self.buf = torch.cat([self.buf, torch.zeros_like(self.buf)], dim=1)
         self.buf[:, self.width] = True
         self.width += 1
+
+
+class _KVSpan:
+    """Per-layer keys and values of a run of positions: a prefix-cache node's state."""
+
+    __slots__ = ("layers", "size")
+
+    def __init__(self, layers: KV) -> None:
+        self.layers = layers
+        self.size = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                        for k, v in layers)
+
+    def split(self, at: int) -> tuple[_KVSpan, _KVSpan]:
+        """Copies, so each part owns only its positions' bytes."""
+        return (_KVSpan([(k[:, :, :at].clone(), v[:, :, :at].clone()) for k, v in self.layers]),
+                _KVSpan([(k[:, :, at:].clone(), v[:, :, at:].clone()) for k, v in self.layers]))
 
 
 class HFCausalLM:
@@ -119,6 +143,9 @@ class HFCausalLM:
         self._sums: dict[int, tuple[torch.Tensor, int]] = {}  # embedding: sum, count
         self._batch: _Resident | None = None
         self._sdpa = self.config._attn_implementation == "sdpa"
+        self._prefixes: RadixTree[_KVSpan] | None = None  # None: no prefix cache
+        self._held: dict[int, Hit[_KVSpan]] = {}  # prefixes requests started from
+        self._read: dict[int, list[torch.Tensor]] = {}  # prompt tokens read so far
 
     # -- what the scheduler reads ----------------------------------------------
 
@@ -188,9 +215,14 @@ class HFCausalLM:
         return unit
 
     def free(self, key: int) -> None:
-        """Drop ``key``'s cache wherever it is (its resident row leaves at the next step)."""
+        """Drop ``key``'s cache wherever it is (its resident row leaves at the next step),
+        and its hold on a cached prefix."""
         self._kv.pop(key, None)
         self._sums.pop(key, None)
+        self._read.pop(key, None)
+        hit = self._held.pop(key, None)
+        if hit is not None and self._prefixes is not None:
+            self._prefixes.release(hit)
         if self._batch is not None and self._batch.rows.pop(key, None) is not None \
                 and not self._batch.rows:
             self._batch = None
@@ -204,7 +236,60 @@ class HFCausalLM:
         """``load_state_dict`` (strict)."""
         self.hf.load_state_dict(weights)
 
+    def set_prefix_cache(self, max_bytes: int) -> None:
+        """A prefix cache of at most ``max_bytes`` of keys and values (0: none).
+
+        Raises:
+            RuntimeError: a request holds a cached prefix (set it before serving).
+        """
+        if self._held:
+            raise RuntimeError(f"{len(self._held)} requests hold cached prefixes")
+        self._prefixes = RadixTree(max_bytes) if max_bytes > 0 else None
+        self._read.clear()
+
+    def reuse_prefix(self, key: int, token_ids: torch.Tensor) -> int:
+        """Copy the longest cached prefix of the prompt (all but its last token) into
+        ``key``'s cache; hold it until :meth:`free`."""
+        tree = self._prefixes
+        if tree is None:
+            return 0
+        self._read[key] = []
+        hit = tree.match(token_ids.numpy(), limit=len(token_ids) - 1)
+        if not hit.length:
+            tree.release(hit)
+            return 0
+        n = hit.length
+        self._held[key] = hit
+        layers = [(torch.cat([s.layers[li][0] for s in hit.spans], dim=2)[:, :, :n],
+                   torch.cat([s.layers[li][1] for s in hit.spans], dim=2)[:, :, :n])
+                  for li in range(len(hit.spans[0].layers))]
+        self._kv[key] = layers
+        self._read[key].append(token_ids[:n])
+        return n
+
+    def flush_prefix_cache(self) -> int:
+        """Evict every prefix no request holds."""
+        return self._prefixes.clear() if self._prefixes is not None else 0
+
+    def prefix_cache_stats(self) -> TreeStats | None:
+        """The tree's counters (``size`` in bytes), ``None`` with no prefix cache."""
+        return self._prefixes.stats() if self._prefixes is not None else None
+
     # -- internals ---------------------------------------------------------------
+
+    def _remember(self, c: PromptChunk) -> None:
+        """Keep a generate prompt's tokens as it is read; at its end, cache its state."""
+        tree = self._prefixes
+        if tree is None or c.embed:
+            return
+        read = self._read.setdefault(c.key, [])
+        read.append(c.token_ids)
+        if not c.last:
+            return
+        tokens = torch.cat(self._read.pop(c.key)).numpy()
+        kv = self._kv[c.key]
+        tree.insert(tokens, lambda a, b: _KVSpan([(k[:, :, a:b].clone(), v[:, :, a:b].clone())
+                                                  for k, v in kv]))
 
     def _ids(self, c: PromptChunk) -> torch.Tensor:
         return c.token_ids.to(self.device, torch.long).view(1, -1)
@@ -226,6 +311,7 @@ class HFCausalLM:
             n = len(c.token_ids)
             self._kv[c.key] = [(k[i:i + 1, :, width - n:], v[i:i + 1, :, width - n:])
                                for k, v in _layers(cache)]
+            self._remember(c)
         return _last(out.logits)
 
     def _cache_of(self, c: PromptChunk) -> DynamicCache:
@@ -242,6 +328,7 @@ class HFCausalLM:
         out = self.hf(input_ids=self._ids(c), position_ids=self._positions(c), cache=cache,
                       use_cache=True, logits_to_keep=1)
         self._kv[c.key] = _layers(cache)
+        self._remember(c)
         return _last(out.logits)[0]
 
     def _embed_chunk(self, c: PromptChunk) -> None:
