@@ -40,6 +40,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "in-process ring); zmq: in its own process")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--dp-policy", choices=["least_loaded", "round_robin", "cache_aware"],
+                   default="least_loaded", help="how --dp-size replicas share requests "
+                   "(cache_aware: prompts sharing a prefix go where it is cached)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-queued-requests", type=int, default=Limits().max_queued_requests,
                    help="requests waiting beyond this are answered 503 (Retry-After)")
@@ -226,7 +229,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     door = _rpc_endpoint(SystemExit, args)
     settings = Settings(
         mode=args.mode, model=_model(args, tokenizer.vocab_size), model_name=name,
-        max_batch=args.max_batch, tp_size=args.tp_size, dp_size=args.dp_size, limits=limits,
+        max_batch=args.max_batch, tp_size=args.tp_size, dp_size=args.dp_size,
+        dp_policy=args.dp_policy, limits=limits,
         metrics=args.metrics, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
         default_max_tokens=args.default_max_tokens, rpc_endpoint=door,
         run_dir=os.path.dirname(door[len("ipc://"):]) if args.endpoint is None else None,

@@ -78,6 +78,7 @@ from scheduler import (
     ModelConfig,
     SchedulerGone,
 )
+from scheduler.dp import Policy
 
 __all__ = ["Frontend", "Settings"]
 
@@ -116,6 +117,7 @@ class Settings:
     max_batch: int = 64
     tp_size: int = 1
     dp_size: int = 1
+    dp_policy: Policy = "least_loaded"
     limits: Limits = field(default_factory=Limits)
     metrics: bool = True
     max_body_bytes: int = MAX_BODY_BYTES
@@ -133,7 +135,8 @@ Handler = Callable[[Scope, Receive, Send, float], Awaitable[int]]
 def _engine(s: Settings) -> AsyncEngine:
     """The engine ``s`` describes (not started)."""
     return AsyncEngine(s.mode, s.model, max_batch=s.max_batch, tp_size=s.tp_size,
-                       dp_size=s.dp_size, limits=s.limits, metrics=s.metrics)
+                       dp_size=s.dp_size, dp_policy=s.dp_policy, limits=s.limits,
+                       metrics=s.metrics)
 
 
 async def _max_model_len(engine: AsyncEngine) -> int:

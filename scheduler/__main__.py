@@ -142,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas: that many local schedulers behind one "
                         "dispatcher serving --endpoint")
-    s.add_argument("--dp-policy", choices=["least_loaded", "round_robin"],
+    s.add_argument("--dp-policy", "--policy", choices=["least_loaded", "round_robin",
+                                                       "cache_aware"],
                    default="least_loaded")
     s.add_argument("--model", metavar="DIR", default=None,
                    help="a Hugging Face causal LM in a local directory (config.json + "
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a replica's CURVE public key (once for all, or once per replica)")
     x.add_argument("--replica-curve-keys", metavar="SECRET_FILE",
                    help="the key pair this dispatcher presents to CURVE replicas")
-    x.add_argument("--policy", choices=["least_loaded", "round_robin"],
+    x.add_argument("--policy", choices=["least_loaded", "round_robin", "cache_aware"],
                    default="least_loaded")
     x.add_argument("--heartbeat-timeout", type=float, default=2.0,
                    help="seconds of silence after which a replica is lost (a replica "

@@ -81,7 +81,8 @@ def _stats(engine: Engine) -> TreeStats | None:
 
 @pytest.mark.parametrize("mode,dp,policy", [("ring", 1, "least_loaded"),
                                             ("zmq", 1, "least_loaded"),
-                                            ("zmq", 2, "least_loaded")])
+                                            ("zmq", 2, "least_loaded"),
+                                            ("zmq", 2, "cache_aware")])
 def test_greedy_answers_are_the_same_with_the_cache(
         model_dir: Path, expected: list[list[int]], mode: str, dp: int, policy: str) -> None:
     with Engine(mode, model_dir, dp_size=dp,  # type: ignore[arg-type]
