@@ -144,7 +144,9 @@ class HFCausalLM:
         self._batch: _Resident | None = None
         self._sdpa = self.config._attn_implementation == "sdpa"
         self._prefixes: RadixTree[_KVSpan] | None = None  # None: no prefix cache
-        self._held: dict[int, Hit[_KVSpan]] = {}  # prefixes requests started from
+        #: The prefixes requests started from, with their tree (a reload of the
+        #: weights starts a new tree; a hold is released on the tree that gave it).
+        self._held: dict[int, tuple[RadixTree[_KVSpan], Hit[_KVSpan]]] = {}
         self._read: dict[int, list[torch.Tensor]] = {}  # prompt tokens read so far
 
     # -- what the scheduler reads ----------------------------------------------
@@ -220,9 +222,10 @@ class HFCausalLM:
         self._kv.pop(key, None)
         self._sums.pop(key, None)
         self._read.pop(key, None)
-        hit = self._held.pop(key, None)
-        if hit is not None and self._prefixes is not None:
-            self._prefixes.release(hit)
+        held = self._held.pop(key, None)
+        if held is not None:
+            tree, hit = held
+            tree.release(hit)
         if self._batch is not None and self._batch.rows.pop(key, None) is not None \
                 and not self._batch.rows:
             self._batch = None
@@ -233,8 +236,12 @@ class HFCausalLM:
         return state
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """``load_state_dict`` (strict)."""
+        """``load_state_dict`` (strict); the prefix cache starts empty (its keys and
+        values came from the old weights), and prompts being read are not cached."""
         self.hf.load_state_dict(weights)
+        if self._prefixes is not None:
+            self._prefixes = RadixTree(self._prefixes.capacity)
+            self._read.clear()
 
     def set_prefix_cache(self, max_bytes: int) -> None:
         """A prefix cache of at most ``max_bytes`` of keys and values (0: none).
@@ -259,7 +266,7 @@ class HFCausalLM:
             tree.release(hit)
             return 0
         n = hit.length
-        self._held[key] = hit
+        self._held[key] = (tree, hit)
         layers = [(torch.cat([s.layers[li][0] for s in hit.spans], dim=2)[:, :, :n],
                    torch.cat([s.layers[li][1] for s in hit.spans], dim=2)[:, :, :n])
                   for li in range(len(hit.spans[0].layers))]
@@ -282,7 +289,11 @@ class HFCausalLM:
         tree = self._prefixes
         if tree is None or c.embed:
             return
-        read = self._read.setdefault(c.key, [])
+        read = self._read.get(c.key)
+        if read is None:
+            if c.start:  # its start was read before this tree began: not all known
+                return
+            read = self._read[c.key] = []
         read.append(c.token_ids)
         if not c.last:
             return

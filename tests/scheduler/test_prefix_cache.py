@@ -162,6 +162,20 @@ def test_an_abort_while_a_cached_prefix_is_held_leaves_the_cache_consistent(
     assert again == expected[:len(prompts)] == after_flush
 
 
+def test_new_weights_start_an_empty_cache(model_dir: Path, tmp_path: Path) -> None:
+    other = build_tiny_hf(tmp_path / "other", seed=1)
+    prompt = _prompts()[5]
+    with Engine("ring", other, limits=OFF) as engine:
+        saved = engine.collective_rpc("save_checkpoint", path=str(tmp_path / "w"))
+        assert saved.success, saved.message
+        theirs = engine.generate(prompt, GREEDY, timeout=120).token_ids
+    with Engine("ring", model_dir) as engine:
+        engine.generate(prompt[:-3], GREEDY, timeout=120)  # cached with the first weights
+        loaded = engine.collective_rpc("load_checkpoint", path=str(tmp_path / "w"))
+        assert loaded.success, loaded.message
+        assert engine.generate(prompt, GREEDY, timeout=120).token_ids == theirs
+
+
 def test_the_tiny_gru_caches_nothing_and_answers_as_before() -> None:
     prompt = list(range(3, 60))
     with Engine("ring") as on, Engine("ring", limits=OFF) as off:
