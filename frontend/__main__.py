@@ -202,7 +202,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"CURVE keys: {exc}") from exc
     try:
-        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
+        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog,
+                        args.prefix_cache_bytes)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     # Checked here, before anything starts: a bad bound is the operator's to fix, not

@@ -91,9 +91,14 @@ class LoadCheckpointResult(msgspec.Struct, forbid_unknown_fields=True, frozen=Tr
 
 
 class FlushCacheResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Always ``flushed=true``: a flush refused while requests run fails the call."""
+    """Always ``flushed=true``: a flush refused while requests run fails the call.
+
+    ``freed_bytes``: what the model's prefix cache held (0 for a model that caches
+    nothing; absent from a scheduler older than the prefix cache).
+    """
 
     flushed: bool
+    freed_bytes: int = 0
 
 
 class GetLoadResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -166,7 +171,7 @@ RPC_METHODS: Final[tuple[RpcMethodSpec, ...]] = (
     RpcMethodSpec("load_checkpoint", CheckpointParams, LoadCheckpointResult,
                   "read the weights back from path"),
     RpcMethodSpec("flush_cache", NoParams, FlushCacheResult,
-                  "drop cached state; fails while requests are in flight"),
+                  "empty the prefix cache; fails while requests are in flight"),
     RpcMethodSpec("token_digest", NoParams, TokenDigestResult,
                   "a digest of every sampled token (ranks must agree)"),
     RpcMethodSpec("metrics", NoParams, MetricsResult, "the Prometheus text, in pieces"),

@@ -219,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # After the checks above: a start that fails says one line, not this one too.
     raise_open_files_limit("scheduler serve")  # each client holds sockets
     try:
-        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog)
+        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog,
+                        args.prefix_cache_bytes)
     except ValueError as exc:
         parser.error(str(exc))
     if args.dp_size > 1:

@@ -36,8 +36,10 @@ def _option_strings(option: str) -> list[str]:
 def add_dp_policy_option(p: argparse.ArgumentParser) -> None:
     """``--dp-size``'s companion: how the dispatcher picks a replica for a request."""
     p.add_argument(*_option_strings("--dp-policy"), dest="dp_policy",
-                   choices=["least_loaded", "round_robin"], default="least_loaded",
-                   help="how a request's replica is picked (default: least_loaded)"
+                   choices=["least_loaded", "round_robin", "cache_aware"],
+                   default="least_loaded",
+                   help="how a request's replica is picked (default: least_loaded; "
+                        "cache_aware: prompts sharing a prefix go where it is cached)"
                         + _deprecated("--dp-policy"))
 
 
@@ -58,6 +60,8 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
                         "with Retry-After)")
     p.add_argument("--max-queued-tokens", type=int, default=Limits().max_queued_tokens,
                    help="tokens (prompt + max_new_tokens) waiting beyond this: overloaded")
+    p.add_argument("--prefix-cache-bytes", type=int, default=Limits().prefix_cache_bytes,
+                   help="bytes of prompts' keys and values kept for reuse (0: off)")
     p.add_argument(*_option_strings("--dp-size"), dest="dp_size", type=int, default=1,
                    help="data-parallel replicas: that many local schedulers, each its own "
                         "process, behind one dispatcher" + _deprecated("--dp-size"))

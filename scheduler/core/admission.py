@@ -26,15 +26,24 @@ class Limits:
         max_backlog: most outputs waiting per consumer that is not reading;
             past it, the requests whose outputs are stuck are aborted (see
             :mod:`router.backlog` and :mod:`scheduler.core.backpressure`).
+        prefix_cache_bytes: most bytes of prompts' state (a transformer's keys
+            and values) the model keeps for reuse by later prompts that
+            share a prefix; 0 turns the prefix cache off. The default, 1 GiB,
+            holds about a million tokens of a small model (the float64 tiny
+            Llama: 1 KiB a token) and ~8k of a 7B one in float16 (128 KiB
+            a token); a model that caches no prefix ignores it.
     """
 
     max_queued_requests: int = 4096
     max_queued_tokens: int = 1 << 22
     max_backlog: int = 1024
+    prefix_cache_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if min(self.max_queued_requests, self.max_queued_tokens, self.max_backlog) < 1:
             raise ValueError("every limit must be >= 1")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0")
 
 
 class Admission:

@@ -11,6 +11,11 @@ and no output, and of the model only the :class:`~scheduler.models.protocol.Mode
 protocol: each request's model state lives in the model under ``Seq.key``, and
 is freed here whenever a request leaves, however it leaves.
 
+A generate request starts from the longest prefix of its prompt the model
+has cached (:meth:`~scheduler.models.protocol.Model.reuse_prefix`, asked
+once, when it is first looked at with a batch slot free): only the rest is
+read, by the same rules as any prompt.
+
 Chunked prefill interleaves: a prompt longer than a step's budget gets one
 chunk a step (at most half the budget while others wait) and goes to the back
 of the queue after each, so requests behind it are read in between: a short
@@ -82,6 +87,7 @@ class Seq:
     out: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
     sent: int = 0  # tokens already streamed
+    cached: int = -1  # prompt tokens its state started with (the prefix cache); -1: not asked
     finished: FinishReason | None = None
     # On the scheduler's monotonic clock (seconds), for the latency metrics.
     t_arrival: float = 0.0
@@ -131,6 +137,7 @@ class Batch:
         #: ends ``length`` when it is full, so no step ever reads a position past it
         #: (with learned positions, as GPT-2's, one such request failed its whole batch).
         self._context = model.max_prompt_tokens
+        model.set_prefix_cache(admission.limits.prefix_cache_bytes)
 
     def __bool__(self) -> bool:
         return bool(self.running or self.waiting or self.partial)
@@ -278,6 +285,10 @@ class Batch:
                 seq, kept = partial.popleft(), kept_partial
             else:
                 break
+            if fresh and seq.cached < 0:
+                seq.cached = 0 if seq.sampling is _EMBED else self.model.reuse_prefix(
+                    seq.key, as_tensor(seq.req.input_ids))
+                seq.prefilled = seq.cached
             left = len(seq.req.input_ids) - seq.prefilled
             whole = max(MIN_PREFILL_COST, left) <= budget or left <= budget
             if not whole and left <= self.max_prefill_tokens:
@@ -294,6 +305,7 @@ class Batch:
                     self._admit(seq)
                 except Exception as exc:  # e.g. a seed torch refuses: this request alone
                     self.admission.leave(seq.cost)
+                    self.model.free(seq.key)  # its hold on a cached prefix
                     admit_failed(seq, exc)
                     continue
                 slots -= 1

@@ -116,12 +116,15 @@ class ControlMethods:
         return {"digest": self._digest.hexdigest(), "tokens": self._tokens, "rank": self.rank}
 
     def flush_cache(self) -> RpcResult:
-        """Drop cached state; refused while requests are in flight."""
+        """Empty the model's prefix cache; refused while requests are in flight.
+
+        ``freed_bytes``: what the cache held (0 for a model that caches nothing).
+        """
         running, queued = self._queue_sizes()
         if running or queued:
             raise RuntimeError(f"cannot flush while {running} requests run and "
                                f"{queued} wait")
-        return {"flushed": True}
+        return {"flushed": True, "freed_bytes": self.model.flush_prefix_cache()}
 
     def metrics_text(self) -> RpcResult:
         """The Prometheus exposition text, in pieces that fit an rpc string (join them)."""

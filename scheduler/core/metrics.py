@@ -226,6 +226,16 @@ class SchedulerCollector(Collector):
         yield m.itl.family(f"{p}inter_token_seconds", "Between two tokens of one request.")
         yield m.e2e.family(f"{p}request_seconds", "Arrival to the terminal answer "
                            "(generate and embedding).")
+        cache = s.model.prefix_cache_stats()
+        if cache is not None:
+            yield _counter(f"{p}prefix_cache_hit_tokens", "Prompt tokens read from the "
+                           "prefix cache instead of computed.", cache.hit_tokens)
+            yield _counter(f"{p}prefix_cache_miss_tokens", "Prompt tokens of generate "
+                           "requests computed (no cached prefix held them).", cache.miss_tokens)
+            yield _gauge(f"{p}prefix_cache_bytes", "Bytes of state the prefix cache holds.",
+                         cache.size)
+            yield _counter(f"{p}prefix_cache_evictions", "Prefix-cache nodes evicted (least "
+                           "recently used first).", cache.evictions)
         rpc = HistogramMetricFamily(f"{p}rpc_seconds", "Rpc latency in the scheduler, per "
                                     "method.", labels=["method"])
         for method, h in list(m.rpc.items()):

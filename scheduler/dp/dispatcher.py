@@ -60,6 +60,7 @@ from messages import (
 from router import RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.backpressure import collapse
 from scheduler.core.outputs import stopped_by
+from scheduler.dp.affinity import PrefixAffinity
 from scheduler.dp.fanout import CallerQueue, Fanout, merge_replies
 from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy, cost_of
 from scheduler.dp.liveness import AwakeClock
@@ -91,7 +92,8 @@ class Dispatcher:
     Args:
         work, rpc, out: the upstream channels (bound like a scheduler's).
         replicas: where each replica serves.
-        policy: ``"least_loaded"`` (default) or ``"round_robin"``.
+        policy: ``"least_loaded"`` (default), ``"round_robin"`` or ``"cache_aware"``
+            (:mod:`scheduler.dp.affinity`).
         rpc_timeout: seconds a broadcast waits for every replica; those that
             have not answered by then are named in the reply as timed out.
         heartbeat_interval: seconds between two heartbeats to a replica.
@@ -117,6 +119,8 @@ class Dispatcher:
         self.table = dispatch_table(merge_replies)  # the totality check: at start-up
         self.replicas = [Replica(i, spec) for i, spec in enumerate(replicas)]
         self.ledger = Ledger(len(replicas), policy)
+        #: Where prompts went, for the ``cache_aware`` policy (None under the others).
+        self.affinity = PrefixAffinity(len(replicas)) if policy == "cache_aware" else None
         self.ledger.live = [False] * len(replicas)  # live once they answer
         self.fanout = Fanout([r.name for r in self.replicas])
         self.callers = CallerQueue()  # at most 4 broadcasts in flight per caller
@@ -265,7 +269,11 @@ class Dispatcher:
         # A replica still running an orphan of this rid would drop it as a duplicate.
         busy = [r.index for r in self.replicas if r.orphans and rid in r.orphans]
         try:
-            i = self.ledger.pick(pin, busy)
+            prefer = None
+            if pin is None and self.affinity is not None:
+                prefer = self.affinity.prefer(msg.input_ids, self.ledger.requests,
+                                              self.ledger.live, busy)
+            i = self.ledger.pick(pin, busy, prefer)
         except NoLiveReplica as exc:
             code: ErrorCode = "replica_lost"
             why = str(exc)
@@ -293,6 +301,8 @@ class Dispatcher:
             return
         self.ledger.add(msg.rid, i, rep.generation, cost_of(msg), msg, pinned=pin is not None,
                         at=self.awake.now)
+        if self.affinity is not None:
+            self.affinity.record(i, msg.input_ids)
         self.stats["dispatched"] += 1
 
     def _to_owner(self, msg: Request) -> None:
@@ -317,6 +327,8 @@ class Dispatcher:
         elif call.method == HELLO_METHOD:  # ours to answer: we decode the client's frames
             self._reply(answer_hello_here(call, self.logs), origin)
         else:
+            if call.method == "flush_cache" and self.affinity is not None:
+                self.affinity.drop_all()  # the replicas' caches empty: our guesses go too
             self._fan_out(call, origin, route)
 
     def _fan_out(self, call: RpcReqInput, origin: Origin, route: Broadcast) -> None:
@@ -434,6 +446,8 @@ class Dispatcher:
         rep.live = True
         rep.generation += 1
         self.ledger.live[rep.index] = True
+        if self.affinity is not None:
+            self.affinity.drop(rep.index)  # a respawn starts with an empty prefix cache
         self.stats["joined"] += 1
         log.info("%s %s (generation %d)", rep.name, "rejoined" if rep.joined else "joined",
                  rep.generation)
@@ -443,6 +457,8 @@ class Dispatcher:
         (log.info if self._stopping else log.warning)("%s lost: %s", rep.name, why)
         rep.live = False
         rep.health.reset()
+        if self.affinity is not None:
+            self.affinity.drop(rep.index)
         self.stats["lost"] += 1
         dead = rep.process_exit() is not None
         if dead:

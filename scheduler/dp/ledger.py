@@ -30,8 +30,9 @@ from messages import Request, TokenizedEmbeddingReqInput, TokenizedGenerateReqIn
 
 __all__ = ["Cost", "Entry", "Ledger", "NoLiveReplica", "Policy", "cost_of"]
 
-#: How a balanced request picks its replica.
-Policy = Literal["least_loaded", "round_robin"]
+#: How a balanced request picks its replica (``cache_aware``: where its prompt's
+#: prefix likely is, see :mod:`scheduler.dp.affinity`; else as ``least_loaded``).
+Policy = Literal["least_loaded", "round_robin", "cache_aware"]
 
 #: A replica's time to read one prompt token, and to sample one token in a
 #: running batch of 32, in microseconds: the default model, one replica, the
@@ -94,8 +95,9 @@ class Ledger:
     def __init__(self, n: int, policy: Policy = "least_loaded") -> None:
         if n < 1:
             raise ValueError("a ledger needs at least one replica")
-        if policy not in ("least_loaded", "round_robin"):
-            raise ValueError(f"unknown policy {policy!r} (least_loaded or round_robin)")
+        if policy not in ("least_loaded", "round_robin", "cache_aware"):
+            raise ValueError(f"unknown policy {policy!r} (least_loaded, round_robin or "
+                             f"cache_aware)")
         self.n = n
         self.policy: Policy = policy
         self.live = [True] * n
@@ -127,8 +129,12 @@ class Ledger:
         extra = max(0, self.reported[replica] - self.requests[replica])
         return self.work[replica] + extra * REPORTED_REQUEST_TOKENS * PREFILL_US_PER_TOKEN
 
-    def pick(self, pin: int | None = None, exclude: Container[int] = ()) -> int:
+    def pick(self, pin: int | None = None, exclude: Container[int] = (),
+             prefer: int | None = None) -> int:
         """The replica for a new request, never one in ``exclude``.
+
+        ``prefer`` (the ``cache_aware`` policy's choice) wins when it is live
+        and not excluded; otherwise the policy picks.
 
         Raises:
             NoLiveReplica: ``pin`` is out of range, not live or excluded, or
@@ -144,6 +150,8 @@ class Ledger:
                 raise NoLiveReplica(f"dp_rank={pin} pins replica {pin}, which cannot take "
                                     "this request now")
             return pin
+        if prefer is not None and self.live[prefer] and prefer not in exclude:
+            return prefer
         n, start = self.n, self._next
         best, best_score = -1, 0
         for k in range(n):

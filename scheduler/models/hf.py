@@ -22,6 +22,13 @@ How a step runs (measured on CPU, ``benchmarks/hf.py``):
   one request at a time, each from its own cache.
 * **embedding**: the mean of the last hidden states (after the final norm)
   over the whole prompt, unit-normed.
+* **prefix cache** (:meth:`HFCausalLM.set_prefix_cache`): a generate
+  prompt read whole leaves its per-layer keys and values in a
+  :class:`~scheduler.models.radix.RadixTree` (each node a copy of its span's
+  slice, bounded in bytes, least recently used evicted first); a new prompt
+  starts from a copy of its longest cached prefix and reads only the rest.
+  Embedding prompts neither read nor fill it: their answer is a mean over
+  every position's hidden state, which keys and values do not give back.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from transformers.utils import logging as hf_logging
 
 from scheduler.models.files import ModelLoadError, check_model_dir
 from scheduler.models.protocol import PromptChunk
+from scheduler.models.radix import Hit, RadixTree, TreeStats
 
 __all__ = ["HFCausalLM", "held_log", "load_config"]
 
@@ -145,6 +153,22 @@ def load_config(root: str | os.PathLike[str]) -> PretrainedConfig:
     return config
 
 
+class _KVSpan:
+    """Per-layer keys and values of a run of positions: a prefix-cache node's state."""
+
+    __slots__ = ("layers", "size")
+
+    def __init__(self, layers: KV) -> None:
+        self.layers = layers
+        self.size = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                        for k, v in layers)
+
+    def split(self, at: int) -> tuple[_KVSpan, _KVSpan]:
+        """Copies, so each part owns only its positions' bytes."""
+        return (_KVSpan([(k[:, :, :at].clone(), v[:, :, :at].clone()) for k, v in self.layers]),
+                _KVSpan([(k[:, :, at:].clone(), v[:, :, at:].clone()) for k, v in self.layers]))
+
+
 class HFCausalLM:
     """A ``transformers`` causal LM serving the scheduler (see the module docstring).
 
@@ -189,6 +213,11 @@ class HFCausalLM:
         self._sums: dict[int, tuple[torch.Tensor, int]] = {}  # embedding: sum, count
         self._batch: _Resident | None = None
         self._sdpa = self.config._attn_implementation == "sdpa"
+        self._prefixes: RadixTree[_KVSpan] | None = None  # None: no prefix cache
+        #: The prefixes requests started from, with their tree (a reload of the
+        #: weights starts a new tree; a hold is released on the tree that gave it).
+        self._held: dict[int, tuple[RadixTree[_KVSpan], Hit[_KVSpan]]] = {}
+        self._read: dict[int, list[torch.Tensor]] = {}  # prompt tokens read so far
 
     # -- what the scheduler reads ----------------------------------------------
 
@@ -258,9 +287,15 @@ class HFCausalLM:
         return unit
 
     def free(self, key: int) -> None:
-        """Drop ``key``'s cache wherever it is (its resident row leaves at the next step)."""
+        """Drop ``key``'s cache wherever it is (its resident row leaves at the next step),
+        and its hold on a cached prefix."""
         self._kv.pop(key, None)
         self._sums.pop(key, None)
+        self._read.pop(key, None)
+        held = self._held.pop(key, None)
+        if held is not None:
+            tree, hit = held
+            tree.release(hit)
         if self._batch is not None and self._batch.rows.pop(key, None) is not None \
                 and not self._batch.rows:
             self._batch = None
@@ -271,10 +306,71 @@ class HFCausalLM:
         return state
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """``load_state_dict`` (strict)."""
+        """``load_state_dict`` (strict); the prefix cache starts empty (its keys and
+        values came from the old weights), and prompts being read are not cached."""
         self.hf.load_state_dict(weights)
+        if self._prefixes is not None:
+            self._prefixes = RadixTree(self._prefixes.capacity)
+            self._read.clear()
+
+    def set_prefix_cache(self, max_bytes: int) -> None:
+        """A prefix cache of at most ``max_bytes`` of keys and values (0: none).
+
+        Raises:
+            RuntimeError: a request holds a cached prefix (set it before serving).
+        """
+        if self._held:
+            raise RuntimeError(f"{len(self._held)} requests hold cached prefixes")
+        self._prefixes = RadixTree(max_bytes) if max_bytes > 0 else None
+        self._read.clear()
+
+    def reuse_prefix(self, key: int, token_ids: torch.Tensor) -> int:
+        """Copy the longest cached prefix of the prompt (all but its last token) into
+        ``key``'s cache; hold it until :meth:`free`."""
+        tree = self._prefixes
+        if tree is None:
+            return 0
+        self._read[key] = []
+        hit = tree.match(token_ids.numpy(), limit=len(token_ids) - 1)
+        if not hit.length:
+            tree.release(hit)
+            return 0
+        n = hit.length
+        self._held[key] = (tree, hit)
+        layers = [(torch.cat([s.layers[li][0] for s in hit.spans], dim=2)[:, :, :n],
+                   torch.cat([s.layers[li][1] for s in hit.spans], dim=2)[:, :, :n])
+                  for li in range(len(hit.spans[0].layers))]
+        self._kv[key] = layers
+        self._read[key].append(token_ids[:n])
+        return n
+
+    def flush_prefix_cache(self) -> int:
+        """Evict every prefix no request holds."""
+        return self._prefixes.clear() if self._prefixes is not None else 0
+
+    def prefix_cache_stats(self) -> TreeStats | None:
+        """The tree's counters (``size`` in bytes), ``None`` with no prefix cache."""
+        return self._prefixes.stats() if self._prefixes is not None else None
 
     # -- internals ---------------------------------------------------------------
+
+    def _remember(self, c: PromptChunk) -> None:
+        """Keep a generate prompt's tokens as it is read; at its end, cache its state."""
+        tree = self._prefixes
+        if tree is None or c.embed:
+            return
+        read = self._read.get(c.key)
+        if read is None:
+            if c.start:  # its start was read before this tree began: not all known
+                return
+            read = self._read[c.key] = []
+        read.append(c.token_ids)
+        if not c.last:
+            return
+        tokens = torch.cat(self._read.pop(c.key)).numpy()
+        kv = self._kv[c.key]
+        tree.insert(tokens, lambda a, b: _KVSpan([(k[:, :, a:b].clone(), v[:, :, a:b].clone())
+                                                  for k, v in kv]))
 
     def _ids(self, c: PromptChunk) -> torch.Tensor:
         return c.token_ids.to(self.device, torch.long).view(1, -1)
@@ -296,6 +392,7 @@ class HFCausalLM:
             n = len(c.token_ids)
             self._kv[c.key] = [(k[i:i + 1, :, width - n:], v[i:i + 1, :, width - n:])
                                for k, v in _layers(cache)]
+            self._remember(c)
         return _last(out.logits)
 
     def _cache_of(self, c: PromptChunk) -> DynamicCache:
@@ -312,6 +409,7 @@ class HFCausalLM:
         out = self.hf(input_ids=self._ids(c), position_ids=self._positions(c), cache=cache,
                       use_cache=True, logits_to_keep=1)
         self._kv[c.key] = _layers(cache)
+        self._remember(c)
         return _last(out.logits)[0]
 
     def _embed_chunk(self, c: PromptChunk) -> None:

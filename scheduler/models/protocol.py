@@ -7,6 +7,12 @@ the model, under an integer key the batch gives each request; the batch
 frees it when the request ends, however it ends (finished, aborted, failed,
 shut down), so :attr:`Model.live_states` returns to 0 when nothing runs.
 
+Prefix caching is the model's too (the batch only asks): a model may keep
+the state of prompts it read in a :class:`~scheduler.models.radix.RadixTree`
+bounded in bytes; :meth:`Model.reuse_prefix` gives a new request its
+longest cached prefix (the batch then reads only the rest, chunked as
+always), and the prefix stays held until :meth:`Model.free`.
+
 Implementations: :class:`~scheduler.models.tiny.TinyLM` (and its stub) and
 :class:`~scheduler.models.hf.HFCausalLM` (any Hugging Face causal LM from a
 local directory).
@@ -19,6 +25,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from scheduler.models.radix import TreeStats
 
 __all__ = ["Model", "PromptChunk"]
 
@@ -102,6 +110,28 @@ class Model(Protocol):
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """The weights a checkpoint saves, by name."""
+        ...
+
+    def set_prefix_cache(self, max_bytes: int) -> None:
+        """Keep at most ``max_bytes`` of prompts' state for reuse (0: cache nothing)."""
+        ...
+
+    def reuse_prefix(self, key: int, token_ids: torch.Tensor) -> int:
+        """Start generate request ``key`` from the longest cached prefix of its prompt.
+
+        Returns how many leading tokens of ``token_ids`` (int64 ``(T,)``) its
+        state already holds, at most ``T - 1`` (the last token is read, for
+        its logits): its first chunk starts there. The prefix is held (never
+        evicted) until :meth:`free` of ``key``. 0: nothing cached, nothing held.
+        """
+        ...
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix no request holds; returns the bytes freed."""
+        ...
+
+    def prefix_cache_stats(self) -> TreeStats | None:
+        """The prefix cache's sizes and counters (``None``: this model caches nothing)."""
         ...
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from scheduler.models.protocol import PromptChunk
+from scheduler.models.radix import TreeStats
 
 __all__ = ["ModelConfig", "StubLM", "TinyLM", "build_model"]
 
@@ -108,6 +109,26 @@ class TinyLM(nn.Module):
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """``load_state_dict`` (strict)."""
         self.load_state_dict(weights)
+
+    # A GRU caches no prefix: its state exists only where it stopped reading, and
+    # a radix tree cuts spans at any token, where a GRU has no state to resume
+    # from without keeping one ``(layers, hidden)`` tensor per token (the size of
+    # a transformer's KV, for a model whose prefill is already cheap).
+
+    def set_prefix_cache(self, max_bytes: int) -> None:
+        """Ignored: this model caches no prefix (see the comment above)."""
+
+    def reuse_prefix(self, key: int, token_ids: torch.Tensor) -> int:
+        """0: nothing cached."""
+        return 0
+
+    def flush_prefix_cache(self) -> int:
+        """0: nothing cached."""
+        return 0
+
+    def prefix_cache_stats(self) -> TreeStats | None:
+        """``None``: this model caches no prefix."""
+        return None
 
     # -- the network ------------------------------------------------------------
 

@@ -28,6 +28,12 @@ def test_defaults_are_loopback_ring_byte_level(tmp_path: Path) -> None:
     assert settings.body_timeout == 30.0
     assert settings_from(parse(["--endpoint", str(tmp_path / "ep"), "--body-timeout",
                                 "2.5"]))[0].body_timeout == 2.5
+    assert (settings.dp_policy, settings.limits.prefix_cache_bytes) == ("least_loaded", 1 << 30)
+    aware = settings_from(parse(["--endpoint", str(tmp_path / "ep"), "--mode", "zmq",
+                                 "--dp-size", "2", "--dp-policy", "cache_aware",
+                                 "--prefix-cache-bytes", "4096"]))[0]
+    assert (aware.dp_size, aware.dp_policy, aware.limits.prefix_cache_bytes) == (
+        2, "cache_aware", 4096)
 
 
 def test_the_start_up_line_names_a_url_a_client_can_use() -> None:

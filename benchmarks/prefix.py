@@ -1,0 +1,235 @@
+"""Shared prefixes: the replicas' prefix cache and ``cache_aware`` dispatch, against the plain ones.
+
+Run: ``python -m benchmarks.prefix`` (``--scale F`` shrinks the request count).
+The last line is one JSON object from one run.
+
+Workload (the issue's): the float64 tiny Llama this module builds
+(``scheduler.models.tiny_hf``), ``Engine("zmq", dp_size=2)``; 8 system
+prompts of 1,024 tokens, each request one of them followed by a 32-token
+user turn, 8 tokens out, greedy; 512 requests in random order at
+concurrency 16 (16 client threads, each streaming one request at a time).
+Every torch runs one thread: two replicas, a dispatcher and the client
+share this machine's 2 cores.
+
+Scale: the issue's full workload runs here, not scaled down: the four
+configurations took 2 minutes at load 2.5-3.7 and 5 at load 6.5-9.8 on this
+shared 2-core box. ``--scale F`` sends ``F * 512`` requests (at least 32) for
+a quicker look; with few requests the first concurrent wave (16 prompts,
+each missing) weighs more, so ``cached_token_ratio_*`` falls short of the
+ideal (0.63 for ``cache_aware`` at 32 requests). The JSON says which scale
+ran (``requests``).
+
+Configurations, each on a fresh engine (so a fresh cache), in this order:
+``round_robin`` with the cache off (``nocache``); ``cache_aware`` with the
+cache (``cache``); ``round_robin`` and ``least_loaded`` with it.
+
+The cache: each replica's is bounded at ``--cache-mib`` (default 6 MiB:
+about 5 of the 8 system prompts, at 1 KiB a token in this model), smaller
+than the working set, as a real model's cache is beside its traffic (a 7B
+model in float16 holds ~8k tokens a GiB). With the library's default (1 GiB,
+``--cache-mib 1024``) each replica holds every system prompt, the cache
+alone gets ~97% of the ideal under any policy, and routing can only save
+the 8 first reads of each prompt on a second replica.
+
+Keys:
+
+* ``cached_token_ratio_cache_aware``: prompt tokens read from the replicas'
+  caches (``tsb_prefix_cache_hit_tokens_total``, summed over replicas) over
+  the ideal: every system prompt computed once, on the one replica
+  ``cache_aware`` serves it from (ideal hits = requests * 1024 - 8 * 1024);
+  ``cached_token_ratio_<policy>`` likewise for the others.
+* ``ttft_p50_ms_<config>``: median time to first token (submit to first
+  streamed chunk, client side); ``ttft_p50_ratio_cache_aware_vs_round_robin_nocache``
+  and ``..._vs_round_robin_cache``.
+* ``requests_per_s_<config>``; ``requests_per_s_ratio_cache_aware_vs_round_robin_nocache``.
+* ``match_ratio_vs_nocache``: share of requests whose greedy tokens under
+  ``cache_aware`` with the cache equal those of ``round_robin`` without it.
+* ``dispatch_overhead_us_per_request_cache_aware``: what the ``cache_aware``
+  choice costs the dispatcher per request (its tree lookup over both
+  replicas, and recording the prompt), timed in-process on this workload's
+  prompts; ``dispatch_pick_us_per_request_least_loaded`` is the plain
+  ledger's pick beside it (the whole dispatcher hop is ``benchmarks.dp``'s
+  ``dispatch_overhead_us_per_request``, tens of microseconds; a model step
+  here is milliseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks._timing import percentiles, print_checked
+from messages import SamplingParams, token_ids
+from scheduler import Engine, Limits
+from scheduler.dp.affinity import PrefixAffinity
+from scheduler.dp.ledger import Cost, Ledger
+from scheduler.models.tiny_hf import build_tiny_hf
+
+SYSTEMS = 8
+SYSTEM_TOKENS = 1024
+TURN_TOKENS = 32
+REQUESTS = 512
+CONCURRENCY = 16
+MAX_NEW = 8
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+CONFIGS = (("round_robin", False), ("cache_aware", True), ("round_robin", True),
+           ("least_loaded", True))
+_NAMES = [f"{p}_{'cache' if c else 'nocache'}" for p, c in CONFIGS]
+#: What the last line holds (its output schema; README figures are checked against it).
+KEYS = frozenset(
+    ["requests", "concurrency", "dp_size", "cache_mib_per_replica", "match_ratio_vs_nocache",
+     "ttft_p50_ratio_cache_aware_vs_round_robin_nocache",
+     "ttft_p50_ratio_cache_aware_vs_round_robin_cache",
+     "requests_per_s_ratio_cache_aware_vs_round_robin_nocache",
+     "dispatch_overhead_us_per_request_cache_aware",
+     "dispatch_pick_us_per_request_least_loaded"]
+    + [f"{k}_{n}" for n in _NAMES for k in ("ttft_p50_ms", "ttft_p99_ms", "requests_per_s")]
+    + [f"cached_token_ratio_{p}" for p, c in CONFIGS if c])
+#: Each replica's prefix cache in the default run: room for about 5 of the 8
+#: system prompts (1 KiB a token in this model) and some user turns, so the
+#: cache alone cannot hold the working set: the regime where routing matters.
+CACHE_MIB = 6
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def workload(n: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts: one of 8 system prompts, then a fresh 32-token user turn; shuffled."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, 384) for _ in range(SYSTEM_TOKENS)] for _ in range(SYSTEMS)]
+    prompts = [systems[i % SYSTEMS] + [rng.randrange(3, 384) for _ in range(TURN_TOKENS)]
+               for i in range(n)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def run(model_dir: Path, policy: str, cache_bytes: int, prompts: list[list[int]]
+        ) -> tuple[list[list[int]], list[float], float, float]:
+    """(tokens per request, TTFTs in ms, requests/s, cached prompt tokens) of one config."""
+    limits = Limits(prefix_cache_bytes=cache_bytes)
+    answers: list[list[int]] = [[] for _ in prompts]
+    ttfts: list[float] = [0.0] * len(prompts)
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(len(prompts)):
+        todo.put(i)
+    with Engine("zmq", str(model_dir), dp_size=2, dp_policy=policy,  # type: ignore[arg-type]
+                limits=limits, start_timeout=300) as engine:
+        engine.generate(prompts[0][:16], GREEDY, timeout=120)  # warm up (not cached: short)
+
+        def client() -> None:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                t0 = time.perf_counter()
+                tokens: list[int] = []
+                for chunk in engine.submit(prompts[i], GREEDY, stream=True):
+                    if not ttfts[i]:
+                        ttfts[i] = (time.perf_counter() - t0) * 1e3
+                    tokens.extend(chunk.token_ids)
+                answers[i] = tokens
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(CONCURRENCY)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        hits = _metric(engine.metrics(), "tsb_prefix_cache_hit_tokens_total")
+    return answers, ttfts, len(prompts) / wall, hits
+
+
+def dispatch_us(prompts: list[list[int]]) -> tuple[float, float]:
+    """us per request of (cache_aware's lookup + record + pick, the ledger's pick alone)."""
+    ids = [token_ids(p) for p in prompts]
+    out = []
+    for aware in (True, False):
+        runs = []
+        for _ in range(3):
+            ledger = Ledger(2, "cache_aware" if aware else "least_loaded")
+            affinity = PrefixAffinity(2)
+            t0 = time.perf_counter()
+            for k, p in enumerate(ids):
+                prefer = affinity.prefer(p, ledger.requests, ledger.live) if aware else None
+                i = ledger.pick(None, (), prefer)
+                if aware:
+                    affinity.record(i, p)
+                ledger.add(str(k), i, 0, Cost(len(p), MAX_NEW), None)
+                if k >= CONCURRENCY:
+                    ledger.finish(str(k - CONCURRENCY))
+            runs.append((time.perf_counter() - t0) / len(ids) * 1e6)
+        out.append(statistics.median(runs))
+    return out[0], out[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefix")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="share of the 512 requests to send (at least 32)")
+    parser.add_argument("--cache-mib", type=float, default=CACHE_MIB,
+                        help="each replica's prefix cache, MiB (the library's default is "
+                             "1024)")
+    args = parser.parse_args()
+    # One torch thread here and in every replica (inherited): OpenMP workers
+    # spinning on a busy 2-core box made a step tens of times slower.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    n = max(32, int(REQUESTS * args.scale))
+    prompts = workload(n)
+    ideal = n * SYSTEM_TOKENS - SYSTEMS * SYSTEM_TOKENS
+    cache_bytes = int(args.cache_mib * (1 << 20))
+    result: dict[str, object] = {"requests": n, "concurrency": CONCURRENCY, "dp_size": 2,
+                                 "cache_mib_per_replica": args.cache_mib}
+    answers: dict[str, list[list[int]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_hf(Path(tmp) / "tiny-llama")
+        for policy, cache in CONFIGS:
+            name = f"{policy}_{'cache' if cache else 'nocache'}"
+            say(f"{name}: {n} requests ...")
+            got, ttfts, rps, hits = run(model_dir, policy, cache_bytes if cache else 0, prompts)
+            answers[name] = got
+            p50, p99 = percentiles(ttfts)
+            result[f"ttft_p50_ms_{name}"] = round(p50, 1)
+            result[f"ttft_p99_ms_{name}"] = round(p99, 1)
+            result[f"requests_per_s_{name}"] = round(rps, 2)
+            if cache:
+                result[f"cached_token_ratio_{policy}"] = round(hits / ideal, 3)
+            say(f"  {json.dumps({k: v for k, v in result.items() if name in k or policy in k})}")
+    aware, base = "cache_aware_cache", "round_robin_nocache"
+    same = sum(a == b for a, b in zip(answers[aware], answers[base], strict=True))
+    result["match_ratio_vs_nocache"] = round(same / n, 4)
+    for other in (base, "round_robin_cache"):
+        result[f"ttft_p50_ratio_cache_aware_vs_{other}"] = round(
+            float(result[f"ttft_p50_ms_{aware}"])  # type: ignore[arg-type]
+            / float(result[f"ttft_p50_ms_{other}"]), 3)  # type: ignore[arg-type]
+    result["requests_per_s_ratio_cache_aware_vs_round_robin_nocache"] = round(
+        float(result[f"requests_per_s_{aware}"])  # type: ignore[arg-type]
+        / float(result[f"requests_per_s_{base}"]), 3)  # type: ignore[arg-type]
+    aware_us, plain_us = dispatch_us(prompts)
+    result["dispatch_overhead_us_per_request_cache_aware"] = round(aware_us - plain_us, 1)
+    result["dispatch_pick_us_per_request_least_loaded"] = round(plain_us, 1)
+    print_checked(result, KEYS, "benchmarks.prefix")
+
+
+if __name__ == "__main__":
+    main()

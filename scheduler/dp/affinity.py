@@ -1,0 +1,112 @@
+"""``PrefixAffinity``: the ``cache_aware`` policy's guess of which replica holds a prompt's prefix.
+
+SGLang's router does this; so do we, without asking the replicas: per
+replica, a :class:`~scheduler.models.radix.RadixTree` of the prompts we sent
+there (tokens only, no state), bounded in tokens and evicted oldest first,
+so it approximates what the replica's own prefix cache holds. A request
+goes to the replica whose tree matches the longest part of its prompt when
+
+* that match is at least :data:`MATCH_SHARE` of the prompt, and
+* the load is not too uneven: the most and least loaded live replicas
+  (requests in flight) differ by at most :data:`BALANCE_ABS` requests or
+  by a factor of at most :data:`BALANCE_REL`;
+
+otherwise the least loaded replica takes it (the ledger's own choice).
+Either way, its prompt joins the chosen replica's tree. A replica that is
+lost, or that joins again (a respawn starts with an empty cache), has its
+tree dropped; a ``flush_cache`` broadcast drops every tree.
+
+The thresholds are SGLang router's defaults (0.5; 32 requests and 1.0001):
+on ``benchmarks.prefix`` (8 shared system prompts, 2 replicas, concurrency
+16) the in-flight imbalance never reaches 32, so routing is by prefix alone
+and each system prompt is read once per cluster, not once per replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+
+import numpy as np
+
+from messages import TokenIds
+from scheduler.models.radix import RadixTree
+
+__all__ = ["BALANCE_ABS", "BALANCE_REL", "MATCH_SHARE", "TREE_TOKENS", "PrefixAffinity"]
+
+#: Least share of a prompt a replica's tree must match to win the request.
+MATCH_SHARE = 0.5
+#: The load is uneven (least loaded wins) when the most and least loaded live
+#: replicas differ by more than this many requests in flight ...
+BALANCE_ABS = 32
+#: ... and the most loaded has more than this many times the least's.
+BALANCE_REL = 1.0001
+#: Tokens each replica's tree keeps (4 bytes each, plus ~200 bytes a node).
+TREE_TOKENS = 1 << 20
+
+
+class _Run:
+    """A node's span: nothing but how many tokens it stands for."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def split(self, at: int) -> tuple[_Run, _Run]:
+        return _Run(at), _Run(self.size - at)
+
+
+class PrefixAffinity:
+    """Per replica, a bounded tree of the prompts sent there (see the module docstring).
+
+    Args:
+        n: replicas.
+        tree_tokens: tokens each replica's tree keeps.
+    """
+
+    def __init__(self, n: int, tree_tokens: int = TREE_TOKENS) -> None:
+        self.tree_tokens = tree_tokens
+        self.trees: list[RadixTree[_Run]] = [RadixTree(tree_tokens) for _ in range(n)]
+        self.routed_by_prefix = 0  # requests sent where their prefix was
+        self.routed_by_load = 0  # requests sent to the least loaded
+
+    def prefer(self, prompt: TokenIds, load: Sequence[int], live: Sequence[bool],
+               exclude: Container[int] = ()) -> int | None:
+        """The replica holding the longest share of ``prompt``, or ``None``: pick by load.
+
+        ``load``: requests in flight per replica; ``live``: which can be picked.
+        """
+        ids = np.frombuffer(prompt, np.uint32)
+        candidates = [i for i, ok in enumerate(live) if ok and i not in exclude]
+        if not candidates or not len(ids):
+            return None
+        loads = [load[i] for i in candidates]
+        most, least = max(loads), min(loads)
+        if most - least > BALANCE_ABS and most > BALANCE_REL * least:
+            self.routed_by_load += 1
+            return None
+        best, best_len = -1, 0
+        for i in candidates:
+            length = self.trees[i].match(ids, lock=False, count=False).length
+            if length > best_len or (length == best_len and best >= 0 and load[i] < load[best]):
+                best, best_len = i, length
+        if best < 0 or best_len < MATCH_SHARE * len(ids):
+            self.routed_by_load += 1
+            return None
+        self.routed_by_prefix += 1
+        return best
+
+    def record(self, replica: int, prompt: TokenIds) -> None:
+        """``prompt`` went to ``replica``: its prefix is likely cached there now."""
+        ids = np.frombuffer(prompt, np.uint32)
+        if len(ids):
+            self.trees[replica].insert(ids, lambda a, b: _Run(b - a))
+
+    def drop(self, replica: int) -> None:
+        """Forget what ``replica`` holds (lost, respawned or flushed)."""
+        self.trees[replica] = RadixTree(self.tree_tokens)
+
+    def drop_all(self) -> None:
+        """Forget every replica's tree (a ``flush_cache`` emptied their caches)."""
+        for i in range(len(self.trees)):
+            self.drop(i)

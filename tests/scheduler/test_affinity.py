@@ -1,0 +1,69 @@
+"""The ``cache_aware`` policy's trees: bounded, and sending shared prefixes to one replica."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from messages import token_ids
+from scheduler.dp.affinity import BALANCE_ABS, PrefixAffinity
+from scheduler.dp.ledger import Cost, Ledger
+
+
+def test_the_trees_stay_within_their_bound_over_100k_distinct_prompts() -> None:
+    bound = 20_000
+    affinity = PrefixAffinity(2, tree_tokens=bound)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 50_000, size=(100_000, 24), dtype=np.uint32)
+    for i, row in enumerate(prompts):
+        affinity.record(i % 2, token_ids(row))
+        if i % 1000 == 999:
+            for tree in affinity.trees:
+                assert tree.size <= bound
+                assert len(tree._heap) <= 4 * tree.nodes + 1025  # its heap stays proportional
+    for tree in affinity.trees:
+        stats = tree.stats()
+        assert bound - 24 <= stats.size <= bound and stats.nodes == tree.nodes > 0, stats
+        assert stats.evictions >= 50_000 - bound // 24
+    # The most recent prompts are still there, the first ones long gone.
+    assert affinity.trees[1].match(prompts[-1], lock=False).length == 24
+    assert affinity.trees[0].match(prompts[0], lock=False).length < 24
+
+
+def _route(affinity: PrefixAffinity, ledger: Ledger, rid: str, prompt: list[int]) -> int:
+    ids = token_ids(prompt)
+    i = ledger.pick(None, (), affinity.prefer(ids, ledger.requests, ledger.live))
+    ledger.add(rid, i, 0, Cost(len(prompt), 8), None)
+    affinity.record(i, ids)
+    return i
+
+
+def test_requests_sharing_a_prefix_go_to_one_replica_and_prefixes_spread() -> None:
+    rng = np.random.default_rng(1)
+    systems = [rng.integers(3, 384, size=256).tolist() for _ in range(6)]
+    ledger = Ledger(2, "cache_aware")
+    affinity = PrefixAffinity(2)
+    where: dict[int, set[int]] = {k: set() for k in range(len(systems))}
+    in_flight: list[str] = []
+    for n in range(300):
+        k = int(rng.integers(len(systems)))
+        prompt = systems[k] + rng.integers(3, 384, size=16).tolist()
+        where[k].add(_route(affinity, ledger, f"r{n}", prompt))
+        in_flight.append(f"r{n}")
+        if len(in_flight) > 8:  # at most 8 in flight: finish the oldest
+            ledger.finish(in_flight.pop(0))
+    assert all(len(replicas) == 1 for replicas in where.values()), where
+    assert {r for replicas in where.values() for r in replicas} == {0, 1}
+    assert affinity.routed_by_prefix >= 300 - len(systems)
+
+
+def test_uneven_load_sends_to_the_least_loaded_and_a_dropped_tree_forgets() -> None:
+    affinity = PrefixAffinity(2)
+    prompt = token_ids(list(range(100)))
+    affinity.record(0, prompt)
+    assert affinity.prefer(prompt, [0, 0], [True, True]) == 0
+    assert affinity.prefer(prompt, [BALANCE_ABS + 1, 0], [True, True]) is None
+    assert affinity.prefer(prompt, [0, 0], [False, True]) is None  # 0 is not live
+    assert affinity.prefer(token_ids(list(range(40)) + [999] * 60), [0, 0],
+                           [True, True]) is None  # a 40% match is not enough
+    affinity.drop(0)
+    assert affinity.prefer(prompt, [0, 0], [True, True]) is None

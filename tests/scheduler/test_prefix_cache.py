@@ -1,0 +1,185 @@
+"""The prefix cache of ``HFCausalLM``: greedy answers equal those without it, token for token.
+
+The float64 tiny Llama (see ``tests/scheduler/test_hf_model.py`` for why
+float64). Prompts share 0, some and all of a cached prefix; a bound that
+forces evictions; an abort while a request holds a cached prefix; the
+``flush_cache`` rpc.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from messages import SamplingParams
+from scheduler import Engine, Limits
+from scheduler.models.hf import HFCausalLM
+from scheduler.models.radix import TreeStats
+from scheduler.models.tiny_hf import build_tiny_hf
+
+MAX_NEW = 6
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+OFF = Limits(prefix_cache_bytes=0)
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 8  # layers, keys+values, kv heads, head dim, float64
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """One intra-op thread (see test_hf_model.py: spinning threads on a busy box)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    """Two system prompts (one longer than a prefill chunk), each with user turns;
+    a prompt equal to a system prompt, one that is part of it, and unrelated ones."""
+    rng = np.random.default_rng(seed)
+
+    def ids(n: int) -> list[int]:
+        out: list[int] = rng.integers(3, 384, size=n).tolist()
+        return out
+
+    short, long = ids(120), ids(700)
+    out = [ids(40)]
+    for system in (short, long):
+        out += [system + ids(n) for n in (1, 9, 30)]
+    out += [short, short[:50], long[:600] + ids(5), ids(3)]
+    return out
+
+
+def _answers(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """One at a time, so every prompt finds the ones before it cached."""
+    return [engine.generate(p, GREEDY, timeout=120).token_ids for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> list[list[int]]:
+    with Engine("ring", model_dir, limits=OFF) as engine:
+        return _answers(engine, _prompts() * 2)
+
+
+def _stats(engine: Engine) -> TreeStats | None:
+    model = engine._core._loaded
+    assert isinstance(model, HFCausalLM)
+    return model.prefix_cache_stats()
+
+
+@pytest.mark.parametrize("mode,dp,policy", [("ring", 1, "least_loaded"),
+                                            ("zmq", 1, "least_loaded"),
+                                            ("zmq", 2, "least_loaded"),
+                                            ("zmq", 2, "cache_aware")])
+def test_greedy_answers_are_the_same_with_the_cache(
+        model_dir: Path, expected: list[list[int]], mode: str, dp: int, policy: str) -> None:
+    with Engine(mode, model_dir, dp_size=dp,  # type: ignore[arg-type]
+                dp_policy=policy) as engine:  # type: ignore[arg-type]
+        got = _answers(engine, _prompts() * 2)
+        metrics = engine.metrics()
+    assert got == expected
+    hits = sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("tsb_prefix_cache_hit_tokens_total"))
+    # The second pass finds every prompt cached, less its last token.
+    assert hits >= sum(len(p) - 1 for p in _prompts()), metrics
+
+
+def test_the_batch_reads_only_what_is_not_cached(model_dir: Path,
+                                                 expected: list[list[int]]) -> None:
+    prompts = _prompts()
+    with Engine("ring", model_dir) as engine:
+        got = _answers(engine, prompts)
+        stats = _stats(engine)
+        # Concurrent now: several requests start from the same held prefixes at once.
+        handles = engine.submit_many(prompts, GREEDY)
+        again = [h.result(timeout=120).token_ids for h in handles]
+        after = _stats(engine)
+    assert got == expected[:len(prompts)] and again == got
+    assert stats is not None and after is not None
+    # short + 1 shares 119 cached tokens of short's first user turn, and so on:
+    # every prompt of a family after the first starts from the system prompt.
+    assert stats.hit_tokens >= 2 * 119 + 2 * 699 + 119 + 49 + 600, stats
+    assert after.locked_nodes == 0
+
+
+def test_a_cache_at_its_bound_evicts_and_answers_stay_right(
+        model_dir: Path, expected: list[list[int]]) -> None:
+    bound = 400 * KV_BYTES_PER_TOKEN  # less than the long system prompt
+    with Engine("ring", model_dir, limits=Limits(prefix_cache_bytes=bound)) as engine:
+        got = _answers(engine, _prompts() * 2)
+        stats = _stats(engine)
+    assert got == expected
+    assert stats is not None
+    assert stats.evictions > 0 and 0 < stats.size <= bound, stats
+    assert stats.hit_tokens > 0, stats
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)  # sleep-ok: polling another thread's state with a deadline
+
+
+def test_an_abort_while_a_cached_prefix_is_held_leaves_the_cache_consistent(
+        model_dir: Path, expected: list[list[int]]) -> None:
+    prompts = _prompts()
+    with Engine("ring", model_dir) as engine:
+        model = engine._core._loaded
+        assert isinstance(model, HFCausalLM)
+        first = engine.generate(prompts[4], GREEDY, timeout=120).token_ids
+        held = engine.submit(prompts[5], SamplingParams(max_new_tokens=2000, temperature=0.0,
+                                                        ignore_eos=True), stream=True)
+        next(iter(held))  # decoding: its prefix (prompt 4's) is held
+        _wait(lambda: (s := model.prefix_cache_stats()) is not None and s.locked_nodes > 0)
+        engine.abort(held.rid)
+        assert held.result(timeout=60).finish_reason == "abort"
+        _wait(lambda: model.live_states == 0)
+        stats = model.prefix_cache_stats()
+        assert stats is not None and stats.locked_nodes == 0, stats
+        again = _answers(engine, prompts)
+        held_bytes = (model.prefix_cache_stats() or stats).size
+        flushed = engine.collective_rpc("flush_cache")
+        assert flushed.success, flushed.message
+        assert isinstance(flushed.result, dict)
+        assert flushed.result["freed_bytes"] == held_bytes > 0
+        empty = model.prefix_cache_stats()
+        assert empty is not None and (empty.nodes, empty.size) == (0, 0)
+        after_flush = _answers(engine, prompts)
+    assert first == expected[4]
+    assert again == expected[:len(prompts)] == after_flush
+
+
+def test_new_weights_start_an_empty_cache(model_dir: Path, tmp_path: Path) -> None:
+    other = build_tiny_hf(tmp_path / "other", seed=1)
+    prompt = _prompts()[5]
+    with Engine("ring", other, limits=OFF) as engine:
+        saved = engine.collective_rpc("save_checkpoint", path=str(tmp_path / "w"))
+        assert saved.success, saved.message
+        theirs = engine.generate(prompt, GREEDY, timeout=120).token_ids
+    with Engine("ring", model_dir) as engine:
+        engine.generate(prompt[:-3], GREEDY, timeout=120)  # cached with the first weights
+        loaded = engine.collective_rpc("load_checkpoint", path=str(tmp_path / "w"))
+        assert loaded.success, loaded.message
+        assert engine.generate(prompt, GREEDY, timeout=120).token_ids == theirs
+
+
+def test_the_tiny_gru_caches_nothing_and_answers_as_before() -> None:
+    prompt = list(range(3, 60))
+    with Engine("ring") as on, Engine("ring", limits=OFF) as off:
+        assert on._core._loaded is not None and on._core._loaded.prefix_cache_stats() is None
+        a = [on.generate(prompt, GREEDY, timeout=60).token_ids for _ in range(2)]
+        b = off.generate(prompt, GREEDY, timeout=60).token_ids
+    assert a == [b, b]
