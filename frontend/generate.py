@@ -41,6 +41,7 @@ from frontend.schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    PromptTokensDetails,
     TokenLogprob,
     Usage,
     check_supported,
@@ -198,10 +199,14 @@ class RequestState:
     send: Send
     t0: float
 
+    cached_tokens: int = 0
+
     def usage(self) -> Usage:
-        """The usage so far: the prompt's tokens and the answer's."""
+        """The usage so far: the prompt's tokens (and how many of them the prefix cache
+        held, known once the request finishes) and the answer's."""
         prompt, answer = len(self.prompt_ids), self.detok.tokens
-        return Usage(prompt, answer, prompt + answer)
+        return Usage(prompt, answer, prompt + answer,
+                     PromptTokensDetails(self.cached_tokens))
 
 
 def _push(detok: Detokenizer, ids: Sequence[int], offsets: bool
@@ -394,7 +399,8 @@ class OpenAIServing:
         text += detok.finish()
         prompt, answer = len(state.prompt_ids), len(result.token_ids)
         body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
-                              Usage(prompt, answer, prompt + answer), offsets)
+                              Usage(prompt, answer, prompt + answer,
+                                    PromptTokensDetails(result.cached_tokens or 0)), offsets)
         self._first_token(state)
         await send_bytes(state.send, 200, body)
         return 200
@@ -431,6 +437,8 @@ class OpenAIServing:
                         await self.turns.take()
                     text, offsets = _push(detok, chunk.token_ids, offsets_wanted)
                     finish = "stop" if detok.stopped else chunk.finish_reason
+                    if chunk.cached_tokens is not None:
+                        state.cached_tokens = chunk.cached_tokens
                     if finish is not None:
                         text += detok.finish()
                     if not state.stream:

@@ -44,6 +44,7 @@ __all__ = [
     "ModelList",
     "StreamOptions",
     "TokenLogprob",
+    "PromptTokensDetails",
     "Usage",
     "check_supported",
     "decode",
@@ -185,12 +186,25 @@ class EmbeddingRequest(_Body, kw_only=True):
 # -- responses ------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct):
+    """What the prompt's tokens cost: ``cached_tokens`` were read from the replica's
+    prefix cache instead of computed."""
+
+    cached_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
-    """Token counts of one answer."""
+    """Token counts of one answer.
+
+    ``prompt_tokens_details`` is always present (``cached_tokens`` 0 with the
+    prefix cache off), so a client reads one shape whatever the server's flags.
+    """
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(
+        default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(msgspec.Struct):

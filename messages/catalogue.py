@@ -185,6 +185,14 @@ class BatchTokenIDOut(Output):
     batch to a handful of packed arrays instead of an object per request;
     the lengths are unsigned, so no slice can be negative.
 
+    ``cached_tokens[i]``, when the column is present, is how many of request
+    ``i``'s prompt tokens were read from the replica's prefix cache instead of
+    computed (OpenAI's ``usage.prompt_tokens_details.cached_tokens``). Senders
+    fill it only in a batch where some request sends its first output or
+    finishes, so it travels about once per request, not once per token; a
+    reader keeps the latest value it saw for a request. ``None`` (the
+    default, and what older senders write): not reported.
+
     ``rids`` may be given as any sequence of ``str``; it is kept as a
     :class:`~messages.RidColumn` (it travels as one string, and a decoded
     one makes its ``str`` objects only when first read). A plain ``str``
@@ -197,6 +205,7 @@ class BatchTokenIDOut(Output):
     finished_reasons: Annotated[list[FinishReason | None], msgspec.Meta(max_length=MAX_BATCH)]
     logprobs: npt.NDArray[np.float32] | None = None
     hidden_states: torch.Tensor | None = None
+    cached_tokens: PackedU32 | None = None
 
     def __post_init__(self) -> None:
         # Once per decode step of the whole batch: the checks stay cheap, and
@@ -232,6 +241,11 @@ class BatchTokenIDOut(Output):
         lp = self.logprobs
         if lp is not None and (lp.dtype != np.float32 or lp.shape != (total,)):
             raise ValueError("logprobs must be float32 with one entry per output id")
+        cached = self.cached_tokens
+        if cached is not None:
+            self.cached_tokens = cached = packed_u32(cached, field="cached_tokens")
+            if len(cached) != n:
+                raise ValueError(f"cached_tokens has {len(cached)} entries for {n} rids")
 
     @classmethod
     def from_lists(
@@ -240,6 +254,7 @@ class BatchTokenIDOut(Output):
         new_ids: list[list[int]],
         finished_reasons: list[FinishReason | None],
         logprobs: list[list[float]] | None = None,
+        cached_tokens: list[int] | None = None,
     ) -> BatchTokenIDOut:
         """Build a batch from per-request lists (convenient, not the hot path)."""
         lens = packed_u32([len(x) for x in new_ids], field="output_lens")
@@ -247,8 +262,10 @@ class BatchTokenIDOut(Output):
         lp = None
         if logprobs is not None:
             lp = np.asarray([v for row in logprobs for v in row], np.float32)
+        cached = None if cached_tokens is None else packed_u32(cached_tokens,
+                                                               field="cached_tokens")
         return cls(rids=rids, output_ids=flat, output_lens=lens,
-                   finished_reasons=finished_reasons, logprobs=lp)
+                   finished_reasons=finished_reasons, logprobs=lp, cached_tokens=cached)
 
     def __len__(self) -> int:
         return len(self.rids)
@@ -293,7 +310,10 @@ class BatchTokenIDOut(Output):
             output_lens=packed_u32([b - a for a, b in spans], field="output_lens"),
             finished_reasons=[self.finished_reasons[i] for i, k in enumerate(keep) if k],
             logprobs=None if self.logprobs is None else self.logprobs[tokens],
-            hidden_states=hidden)
+            hidden_states=hidden,
+            cached_tokens=None if self.cached_tokens is None else packed_u32(
+                [self.cached_tokens[i] for i, k in enumerate(keep) if k],
+                field="cached_tokens"))
 
 
 class BatchEmbeddingOut(Output):

@@ -36,7 +36,11 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
     Requests that asked for logprobs and those that did not travel in
     separate batches (at most two per origin): a batch's ``logprobs`` column
     covers every output id in it, so sharing one would hand logprobs to a
-    request that never asked. Marks what each request has sent. Requests
+    request that never asked. A batch in which some request sends its first
+    output or finishes carries every request's ``cached_tokens`` (prompt
+    tokens read from the prefix cache): at most twice per request, not once
+    per step. Marks what each request has
+    sent. Requests
     silenced by backpressure (their terminal error already waits in the
     backlog) produce nothing.
     """
@@ -51,6 +55,7 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
         lens: list[int] = []
         lps: list[float] = []
         fins: list[FinishReason | None] = []
+        telling = False
         for s in group:
             new = s.out[s.sent :]
             rids.append(s.req.rid)
@@ -59,11 +64,14 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
             if with_lp:
                 lps.extend(s.lps[s.sent :])
             fins.append(s.finished)
+            telling = telling or s.sent == 0 or s.finished is not None
             s.sent = len(s.out)
         out.append((BatchTokenIDOut(
             rids=rids, output_ids=token_ids(ids), output_lens=packed_u32(lens),
             finished_reasons=fins,
-            logprobs=np.asarray(lps, np.float32) if with_lp else None), origin))
+            logprobs=np.asarray(lps, np.float32) if with_lp else None,
+            cached_tokens=packed_u32([max(s.cached, 0) for s in group],
+                                     field="cached_tokens") if telling else None), origin))
     return out
 
 

@@ -30,18 +30,19 @@ __all__ = ["AsyncHandle", "AsyncRequest", "Answer", "chunks", "steps"]
 class _Merged:
     """Chunks merged past the buffer bound: lists extended in place (O(1) a token)."""
 
-    __slots__ = ("finish_reason", "logprobs", "token_ids")
+    __slots__ = ("cached_tokens", "finish_reason", "logprobs", "token_ids")
 
     def __init__(self, token_ids: list[int], logprobs: list[float] | None) -> None:
         self.token_ids = token_ids
         self.logprobs = logprobs
         self.finish_reason: FinishReason | None = None
+        self.cached_tokens: int | None = None
 
     def chunk(self, rid: str) -> StreamChunk:
         """The merged chunks as one."""
         lps = self.logprobs
         return StreamChunk(rid, tuple(self.token_ids), self.finish_reason,
-                           None if lps is None else tuple(lps))
+                           None if lps is None else tuple(lps), self.cached_tokens)
 
 
 class AsyncHandle:
@@ -69,12 +70,16 @@ class AsyncHandle:
         if (len(items) >= self.max_buffered and isinstance(item, StreamChunk)
                 and isinstance(last, StreamChunk | _Merged) and last.finish_reason is None):
             if isinstance(last, StreamChunk):  # copied once, then extended in place
-                last = items[-1] = _Merged(list(last.token_ids), None if last.logprobs is None
-                                           else list(last.logprobs))
+                merged = _Merged(list(last.token_ids), None if last.logprobs is None
+                                 else list(last.logprobs))
+                merged.cached_tokens = last.cached_tokens
+                last = items[-1] = merged
             last.token_ids.extend(item.token_ids)
             if last.logprobs is not None and item.logprobs is not None:
                 last.logprobs.extend(item.logprobs)
             last.finish_reason = item.finish_reason
+            if item.cached_tokens is not None:
+                last.cached_tokens = item.cached_tokens
         else:
             items.append(item)
         waiter = self._waiter
@@ -128,7 +133,7 @@ class Answer:
     tokens) or one error, so awaiting a future costs one wake-up and no frames.
     """
 
-    __slots__ = ("_ids", "_loop", "_lps", "_thread", "future", "rid")
+    __slots__ = ("_cached", "_ids", "_loop", "_lps", "_thread", "future", "rid")
 
     def __init__(self, rid: str, loop: asyncio.AbstractEventLoop) -> None:
         self.rid = rid
@@ -137,6 +142,7 @@ class Answer:
         self._thread = threading.get_ident()
         self._ids: list[int] | None = None  # tokens of unfinished chunks, if any came
         self._lps: list[float] | None = None
+        self._cached: int | None = None  # the latest cached_tokens of those chunks
 
     def put(self, item: Item) -> None:
         """Hand over one output; safe from any thread."""
@@ -154,6 +160,8 @@ class Answer:
             if self._ids is None:
                 self._ids = []
             self._ids.extend(item.token_ids)
+            if item.cached_tokens is not None:
+                self._cached = item.cached_tokens
             if item.logprobs is not None:
                 if self._lps is None:
                     self._lps = []
@@ -161,7 +169,8 @@ class Answer:
             if item.finish_reason is not None:
                 lps = self._lps
                 future.set_result(StreamChunk(self.rid, tuple(self._ids), item.finish_reason,
-                                              None if lps is None else tuple(lps)))
+                                              None if lps is None else tuple(lps),
+                                              self._cached))
         else:
             future.set_result(item)
 
@@ -225,7 +234,8 @@ class AsyncRequest(Answer):
             raise
         assert isinstance(item, StreamChunk) and item.finish_reason is not None
         return GenerateResult(item.rid, list(item.token_ids), item.finish_reason,
-                              None if item.logprobs is None else list(item.logprobs))
+                              None if item.logprobs is None else list(item.logprobs),
+                              item.cached_tokens)
 
 
 async def chunks(start: Callable[[], AsyncHandle], cancel: Callable[[AsyncHandle], None]

@@ -34,16 +34,25 @@ class StreamChunk(msgspec.Struct, frozen=True, gc=False):
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
     logprobs: tuple[float, ...] | None
+    #: Prompt tokens read from the prefix cache, on a request's first and last chunks
+    #: (None on the others, and from a scheduler that predates it).
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateResult:
-    """The finished answer to a generate request."""
+    """The finished answer to a generate request.
+
+    ``cached_tokens``: how many prompt tokens the replica read from its prefix
+    cache instead of computing them (0 with the cache off; None when the
+    scheduler did not report it).
+    """
 
     rid: str
     token_ids: list[int]
     finish_reason: FinishReason
     logprobs: list[float] | None
+    cached_tokens: int | None = None
 
 
 _Item = StreamChunk | npt.NDArray[np.float32] | EngineError
@@ -114,16 +123,19 @@ class RequestHandle:
         """Wait for the whole answer (all chunks joined)."""
         ids: list[int] = []
         lps: list[float] | None = None
+        cached: int | None = None
         while True:
             item = self._next(timeout)
             assert isinstance(item, StreamChunk)
             ids.extend(item.token_ids)
+            if item.cached_tokens is not None:
+                cached = item.cached_tokens
             if item.logprobs is not None:
                 lps = [] if lps is None else lps
                 lps.extend(item.logprobs)
             if item.finish_reason is not None:
                 self._done = True
-                return GenerateResult(self.rid, ids, item.finish_reason, lps)
+                return GenerateResult(self.rid, ids, item.finish_reason, lps, cached)
 
     def embedding(self, timeout: float | None = None) -> npt.NDArray[np.float32]:
         """Wait for an embedding request's vector."""

@@ -192,6 +192,7 @@ class PendingTable:
             bounds = out.offsets()
             ids = tuple(out.output_ids)  # one conversion for the whole batch; sliced below
             lps = tuple(out.logprobs.tolist()) if out.logprobs is not None else None
+            cached = out.cached_tokens
             rids, fins = list(out.rids), out.finished_reasons
             with self._lock:  # once for the batch, not once a request
                 table = self._handles
@@ -203,7 +204,8 @@ class PendingTable:
                     continue
                 a, b = bounds[i], bounds[i + 1]
                 handle.put(StreamChunk(rids[i], ids[a:b], fins[i],
-                                       None if lps is None else lps[a:b]))
+                                       None if lps is None else lps[a:b],
+                                       None if cached is None else cached[i]))
         elif isinstance(out, BatchEmbeddingOut):
             rows = out.embeddings.float().numpy()
             for i, rid in enumerate(out.rids):

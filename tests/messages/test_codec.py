@@ -205,10 +205,32 @@ GOLDEN = {
     "batch": (
         BatchTokenIDOut.from_lists(["a", "b"], [[7], [9, 10]], [None, "stop"]),
         # rids: one str, "\0a\0b" (messages.rids), since the rid column
-        "97af4261746368546f6b656e49444f7574a400610062c40c07000000090000000a000000c4080100"
-        "00000200000092c0a473746f70c0c0",
+        "98af4261746368546f6b656e49444f7574a400610062c40c07000000090000000a000000c4080100"
+        "00000200000092c0a473746f70c0c0c0",
     ),
 }
+
+
+def test_batch_from_an_older_sender_decodes_without_cached_tokens() -> None:
+    # A sender that predates cached_tokens writes 7 items; the field takes its default.
+    old = bytes.fromhex(
+        "97af4261746368546f6b656e49444f7574a400610062c40c07000000090000000a000000c4080100"
+        "00000200000092c0a473746f70c0c0")
+    msg = CODEC.decode([old])
+    assert isinstance(msg, BatchTokenIDOut)
+    assert list(msg.rids) == ["a", "b"] and msg.cached_tokens is None
+
+
+def test_batch_cached_tokens_round_trip_and_follow_select() -> None:
+    msg = BatchTokenIDOut.from_lists(["a", "b", "c"], [[7], [9], []], [None, "stop", "length"],
+                                     cached_tokens=[0, 32, 5])
+    back = CODEC.decode(CODEC.encode(msg))
+    assert isinstance(back, BatchTokenIDOut)
+    assert back.cached_tokens is not None and list(back.cached_tokens) == [0, 32, 5]
+    kept = back.select([False, True, True]).cached_tokens
+    assert kept is not None and list(kept) == [32, 5]
+    with pytest.raises(ValueError, match="cached_tokens has 1 entries for 2 rids"):
+        BatchTokenIDOut.from_lists(["a", "b"], [[1], [2]], [None, None], cached_tokens=[3])
 
 
 @pytest.mark.parametrize("name", GOLDEN)

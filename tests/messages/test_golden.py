@@ -49,7 +49,8 @@ FIELDS: dict[str, list[tuple[str, str, object]]] = {
     "BatchTokenIDOut": [
         ("rids", "rid_column", NO_DEFAULT), ("output_ids", "packed_u32", NO_DEFAULT),
         ("output_lens", "packed_u32", NO_DEFAULT), ("finished_reasons", "list", NO_DEFAULT),
-        ("logprobs", "ndarray", None), ("hidden_states", "tensor", None)],
+        ("logprobs", "ndarray", None), ("hidden_states", "tensor", None),
+        ("cached_tokens", "packed_u32", None)],
     "BatchEmbeddingOut": [("rids", "list", NO_DEFAULT), ("embeddings", "tensor", NO_DEFAULT)],
     "ErrorOut": [("rid", "str", NO_DEFAULT), ("code", "str", NO_DEFAULT),
                  ("message", "str", "")],

@@ -71,6 +71,9 @@ def samples() -> dict[str, Message]:
                                             logprobs=[[-0.5], [-1.0, -0.25], []]),
         "batch_rid_with_nul": BatchTokenIDOut.from_lists(["x\x00y", "z"], [[1], [2]],
                                                          [None, "length"]),
+        "batch_cached_tokens": BatchTokenIDOut.from_lists(["p", "q"], [[4], [5, 6]],
+                                                          [None, "length"],
+                                                          cached_tokens=[0, 48]),
         "batch_logprobs_out_of_band": BatchTokenIDOut.from_lists(
             ["long"], [list(range(1100))], ["length"],
             logprobs=[[-(i % 8) / 4 for i in range(1100)]]),
