@@ -5,10 +5,11 @@ from scheduler.core.loop import Scheduler, SchedulerStats
 from scheduler.core.rpc_methods import RpcMethods
 from scheduler.engine.async_engine import AsyncEngine, AsyncRequest
 from scheduler.engine.engine import Engine
-from scheduler.engine.handles import GenerateResult, RequestHandle, StreamChunk
+from scheduler.engine.handles import GenerateResult, RequestHandle, Stream, StreamChunk
 from scheduler.errors import (
     EngineClosed,
     EngineError,
+    EngineForked,
     InvalidRequest,
     Overloaded,
     RequestFailed,
@@ -28,6 +29,7 @@ __all__ = [
     "Engine",
     "EngineClosed",
     "EngineError",
+    "EngineForked",
     "GenerateResult",
     "HFModelSpec",
     "HelloReply",
@@ -44,6 +46,7 @@ __all__ = [
     "Scheduler",
     "SchedulerGone",
     "SchedulerStats",
+    "Stream",
     "StreamChunk",
     "StubLM",
     "TinyLM",

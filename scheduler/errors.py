@@ -7,6 +7,7 @@ from messages.errors import BusError
 __all__ = [
     "EngineClosed",
     "EngineError",
+    "EngineForked",
     "InvalidRequest",
     "Overloaded",
     "RequestFailed",
@@ -65,3 +66,22 @@ class SchedulerGone(EngineError):
 
 class EngineClosed(EngineError):
     """The engine was closed; it accepts no new request."""
+
+
+class EngineForked(EngineError):
+    """The engine was used in a child made by ``os.fork``: it belongs to its parent.
+
+    Its threads did not survive the fork, and its sockets, rings and request
+    ids are its parent's, so the child must make an engine of its own. Every
+    call in the child raises this at once; the parent's engine is untouched.
+
+    Attributes:
+        owner: the pid of the process that made the engine.
+        pid: the pid of the child that called it.
+    """
+
+    def __init__(self, owner: int, pid: int) -> None:
+        self.owner = owner
+        self.pid = pid
+        super().__init__(f"this engine belongs to process {owner}; a forked child "
+                         f"(pid {pid}) must make its own")

@@ -136,6 +136,7 @@ class AsyncEngine(SchedulerClient):
             RpcTimeout: the scheduler did not answer within ``start_timeout``.
             SchedulerGone: it died while starting.
         """
+        self._check_process()
         loop = self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         loop.add_reader(self._fd, self._on_readable)
@@ -457,6 +458,7 @@ class AsyncEngine(SchedulerClient):
             EngineClosed: the engine is closed.
             DecodeError: the scheduler's reply could not be decoded.
         """
+        self._check_process()
         loop = self._loop
         if loop is None:
             raise EngineClosed("the engine is not started (use 'async with' or start())")
@@ -513,6 +515,7 @@ class AsyncEngine(SchedulerClient):
         scheduler process still running at its end (hung, stopped) is killed. An
         embedded (ring mode) scheduler is a thread, which cannot be: the close
         waits for the step it is in."""
+        self._check_process()  # a forked child's close would shut the parent's down
         seconds = close_timeout(timeout)  # (refused before anything is stopped)
         if self.closed:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -58,6 +59,7 @@ from scheduler.engine.stopping import SEND_AT_LEAST, stop_processes, stop_thread
 from scheduler.errors import (
     EngineClosed,
     EngineError,
+    EngineForked,
     InvalidRequest,
     Overloaded,
     RequestFailed,
@@ -117,11 +119,14 @@ class SchedulerClient:
             raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
         if max_batch < 1:  # here, not in a scheduler process that would die at start
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")
-        if tp_size < 1 or (tp_size > 1 and mode != "zmq"):
+        for name, size in (("tp_size", tp_size), ("dp_size", dp_size)):
+            if size < 1:
+                raise ValueError(f"{name} must be at least 1, not {size}")
+        if tp_size > 1 and mode != "zmq":
             raise ValueError("tp_size > 1 needs mode='zmq' (each rank is a process)")
         if tp_size > 1:
             check_tp_room()  # a clear error now, rather than a rank that fails to start
-        if dp_size < 1 or (dp_size > 1 and mode != "zmq"):
+        if dp_size > 1 and mode != "zmq":
             raise ValueError("dp_size > 1 needs mode='zmq' (each replica is a process)")
         self.model = model_spec(model)
         if mode == "zmq":  # that it would load, before a process starts that could not
@@ -143,6 +148,7 @@ class SchedulerClient:
         self._remove_dir = weakref.finalize(self, remove_run_dir, self._dir)
         self.endpoints = Endpoints.in_dir(self._dir)
         self._table = PendingTable()
+        self._owner = os.getpid()  # a forked child may not use it (_check_process)
         # Unique per engine (random prefix) and cheap per request (a counter).
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
@@ -200,6 +206,7 @@ class SchedulerClient:
         for whoever forwards to the scheduler on its own (the frontend's rpc
         door) and must fail fast rather than wait out a timeout.
         """
+        self._check_process()
         if self._closed:
             return self._gone or "the engine is closed"
         self._alive()
@@ -326,6 +333,7 @@ class SchedulerClient:
     def _generate_req(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
                       stream: bool, return_logprob: bool, rid: str | None,
                       dp_rank: int | None = None) -> TokenizedGenerateReqInput:
+        self._check_process()
         rid = rid if rid is not None else self._new_rid()
         return TokenizedGenerateReqInput(
             rid=rid, input_ids=_packed(rid, input_ids),
@@ -334,6 +342,7 @@ class SchedulerClient:
 
     def _embed_req(self, input_ids: npt.ArrayLike, dp_rank: int | None = None,
                    rid: str | None = None) -> TokenizedEmbeddingReqInput:
+        self._check_process()
         rid = rid if rid is not None else self._new_rid()
         return TokenizedEmbeddingReqInput(rid=rid, input_ids=_packed(rid, input_ids),
                                           dp_rank=self._check_dp_rank(rid, dp_rank))
@@ -352,6 +361,7 @@ class SchedulerClient:
                 for ranks in self._started.replicas]
 
     def _abort_req(self, rid: str) -> AbortReq:
+        self._check_process()
         return self._validated(AbortReq(rid=rid))
 
     def _submit(self, req: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput,
@@ -370,7 +380,22 @@ class SchedulerClient:
     def _register(self, reqs: Sequence[Request], handles: Sequence[Pending]) -> None:
         self._table.register([r.rid for r in reqs], handles, self._check_open)
 
+    def _check_process(self) -> None:
+        """Refuse a call from a child made by ``os.fork`` (:class:`EngineForked`).
+
+        Every public call of both faces passes here first, before it takes a
+        lock, makes a rid or touches a channel: the engine's threads are not
+        in the child (a call would wait for an answer nobody reads), a lock
+        another thread held at the fork stays held there, and its sockets,
+        rings and rid counter are the parent's (a request sent from the child
+        would take a rid the parent is about to use).
+        """
+        pid = os.getpid()
+        if pid != self._owner:
+            raise EngineForked(self._owner, pid)
+
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
             raise EngineClosed("the engine is closed")
         if self._gone is not None:

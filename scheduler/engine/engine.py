@@ -22,8 +22,9 @@ construction (``tests/scheduler/test_parity.py`` checks the first).
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Literal, Self, TypeVar
 
 import numpy as np
@@ -39,13 +40,13 @@ from messages import (
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine.async_engine import AsyncEngine
-from scheduler.engine.handles import GenerateResult, RequestHandle, StreamChunk
+from scheduler.engine.handles import GenerateResult, RequestHandle, Stream, StreamChunk
 from scheduler.engine.stopping import close_timeout
 from scheduler.errors import EngineClosed
 from scheduler.launch.wiring import Endpoints
 from scheduler.models.loading import ModelArg, ModelSpec
 
-__all__ = ["Engine", "GenerateResult", "RequestHandle", "StreamChunk"]
+__all__ = ["Engine", "GenerateResult", "RequestHandle", "Stream", "StreamChunk"]
 
 T = TypeVar("T")
 
@@ -110,6 +111,11 @@ class Engine:
     def _run(self, work: Coroutine[object, object, T]) -> T:
         """Run ``work`` on the engine's loop and wait for its outcome (from any thread
         but the loop's own)."""
+        try:
+            self._core._check_process()  # a forked child has no loop thread to answer
+        except BaseException:
+            work.close()
+            raise
         if threading.get_ident() == self._loop_thread.ident:
             work.close()
             raise RuntimeError("a blocking Engine call from its own event loop's thread")
@@ -123,6 +129,7 @@ class Engine:
         """Submit ``reqs``: what the work channel takes at once from this thread (no hop
         to the loop), the rest on the loop, waiting for room
         (:meth:`AsyncEngine._send_rest`)."""
+        self._core._check_process()
         if self._loop.is_closed():
             raise EngineClosed("the engine is closed")
         core = self._core
@@ -239,18 +246,39 @@ class Engine:
 
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                return_logprob: bool = False, rid: str | None = None,
-               dp_rank: int | None = None) -> Iterator[StreamChunk]:
-        """Generate, yielding new tokens as each step produces them."""
-        return iter(self.submit(input_ids, sampling, stream=True,
-                                return_logprob=return_logprob, rid=rid, dp_rank=dp_rank))
+               dp_rank: int | None = None) -> Stream[StreamChunk]:
+        """Send the request now; iterate what this returns for new tokens as each step
+        produces them.
+
+        Leaving early aborts the request (``break``, :meth:`Stream.close
+        <scheduler.Stream.close>`, a ``with`` block's end, garbage collection).
+
+        Raises: as :meth:`submit`; while iterating, as :meth:`generate`.
+        """
+        handle = self.submit(input_ids, sampling, stream=True,
+                             return_logprob=return_logprob, rid=rid, dp_rank=dp_rank)
+        return Stream(handle, iter(handle), self._cancel)
 
     def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                      *, return_logprob: bool = False, rid: str | None = None,
-                     dp_rank: int | None = None) -> Iterator[list[StreamChunk]]:
+                     dp_rank: int | None = None) -> Stream[list[StreamChunk]]:
         """As :meth:`stream`, but yield every chunk that has arrived, oldest first, as one
-        list (never empty)."""
-        return self.submit(input_ids, sampling, stream=True, return_logprob=return_logprob,
-                           rid=rid, dp_rank=dp_rank).steps()
+        list (never empty). Leaving early aborts the request."""
+        handle = self.submit(input_ids, sampling, stream=True, return_logprob=return_logprob,
+                             rid=rid, dp_rank=dp_rank)
+        return Stream(handle, handle.steps(), self._cancel)
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        """The caller left ``handle``'s stream: have the loop forget it and abort its
+        request (:meth:`AsyncEngine._cancel`). Never blocks, from any thread (the
+        collector may run it on the loop's own); nothing in a forked child, whose
+        engine is its parent's, or once the loop is closed."""
+        if os.getpid() != self._core._owner:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._core._cancel, handle)
+        except RuntimeError:  # the loop is closed: the close ended every request
+            pass
 
     def embed(self, input_ids: npt.ArrayLike, *, rid: str | None = None,
               dp_rank: int | None = None, timeout: float | None = None
@@ -298,6 +326,7 @@ class Engine:
         scheduler process still running at its end (hung, stopped) is killed. An
         embedded (ring mode) scheduler is a thread, which cannot be: the close
         waits for the step it is in."""
+        self._core._check_process()  # a forked child's close would be the parent's
         close_timeout(timeout)  # (refused before anything is closed)
         if not self._loop_thread.is_alive():
             return

@@ -7,8 +7,9 @@ scheduler's outputs, and read by the caller.
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Generic, Self, TypeVar
 
 import msgspec
 import numpy as np
@@ -17,7 +18,9 @@ import numpy.typing as npt
 from messages import FinishReason
 from scheduler.errors import EngineError
 
-__all__ = ["GenerateResult", "RequestHandle", "StreamChunk"]
+__all__ = ["GenerateResult", "RequestHandle", "Stream", "StreamChunk"]
+
+T = TypeVar("T")
 
 
 class StreamChunk(msgspec.Struct, frozen=True, gc=False):
@@ -69,6 +72,11 @@ class RequestHandle:
     def put(self, item: _Item) -> None:
         """Hand this request an output (called by the engine's reader)."""
         self._queue.put(item)
+
+    @property
+    def done(self) -> bool:
+        """Whether the caller has taken the request's last answer (or its error)."""
+        return self._done
 
     def _next(self, timeout: float | None) -> _Item:
         try:
@@ -143,3 +151,55 @@ class RequestHandle:
         assert isinstance(item, np.ndarray)
         self._done = True
         return item
+
+
+class Stream(Generic[T]):
+    """A blocking stream's items (``Engine.stream``, ``Engine.stream_steps``).
+
+    Leaving it before its end aborts the request, so the scheduler frees its
+    slot (as leaving ``AsyncEngine.stream`` early does): :meth:`close`, the
+    end of a ``with`` block, or garbage collection (``break`` out of a ``for``
+    loop over ``engine.stream(...)`` drops the last reference). After the
+    request's last item, or its error, there is nothing to abort.
+    """
+
+    def __init__(self, handle: RequestHandle, items: Iterator[T],
+                 cancel: Callable[[RequestHandle], None]) -> None:
+        self._handle = handle
+        self._items = items
+        self._cancel: Callable[[RequestHandle], None] | None = cancel
+
+    @property
+    def rid(self) -> str:
+        """The request's id."""
+        return self._handle.rid
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> T:
+        return next(self._items)
+
+    def close(self) -> None:
+        """Stop reading: abort the request unless it has ended. Idempotent; never
+        blocks (the abort is sent by the engine's loop)."""
+        cancel, self._cancel = self._cancel, None
+        if cancel is None:
+            return
+        if not self._handle.done:
+            cancel(self._handle)
+        close = getattr(self._items, "close", None)
+        if close is not None:  # later calls end at once
+            close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit, or a broken engine: nothing left to free
+            pass

@@ -217,3 +217,33 @@ def test_a_forked_child_leaves_the_parents_scheduler_alone(tmp_path: Path) -> No
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "16", out.stderr[-2000:]
+
+
+def test_leaving_a_stream_early_aborts_its_request(engine: Engine) -> None:
+    long = SamplingParams(max_new_tokens=100_000)
+    for _ in range(3):  # ``break``: the loop drops the stream, which aborts the request
+        for n, chunk in enumerate(engine.stream([1, 2], long), 1):
+            assert chunk.finish_reason is None
+            if n == 3:
+                break
+    with engine.stream_steps([1, 2], long) as steps:  # the end of a with block
+        assert next(steps)
+    stream = engine.stream([3], long)
+    next(stream)
+    stream.close()
+    stream.close()  # idempotent
+    assert list(stream) == []  # a closed stream is over
+    _idle(engine)  # every one aborted: none left running
+    deadline = time.monotonic() + 10
+    while engine.pending:  # each abort's terminal answer frees its rid
+        assert time.monotonic() < deadline, engine.pending
+    done = engine.stream([4], SamplingParams(max_new_tokens=2))
+    assert [c.finish_reason for c in done] == [None, "length"]
+    done.close()  # after the last chunk: nothing to abort
+
+
+@pytest.mark.parametrize("size", ["tp_size", "dp_size"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_size_below_1_is_refused_saying_so(size: str, value: int) -> None:
+    with pytest.raises(ValueError, match=f"^{size} must be at least 1, not {value}$"):
+        Engine("zmq", SMALL, **{size: value})  # type: ignore[arg-type]
