@@ -295,7 +295,9 @@ class SchedulerClient:
         if supervisor is not None and supervisor.none_left is not None:
             if self._gone is None:  # every replica given up on: nothing serves
                 self._gone = supervisor.none_left
-                log.error("%s: requests in flight fail, new ones are refused", self._gone)
+                self._load_error = supervisor.load_error  # (what a start then raises)
+                if self._load_error is None:  # (else the supervisor said it, once)
+                    log.error("%s: requests in flight fail, new ones are refused", self._gone)
             return False
         dead = next((p for p in self._procs if not p.is_alive()), None)
         if dead is not None:

@@ -152,13 +152,25 @@ def _shutdown_mark(directory: str, pid: int | None) -> str:
     return os.path.join(directory, f"shutdown-{pid}")
 
 
+def _ready_mark(directory: str, pid: int | None) -> str:
+    """The file a replica's rank 0 (``pid``) leaves in its directory once its model is
+    loaded: from then on it serves (the supervisor's evidence that it became ready)."""
+    return os.path.join(directory, f"ready-{pid}")
+
+
+def _leave_mark(path: str) -> None:
+    with contextlib.suppress(OSError), open(path, "x"):
+        pass  # (no directory: whoever started us is gone or cleaning up; nobody asks)
+
+
 def _serve_replica(directory: str, endpoints: Endpoints, model: ModelSpec, *,
                    max_batch: int, limits: Limits, metrics: bool,
                    tp: TPConfig | None = None) -> None:
-    """A replica's rank 0: serve until a ``shutdown``, then say so in ``directory``."""
-    serve_zmq(endpoints, model, max_batch=max_batch, tp=tp, limits=limits, metrics=metrics)
-    with contextlib.suppress(OSError), open(_shutdown_mark(directory, os.getpid()), "x"):
-        pass  # (no directory: whoever started us is gone or cleaning up; nobody asks)
+    """A replica's rank 0: say in ``directory`` when its model is loaded, serve until a
+    ``shutdown``, then say that too."""
+    serve_zmq(endpoints, model, max_batch=max_batch, tp=tp, limits=limits, metrics=metrics,
+              loaded=lambda: _leave_mark(_ready_mark(directory, os.getpid())))
+    _leave_mark(_shutdown_mark(directory, os.getpid()))
 
 
 def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelSpec, *,
@@ -229,7 +241,8 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
 
     Any exit of a replica's processes is a death, unless its rank 0 left the
     mark of a ``shutdown`` that stopped it. ``none_left`` is called (once, with
-    one line) when every replica has been given up on.
+    one line) when every replica has been given up on: at once when one of them
+    reported that its model does not load (a restart would load it no better).
 
     With one rank per replica, a restart takes over a *standby*: a process
     started ahead that has imported everything and waits to be told which
@@ -242,12 +255,16 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
         return bool(ranks) and os.path.exists(
             _shutdown_mark(os.path.join(directory, f"r{i}"), ranks[0].pid))
 
+    def ready(i: int, ranks: list[BaseProcess]) -> bool:
+        return bool(ranks) and os.path.exists(
+            _ready_mark(os.path.join(directory, f"r{i}"), ranks[0].pid))
+
     sup = ReplicaSupervisor(procs, lambda i, attempt: _start_replica(
         directory, model, max_batch, tp_size, limits, metrics, i, attempt),
         keep_going=keep_going, standby=standby if tp_size == 1 else None,
         started=lambda: all(os.path.exists(os.path.join(directory, f"r{i}", "rpc"))
                             for i in range(len(procs))),  # each bound its endpoints
-        shut_down=shut_down, none_left=none_left)
+        shut_down=shut_down, ready=ready, load_failure=load_failure, none_left=none_left)
     sup.start()
     return sup
 
@@ -274,12 +291,15 @@ def _start_standby(directory: str, model: ModelSpec, max_batch: int, limits: Lim
                    metrics: bool) -> Standby:
     ctx = multiprocessing.get_context("spawn")
     wait, wake = ctx.Pipe()
+    read, write = ctx.Pipe(duplex=False)  # its report, once it serves a replica (_child)
     proc = ctx.Process(target=_child, args=(os.getpid(), _stand_by, wait, directory, model,
                                             max_batch, limits, metrics),
-                       name="replica-standby", daemon=True)
+                       kwargs={"_report": write}, name="replica-standby", daemon=True)
     proc.start()
     _STARTED.add(proc)
     wait.close()
+    write.close()
+    _REPORTS[proc] = read
     return Standby(proc, wake)
 
 

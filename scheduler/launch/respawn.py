@@ -9,9 +9,14 @@ one exits while it is meant to be serving:
 
 * when is decided by a :class:`RespawnPolicy`: after :data:`BACKOFF`
   seconds, doubling with each try up to :data:`BACKOFF_MAX`; at most
-  :data:`TRIES` tries in a row; a replica that then stays up
-  :data:`STABLE` seconds has its count reset (the policy reads an injected
-  clock, so all of this is tested on a fake one);
+  :data:`TRIES` tries in a row; a replica that then serves
+  :data:`STABLE` seconds (counted from when it became ready, its model
+  loaded: ``ready(i, ranks)``, not from its start) has its count reset (the
+  policy reads an injected clock, so all of this is tested on a fake one);
+* a replica whose model does not load (``load_failure`` of one of its
+  processes: the one line it reported) is not restarted: that is
+  deterministic, so every replica is given up on at once, with that line as
+  the reason (:attr:`ReplicaSupervisor.load_error` keeps the error);
 * each exit and restart is logged (``scheduler.launch``), and a replica
   given up on is logged as an error; once every replica is given up,
   ``none_left`` is called with one line saying so (``serve --dp`` exits
@@ -49,6 +54,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from scheduler.errors import EngineError
+from scheduler.models.files import ModelLoadError
 
 __all__ = ["BACKOFF", "BACKOFF_MAX", "STABLE", "STANDBY_AFTER", "STANDBY_WAIT", "TRIES",
            "NoReplicaLeft", "ReplicaSupervisor", "RespawnPolicy", "Standby"]
@@ -83,8 +89,9 @@ class RespawnPolicy:
     Per replica it counts the exits in a row: the ``n``-th is followed by a
     wait of ``backoff * 2 ** (n - 1)`` seconds (at most ``backoff_max``), and
     the one past ``tries`` gives the replica up. An exit that comes
-    ``stable`` seconds or more after the replica's last start counts as the
-    first again. Time is read from ``clock`` only.
+    ``stable`` seconds or more after the replica became :meth:`ready` (since
+    its last start) counts as the first again: one that fails before it ever
+    served, however slowly, counts on. Time is read from ``clock`` only.
     """
 
     replicas: int
@@ -94,20 +101,26 @@ class RespawnPolicy:
     stable: float = STABLE
     clock: Callable[[], float] = time.monotonic
     _failures: list[int] = field(init=False)
-    _started_at: list[float] = field(init=False)
+    _ready_at: list[float | None] = field(init=False)
 
     def __post_init__(self) -> None:
         self._failures = [0] * self.replicas
-        self._started_at = [self.clock()] * self.replicas
+        self._ready_at = [None] * self.replicas
 
     def started(self, i: int) -> None:
-        """Replica ``i`` was (re)started now."""
-        self._started_at[i] = self.clock()
+        """Replica ``i`` was (re)started now (it is not ready until :meth:`ready`)."""
+        self._ready_at[i] = None
+
+    def ready(self, i: int) -> None:
+        """Replica ``i`` became ready now (its model loaded: it serves)."""
+        if self._ready_at[i] is None:
+            self._ready_at[i] = self.clock()
 
     def exited(self, i: int) -> float | None:
         """Replica ``i`` exited now: seconds to wait before starting it again, or
         ``None`` when it has used up its tries (give it up)."""
-        if self.clock() - self._started_at[i] >= self.stable:
+        ready_at = self._ready_at[i]
+        if ready_at is not None and self.clock() - ready_at >= self.stable:
             self._failures[i] = 0  # it had served a while: this is a new bout
         self._failures[i] += 1
         n = self._failures[i]
@@ -183,6 +196,10 @@ class ReplicaSupervisor:
         started: whether every replica has started (standbys wait for that).
         shut_down: whether replica ``i``'s exited processes ``ranks`` stopped
             because a ``shutdown`` reached them (the only exit not restarted).
+        ready: whether replica ``i``'s processes ``ranks`` have loaded their
+            model (the policy's stable time counts from then).
+        load_failure: why an exited process did not load its model, if that
+            is why it exited (every replica is then given up on at once).
         none_left: called once, with one line, when every replica is given up.
     """
 
@@ -193,6 +210,9 @@ class ReplicaSupervisor:
                  standby: Callable[[], Standby] | None = None,
                  started: Callable[[], bool] = lambda: True,
                  shut_down: Callable[[int, list[BaseProcess]], bool] = lambda i, ranks: False,
+                 ready: Callable[[int, list[BaseProcess]], bool] = lambda i, ranks: True,
+                 load_failure: Callable[[BaseProcess], ModelLoadError | None] = (
+                     lambda proc: None),
                  none_left: Callable[[str], None] | None = None) -> None:
         self.replicas = replicas
         self._start = start
@@ -209,9 +229,13 @@ class ReplicaSupervisor:
         self._make_standby = standby
         self._all_started = started
         self._shut_down = shut_down
+        self._ready = ready
+        self._load_failure = load_failure
         self._on_none_left = none_left
         #: Once every replica is given up on: one line saying so (else ``None``).
         self.none_left: str | None = None
+        #: The error that gave every replica up, when it was a model that does not load.
+        self.load_error: ModelLoadError | None = None
         self._standby: Standby | None = None
         self._next_standby: float | None = None  # when to start a standby (once all started)
         self._stop = threading.Event()
@@ -245,6 +269,8 @@ class ReplicaSupervisor:
         """Look at every replica's processes once, at the policy's clock's now: restart
         those due, note those that exited, start a standby when one is wanted."""
         now = self.clock()
+        if self.none_left is not None:
+            return  # nothing is restarted, and no standby is wanted
         if self._make_standby is not None:
             self._keep_a_standby(now)
         for i, ranks in enumerate(self.replicas):
@@ -258,6 +284,8 @@ class ReplicaSupervisor:
                 continue
             codes = [p.exitcode for p in ranks]
             if all(c is None for c in codes):
+                if self._ready(i, ranks):
+                    self.policy.ready(i)
                 continue
             if all(c == 0 for c in codes) and self._shut_down(i, ranks):
                 self.stopped.add(i)  # a shutdown reached it: nothing to restart
@@ -291,6 +319,10 @@ class ReplicaSupervisor:
                 p.kill()
             p.join(5.0)
         self._exit_codes[i] = code
+        failure = next((f for f in map(self._load_failure, ranks) if f is not None), None)
+        if failure is not None:
+            self._give_up_all(i, failure)
+            return
         delay = self.policy.exited(i)
         if delay is None:
             self.given_up.add(i)
@@ -306,6 +338,18 @@ class ReplicaSupervisor:
         self._due[i] = self.clock() + delay
         log.warning("replica%d exited (exit code %s): restarting it in %.2f s (try %d of %d)",
                     i, code, delay, self.policy.failures(i), self.policy.tries)
+
+    def _give_up_all(self, i: int, failure: ModelLoadError) -> None:
+        """Replica ``i`` did not load its model: no replica will (the same model, the
+        same code), so every one is given up on now, with that as the reason."""
+        self.load_error = failure
+        self.given_up.update(range(len(self.replicas)))
+        self._due.clear()
+        log.error("replica%d did not load its model: %s: restarting no replica", i, failure)
+        self.none_left = f"no replica can serve: {failure}"
+        self._stand_down()
+        if self._on_none_left is not None:
+            self._on_none_left(self.none_left)
 
     def _serving(self) -> bool:
         """Whether a replica may still serve (one not given up on)."""

@@ -150,7 +150,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
               curve_clients: Sequence[bytes] | None = None,
               limits: Limits | None = None, metrics: bool = True,
               metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-              metrics_bound: Callable[[int], None] | None = None) -> None:
+              metrics_bound: Callable[[int], None] | None = None,
+              loaded: Callable[[], None] | None = None) -> None:
     """Run a scheduler over zmq until shut down (the body of the scheduler process).
 
     With ``tp``, this is rank 0 of ``tp.world_size`` ranks: it owns the
@@ -162,7 +163,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
     serves them: the other ranks run the very batches it broadcasts), and
     ``metrics_bound`` is called with the port once it listens. The
     model is loaded here, in the scheduler's process, from its spec, or comes
-    loaded (``serve`` loads it before anything is bound or printed).
+    loaded (``serve`` loads it before anything is bound or printed);
+    ``loaded`` is called once it is, before the first request is served.
     """
     codec: Codec[Request] = WORK.inbound_codec()  # each channel's door (messages.channels)
     out_codec: Codec[Output] = OUT.outbound_codec()
@@ -193,6 +195,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
                               metrics=metrics or metrics_port is not None,
                               rpc_reduce=rpc_reducer(0, world) if tp is not None else None)
             _settled()
+            if loaded is not None:
+                loaded()
             with _metrics_http(sched, metrics_host, metrics_port, metrics_bound):
                 sched.run()
     finally:

@@ -43,8 +43,12 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
     Raises:
         ModelLoadError: naming the missing or broken file and what is wrong with it.
     """
-    root = Path(path).expanduser().resolve()
-    if not root.is_dir():
+    try:
+        root = Path(path).expanduser().resolve()
+        is_dir = root.is_dir()
+    except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long, no home
+        raise ModelLoadError(path, f"the path does not resolve: {exc}") from exc
+    if not is_dir:
         raise ModelLoadError(root, "no such directory (a model is loaded from a local "
                                    "directory, never downloaded)")
     _check_config(root / "config.json")
@@ -79,6 +83,8 @@ def weight_files(root: Path) -> list[Path]:
 
 def _check_config(config: Path) -> None:
     """``config.json`` is a readable JSON object."""
+    if config.exists() and not config.is_file():
+        raise ModelLoadError(config, "not a file (config.json must be a JSON file)")
     if not config.is_file():
         raise ModelLoadError(config.parent, f"missing {config}")
     try:

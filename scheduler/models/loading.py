@@ -176,8 +176,13 @@ _LONG = 200
 
 def _one_line(exc: BaseException) -> str:
     """``exc`` as one line: its type and the first line of its text (the first sentence
-    of a long one: ``transformers`` follows it with advice on upgrading)."""
-    text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    of a long one: ``transformers`` follows it with advice on upgrading), with the next
+    line too when the first ends in ``:`` (it announces the cause, as pydantic's
+    ``Validation error for field 'x':`` does)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
     if len(text) > _LONG and ". " in text:
         text = text[:text.index(". ") + 1]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

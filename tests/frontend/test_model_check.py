@@ -51,3 +51,45 @@ def test_an_unknown_model_type_is_refused_naming_config_json(tmp_path: Path,
     args = parse(["--mode", "zmq", "--model", str(odd), "--endpoint", str(tmp_path / "ep")])
     with pytest.raises(SystemExit, match=r"config\.json: .*no_such_model"):
         settings_from(args)
+
+
+def test_a_symlink_loop_as_the_model_directory_is_a_model_load_error(tmp_path: Path) -> None:
+    from scheduler import Engine, ModelLoadError
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(ModelLoadError, match=r"loop: the path does not resolve"):
+        Engine("zmq", loop)  # a RuntimeError from Path.resolve before
+
+
+def test_a_directory_named_config_json_is_said_to_be_no_file(tmp_path: Path,
+                                                              truncated: Path) -> None:
+    from scheduler.models.loading import ModelLoadError, check_model_dir
+
+    odd = tmp_path / "odd"
+    shutil.copytree(truncated, odd)
+    (odd / "config.json").unlink()
+    (odd / "config.json").mkdir()
+    with pytest.raises(ModelLoadError, match=r"config\.json: not a file"):
+        check_model_dir(odd)  # "missing .../config.json" before
+
+
+def test_a_cause_announced_by_a_colon_is_kept_on_the_one_line(tmp_path: Path,
+                                                               truncated: Path) -> None:
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from scheduler.models.loading import HFModelSpec, ModelLoadError, check_model_loads
+
+    odd = tmp_path / "odd"
+    shutil.copytree(truncated, odd)
+    save_file({"w": torch.zeros(2)}, str(odd / "model.safetensors"))
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}))
+    with pytest.raises(ModelLoadError) as raised:
+        check_model_loads(HFModelSpec(str(odd)))
+    message = str(raised.value)  # it ended at "...field 'num_hidden_layers':" before
+    assert "num_hidden_layers" in message and "two" in message, message
+    assert not message.endswith(":") and "\n" not in message

@@ -5,6 +5,7 @@ in one line, instead of running on and answering nothing."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -110,3 +111,37 @@ def test_an_engine_whose_replicas_all_keep_dying_says_none_can_serve() -> None:
         assert engine.gone.startswith("no replica can serve: each exited 6 times")
         with pytest.raises(SchedulerGone, match="no replica can serve"):
             engine.generate([1, 2], SamplingParams(max_new_tokens=2))
+
+
+@pytest.fixture(scope="module")
+def wrong_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model that passes every check before a start (its files are whole, its config
+    reads) and fails only once a replica loads it: its weights are for another shape."""
+    pytest.importorskip("transformers")
+    from scheduler.models.tiny_hf import build_tiny_hf
+
+    root = build_tiny_hf(tmp_path_factory.mktemp("hf") / "wrong", hidden=32, layers=1)
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
+    return root
+
+
+def test_serve_dp_whose_model_fails_in_the_replicas_exits_1_with_one_line(
+        tmp_path: Path, wrong_shape: Path) -> None:
+    code, err, _ = _serve(tmp_path, "--dp", "2", "--model", str(wrong_shape),
+                          timeout=180)  # restarted for ever before
+    assert code == 1, err
+    said = [line for line in err.splitlines() if "no replica can serve" in line]
+    assert len(said) == 1, err
+    assert said[0].startswith(f"scheduler: no replica can serve: model {wrong_shape}"), err
+    assert "size mismatch" in said[0] and "Traceback" not in err, err
+    assert "restarting it" not in err, err  # a model that does not load is not retried
+
+
+def test_an_engine_whose_model_fails_in_the_replicas_raises_model_load_error(
+        wrong_shape: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError, match="size mismatch") as caught:
+        Engine("zmq", wrong_shape, dp_size=2)  # an RpcTimeout after 100 s before
+    assert str(caught.value).startswith(f"model {wrong_shape}")
+    assert time.monotonic() - t0 < 60

@@ -10,6 +10,7 @@ from multiprocessing.process import BaseProcess
 
 import pytest
 
+from scheduler import ModelLoadError
 from scheduler.launch.respawn import (
     BACKOFF,
     BACKOFF_MAX,
@@ -84,9 +85,51 @@ def test_a_replica_up_a_stable_minute_counts_its_tries_from_zero_again() -> None
     for _ in range(TRIES):
         policy.exited(0)
         policy.started(0)
+    policy.ready(0)  # its model loaded: it serves from now
     clock.now += STABLE  # a stable minute: the next exit is the first of a new bout
     assert policy.exited(0) == pytest.approx(BACKOFF)
     assert policy.failures(0) == 1
+
+
+def test_a_replica_that_fails_a_minute_after_its_start_but_never_became_ready_counts_on(
+) -> None:
+    clock = Clock()
+    policy = RespawnPolicy(1, clock=clock)
+    for _ in range(TRIES):  # each try takes over a minute to fail to load
+        clock.now += STABLE + 1.0
+        assert policy.exited(0) is not None
+        policy.started(0)
+    clock.now += STABLE + 1.0
+    assert policy.exited(0) is None  # never ready: given up, not retried for ever
+    clock = Clock()
+    sup, replicas, starts = _supervisor(clock, ready=lambda i, ranks: False)
+    for _ in range(TRIES + 1):  # the same through the supervisor, which never saw it ready
+        sup.look()
+        clock.now += STABLE + 1.0
+        _die(replicas, 0, 1)
+        sup.look()
+        clock.now += BACKOFF_MAX
+        sup.look()
+    assert sup.given_up == {0} and len(starts) == TRIES
+
+
+def test_a_replica_whose_model_does_not_load_gives_every_replica_up_at_once() -> None:
+    clock = Clock()
+    told: list[str] = []
+    bad = ModelLoadError("/m/config.json", "RuntimeError: size mismatch for w")
+    failed: list[BaseProcess] = []
+    sup, replicas, starts = _supervisor(
+        clock, 2, none_left=told.append,
+        load_failure=lambda proc: bad if proc in failed else None)
+    failed.append(replicas[1][0])
+    _die(replicas, 1, 1)
+    sup.look()
+    clock.now += BACKOFF_MAX
+    sup.look()
+    assert starts == [] and sup.given_up == {0, 1} and sup.load_error is bad
+    assert told == [f"no replica can serve: {bad}"]
+    assert told[0] == "no replica can serve: model /m/config.json: RuntimeError: size " \
+                      "mismatch for w"
 
 
 def _supervisor(clock: Clock, n: int = 1, **kwargs: object
@@ -124,6 +167,7 @@ def test_the_supervisor_waits_out_the_backoff_on_its_clock_and_resets_after_a_mi
         clock.now += wait * 0.2
         sup.look()
         assert starts == [0] * (n + 1)
+    sup.look()  # seen ready (its model loaded)
     clock.now += STABLE  # stable a minute: the next death is a first try again
     _die(replicas, 0)
     sup.look()
