@@ -236,6 +236,7 @@ class ReplicaSupervisor:
         self.none_left: str | None = None
         #: The error that gave every replica up, when it was a model that does not load.
         self.load_error: ModelLoadError | None = None
+        self._served = False  # some replica loaded its model once (its start is over)
         self._standby: Standby | None = None
         self._next_standby: float | None = None  # when to start a standby (once all started)
         self._stop = threading.Event()
@@ -286,6 +287,7 @@ class ReplicaSupervisor:
             if all(c is None for c in codes):
                 if self._ready(i, ranks):
                     self.policy.ready(i)
+                    self._served = True
                 continue
             if all(c == 0 for c in codes) and self._shut_down(i, ranks):
                 self.stopped.add(i)  # a shutdown reached it: nothing to restart
@@ -345,7 +347,11 @@ class ReplicaSupervisor:
         self.load_error = failure
         self.given_up.update(range(len(self.replicas)))
         self._due.clear()
-        log.error("replica%d did not load its model: %s: restarting no replica", i, failure)
+        # Before any replica served, whoever started them reports this error as the
+        # start's own one line (serve's exit, the engine's ModelLoadError): a log line
+        # here would be a second. After, it is the only record of a failed restart.
+        log.log(logging.ERROR if self._served else logging.DEBUG,
+                "replica%d did not load its model: %s: restarting no replica", i, failure)
         self.none_left = f"no replica can serve: {failure}"
         self._stand_down()
         if self._on_none_left is not None:

@@ -136,6 +136,7 @@ def test_serve_dp_whose_model_fails_in_the_replicas_exits_1_with_one_line(
     assert said[0].startswith(f"scheduler: no replica can serve: model {wrong_shape}"), err
     assert "size mismatch" in said[0] and "Traceback" not in err, err
     assert "restarting it" not in err, err  # a model that does not load is not retried
+    assert "did not load its model" not in err, err  # said once: by the exit's line
 
 
 def test_an_engine_whose_model_fails_in_the_replicas_raises_model_load_error(
