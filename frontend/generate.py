@@ -47,6 +47,7 @@ from frontend.schemas import (
     check_supported,
     encode,
     encode_str,
+    sampler_seed,
     sse_safe,
 )
 from frontend.tokenizer import Tokenizer
@@ -350,7 +351,7 @@ class OpenAIServing:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=max(req.top_k, 0),
                                   stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
-                                  if stop_ids else None, seed=req.seed,
+                                  if stop_ids else None, seed=sampler_seed(req.seed),
                                   ignore_eos=req.ignore_eos)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"sampling: {exc}") from None

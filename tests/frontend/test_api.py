@@ -130,6 +130,31 @@ def test_greedy_is_deterministic_and_a_seed_reproduces(server: Server) -> None:
     assert other != seeded[0]
 
 
+def test_options_that_ask_for_nothing_are_served(server: Server) -> None:
+    # Without this: each was a 400 (an unknown field, or seed below 0), though none asks
+    # for anything; LangChain and agent frameworks send them.
+    c = client(server)
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
+    plain = c.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                      temperature=0).choices[0].message.content
+    options: dict[str, object]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for options in ({"response_format": {"type": "text"}}, {"tools": []},
+                    {"tool_choice": "none"}, {"tools": [tool], "tool_choice": "none"},
+                    {"parallel_tool_calls": False}, {"tools": [], "parallel_tool_calls": True}):
+        out = c.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                        temperature=0, extra_body=options)
+        assert out.choices[0].message.content == plain, options  # the tools are not shown
+    # Any int64 seed: a negative one reproduces too, and is not another seed's answer.
+    def sampled(seed: int) -> str:
+        return c.completions.create(model="tiny", prompt="x", max_tokens=16, temperature=1.0,
+                                    seed=seed).choices[0].text
+
+    for seed in (-1, -(1 << 63), (1 << 63) - 1):
+        assert sampled(seed) == sampled(seed), seed
+    assert sampled(-1) != sampled(1)
+
+
 def test_logprobs(server: Server) -> None:
     c = client(server)
     out = c.completions.create(model="tiny", prompt="a", max_tokens=5, temperature=0,
