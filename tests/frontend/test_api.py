@@ -137,11 +137,12 @@ def test_options_that_ask_for_nothing_are_served(server: Server) -> None:
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
     plain = c.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
                                       temperature=0).choices[0].message.content
-    options: dict[str, object]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for options in ({"response_format": {"type": "text"}}, {"tools": []},
-                    {"tool_choice": "none"}, {"tools": [tool], "tool_choice": "none"},
-                    {"parallel_tool_calls": False}, {"tools": [], "parallel_tool_calls": True}):
+    served: list[dict[str, object]] = [
+        {"response_format": {"type": "text"}}, {"tools": []}, {"tool_choice": "none"},
+        {"tools": [tool], "tool_choice": "none"}, {"parallel_tool_calls": False},
+        {"tools": [], "parallel_tool_calls": True}]
+    for options in served:
         out = c.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
                                         temperature=0, extra_body=options)
         assert out.choices[0].message.content == plain, options  # the tools are not shown
