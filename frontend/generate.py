@@ -73,7 +73,7 @@ class GenerateSettings:
     """What a generation needs besides the request.
 
     Attributes:
-        model_name: the one model this server serves (any other is a 404).
+        model_name: the name answers report.
         default_max_tokens: ``max_tokens`` when a request gives none
             (completions: OpenAI's 16; chat: this), cut to the room the
             prompt leaves in the model's context.
@@ -81,11 +81,14 @@ class GenerateSettings:
             together (the ``model_info`` rpc's ``max_prompt_tokens``); a
             request asking for more is a 400, as in OpenAI and vLLM. None: no
             bound here.
+        model_aliases: other names a request may give for the same model (any name
+            not served is a 404).
     """
 
     model_name: str
     default_max_tokens: int = 256
     max_model_len: int | None = None
+    model_aliases: tuple[str, ...] = ()
 
 
 class _ResponseBuilder:
@@ -236,9 +239,11 @@ class OpenAIServing:
 
     def check_model(self, model: str) -> None:
         """Raises: ApiError: 404 when ``model`` is not the one served."""
-        if model != self.settings.model_name:
+        s = self.settings
+        if model != s.model_name and model not in s.model_aliases:
+            served = ", ".join(map(repr, (s.model_name, *s.model_aliases)))
             raise ApiError(404, f"the model {model!r} does not exist here: this server "
-                                f"serves {self.settings.model_name!r} (GET /v1/models)",
+                                f"serves {served} (GET /v1/models)",
                            param="model", code="model_not_found")
 
     async def tokenize(self, text: str, *, special: bool) -> list[int]:
@@ -373,7 +378,8 @@ class OpenAIServing:
         include_usage = opts is not None and opts.include_usage
         return RequestState(
             endpoint=endpoint,
-            response=_ResponseBuilder(chat, next(self._ids), req.model, self.tokenizer),
+            response=_ResponseBuilder(chat, next(self._ids), self.settings.model_name,
+                                      self.tokenizer),
             prompt_ids=prompt_ids,
             sampling=self._sampling(req, max_tokens, extra_stop_ids),
             detok=Detokenizer(self.tokenizer, stops, prompt_ids), has_stops=bool(stops),

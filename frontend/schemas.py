@@ -71,7 +71,9 @@ Seed = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 _SAMPLER_SEEDS = 1 << 63
 MaxTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-ModelName = Annotated[str, msgspec.Meta(max_length=256)]
+#: The longest model name a request may give (a served name is a path as given).
+MAX_MODEL_NAME = 1024
+ModelName = Annotated[str, msgspec.Meta(max_length=MAX_MODEL_NAME)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -229,6 +229,27 @@ def test_models_health_metrics(server: Server) -> None:
     assert "tsb_http_ttft_seconds_bucket" in text
 
 
+def test_every_served_name_is_accepted_and_answers_report_the_first() -> None:
+    # Without this: one name only (--served-model-name took one), a path's basename.
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
+                        metrics=False, model_name="org/m", model_aliases=("m", "/srv/m")), tok)
+    try:
+        c = client(s)
+        assert [m.id for m in c.models.list().data] == ["org/m", "m", "/srv/m"]
+        for name in ("org/m", "m", "/srv/m"):
+            out = c.completions.create(model=name, prompt="x", max_tokens=2)
+            assert out.model == "org/m"
+            chat = c.chat.completions.create(model=name, max_tokens=2,
+                                             messages=[{"role": "user", "content": "x"}])
+            assert chat.model == "org/m"
+            assert httpx.get(f"{s.url}/v1/models/{name}").json()["id"] == name
+        with pytest.raises(openai.NotFoundError, match="'org/m', 'm', '/srv/m'"):
+            c.completions.create(model="tiny", prompt="x", max_tokens=2)
+    finally:
+        s.stop()
+
+
 def test_unknown_model_is_404(server: Server) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client(server).completions.create(model="gpt-9", prompt="x", max_tokens=1)
