@@ -45,8 +45,10 @@ from frontend.asgi import (
     Scope,
     Send,
     read_body,
+    request_id,
     send_bytes,
     send_error,
+    with_request_id,
     without_body,
 )
 from frontend.chat import ChatTemplate
@@ -292,6 +294,7 @@ class Frontend:
         method, path = scope["method"], scope["path"]
         assert isinstance(method, str) and isinstance(path, str)
         route = self._routes.get((method, path))
+        send = with_request_id(send, request_id(scope))
         if method == "HEAD":
             send = without_body(send)
         endpoint = route[0] if route is not None else "other"

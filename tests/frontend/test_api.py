@@ -250,6 +250,37 @@ def test_every_served_name_is_accepted_and_answers_report_the_first() -> None:
         s.stop()
 
 
+def test_every_answer_carries_an_x_request_id(server: Server) -> None:
+    # Without this: no x-request-id header (the openai client's request_id was None).
+    c = client(server)
+    made = c.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=2)
+    assert re.fullmatch("[0-9a-f]{32}", made.headers["x-request-id"])
+    assert made.request_id == made.headers["x-request-id"]
+    mine = {"x-request-id": "trace-1 / span:2"}
+    out = c.chat.completions.create(model="tiny", max_tokens=2, extra_headers=mine,
+                                    messages=[{"role": "user", "content": "x"}])
+    assert out._request_id == "trace-1 / span:2"
+    with c.chat.completions.with_streaming_response.create(
+            model="tiny", max_tokens=2, stream=True, extra_headers=mine,
+            messages=[{"role": "user", "content": "x"}]) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-1 / span:2"
+        assert "[DONE]" in streamed.read().decode()
+    with pytest.raises(openai.NotFoundError) as info:
+        c.completions.create(model="gpt-9", prompt="x", extra_headers=mine)
+    assert info.value.request_id == "trace-1 / span:2"
+    # Made anew when the client's cannot be echoed safely (too long, not printable
+    # ASCII); errors and other routes carry one too.
+    for sent in (b"x" * 257, "caf\u00e9".encode(), b"a\tb"):
+        r = httpx.post(f"{server.url}/v1/completions", headers={b"x-request-id": sent},
+                       json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200 and re.fullmatch("[0-9a-f]{32}", r.headers["x-request-id"])
+    for r in (httpx.post(f"{server.url}/v1/completions", content=b"{", headers=mine),
+              httpx.get(f"{server.url}/nowhere", headers=mine),
+              httpx.get(f"{server.url}/v1/models", headers=mine),
+              httpx.head(f"{server.url}/health", headers=mine)):
+        assert r.headers["x-request-id"] == "trace-1 / span:2", r
+
+
 def test_unknown_model_is_404(server: Server) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client(server).completions.create(model="gpt-9", prompt="x", max_tokens=1)
