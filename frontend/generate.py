@@ -311,11 +311,14 @@ class OpenAIServing:
         check_supported(req)
         self.check_model(req.model)
         asked = req.max_new_tokens()
+        field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        if asked == 0:  # (a completion's 0 is legitimate: it will score a prompt, with echo)
+            raise bad_request(f"{field} must be at least 1 on a chat completion, not 0 (as "
+                              "vLLM answers)", param=field, code="invalid_value")
         text = self.template.render(req.messages, req.add_generation_prompt)
         ids = await self.tokenize(text, special=False)
         max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
-                                  "max_tokens" if req.max_completion_tokens is None
-                                  else "max_completion_tokens")
+                                  field)
         return await self._answer(self._state(
             req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
             stops=[*req.stops(), *self.template.stops], extra_stop_ids=self.template.stop_ids,

@@ -94,6 +94,11 @@ def test_completion_400_names_the_field(server: Server, body: object, param: str
      "seed"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
      "top_logprobs"),
+    # A chat answer of no tokens is a 400, as in vLLM (without this: a 200 with "").
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+     "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+      "max_completion_tokens": 0}, "max_completion_tokens"),
     # Content is required in every message, null included: OpenAI allows it absent only
     # beside tool_calls, which this server does not take (without it: accepted as "").
     ({"model": "tiny", "messages": [{"role": "user"}]}, "messages[0].content"),
@@ -109,6 +114,17 @@ def test_chat_400_names_the_field(server: Server, body: object, param: str) -> N
     r = post(server, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert error(r)["param"] == param
+
+
+def test_max_tokens_0_is_served_on_completions_only(server: Server) -> None:
+    # A completion's 0 is legitimate (with echo it scores a prompt); a chat answer's is
+    # a 400, as in vLLM.
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 0
+    r = post(server, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
+    assert r.status_code == 400 and "at least 1" in str(error(r)["message"]), r.text
 
 
 def test_max_tokens_and_max_completion_tokens_that_differ_are_400(server: Server) -> None:
