@@ -23,7 +23,7 @@ from typing import cast
 
 import msgspec
 
-from frontend.asgi import SSE, Send, send_bytes
+from frontend.asgi import SSE, Event, Send, send_bytes
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import ApiError, bad_request, from_engine
@@ -66,6 +66,20 @@ _CHUNKS_A_TURN = 16
 #: Stands for an event's text while the bytes around it are encoded.
 _MARK = "\x00text\x00"
 _MARK_JSON = msgspec.json.encode(_MARK)
+#: The most prompts one completion request may hold (each is a request to the engine).
+MAX_PROMPTS = 256
+#: Reads back one prompt's answer of several (:meth:`OpenAIServing._several`).
+_COMPLETION = msgspec.json.Decoder(Completion)
+
+
+def _into(body: bytearray) -> Send:
+    """A ``send`` that keeps an answer's body in ``body`` (one prompt's of several)."""
+    async def keep(event: Event) -> None:
+        if event["type"] == "http.response.body":
+            chunk = event.get("body", b"")
+            assert isinstance(chunk, bytes)
+            body.extend(chunk)
+    return keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,44 +277,115 @@ class OpenAIServing:
             None, lambda: [encode(text, add_special_tokens=special) for text in texts])
 
     async def completion(self, req: CompletionRequest, send: Send, t0: float) -> int:
-        """Answer a completion; returns the HTTP status sent.
+        """Answer a completion, of one prompt or several (one choice each, ``index`` in
+        the prompts' order); returns the HTTP status sent.
 
         Raises:
             ApiError: before anything was sent (400, 404, 503, ...).
         """
         check_supported(req)
         self.check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]  # a batch of one (LangChain's OpenAI LLM sends [text])
-        if isinstance(prompt, str):
-            ids = await self.tokenize(prompt, special=True)
-        elif len(prompt) <= _TOKENIZE_INLINE:
-            ids = self._prompt_ids(prompt)
-        else:  # ~1M ids take 150-240 ms to check: off the loop, as a long text is
-            ids = await asyncio.get_running_loop().run_in_executor(
-                None, self._prompt_ids, prompt)
+        prompts = await self._completion_prompts(req.prompt)
+        if len(prompts) > 1:
+            return await self._several(req, prompts, send, t0)
+        return await self._answer(self._completion_state(req, prompts[0], send, t0))
+
+    def _completion_state(self, req: CompletionRequest, ids: list[int], send: Send,
+                          t0: float) -> RequestState:
         max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
-        return await self._answer(self._state(
+        return self._state(
             req, endpoint="completions", prompt_ids=ids, max_tokens=max_tokens,
             stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
-            send=send, t0=t0))
+            send=send, t0=t0)
 
-    def _prompt_ids(self, prompt: list[int | str]) -> list[int]:
-        """A prompt given as token ids, checked against the vocabulary.
+    async def _completion_prompts(self, prompt: str | list[int | str | list[int]]
+                                  ) -> list[list[int]]:
+        """Each prompt's ids: a string, a list of ids, or several of either.
 
         Raises:
-            ApiError: 400: no ids, an id outside the vocabulary, or a list of prompts.
+            ApiError: 400 on ``prompt``: a list mixing kinds, more than
+                :data:`MAX_PROMPTS` prompts, no ids, or an id outside the vocabulary.
         """
-        if not all(isinstance(t, int) for t in prompt):
-            raise bad_request("prompt: a list of prompts (a batch) is not supported; send "
-                              "one prompt, as a string or a list of token ids, per request",
-                              param="prompt", code="unsupported_value")
-        ids = [t for t in prompt if isinstance(t, int)]
+        if isinstance(prompt, str):
+            return [await self.tokenize(prompt, special=True)]
+        if all(isinstance(t, int) for t in prompt):
+            ids = [t for t in prompt if isinstance(t, int)]
+            if len(ids) <= _TOKENIZE_INLINE:
+                return [self._prompt_ids(ids)]
+            # ~1M ids take 150-240 ms to check: off the loop, as a long text is
+            return [await asyncio.get_running_loop().run_in_executor(
+                None, self._prompt_ids, ids)]
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"prompt: {len(prompt)} prompts in one request; at most "
+                              f"{MAX_PROMPTS}", param="prompt", code="unsupported_value")
+        texts = [p for p in prompt if isinstance(p, str)]
+        if len(texts) == len(prompt):
+            return await self.tokenize_all(texts, special=True)
+        lists = [p for p in prompt if isinstance(p, list)]
+        if len(lists) != len(prompt):
+            raise bad_request("prompt: mixes strings, token ids and lists of token ids; "
+                              "give one kind", param="prompt")
+        if sum(map(len, lists)) <= _TOKENIZE_INLINE:
+            return [self._prompt_ids(ids, i) for i, ids in enumerate(lists)]
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [self._prompt_ids(ids, i) for i, ids in enumerate(lists)])
+
+    def _prompt_ids(self, ids: list[int], index: int | None = None) -> list[int]:
+        """A prompt given as token ids (the ``index``-th of several), checked against
+        the vocabulary.
+
+        Raises:
+            ApiError: 400: no ids, or an id outside the vocabulary.
+        """
         problem = prompt_problem(ids, self._vocab)
         if problem:
-            raise bad_request(f"prompt: {problem}", param="prompt")
+            where = "prompt" if index is None else f"prompt[{index}]"
+            raise bad_request(f"{where}: {problem}", param="prompt")
         return ids
+
+    async def _several(self, req: CompletionRequest, prompts: list[list[int]], send: Send,
+                       t0: float) -> int:
+        """Answer several prompts as one completion: each is its own request to the
+        engine, all at once; their answers become the choices, in the prompts' order,
+        and the usage is their sum. One refused (before anything was sent) aborts the
+        others.
+
+        Raises:
+            ApiError: 400 ``stream`` (several prompts are answered whole only), and
+                what one prompt's answer raises.
+        """
+        if req.stream:
+            raise bad_request("stream: several prompts are answered whole only (send one "
+                              "prompt per streamed request)", param="stream",
+                              code="unsupported_value")
+        bodies = [bytearray() for _ in prompts]
+        # Every prompt is checked (its budget, its sampling) before any runs.
+        states = [self._completion_state(req, ids, _into(body), t0)
+                  for ids, body in zip(prompts, bodies, strict=True)]
+        tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()  # (finished ones: nothing; the others abort their request)
+            await asyncio.gather(*tasks, return_exceptions=True)
+        parts = [_COMPLETION.decode(body) for body in bodies]
+        choices: list[CompletionChoice] = []
+        prompt_tokens = answer_tokens = cached = 0
+        for i, part in enumerate(parts):
+            choice = part.choices[0]
+            choice.index = i
+            choices.append(choice)
+            assert part.usage is not None
+            prompt_tokens += part.usage.prompt_tokens
+            answer_tokens += part.usage.completion_tokens
+            cached += part.usage.prompt_tokens_details.cached_tokens
+        first = parts[0]
+        await send_bytes(send, 200, encode(Completion(
+            first.id, first.created, first.model, choices, usage=Usage(
+                prompt_tokens, answer_tokens, prompt_tokens + answer_tokens,
+                PromptTokensDetails(cached)))))
+        return 200
 
     async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:
         """Answer a chat completion; returns the HTTP status sent.

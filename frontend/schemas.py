@@ -136,10 +136,11 @@ class _Sampling(_Body, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids, or
+    several prompts: a list of strings or of token-id lists (one choice each)."""
 
     prompt: Annotated[str, msgspec.Meta(max_length=1 << 24)] | Annotated[
-        list[TokenId | str], msgspec.Meta(max_length=1 << 20)]
+        list[TokenId | str | list[TokenId]], msgspec.Meta(max_length=1 << 20)]
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None

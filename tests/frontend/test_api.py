@@ -347,6 +347,27 @@ def test_a_batch_of_one_prompt_and_an_empty_suffix_are_served(server: Server) ->
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix"
 
 
+def test_several_prompts_are_one_choice_each_in_order(server: Server) -> None:
+    # Without this: prompt ["a", "b"] was a 400 and [[1, 2]] a type error (LangChain's
+    # OpenAI(...).batch() and .generate([p1, p2]) send them).
+    c = client(server)
+    texts = ["Hello", "a", "the scheduler", "zz"]
+    ids = [[1, 2, 3], [7], [40, 41, 42, 43, 44], [9, 9]]
+    for prompts, stop in ((texts, None), (ids, None), (texts, ["q"])):
+        alone = [c.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
+                                      stop=stop) for p in prompts]
+        out = c.completions.create(model="tiny", prompt=prompts, max_tokens=8,
+                                   temperature=0, stop=stop)
+        assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
+        assert [ch.text for ch in out.choices] == [a.choices[0].text for a in alone]
+        assert [ch.finish_reason for ch in out.choices] == [
+            a.choices[0].finish_reason for a in alone]
+        assert out.usage is not None
+        for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert getattr(out.usage, field) == sum(getattr(a.usage, field) for a in alone
+                                                    if a.usage is not None), field
+
+
 def test_answer_ids_carry_the_server_s_run() -> None:
     # Without this: ids restarted at cmpl-0 with each start, and repeated across replicas.
     tok = ByteTokenizer()
