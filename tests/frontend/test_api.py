@@ -7,6 +7,7 @@ import json
 import re
 import socket
 import threading
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -14,8 +15,10 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from bus import RpcClient
 from frontend import ByteTokenizer, Settings
-from scheduler import ModelConfig
+from scheduler import Limits, ModelConfig
+from tests.conftest import eventually
 from tests.frontend.server import Server, raw_post
 
 
@@ -366,6 +369,39 @@ def test_several_prompts_are_one_choice_each_in_order(server: Server) -> None:
         for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert getattr(out.usage, field) == sum(getattr(a.usage, field) for a in alone
                                                     if a.usage is not None), field
+
+
+def test_several_prompts_abort_together(tmp_path: Path) -> None:
+    # A client that leaves, or one prompt refused, aborts every prompt's request: none
+    # keeps a slot (greedy on the stub never ends by itself).
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
+                        max_batch=2, limits=Limits(max_queued_requests=2), metrics=False,
+                        rpc_endpoint=f"ipc://{tmp_path}/rpc"), tok)
+    rpc = RpcClient(f"ipc://{tmp_path}/rpc")
+
+    def load() -> tuple[object, object]:
+        result = rpc.call("get_load", timeout=10.0).result
+        assert result is not None
+        return result["running"], result["queued"]
+
+    endless = {"model": "tiny", "max_tokens": 1_000_000, "temperature": 0,
+               "ignore_eos": True}
+    try:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(raw_post("/v1/completions", {**endless, "prompt": ["a", "b"]}))
+            eventually(lambda: load() == (2, 0), 30.0, "both prompts to run")
+        eventually(lambda: load() == (0, 0), 30.0, "both prompts' slots to be freed")
+        # Four at once: past the two the queue holds, one is refused (503), and so is
+        # the whole request.
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={**endless, "prompt": ["a", "b", "c", "d"]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+        eventually(lambda: load() == (0, 0), 30.0, "the others' slots to be freed")
+    finally:
+        rpc.close()
+        s.stop()
 
 
 def test_answer_ids_carry_the_server_s_run() -> None:
