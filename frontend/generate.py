@@ -109,8 +109,10 @@ class _ResponseBuilder:
     """Builds one request's answer as its endpoint spells it (a completion or a chat
     completion): the whole body, or its Server-Sent Events one by one."""
 
-    def __init__(self, chat: bool, rid: str, model: str, tok: Tokenizer) -> None:
+    def __init__(self, chat: bool, rid: str, model: str, tok: Tokenizer,
+                 index: int = 0) -> None:
         self.chat = chat
+        self.index = index  # its choice's (one prompt's of several)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
         self.created = int(time.time())
         self.model = model
@@ -161,7 +163,7 @@ class _ResponseBuilder:
         else:
             assert lp is None or isinstance(lp, CompletionLogprobs)
             body = Completion(self.id, self.created, self.model,
-                              [CompletionChoice(0, text, finish, lp)], usage=usage)
+                              [CompletionChoice(self.index, text, finish, lp)], usage=usage)
         return b"data: " + sse_safe(encode(body)) + b"\n\n"
 
     def usage_event(self, usage: Usage) -> bytes:
@@ -181,7 +183,7 @@ class _ResponseBuilder:
                                          usage))
         assert lp is None or isinstance(lp, CompletionLogprobs)
         return encode(Completion(self.id, self.created, self.model,
-                                 [CompletionChoice(0, text, finish, lp)], usage=usage))
+                                 [CompletionChoice(self.index, text, finish, lp)], usage=usage))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -351,13 +353,10 @@ class OpenAIServing:
         others.
 
         Raises:
-            ApiError: 400 ``stream`` (several prompts are answered whole only), and
-                what one prompt's answer raises.
+            ApiError: what one prompt's answer raises.
         """
         if req.stream:
-            raise bad_request("stream: several prompts are answered whole only (send one "
-                              "prompt per streamed request)", param="stream",
-                              code="unsupported_value")
+            return await self._several_streamed(req, prompts, send, t0)
         bodies = [bytearray() for _ in prompts]
         # Every prompt is checked (its budget, its sampling) before any runs.
         states = [self._completion_state(req, ids, _into(body), t0)
@@ -385,6 +384,67 @@ class OpenAIServing:
             first.id, first.created, first.model, choices, usage=Usage(
                 prompt_tokens, answer_tokens, prompt_tokens + answer_tokens,
                 PromptTokensDetails(cached)))))
+        return 200
+
+    async def _several_streamed(self, req: CompletionRequest, prompts: list[list[int]],
+                                send: Send, t0: float) -> int:
+        """Stream several prompts' answers as one: each prompt's events carry its choice
+        ``index`` and the one answer id, interleaved as they come; one ``[DONE]`` ends
+        them all, after the summed usage (``include_usage``). The response starts with
+        the first prompt's first event: a refusal of any prompt before that is an HTTP
+        error, after it an error event (the others are aborted either way).
+
+        Raises:
+            ApiError: before anything was sent.
+        """
+        started = False
+
+        def into(i: int) -> Send:
+            async def forward(event: Event) -> None:
+                nonlocal started
+                if event["type"] == "http.response.start":
+                    if not started:
+                        started = True
+                        await send(event)
+                    return
+                body = event.get("body", b"")
+                assert isinstance(body, bytes)
+                if body.endswith(_DONE):  # one [DONE], after every prompt's answer
+                    body = body[:-len(_DONE)]
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+            return forward
+
+        states = [self._completion_state(req, ids, into(i), t0)
+                  for i, ids in enumerate(prompts)]
+        rid = states[0].response.id.removeprefix("cmpl-")
+        for i, state in enumerate(states):
+            state.response = _ResponseBuilder(False, rid, self.settings.model_name,
+                                              self.tokenizer, index=i)
+            state.include_usage = False  # the summed usage goes last, once
+        tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
+        try:
+            await asyncio.gather(*tasks)
+        except ApiError as exc:
+            if not started:
+                raise
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": b"data: " + sse_safe(exc.body()) + b"\n\n" + _DONE})
+            return 200
+        finally:
+            for task in tasks:
+                task.cancel()  # (finished ones: nothing; the others abort their request)
+            await asyncio.gather(*tasks, return_exceptions=True)
+        tail = [_DONE]
+        opts = req.stream_options
+        if opts is not None and opts.include_usage:
+            usages = [state.usage() for state in states]
+            prompt = sum(u.prompt_tokens for u in usages)
+            answer = sum(u.completion_tokens for u in usages)
+            tail.insert(0, states[0].response.usage_event(Usage(
+                prompt, answer, prompt + answer, PromptTokensDetails(
+                    sum(u.prompt_tokens_details.cached_tokens for u in usages)))))
+        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
         return 200
 
     async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:

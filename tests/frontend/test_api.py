@@ -371,6 +371,33 @@ def test_several_prompts_are_one_choice_each_in_order(server: Server) -> None:
                                                     if a.usage is not None), field
 
 
+def test_several_prompts_streamed_interleave_by_index(server: Server) -> None:
+    c = client(server)
+    prompts = ["Hello", "a", "the scheduler", "zz"]
+    whole = c.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0)
+    texts, finishes, ids = ["" for _ in prompts], [None for _ in prompts], set()
+    usage = None
+    with c.completions.with_streaming_response.create(
+            model="tiny", prompt=prompts, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    for line in lines[:-1]:
+        event = json.loads(line.removeprefix("data: "))
+        ids.add(event["id"])
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+            finishes[choice["index"]] = choice["finish_reason"]
+        if event.get("usage"):
+            usage = event["usage"]
+    assert texts == [ch.text for ch in whole.choices]
+    assert finishes == [ch.finish_reason for ch in whole.choices]
+    assert len(ids) == 1
+    assert whole.usage is not None and usage is not None
+    assert usage["completion_tokens"] == whole.usage.completion_tokens
+    assert usage["total_tokens"] == whole.usage.total_tokens
+
+
 def test_several_prompts_abort_together(tmp_path: Path) -> None:
     # A client that leaves, or one prompt refused, aborts every prompt's request: none
     # keeps a slot (greedy on the stub never ends by itself).
@@ -399,6 +426,12 @@ def test_several_prompts_abort_together(tmp_path: Path) -> None:
                        json={**endless, "prompt": ["a", "b", "c", "d"]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
         eventually(lambda: load() == (0, 0), 30.0, "the others' slots to be freed")
+        # Streamed: a 503, or (once another prompt's events began) an error event.
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={**endless, "prompt": ["a", "b", "c", "d"], "stream": True})
+        assert r.status_code in (200, 503) and "overloaded" in r.text, r.text
+        assert r.status_code == 503 or r.text.endswith("data: [DONE]\n\n")
+        eventually(lambda: load() == (0, 0), 30.0, "the streamed ones' slots to be freed")
     finally:
         rpc.close()
         s.stop()
