@@ -72,6 +72,14 @@ MAX_PROMPTS = 256
 _COMPLETION = msgspec.json.Decoder(Completion)
 
 
+async def _cancel_all(tasks: Sequence[asyncio.Future[int]]) -> None:
+    """Cancel ``tasks`` (a finished one: nothing; the others abort their request) and
+    wait for them to end."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _into(body: bytearray) -> Send:
     """A ``send`` that keeps an answer's body in ``body`` (one prompt's of several)."""
     async def keep(event: Event) -> None:
@@ -365,9 +373,7 @@ class OpenAIServing:
         try:
             await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
-                task.cancel()  # (finished ones: nothing; the others abort their request)
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(tasks)
         parts = [_COMPLETION.decode(body) for body in bodies]
         choices: list[CompletionChoice] = []
         prompt_tokens = answer_tokens = cached = 0
@@ -428,13 +434,12 @@ class OpenAIServing:
         except ApiError as exc:
             if not started:
                 raise
+            await _cancel_all(tasks)  # (none of theirs may follow the last message)
             await send({"type": "http.response.body", "more_body": False,
                         "body": b"data: " + sse_safe(exc.body()) + b"\n\n" + _DONE})
             return 200
         finally:
-            for task in tasks:
-                task.cancel()  # (finished ones: nothing; the others abort their request)
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(tasks)
         tail = [_DONE]
         opts = req.stream_options
         if opts is not None and opts.include_usage:
