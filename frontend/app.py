@@ -7,12 +7,13 @@ endpoint is given) on the server's event loop and closes them at shutdown. Route
     POST /v1/completions        frontend.generate
     POST /v1/chat/completions   frontend.generate
     POST /v1/embeddings         unit-norm vectors (float lists or base64)
-    GET  /v1/models             the one model served
+    GET  /v1/models             the model, under each name it is served as
     GET  /health                200 while the scheduler answers, 503 once it is gone
     GET  /metrics               the scheduler's families, then the HTTP ones
 
 Each GET route answers HEAD as GET without the body (a load balancer's
-``HEAD /health``). Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
+``HEAD /health``). Every answer carries ``x-request-id`` (the client's, else one
+made). Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
 ``max_body_bytes`` is a 413 before it is read, and one not read whole
 ``body_timeout`` seconds after its headers is a 408 (slowloris); a client
 that leaves aborts its request (:class:`~frontend.asgi.Conn`). Once the
