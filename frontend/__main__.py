@@ -19,6 +19,7 @@ from frontend.app import BODY_TIMEOUT_S, MAX_BODY_BYTES, Frontend, Settings
 from frontend.chat import ChatTemplate
 from frontend.errors import TokenizerError
 from frontend.running import run
+from frontend.schemas import MAX_MODEL_NAME
 from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, SEND_TIMEOUT_S, http_protocol
 from frontend.tokenizer import load_tokenizer
 from messages import MAX_TOKENS
@@ -70,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny-model", choices=["gru", "stub"], default="gru",
                    help="without --model: the small seeded GRU, or a zero-cost stub "
                         "(benchmarks)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients give (default: 'tiny', or --model's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names clients may give; answers report the first "
+                        "(default: 'tiny', or --model as given, as vLLM and SGLang serve it)")
     p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="serve /metrics (the scheduler's families and the HTTP ones)")
     p.add_argument("--endpoint", metavar="DIR_OR_TCP", default=None,
@@ -221,12 +223,16 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     if args.default_max_tokens > MAX_TOKENS:
         raise SystemExit(f"--default-max-tokens must be at most {MAX_TOKENS} (what a "
                          f"request may ask for), not {args.default_max_tokens}")
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
-                                      if args.model else "tiny")
+    names: list[str] = args.served_model_name or [args.model or "tiny"]
+    for name in names:
+        if not 0 < len(name) <= MAX_MODEL_NAME:
+            raise SystemExit(f"--served-model-name: {name!r} is not a name a request can "
+                             f"give (1 to {MAX_MODEL_NAME} characters)")
     model = _model(args, tokenizer.vocab_size)  # checked before the run directory is made
     door = _rpc_endpoint(SystemExit, args)  # made last: nothing after it refuses
     settings = Settings(
-        mode=args.mode, model=model, model_name=name,
+        mode=args.mode, model=model, model_name=names[0],
+        model_aliases=tuple(n for n in dict.fromkeys(names) if n != names[0]),
         max_batch=args.max_batch, tp_size=args.tp_size, dp_size=args.dp_size,
         dp_policy=args.dp_policy, limits=limits,
         metrics=args.metrics, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,

@@ -7,12 +7,13 @@ endpoint is given) on the server's event loop and closes them at shutdown. Route
     POST /v1/completions        frontend.generate
     POST /v1/chat/completions   frontend.generate
     POST /v1/embeddings         unit-norm vectors (float lists or base64)
-    GET  /v1/models             the one model served
+    GET  /v1/models             the model, under each name it is served as
     GET  /health                200 while the scheduler answers, 503 once it is gone
     GET  /metrics               the scheduler's families, then the HTTP ones
 
 Each GET route answers HEAD as GET without the body (a load balancer's
-``HEAD /health``). Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
+``HEAD /health``). Every answer carries ``x-request-id`` (the client's, else one
+made). Every error is OpenAI's shape (:mod:`frontend.errors`); a body past
 ``max_body_bytes`` is a 413 before it is read, and one not read whole
 ``body_timeout`` seconds after its headers is a 408 (slowloris); a client
 that leaves aborts its request (:class:`~frontend.asgi.Conn`). Once the
@@ -45,8 +46,10 @@ from frontend.asgi import (
     Scope,
     Send,
     read_body,
+    request_id,
     send_bytes,
     send_error,
+    with_request_id,
     without_body,
 )
 from frontend.chat import ChatTemplate
@@ -112,11 +115,14 @@ class Settings:
             public keys it admits (None: no CURVE).
         run_dir: a directory made for this server (its door's), removed at close.
         dp_policy: how the dispatcher picks a replica when ``dp_size`` is above 1.
+        model_name: the name answers report (``--served-model-name``'s first).
+        model_aliases: other names a request may give (``/v1/models`` lists them all).
     """
 
     mode: Literal["ring", "zmq"] = "ring"
     model: ModelConfig | HFModelSpec = field(default_factory=ModelConfig)
     model_name: str = "tiny"
+    model_aliases: tuple[str, ...] = ()
     max_batch: int = 64
     tp_size: int = 1
     dp_size: int = 1
@@ -192,9 +198,10 @@ class Frontend:
             ("POST", "/v1/chat/completions"): ("chat", self._chat),
             ("POST", "/v1/embeddings"): ("embeddings", self._embeddings),
             ("GET", "/v1/models"): ("models", self._models),
-            ("GET", f"/v1/models/{settings.model_name}"): ("models", self._model),
             ("GET", "/health"): ("health", self._health),
         }
+        for name in (settings.model_name, *settings.model_aliases):
+            self._routes[("GET", f"/v1/models/{name}")] = ("models", self._model)
         # A path turned off is not there, for any method (not a 405 naming GET).
         self._off = {} if settings.metrics else {"/metrics": "metrics are off (--no-metrics)"}
         if settings.metrics:
@@ -243,7 +250,8 @@ class Frontend:
             await self.close()
             raise
         self._gen = OpenAIServing(engine, self.tokenizer, GenerateSettings(
-            s.model_name, s.default_max_tokens, self.max_model_len), self.metrics, self.template)
+            s.model_name, s.default_max_tokens, self.max_model_len, s.model_aliases),
+            self.metrics, self.template)
         if self.metrics is not None:
             self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())
         # What start-up built (torch, the tokenizer, the engine) leaves the garbage
@@ -287,6 +295,7 @@ class Frontend:
         method, path = scope["method"], scope["path"]
         assert isinstance(method, str) and isinstance(path, str)
         route = self._routes.get((method, path))
+        send = with_request_id(send, request_id(scope))
         if method == "HEAD":
             send = without_body(send)
         endpoint = route[0] if route is not None else "other"
@@ -342,7 +351,7 @@ class Frontend:
         """The 404 for a path with no route (OpenAI's ``model_not_found`` for a model's)."""
         if path.startswith("/v1/models/"):
             return ApiError(404, f"the model {path[len('/v1/models/'):]!r} does not exist "
-                                 f"here: this server serves {self.settings.model_name!r}",
+                                 f"here: this server serves {_names(self.settings)}",
                             param="model", code="model_not_found")
         return ApiError(404, self._off.get(path, f"no route {method} {path}"), code="not_found")
 
@@ -424,7 +433,7 @@ class Frontend:
                 else v.tolist()) for i, v in enumerate(vectors)]
             n = sum(len(t) for t in texts)
             await send_bytes(send, 200, encode(EmbeddingResponse(
-                data, req.model, EmbeddingUsage(n, n))))
+                data, self.settings.model_name, EmbeddingUsage(n, n))))
             return 200
 
         return await self._guarded(receive, send, run)
@@ -454,18 +463,21 @@ class Frontend:
                                   code="context_length_exceeded")
         return texts
 
-    def _card(self) -> ModelCard:
-        return ModelCard(self.settings.model_name, self._started,
-                         max_model_len=self.max_model_len)
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(name, self._started, max_model_len=self.max_model_len)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
-        await send_bytes(send, 200, encode(ModelList([self._card()])))
+        s = self.settings
+        await send_bytes(send, 200, encode(ModelList(
+            [self._card(name) for name in (s.model_name, *s.model_aliases)])))
         return 200
 
     async def _model(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
         """``GET /v1/models/{name}`` (the openai client's ``models.retrieve``); another
         name has no route: 404."""
-        await send_bytes(send, 200, encode(self._card()))
+        path = scope["path"]
+        assert isinstance(path, str)
+        await send_bytes(send, 200, encode(self._card(path[len("/v1/models/"):])))
         return 200
 
     async def _health(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
@@ -500,6 +512,11 @@ class Frontend:
                            type="server_error", code="scheduler_unavailable") from None
         await send_bytes(send, 200, text + self.metrics.text(), TEXT)
         return 200
+
+
+def _names(s: Settings) -> str:
+    """The served names, for an error's message."""
+    return ", ".join(map(repr, (s.model_name, *s.model_aliases)))
 
 
 async def _within_rpc_wait(call: Awaitable[T]) -> T:

@@ -9,11 +9,14 @@ than the whole of our handler.
 from __future__ import annotations
 
 import asyncio
+import re
+import secrets
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 
 from frontend.errors import ApiError
 
-__all__ = ["Conn", "Receive", "Scope", "Send", "read_body", "send_bytes", "without_body"]
+__all__ = ["Conn", "Receive", "Scope", "Send", "read_body", "request_id", "send_bytes",
+           "with_request_id", "without_body"]
 
 Scope = MutableMapping[str, object]
 Event = MutableMapping[str, object]
@@ -126,6 +129,37 @@ async def send_error(send: Send, error: ApiError) -> None:
     if error.status == 408:
         headers = [*headers, (b"connection", b"close")]
     await send_bytes(send, error.status, error.body(), headers)
+
+
+#: ``x-request-id`` values echoed: printable ASCII, no space at either end, bounded.
+MAX_REQUEST_ID = 256
+_REQUEST_ID = re.compile(rb"[!-~](?:[ -~]*[!-~])?")
+
+
+def request_id(scope: Scope) -> bytes:
+    """The request's ``x-request-id``: the client's own when it sent one that is
+    printable ASCII of at most :data:`MAX_REQUEST_ID` characters, else a new one
+    (32 hex digits, as vLLM makes them). One is never refused: a header that
+    cannot be echoed safely is ignored."""
+    headers = scope.get("headers")
+    if isinstance(headers, list):
+        for name, value in headers:
+            if name == b"x-request-id" and len(value) <= MAX_REQUEST_ID \
+                    and _REQUEST_ID.fullmatch(value):
+                return bytes(value)
+    return secrets.token_hex(16).encode()
+
+
+def with_request_id(send: Send, rid: bytes) -> Send:
+    """``send`` whose response start carries ``x-request-id: rid``: every answer,
+    whole, streamed or an error, goes out through it."""
+    async def sending(event: Event) -> None:
+        if event["type"] == "http.response.start":
+            headers = event.get("headers", ())
+            assert isinstance(headers, list | tuple)
+            event = {**event, "headers": [*headers, (b"x-request-id", rid)]}
+        await send(event)
+    return sending
 
 
 def without_body(send: Send) -> Send:

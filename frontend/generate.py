@@ -23,7 +23,7 @@ from typing import cast
 
 import msgspec
 
-from frontend.asgi import SSE, Send, send_bytes
+from frontend.asgi import SSE, Event, Send, send_bytes
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import ApiError, bad_request, from_engine
@@ -47,6 +47,7 @@ from frontend.schemas import (
     check_supported,
     encode,
     encode_str,
+    sampler_seed,
     sse_safe,
 )
 from frontend.tokenizer import Tokenizer
@@ -65,6 +66,28 @@ _CHUNKS_A_TURN = 16
 #: Stands for an event's text while the bytes around it are encoded.
 _MARK = "\x00text\x00"
 _MARK_JSON = msgspec.json.encode(_MARK)
+#: The most prompts one completion request may hold (each is a request to the engine).
+MAX_PROMPTS = 256
+#: Reads back one prompt's answer of several (:meth:`OpenAIServing._several`).
+_COMPLETION = msgspec.json.Decoder(Completion)
+
+
+async def _cancel_all(tasks: Sequence[asyncio.Future[int]]) -> None:
+    """Cancel ``tasks`` (a finished one: nothing; the others abort their request) and
+    wait for them to end."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _into(body: bytearray) -> Send:
+    """A ``send`` that keeps an answer's body in ``body`` (one prompt's of several)."""
+    async def keep(event: Event) -> None:
+        if event["type"] == "http.response.body":
+            chunk = event.get("body", b"")
+            assert isinstance(chunk, bytes)
+            body.extend(chunk)
+    return keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +95,7 @@ class GenerateSettings:
     """What a generation needs besides the request.
 
     Attributes:
-        model_name: the one model this server serves (any other is a 404).
+        model_name: the name answers report.
         default_max_tokens: ``max_tokens`` when a request gives none
             (completions: OpenAI's 16; chat: this), cut to the room the
             prompt leaves in the model's context.
@@ -80,19 +103,24 @@ class GenerateSettings:
             together (the ``model_info`` rpc's ``max_prompt_tokens``); a
             request asking for more is a 400, as in OpenAI and vLLM. None: no
             bound here.
+        model_aliases: other names a request may give for the same model (any name
+            not served is a 404).
     """
 
     model_name: str
     default_max_tokens: int = 256
     max_model_len: int | None = None
+    model_aliases: tuple[str, ...] = ()
 
 
 class _ResponseBuilder:
     """Builds one request's answer as its endpoint spells it (a completion or a chat
     completion): the whole body, or its Server-Sent Events one by one."""
 
-    def __init__(self, chat: bool, rid: str, model: str, tok: Tokenizer) -> None:
+    def __init__(self, chat: bool, rid: str, model: str, tok: Tokenizer,
+                 index: int = 0) -> None:
         self.chat = chat
+        self.index = index  # its choice's (one prompt's of several)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
         self.created = int(time.time())
         self.model = model
@@ -143,7 +171,7 @@ class _ResponseBuilder:
         else:
             assert lp is None or isinstance(lp, CompletionLogprobs)
             body = Completion(self.id, self.created, self.model,
-                              [CompletionChoice(0, text, finish, lp)], usage=usage)
+                              [CompletionChoice(self.index, text, finish, lp)], usage=usage)
         return b"data: " + sse_safe(encode(body)) + b"\n\n"
 
     def usage_event(self, usage: Usage) -> bytes:
@@ -163,7 +191,7 @@ class _ResponseBuilder:
                                          usage))
         assert lp is None or isinstance(lp, CompletionLogprobs)
         return encode(Completion(self.id, self.created, self.model,
-                                 [CompletionChoice(0, text, finish, lp)], usage=usage))
+                                 [CompletionChoice(self.index, text, finish, lp)], usage=usage))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -235,9 +263,11 @@ class OpenAIServing:
 
     def check_model(self, model: str) -> None:
         """Raises: ApiError: 404 when ``model`` is not the one served."""
-        if model != self.settings.model_name:
+        s = self.settings
+        if model != s.model_name and model not in s.model_aliases:
+            served = ", ".join(map(repr, (s.model_name, *s.model_aliases)))
             raise ApiError(404, f"the model {model!r} does not exist here: this server "
-                                f"serves {self.settings.model_name!r} (GET /v1/models)",
+                                f"serves {served} (GET /v1/models)",
                            param="model", code="model_not_found")
 
     async def tokenize(self, text: str, *, special: bool) -> list[int]:
@@ -257,44 +287,170 @@ class OpenAIServing:
             None, lambda: [encode(text, add_special_tokens=special) for text in texts])
 
     async def completion(self, req: CompletionRequest, send: Send, t0: float) -> int:
-        """Answer a completion; returns the HTTP status sent.
+        """Answer a completion, of one prompt or several (one choice each, ``index`` in
+        the prompts' order); returns the HTTP status sent.
 
         Raises:
             ApiError: before anything was sent (400, 404, 503, ...).
         """
         check_supported(req)
         self.check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]  # a batch of one (LangChain's OpenAI LLM sends [text])
-        if isinstance(prompt, str):
-            ids = await self.tokenize(prompt, special=True)
-        elif len(prompt) <= _TOKENIZE_INLINE:
-            ids = self._prompt_ids(prompt)
-        else:  # ~1M ids take 150-240 ms to check: off the loop, as a long text is
-            ids = await asyncio.get_running_loop().run_in_executor(
-                None, self._prompt_ids, prompt)
+        prompts = await self._completion_prompts(req.prompt)
+        if len(prompts) > 1:
+            return await self._several(req, prompts, send, t0)
+        return await self._answer(self._completion_state(req, prompts[0], send, t0))
+
+    def _completion_state(self, req: CompletionRequest, ids: list[int], send: Send,
+                          t0: float) -> RequestState:
         max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
-        return await self._answer(self._state(
+        return self._state(
             req, endpoint="completions", prompt_ids=ids, max_tokens=max_tokens,
             stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
-            send=send, t0=t0))
+            send=send, t0=t0)
 
-    def _prompt_ids(self, prompt: list[int | str]) -> list[int]:
-        """A prompt given as token ids, checked against the vocabulary.
+    async def _completion_prompts(self, prompt: str | list[int | str | list[int]]
+                                  ) -> list[list[int]]:
+        """Each prompt's ids: a string, a list of ids, or several of either.
 
         Raises:
-            ApiError: 400: no ids, an id outside the vocabulary, or a list of prompts.
+            ApiError: 400 on ``prompt``: a list mixing kinds, more than
+                :data:`MAX_PROMPTS` prompts, no ids, or an id outside the vocabulary.
         """
-        if not all(isinstance(t, int) for t in prompt):
-            raise bad_request("prompt: a list of prompts (a batch) is not supported; send "
-                              "one prompt, as a string or a list of token ids, per request",
-                              param="prompt", code="unsupported_value")
-        ids = [t for t in prompt if isinstance(t, int)]
+        if isinstance(prompt, str):
+            return [await self.tokenize(prompt, special=True)]
+        if all(isinstance(t, int) for t in prompt):
+            ids = [t for t in prompt if isinstance(t, int)]
+            if len(ids) <= _TOKENIZE_INLINE:
+                return [self._prompt_ids(ids)]
+            # ~1M ids take 150-240 ms to check: off the loop, as a long text is
+            return [await asyncio.get_running_loop().run_in_executor(
+                None, self._prompt_ids, ids)]
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"prompt: {len(prompt)} prompts in one request; at most "
+                              f"{MAX_PROMPTS}", param="prompt", code="unsupported_value")
+        texts = [p for p in prompt if isinstance(p, str)]
+        if len(texts) == len(prompt):
+            return await self.tokenize_all(texts, special=True)
+        lists = [p for p in prompt if isinstance(p, list)]
+        if len(lists) != len(prompt):
+            raise bad_request("prompt: mixes strings, token ids and lists of token ids; "
+                              "give one kind", param="prompt")
+        if sum(map(len, lists)) <= _TOKENIZE_INLINE:
+            return [self._prompt_ids(ids, i) for i, ids in enumerate(lists)]
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [self._prompt_ids(ids, i) for i, ids in enumerate(lists)])
+
+    def _prompt_ids(self, ids: list[int], index: int | None = None) -> list[int]:
+        """A prompt given as token ids (the ``index``-th of several), checked against
+        the vocabulary.
+
+        Raises:
+            ApiError: 400: no ids, or an id outside the vocabulary.
+        """
         problem = prompt_problem(ids, self._vocab)
         if problem:
-            raise bad_request(f"prompt: {problem}", param="prompt")
+            where = "prompt" if index is None else f"prompt[{index}]"
+            raise bad_request(f"{where}: {problem}", param="prompt")
         return ids
+
+    async def _several(self, req: CompletionRequest, prompts: list[list[int]], send: Send,
+                       t0: float) -> int:
+        """Answer several prompts as one completion: each is its own request to the
+        engine, all at once; their answers become the choices, in the prompts' order,
+        and the usage is their sum. One refused (before anything was sent) aborts the
+        others.
+
+        Raises:
+            ApiError: what one prompt's answer raises.
+        """
+        if req.stream:
+            return await self._several_streamed(req, prompts, send, t0)
+        bodies = [bytearray() for _ in prompts]
+        # Every prompt is checked (its budget, its sampling) before any runs.
+        states = [self._completion_state(req, ids, _into(body), t0)
+                  for ids, body in zip(prompts, bodies, strict=True)]
+        tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            await _cancel_all(tasks)
+        parts = [_COMPLETION.decode(body) for body in bodies]
+        choices: list[CompletionChoice] = []
+        prompt_tokens = answer_tokens = cached = 0
+        for i, part in enumerate(parts):
+            choice = part.choices[0]
+            choice.index = i
+            choices.append(choice)
+            assert part.usage is not None
+            prompt_tokens += part.usage.prompt_tokens
+            answer_tokens += part.usage.completion_tokens
+            cached += part.usage.prompt_tokens_details.cached_tokens
+        first = parts[0]
+        await send_bytes(send, 200, encode(Completion(
+            first.id, first.created, first.model, choices, usage=Usage(
+                prompt_tokens, answer_tokens, prompt_tokens + answer_tokens,
+                PromptTokensDetails(cached)))))
+        return 200
+
+    async def _several_streamed(self, req: CompletionRequest, prompts: list[list[int]],
+                                send: Send, t0: float) -> int:
+        """Stream several prompts' answers as one: each prompt's events carry its choice
+        ``index`` and the one answer id, interleaved as they come; one ``[DONE]`` ends
+        them all, after the summed usage (``include_usage``). The response starts with
+        the first prompt's first event: a refusal of any prompt before that is an HTTP
+        error, after it an error event (the others are aborted either way).
+
+        Raises:
+            ApiError: before anything was sent.
+        """
+        started = False
+
+        def into(i: int) -> Send:
+            async def forward(event: Event) -> None:
+                nonlocal started
+                if event["type"] == "http.response.start":
+                    if not started:
+                        started = True
+                        await send(event)
+                    return
+                body = event.get("body", b"")
+                assert isinstance(body, bytes)
+                if body.endswith(_DONE):  # one [DONE], after every prompt's answer
+                    body = body[:-len(_DONE)]
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+            return forward
+
+        states = [self._completion_state(req, ids, into(i), t0)
+                  for i, ids in enumerate(prompts)]
+        rid = states[0].response.id.removeprefix("cmpl-")
+        for i, state in enumerate(states):
+            state.response = _ResponseBuilder(False, rid, self.settings.model_name,
+                                              self.tokenizer, index=i)
+            state.include_usage = False  # the summed usage goes last, once
+        tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
+        try:
+            await asyncio.gather(*tasks)
+        except ApiError as exc:
+            if not started:
+                raise
+            await _cancel_all(tasks)  # (none of theirs may follow the last message)
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": b"data: " + sse_safe(exc.body()) + b"\n\n" + _DONE})
+            return 200
+        finally:
+            await _cancel_all(tasks)
+        tail = [_DONE]
+        opts = req.stream_options
+        if opts is not None and opts.include_usage:
+            usages = [state.usage() for state in states]
+            prompt = sum(u.prompt_tokens for u in usages)
+            answer = sum(u.completion_tokens for u in usages)
+            tail.insert(0, states[0].response.usage_event(Usage(
+                prompt, answer, prompt + answer, PromptTokensDetails(
+                    sum(u.prompt_tokens_details.cached_tokens for u in usages)))))
+        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
+        return 200
 
     async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:
         """Answer a chat completion; returns the HTTP status sent.
@@ -305,11 +461,14 @@ class OpenAIServing:
         check_supported(req)
         self.check_model(req.model)
         asked = req.max_new_tokens()
+        field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        if asked == 0:  # (a completion's 0 is legitimate: it will score a prompt, with echo)
+            raise bad_request(f"{field} must be at least 1 on a chat completion, not 0 (as "
+                              "vLLM answers)", param=field, code="invalid_value")
         text = self.template.render(req.messages, req.add_generation_prompt)
         ids = await self.tokenize(text, special=False)
         max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
-                                  "max_tokens" if req.max_completion_tokens is None
-                                  else "max_completion_tokens")
+                                  field)
         return await self._answer(self._state(
             req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
             stops=[*req.stops(), *self.template.stops], extra_stop_ids=self.template.stop_ids,
@@ -350,7 +509,7 @@ class OpenAIServing:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=max(req.top_k, 0),
                                   stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
-                                  if stop_ids else None, seed=req.seed,
+                                  if stop_ids else None, seed=sampler_seed(req.seed),
                                   ignore_eos=req.ignore_eos)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"sampling: {exc}") from None
@@ -372,7 +531,8 @@ class OpenAIServing:
         include_usage = opts is not None and opts.include_usage
         return RequestState(
             endpoint=endpoint,
-            response=_ResponseBuilder(chat, next(self._ids), req.model, self.tokenizer),
+            response=_ResponseBuilder(chat, next(self._ids), self.settings.model_name,
+                                      self.tokenizer),
             prompt_ids=prompt_ids,
             sampling=self._sampling(req, max_tokens, extra_stop_ids),
             detok=Detokenizer(self.tokenizer, stops, prompt_ids), has_stops=bool(stops),

@@ -4,8 +4,8 @@ A request body decodes in one call (:func:`decode`) into its struct; every
 constraint (ranges, lengths, enums) lives in the type, as it does for the
 bus's messages, so a bad body fails there with a 400 naming the field
 (:func:`decode` converts msgspec's error at one place). Unknown fields are
-refused, not ignored: an option this server does not implement (``tools``,
-``response_format``, ...) is a clear 400 naming it. The options OpenAI
+refused, not ignored: an option this server does not implement (``suffix``
+with text, ``tools`` on completions, ...) is a clear 400 naming it. The options OpenAI
 clients may send at their defaults (``n``, the penalties, ``logit_bias``)
 are accepted at those defaults and refused otherwise (:func:`check_supported`).
 
@@ -42,6 +42,8 @@ __all__ = [
     "EmbeddingUsage",
     "ModelCard",
     "ModelList",
+    "NamedTool",
+    "ResponseFormat",
     "StreamOptions",
     "TokenLogprob",
     "PromptTokensDetails",
@@ -50,6 +52,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_str",
+    "sampler_seed",
     "sse_safe",
 ]
 
@@ -62,10 +65,15 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 #: ``-1`` (vLLM's spelling) and ``0`` both mean no top-k filter.
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=1 << 20)]
-Seed = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+#: Any int64, as vLLM takes it (``-1`` too); :func:`sampler_seed` maps it to the sampler's.
+Seed = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+#: The sampler's seeds (``SamplingParams.seed``): the non-negative int64s.
+_SAMPLER_SEEDS = 1 << 63
 MaxTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-ModelName = Annotated[str, msgspec.Meta(max_length=256)]
+#: The longest model name a request may give (a served name is a path as given).
+MAX_MODEL_NAME = 1024
+ModelName = Annotated[str, msgspec.Meta(max_length=MAX_MODEL_NAME)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -78,6 +86,27 @@ class StreamOptions(_Body, kw_only=True):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+def sampler_seed(seed: int | None) -> int | None:
+    """A request's int64 ``seed`` as the sampler's (``0 <= seed < 2**63``): the same
+    seed always maps to the same one (a negative one to ``seed + 2**63``)."""
+    return None if seed is None else seed % _SAMPLER_SEEDS
+
+
+class ResponseFormat(_Body, kw_only=True):
+    """``response_format``: only ``text`` (the default: asks for nothing) is served;
+    ``json_object`` and ``json_schema`` decode, then :func:`check_supported` refuses them."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, object] | None = None
+
+
+class NamedTool(_Body, kw_only=True):
+    """``tool_choice`` naming one function (``{"type": "function", "function": {...}}``)."""
+
+    type: Literal["function"]
+    function: dict[str, object]
 
 
 class _Sampling(_Body, kw_only=True):
@@ -107,10 +136,11 @@ class _Sampling(_Body, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids, or
+    several prompts: a list of strings or of token-id lists (one choice each)."""
 
     prompt: Annotated[str, msgspec.Meta(max_length=1 << 24)] | Annotated[
-        list[TokenId | str], msgspec.Meta(max_length=1 << 20)]
+        list[TokenId | str | list[TokenId]], msgspec.Meta(max_length=1 << 20)]
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -153,6 +183,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
+    #: Decoded so that what asks for nothing is served (``{"type": "text"}``,
+    #: ``tools: []``, ``tool_choice: "none"``); :func:`check_supported` refuses the rest.
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[dict[str, object]], msgspec.Meta(max_length=1024)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
 
     def max_new_tokens(self) -> int | None:
         """The answer's token budget: ``max_completion_tokens`` (OpenAI's name now) or
@@ -495,9 +531,41 @@ def check_supported(req: _Sampling) -> None:
         if req.logprobs:
             raise _unsupported("logprobs", "only the sampled tokens' logprobs are available: "
                                            "use logprobs=0")
-    if isinstance(req, ChatCompletionRequest) and req.top_logprobs:
-        raise _unsupported("top_logprobs", "top_logprobs > 0 is not supported (the sampled "
-                                           "tokens' logprobs are: logprobs=true)")
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs:
+            raise _unsupported("top_logprobs", "top_logprobs > 0 is not supported (the "
+                                               "sampled tokens' logprobs are: logprobs=true)")
+        _check_chat_options(req)
+
+
+def _check_chat_options(req: ChatCompletionRequest) -> None:
+    """Serve the structured-output and tool options that ask for nothing, refuse the rest.
+
+    Served: ``response_format`` ``text``; ``tools`` empty or absent; ``tool_choice``
+    ``none`` (with tools too: they are not used, nor shown to the model); and
+    ``parallel_tool_calls`` (it only shapes tool calls, which are not made then).
+
+    Raises:
+        ApiError: 400 naming ``response_format`` (``json_object``, ``json_schema``),
+            ``tools`` (tools the model may call: ``tool_choice`` absent, ``auto``,
+            ``required`` or a named function) or ``tool_choice`` (a choice other than
+            ``none`` with no tools to choose from, as OpenAI refuses it).
+    """
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        raise _unsupported("response_format", f"response_format {fmt.type!r} is not "
+                                              "supported (structured output is not built "
+                                              "here): only 'text'")
+    choice = req.tool_choice
+    if req.tools:
+        if choice != "none":
+            shown = choice.type if isinstance(choice, NamedTool) else choice or "auto"
+            raise _unsupported("tools", f"tool calls are not supported (tool_choice "
+                                        f"{shown!r}): send no tools, or tool_choice 'none'")
+    elif choice is not None and choice != "none":
+        shown = choice.type if isinstance(choice, NamedTool) else choice
+        raise bad_request(f"tool_choice {shown!r} is only allowed when tools are given",
+                          param="tool_choice", code="unsupported_value")
 
 
 def _unsupported(param: str, message: str) -> ApiError:

@@ -7,6 +7,7 @@ import json
 import re
 import socket
 import threading
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -14,8 +15,10 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from bus import RpcClient
 from frontend import ByteTokenizer, Settings
-from scheduler import ModelConfig
+from scheduler import Limits, ModelConfig
+from tests.conftest import eventually
 from tests.frontend.server import Server, raw_post
 
 
@@ -130,6 +133,32 @@ def test_greedy_is_deterministic_and_a_seed_reproduces(server: Server) -> None:
     assert other != seeded[0]
 
 
+def test_options_that_ask_for_nothing_are_served(server: Server) -> None:
+    # Without this: each was a 400 (an unknown field, or seed below 0), though none asks
+    # for anything; LangChain and agent frameworks send them.
+    c = client(server)
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
+    plain = c.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                      temperature=0).choices[0].message.content
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    served: list[dict[str, object]] = [
+        {"response_format": {"type": "text"}}, {"tools": []}, {"tool_choice": "none"},
+        {"tools": [tool], "tool_choice": "none"}, {"parallel_tool_calls": False},
+        {"tools": [], "parallel_tool_calls": True}]
+    for options in served:
+        out = c.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                        temperature=0, extra_body=options)
+        assert out.choices[0].message.content == plain, options  # the tools are not shown
+    # Any int64 seed: a negative one reproduces too, and is not another seed's answer.
+    def sampled(seed: int) -> str:
+        return c.completions.create(model="tiny", prompt="x", max_tokens=16, temperature=1.0,
+                                    seed=seed).choices[0].text
+
+    for seed in (-1, -(1 << 63), (1 << 63) - 1):
+        assert sampled(seed) == sampled(seed), seed
+    assert sampled(-1) != sampled(1)
+
+
 def test_logprobs(server: Server) -> None:
     c = client(server)
     out = c.completions.create(model="tiny", prompt="a", max_tokens=5, temperature=0,
@@ -203,6 +232,58 @@ def test_models_health_metrics(server: Server) -> None:
     assert "tsb_http_ttft_seconds_bucket" in text
 
 
+def test_every_served_name_is_accepted_and_answers_report_the_first() -> None:
+    # Without this: one name only (--served-model-name took one), a path's basename.
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
+                        metrics=False, model_name="org/m", model_aliases=("m", "/srv/m")), tok)
+    try:
+        c = client(s)
+        assert [m.id for m in c.models.list().data] == ["org/m", "m", "/srv/m"]
+        for name in ("org/m", "m", "/srv/m"):
+            out = c.completions.create(model=name, prompt="x", max_tokens=2)
+            assert out.model == "org/m"
+            chat = c.chat.completions.create(model=name, max_tokens=2,
+                                             messages=[{"role": "user", "content": "x"}])
+            assert chat.model == "org/m"
+            assert httpx.get(f"{s.url}/v1/models/{name}").json()["id"] == name
+        with pytest.raises(openai.NotFoundError, match="'org/m', 'm', '/srv/m'"):
+            c.completions.create(model="tiny", prompt="x", max_tokens=2)
+    finally:
+        s.stop()
+
+
+def test_every_answer_carries_an_x_request_id(server: Server) -> None:
+    # Without this: no x-request-id header (the openai client's request_id was None).
+    c = client(server)
+    made = c.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=2)
+    assert re.fullmatch("[0-9a-f]{32}", made.headers["x-request-id"])
+    assert made.request_id == made.headers["x-request-id"]
+    mine = {"x-request-id": "trace-1 / span:2"}
+    out = c.chat.completions.create(model="tiny", max_tokens=2, extra_headers=mine,
+                                    messages=[{"role": "user", "content": "x"}])
+    assert out._request_id == "trace-1 / span:2"
+    with c.chat.completions.with_streaming_response.create(
+            model="tiny", max_tokens=2, stream=True, extra_headers=mine,
+            messages=[{"role": "user", "content": "x"}]) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-1 / span:2"
+        assert "[DONE]" in streamed.read().decode()
+    with pytest.raises(openai.NotFoundError) as info:
+        c.completions.create(model="gpt-9", prompt="x", extra_headers=mine)
+    assert info.value.request_id == "trace-1 / span:2"
+    # Made anew when the client's cannot be echoed safely (too long, not printable
+    # ASCII); errors and other routes carry one too.
+    for sent in (b"x" * 257, "caf\u00e9".encode(), b"a\tb"):
+        r = httpx.post(f"{server.url}/v1/completions", headers={b"x-request-id": sent},
+                       json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200 and re.fullmatch("[0-9a-f]{32}", r.headers["x-request-id"])
+    for r in (httpx.post(f"{server.url}/v1/completions", content=b"{", headers=mine),
+              httpx.get(f"{server.url}/nowhere", headers=mine),
+              httpx.get(f"{server.url}/v1/models", headers=mine),
+              httpx.head(f"{server.url}/health", headers=mine)):
+        assert r.headers["x-request-id"] == "trace-1 / span:2", r
+
+
 def test_unknown_model_is_404(server: Server) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client(server).completions.create(model="gpt-9", prompt="x", max_tokens=1)
@@ -267,6 +348,93 @@ def test_a_batch_of_one_prompt_and_an_empty_suffix_are_served(server: Server) ->
     assert post(suffix="").json()["choices"][0]["text"] == plain
     refused = post(suffix="x")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix"
+
+
+def test_several_prompts_are_one_choice_each_in_order(server: Server) -> None:
+    # Without this: prompt ["a", "b"] was a 400 and [[1, 2]] a type error (LangChain's
+    # OpenAI(...).batch() and .generate([p1, p2]) send them).
+    c = client(server)
+    texts = ["Hello", "a", "the scheduler", "zz"]
+    ids = [[1, 2, 3], [7], [40, 41, 42, 43, 44], [9, 9]]
+    for prompts, stop in ((texts, None), (ids, None), (texts, ["q"])):
+        alone = [c.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
+                                      stop=stop) for p in prompts]
+        out = c.completions.create(model="tiny", prompt=prompts, max_tokens=8,
+                                   temperature=0, stop=stop)
+        assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
+        assert [ch.text for ch in out.choices] == [a.choices[0].text for a in alone]
+        assert [ch.finish_reason for ch in out.choices] == [
+            a.choices[0].finish_reason for a in alone]
+        assert out.usage is not None
+        for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert getattr(out.usage, field) == sum(getattr(a.usage, field) for a in alone
+                                                    if a.usage is not None), field
+
+
+def test_several_prompts_streamed_interleave_by_index(server: Server) -> None:
+    c = client(server)
+    prompts = ["Hello", "a", "the scheduler", "zz"]
+    whole = c.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0)
+    texts, finishes, ids = ["" for _ in prompts], [None for _ in prompts], set()
+    usage = None
+    with c.completions.with_streaming_response.create(
+            model="tiny", prompt=prompts, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    for line in lines[:-1]:
+        event = json.loads(line.removeprefix("data: "))
+        ids.add(event["id"])
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+            finishes[choice["index"]] = choice["finish_reason"]
+        if event.get("usage"):
+            usage = event["usage"]
+    assert texts == [ch.text for ch in whole.choices]
+    assert finishes == [ch.finish_reason for ch in whole.choices]
+    assert len(ids) == 1
+    assert whole.usage is not None and usage is not None
+    assert usage["completion_tokens"] == whole.usage.completion_tokens
+    assert usage["total_tokens"] == whole.usage.total_tokens
+
+
+def test_several_prompts_abort_together(tmp_path: Path) -> None:
+    # A client that leaves, or one prompt refused, aborts every prompt's request: none
+    # keeps a slot (greedy on the stub never ends by itself).
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
+                        max_batch=2, limits=Limits(max_queued_requests=2), metrics=False,
+                        rpc_endpoint=f"ipc://{tmp_path}/rpc"), tok)
+    rpc = RpcClient(f"ipc://{tmp_path}/rpc")
+
+    def load() -> tuple[object, object]:
+        result = rpc.call("get_load", timeout=10.0).result
+        assert result is not None
+        return result["running"], result["queued"]
+
+    endless = {"model": "tiny", "max_tokens": 1_000_000, "temperature": 0,
+               "ignore_eos": True}
+    try:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(raw_post("/v1/completions", {**endless, "prompt": ["a", "b"]}))
+            eventually(lambda: load() == (2, 0), 30.0, "both prompts to run")
+        eventually(lambda: load() == (0, 0), 30.0, "both prompts' slots to be freed")
+        # Four at once: past the two the queue holds, one is refused (503), and so is
+        # the whole request.
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={**endless, "prompt": ["a", "b", "c", "d"]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+        eventually(lambda: load() == (0, 0), 30.0, "the others' slots to be freed")
+        # Streamed: a 503, or (once another prompt's events began) an error event.
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={**endless, "prompt": ["a", "b", "c", "d"], "stream": True})
+        assert r.status_code in (200, 503) and "overloaded" in r.text, r.text
+        assert r.status_code == 503 or r.text.endswith("data: [DONE]\n\n")
+        eventually(lambda: load() == (0, 0), 30.0, "the streamed ones' slots to be freed")
+    finally:
+        rpc.close()
+        s.stop()
 
 
 def test_answer_ids_carry_the_server_s_run() -> None:

@@ -34,7 +34,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _server(model_dir: Path, ep: Path, *flags: str) -> Server:
-    settings, app = settings_from(parse(["--model", str(model_dir), "--endpoint", str(ep),
+    settings, app = settings_from(parse(["--model", str(model_dir), "--served-model-name",
+                                         "tiny", "--endpoint", str(ep),
                                          *flags]))
     return Server(settings, app.tokenizer)
 

@@ -12,6 +12,7 @@ import pytest
 
 from frontend.__main__ import _check_listen, base_url, main, parse, settings_from
 from scheduler import ModelConfig
+from scheduler.models.tiny_hf import build_tiny_hf
 from tests.frontend.bpe import train_byte_level
 
 
@@ -34,6 +35,21 @@ def test_defaults_are_loopback_ring_byte_level(tmp_path: Path) -> None:
                                  "--prefix-cache-bytes", "4096"]))[0]
     assert (aware.dp_size, aware.dp_policy, aware.limits.prefix_cache_bytes) == (
         2, "cache_aware", 4096)
+
+
+def test_served_model_names(tmp_path: Path) -> None:
+    # Without this: --model DIR was served as DIR's basename (a client set up for vLLM
+    # or SGLang, which serve the path as given, got a 404) and one name only.
+    ep = ["--endpoint", str(tmp_path / "ep")]
+    settings = settings_from(parse(ep))[0]
+    assert (settings.model_name, settings.model_aliases) == ("tiny", ())
+    settings = settings_from(parse([*ep, "--served-model-name", "a", "b/c", "a"]))[0]
+    assert (settings.model_name, settings.model_aliases) == ("a", ("b/c",))
+    build_tiny_hf(tmp_path / "models" / "m")
+    given = f"{tmp_path}/models/../models/m/"
+    assert settings_from(parse([*ep, "--model", given]))[0].model_name == given
+    with pytest.raises(SystemExit, match="--served-model-name"):
+        settings_from(parse([*ep, "--served-model-name", "x" * 2000]))
 
 
 def test_the_start_up_line_names_a_url_a_client_can_use() -> None:

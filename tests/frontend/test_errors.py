@@ -57,7 +57,10 @@ def error(r: httpx.Response) -> dict[str, object]:
     ({"prompt": "x"}, "model"),
     ({"model": "tiny"}, "prompt"),
     ({"model": "tiny", "prompt": [1, 99999]}, "prompt"),
-    ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "tiny", "prompt": ["a", [1]]}, "prompt"),
+    ({"model": "tiny", "prompt": [[1], [99999]]}, "prompt"),
+    ({"model": "tiny", "prompt": [[1], []]}, "prompt"),
+    ({"model": "tiny", "prompt": ["a"] * 257}, "prompt"),
     ({"model": "tiny", "prompt": "x", "n": 2}, "n"),
     ({"model": "tiny", "prompt": "x", "presence_penalty": 1}, "presence_penalty"),
     ({"model": "tiny", "prompt": "x", "echo": True}, "echo"),
@@ -79,8 +82,26 @@ def test_completion_400_names_the_field(server: Server, body: object, param: str
      "messages[0].content[0].type"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
       "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "yaml"}}, "response_format.type"),
+    *[({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}], **choice}, "tools")
+      for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"},
+                     {"tool_choice": {"type": "function", "function": {"name": "f"}}})],
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+      "tool_choice": "required"}, "tool_choice"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "seed": 1 << 63},
+     "seed"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
      "top_logprobs"),
+    # A chat answer of no tokens is a 400, as in vLLM (without this: a 200 with "").
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+     "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+      "max_completion_tokens": 0}, "max_completion_tokens"),
     # Content is required in every message, null included: OpenAI allows it absent only
     # beside tool_calls, which this server does not take (without it: accepted as "").
     ({"model": "tiny", "messages": [{"role": "user"}]}, "messages[0].content"),
@@ -96,6 +117,17 @@ def test_chat_400_names_the_field(server: Server, body: object, param: str) -> N
     r = post(server, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert error(r)["param"] == param
+
+
+def test_max_tokens_0_is_served_on_completions_only(server: Server) -> None:
+    # A completion's 0 is legitimate (with echo it scores a prompt); a chat answer's is
+    # a 400, as in vLLM.
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 0
+    r = post(server, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
+    assert r.status_code == 400 and "at least 1" in str(error(r)["message"]), r.text
 
 
 def test_max_tokens_and_max_completion_tokens_that_differ_are_400(server: Server) -> None:

@@ -29,7 +29,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    settings, app = settings_from(parse(["--model", str(model_dir), "--endpoint",
+    settings, app = settings_from(parse(["--model", str(model_dir), "--served-model-name",
+                                         "tiny", "--endpoint",
                                          str(tmp_path_factory.mktemp("ep") / "ep")]))
     s = Server(settings, app.tokenizer)
     yield s
@@ -77,7 +78,8 @@ def test_ignore_eos_gives_exactly_max_tokens_where_the_model_would_stop(
     gen = json.loads((eos_dir / "generation_config.json").read_text())
     gen["eos_token_id"] = [2, ref[at]]  # the model's stop ids, where the tokenizer's is 2
     (eos_dir / "generation_config.json").write_text(json.dumps(gen))
-    settings, app = settings_from(parse(["--model", str(eos_dir), "--endpoint",
+    settings, app = settings_from(parse(["--model", str(eos_dir), "--served-model-name",
+                                         "tiny", "--endpoint",
                                          str(tmp_path / "ep")]))
     server = Server(settings, app.tokenizer)
     try:
