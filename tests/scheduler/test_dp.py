@@ -169,6 +169,16 @@ def test_one_replicas_answer_is_never_passed_off_as_everyones() -> None:
     assert load.result is not None and load.result["queued"] == 7
 
 
+def test_flush_cache_says_what_every_replica_freed_together() -> None:
+    call = RpcReqInput(rid="c5", method="flush_cache")
+    for a, b in ((3, 4), (4, 4)):  # different figures, and equal ones (not one replica's)
+        merged = merge_replies(call, [ReplicaReply("replica0", _reply(True, freed_bytes=a)),
+                                      ReplicaReply("replica1", _reply(True, freed_bytes=b))])
+        assert merged.result is not None and merged.result["freed_bytes"] == a + b
+        assert (merged.result["replica0.freed_bytes"], merged.result["replica1.freed_bytes"]) \
+            == (a, b)
+
+
 # -- end to end: Engine("zmq", dp_size=2) ---------------------------------------
 
 @pytest.fixture(scope="module")
