@@ -18,7 +18,8 @@ otherwise the least loaded replica takes it (the ledger's own choice).
 Either way, its prompt joins the chosen replica's tree. Embedding requests
 are not recorded (a replica caches no prefix for them). A replica that is
 lost, or that joins again (a respawn starts with an empty cache), has its
-tree dropped; a ``flush_cache`` broadcast drops every tree.
+tree dropped; so does each replica whose ``flush_cache`` succeeded (one
+that refused, with requests running, keeps its cache and its tree).
 
 The thresholds are SGLang router's defaults (0.5; 32 requests and 1.0001):
 on ``benchmarks.prefix`` (8 shared system prompts, 2 replicas, concurrency
@@ -32,7 +33,8 @@ from collections.abc import Container, Sequence
 
 import numpy as np
 
-from messages import TokenIds
+from messages import RpcReqInput, RpcReqOutput, TokenIds
+from scheduler.dp.table import Reducer, ReplicaReply
 from scheduler.models.radix import RadixTree
 
 __all__ = ["BALANCE_ABS", "BALANCE_REL", "MATCH_SHARE", "TREE_NODES", "TREE_TOKENS",
@@ -121,7 +123,13 @@ class PrefixAffinity:
         """Forget what ``replica`` holds (lost, respawned or flushed)."""
         self.trees[replica] = RadixTree(self.tree_tokens, self.tree_nodes)
 
-    def drop_all(self) -> None:
-        """Forget every replica's tree (a ``flush_cache`` emptied their caches)."""
-        for i in range(len(self.trees)):
-            self.drop(i)
+    def forget_flushed(self, names: Sequence[str], reduce: Reducer, call: RpcReqInput,
+                       replies: Sequence[ReplicaReply]) -> RpcReqOutput:
+        """``flush_cache`` merged by ``reduce``; each replica that flushed has its tree dropped.
+
+        ``names``: the replicas' names, by index (what :class:`ReplicaReply` says).
+        """
+        for r in replies:
+            if r.reply is not None and r.reply.success and r.replica in names:
+                self.drop(names.index(r.replica))
+        return reduce(call, replies)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from messages import token_ids
+from messages import RpcReqInput, RpcReqOutput, token_ids
 from scheduler.dp.affinity import BALANCE_ABS, PrefixAffinity
+from scheduler.dp.fanout import merge_replies
 from scheduler.dp.ledger import Cost, Ledger
+from scheduler.dp.table import ReplicaReply
 
 
 def test_the_trees_stay_within_their_bound_over_100k_distinct_prompts() -> None:
@@ -105,3 +107,21 @@ def test_uneven_load_sends_to_the_least_loaded_and_a_dropped_tree_forgets() -> N
                            [True, True]) is None  # a 40% match is not enough
     affinity.drop(0)
     assert affinity.prefer(prompt, [0, 0], [True, True]) is None
+
+
+def test_only_a_replica_whose_flush_succeeded_forgets_its_tree() -> None:
+    affinity = PrefixAffinity(3)
+    prompt = token_ids(list(range(50)))
+    for i in range(3):
+        affinity.record(i, prompt)
+    call = RpcReqInput(rid="f", method="flush_cache")
+    refused = RpcReqOutput(rid="x", success=False, message="requests are running")
+    flushed = RpcReqOutput(rid="x", success=True, result={"freed_bytes": 1})
+    merged = affinity.forget_flushed(
+        ["replica0", "replica1", "replica2"], merge_replies, call,
+        [ReplicaReply("replica0", refused), ReplicaReply("replica1", flushed),
+         ReplicaReply("replica2", None, "timed out")])
+    assert not merged.success and merged.result is not None
+    assert merged.result["failed"] == ["replica0", "replica2"]
+    assert [t.nodes for t in affinity.trees] == [1, 0, 1]  # replica0 and 2 still hold it
+    assert affinity.prefer(prompt, [0, 0, 0], [True, True, True]) in (0, 2)

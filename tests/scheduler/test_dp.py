@@ -301,3 +301,14 @@ def test_a_reply_in_another_replicas_name_is_dropped() -> None:
     merged = fanout.reply(RpcReqOutput(rid=dict(sent)[0], success=True), sender=0)
     assert merged is not None and merged[0].result is not None
     assert "replica1.forged" not in merged[0].result
+
+
+def test_cache_aware_sends_embeddings_by_load_not_by_prefix() -> None:
+    # A replica caches no prefix for an embedding: the same prompt, embedded
+    # again and again one at a time, still spreads over both replicas.
+    with Engine("zmq", dp_size=2, dp_policy="cache_aware") as engine:
+        for _ in range(4):
+            assert len(engine.embed(list(range(1, 40)))) > 0
+        load = engine.collective_rpc("get_load")
+    assert load.result is not None
+    assert [load.result[f"replica{i}.dispatched"] for i in range(2)] == [2, 2], load.result
