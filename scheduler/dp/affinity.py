@@ -2,8 +2,11 @@
 
 SGLang's router does this; so do we, without asking the replicas: per
 replica, a :class:`~scheduler.models.radix.RadixTree` of the prompts we sent
-there (tokens only, no state), bounded in tokens and evicted oldest first,
-so it approximates what the replica's own prefix cache holds. A request
+there (tokens only, no state), bounded in tokens (:data:`TREE_TOKENS`, so
+it approximates what the replica's own prefix cache holds) and in nodes
+(:data:`TREE_NODES`, so its own memory stays bounded when prompts differ in
+a token or two), evicted least recently used first. Only the chosen
+replica's tree counts as used: looking into the others does not refresh them. A request
 goes to the replica whose tree matches the longest part of its prompt when
 
 * that match is at least :data:`MATCH_SHARE` of the prompt, and
@@ -12,9 +15,11 @@ goes to the replica whose tree matches the longest part of its prompt when
   by a factor of at most :data:`BALANCE_REL`;
 
 otherwise the least loaded replica takes it (the ledger's own choice).
-Either way, its prompt joins the chosen replica's tree. A replica that is
+Either way, its prompt joins the chosen replica's tree. Embedding requests
+are not recorded (a replica caches no prefix for them). A replica that is
 lost, or that joins again (a respawn starts with an empty cache), has its
-tree dropped; a ``flush_cache`` broadcast drops every tree.
+tree dropped; so does each replica whose ``flush_cache`` succeeded (one
+that refused, with requests running, keeps its cache and its tree).
 
 The thresholds are SGLang router's defaults (0.5; 32 requests and 1.0001):
 on ``benchmarks.prefix`` (8 shared system prompts, 2 replicas, concurrency
@@ -28,10 +33,12 @@ from collections.abc import Container, Sequence
 
 import numpy as np
 
-from messages import TokenIds
+from messages import RpcReqInput, RpcReqOutput, TokenIds
+from scheduler.dp.table import Reducer, ReplicaReply
 from scheduler.models.radix import RadixTree
 
-__all__ = ["BALANCE_ABS", "BALANCE_REL", "MATCH_SHARE", "TREE_TOKENS", "PrefixAffinity"]
+__all__ = ["BALANCE_ABS", "BALANCE_REL", "MATCH_SHARE", "TREE_NODES", "TREE_TOKENS",
+           "PrefixAffinity"]
 
 #: Least share of a prompt a replica's tree must match to win the request.
 MATCH_SHARE = 0.5
@@ -40,8 +47,13 @@ MATCH_SHARE = 0.5
 BALANCE_ABS = 32
 #: ... and the most loaded has more than this many times the least's.
 BALANCE_REL = 1.0001
-#: Tokens each replica's tree keeps (4 bytes each, plus ~200 bytes a node).
+#: Tokens each replica's tree keeps (4 bytes each: 4 MiB).
 TREE_TOKENS = 1 << 20
+#: Nodes each replica's tree keeps. A node costs ~1 KB (measured 700-950 bytes:
+#: the node, its dict, token array and span, and its share of the eviction heap,
+#: up to 4 entries a node), and a node may stand for a single token, so this
+#: bound, not the tokens', caps the worst case: ~32 MiB per replica.
+TREE_NODES = 1 << 15
 
 
 class _Run:
@@ -62,11 +74,15 @@ class PrefixAffinity:
     Args:
         n: replicas.
         tree_tokens: tokens each replica's tree keeps.
+        tree_nodes: nodes each replica's tree keeps.
     """
 
-    def __init__(self, n: int, tree_tokens: int = TREE_TOKENS) -> None:
+    def __init__(self, n: int, tree_tokens: int = TREE_TOKENS,
+                 tree_nodes: int = TREE_NODES) -> None:
         self.tree_tokens = tree_tokens
-        self.trees: list[RadixTree[_Run]] = [RadixTree(tree_tokens) for _ in range(n)]
+        self.tree_nodes = tree_nodes
+        self.trees: list[RadixTree[_Run]] = [RadixTree(tree_tokens, tree_nodes)
+                                             for _ in range(n)]
         self.routed_by_prefix = 0  # requests sent where their prefix was
         self.routed_by_load = 0  # requests sent to the least loaded
 
@@ -87,7 +103,8 @@ class PrefixAffinity:
             return None
         best, best_len = -1, 0
         for i in candidates:
-            length = self.trees[i].match(ids, lock=False, count=False).length
+            # Untouched: only the chosen tree's path turns recent, by record().
+            length = self.trees[i].match(ids, lock=False, count=False, touch=False).length
             if length > best_len or (length == best_len and best >= 0 and load[i] < load[best]):
                 best, best_len = i, length
         if best < 0 or best_len < MATCH_SHARE * len(ids):
@@ -104,9 +121,15 @@ class PrefixAffinity:
 
     def drop(self, replica: int) -> None:
         """Forget what ``replica`` holds (lost, respawned or flushed)."""
-        self.trees[replica] = RadixTree(self.tree_tokens)
+        self.trees[replica] = RadixTree(self.tree_tokens, self.tree_nodes)
 
-    def drop_all(self) -> None:
-        """Forget every replica's tree (a ``flush_cache`` emptied their caches)."""
-        for i in range(len(self.trees)):
-            self.drop(i)
+    def forget_flushed(self, names: Sequence[str], reduce: Reducer, call: RpcReqInput,
+                       replies: Sequence[ReplicaReply]) -> RpcReqOutput:
+        """``flush_cache`` merged by ``reduce``; each replica that flushed has its tree dropped.
+
+        ``names``: the replicas' names, by index (what :class:`ReplicaReply` says).
+        """
+        for r in replies:
+            if r.reply is not None and r.reply.success and r.replica in names:
+                self.drop(names.index(r.replica))
+        return reduce(call, replies)

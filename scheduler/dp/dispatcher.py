@@ -268,10 +268,12 @@ class Dispatcher:
         rid = msg.rid
         # A replica still running an orphan of this rid would drop it as a duplicate.
         busy = [r.index for r in self.replicas if r.orphans and rid in r.orphans]
+        # Only generation leaves a prefix in a replica's cache: embeddings go by load.
+        affinity = self.affinity if isinstance(msg, TokenizedGenerateReqInput) else None
         try:
             prefer = None
-            if pin is None and self.affinity is not None:
-                prefer = self.affinity.prefer(msg.input_ids, self.ledger.requests,
+            if pin is None and affinity is not None:
+                prefer = affinity.prefer(msg.input_ids, self.ledger.requests,
                                               self.ledger.live, busy)
             i = self.ledger.pick(pin, busy, prefer)
         except NoLiveReplica as exc:
@@ -301,8 +303,8 @@ class Dispatcher:
             return
         self.ledger.add(msg.rid, i, rep.generation, cost_of(msg), msg, pinned=pin is not None,
                         at=self.awake.now)
-        if self.affinity is not None:
-            self.affinity.record(i, msg.input_ids)
+        if affinity is not None:
+            affinity.record(i, msg.input_ids)
         self.stats["dispatched"] += 1
 
     def _to_owner(self, msg: Request) -> None:
@@ -327,8 +329,6 @@ class Dispatcher:
         elif call.method == HELLO_METHOD:  # ours to answer: we decode the client's frames
             self._reply(answer_hello_here(call, self.logs), origin)
         else:
-            if call.method == "flush_cache" and self.affinity is not None:
-                self.affinity.drop_all()  # the replicas' caches empty: our guesses go too
             self._fan_out(call, origin, route)
 
     def _fan_out(self, call: RpcReqInput, origin: Origin, route: Broadcast) -> None:
@@ -341,6 +341,9 @@ class Dispatcher:
         if call.method == "get_load":  # the dispatcher's own view of each replica, beside
             reduce = functools.partial(with_ledger, reduce, self.replicas, self.ledger,
                                        self.stats, self.fanout)
+        elif call.method == "flush_cache" and self.affinity is not None:
+            reduce = functools.partial(self.affinity.forget_flushed,
+                                       [r.name for r in self.replicas], reduce)
         done = self.fanout.start(call, origin, self.clock() + self.rpc_timeout,
                                  reduce, live, self._send_call)
         if done is not None:

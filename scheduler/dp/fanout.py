@@ -23,9 +23,11 @@ from scheduler.dp.table import Reducer, ReplicaReply
 
 __all__ = ["CallerQueue", "Fanout", "PendingCall", "merge_replies"]
 
-#: Per method, the keys whose values add up across replicas (the whole's load).
+#: Per method, the keys whose values add up across replicas (the whole's load, what
+#: the whole's prefix caches freed).
 SUMMED: dict[str, frozenset[str]] = {
     "get_load": frozenset({"running", "queued", "tokens_per_s", "steps"}),
+    "flush_cache": frozenset({"freed_bytes"}),
 }
 
 
@@ -145,7 +147,8 @@ def merge_replies(call: RpcReqInput, replies: Sequence[ReplicaReply]) -> RpcReqO
       by a replica's keys). Only when *every* replica succeeded does it also
       hold, at the top level, each key on which all of them agree (so a
       method whose answer is the same everywhere reads as from one
-      scheduler), or for ``get_load``'s counts their sum: never
+      scheduler), or for a key of :data:`SUMMED` (``get_load``'s counts,
+      ``flush_cache``'s ``freed_bytes``) their sum: never
       the answer of the replicas that happened to answer as everyone's.
     """
     result: RpcResult = {}

@@ -11,9 +11,11 @@ where the two diverge (:meth:`Span.split` cuts a span at a position).
 Bounds and eviction:
 
 * the tree holds at most ``capacity`` units of :attr:`Span.size` (bytes for
-  a KV cache, tokens for the dispatcher); past it, after an insert, leaves
-  are evicted least recently used first (a walk through a node, by a match
-  or an insert, makes it recent);
+  a KV cache, tokens for the dispatcher) and, if given, at most ``max_nodes``
+  nodes (what the tree itself costs in memory: a node may stand for one
+  token); past either, after an insert, leaves are evicted least recently
+  used first (a walk through a node, by an insert or by a match that
+  ``touch``\\ es, makes it recent);
 * only leaves are evicted, so every node's prefix stays whole; a node whose
   last child goes becomes a candidate in turn;
 * a :meth:`RadixTree.match` that ``lock``\\ s holds a reference on every node
@@ -105,15 +107,19 @@ class RadixTree(Generic[S]):
 
     Args:
         capacity: most :attr:`Span.size` held after an insert (``>= 0``).
+        max_nodes: most nodes held after an insert (``>= 0``); ``None``: no bound.
 
     Raises:
-        ValueError: ``capacity`` is negative.
+        ValueError: ``capacity`` or ``max_nodes`` is negative.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_nodes: int | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, not {capacity}")
+        if max_nodes is not None and max_nodes < 0:
+            raise ValueError(f"max_nodes must be >= 0, not {max_nodes}")
         self.capacity = capacity
+        self.max_nodes = max_nodes
         self._root: _Node[S] = _Node(np.empty(0, np.int64), None, None)
         self._clock = itertools.count(1)
         self._order = itertools.count()  # ties in the heap: never compare nodes
@@ -132,11 +138,13 @@ class RadixTree(Generic[S]):
                          self.miss_tokens, self.evictions, self.evicted_size)
 
     def match(self, tokens: Tokens, *, limit: int | None = None, lock: bool = True,
-              count: bool = True) -> Hit[S]:
+              count: bool = True, touch: bool = True) -> Hit[S]:
         """The longest cached prefix of ``tokens``, at most ``limit`` tokens long.
 
         With ``lock``, every node of the path is held until :meth:`release`.
         With ``count``, the hit and miss token counters grow by this match.
+        With ``touch``, every node of the path becomes the most recently used;
+        without, a look that may come to nothing leaves the eviction order be.
         """
         n = len(tokens) if limit is None else min(limit, len(tokens))
         node, pos, now = self._root, 0, next(self._clock)
@@ -147,8 +155,9 @@ class RadixTree(Generic[S]):
                 break
             same = _common(child.tokens, tokens[pos:n])
             node = child
-            node.last = now
-            self._push(node)
+            if touch:
+                node.last = now
+                self._push(node)
             assert node.span is not None
             spans.append(node.span)
             pos += same
@@ -204,13 +213,15 @@ class RadixTree(Generic[S]):
         return new
 
     def evict(self, down_to: int) -> int:
-        """Evict unlocked leaves, least recently used first, until ``size <= down_to``.
+        """Evict unlocked leaves, least recently used first, until ``size <= down_to``
+        and there are at most ``max_nodes`` nodes.
 
         Returns how much size was freed (less than asked when the rest is locked).
         """
         freed = 0
         heap = self._heap
-        while self.size > down_to and heap:
+        most = self.nodes if self.max_nodes is None else self.max_nodes
+        while (self.size > down_to or self.nodes > most) and heap:
             last, _, node = heapq.heappop(heap)
             if node.children or node.refs or node.last != last or node.parent is None:
                 continue  # changed since it was pushed (a newer entry exists if it matters)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from messages import token_ids
+from messages import RpcReqInput, RpcReqOutput, token_ids
 from scheduler.dp.affinity import BALANCE_ABS, PrefixAffinity
+from scheduler.dp.fanout import merge_replies
 from scheduler.dp.ledger import Cost, Ledger
+from scheduler.dp.table import ReplicaReply
 
 
 def test_the_trees_stay_within_their_bound_over_100k_distinct_prompts() -> None:
@@ -27,6 +29,44 @@ def test_the_trees_stay_within_their_bound_over_100k_distinct_prompts() -> None:
     # The most recent prompts are still there, the first ones long gone.
     assert affinity.trees[1].match(prompts[-1], lock=False).length == 24
     assert affinity.trees[0].match(prompts[0], lock=False).length < 24
+
+
+def test_prompts_differing_in_their_last_token_stay_within_the_node_bound() -> None:
+    nodes = 500
+    affinity = PrefixAffinity(2, tree_nodes=nodes)  # the token bound is far off
+    base = np.arange(200, dtype=np.uint32)
+    for i in range(20_000):  # each prompt splits off a one-token leaf
+        affinity.record(i % 2, token_ids(_ending(base, 1000 + i)))
+        if i % 500 == 499:
+            for tree in affinity.trees:
+                assert tree.nodes <= nodes and len(tree._heap) <= 4 * tree.nodes + 1025
+    for tree in affinity.trees:
+        assert tree.nodes == nodes and tree.size < 200 + nodes, tree.stats()
+    assert affinity.trees[1].match(_ending(base, 1000 + 19_999), lock=False).length == 200
+    assert affinity.trees[0].match(_ending(base, 1000), lock=False).length == 199
+
+
+def _ending(base: np.ndarray, last: int) -> np.ndarray:
+    """``base`` with its last token replaced by ``last``."""
+    prompt = base.copy()
+    prompt[-1] = last
+    return prompt
+
+
+def test_looking_for_a_prefix_refreshes_only_the_chosen_replicas_tree() -> None:
+    affinity = PrefixAffinity(2, tree_tokens=30)
+    old, new = list(range(10)), list(range(100, 110))
+    for i in range(2):
+        affinity.record(i, token_ids(old))
+        affinity.record(i, token_ids(new))
+    # Both trees hold it; load picks replica 1, whose tree alone sees it used.
+    assert affinity.prefer(token_ids(old), [1, 0], [True, True]) == 1
+    affinity.record(1, token_ids(old))
+    for i in range(2):
+        affinity.record(i, token_ids(list(range(200, 215))))  # over the bound: one goes
+    assert affinity.trees[0].match(np.array(old, np.uint32), lock=False).length == 0
+    assert affinity.trees[1].match(np.array(old, np.uint32), lock=False).length == 10
+    assert affinity.trees[1].match(np.array(new, np.uint32), lock=False).length == 0
 
 
 def _route(affinity: PrefixAffinity, ledger: Ledger, rid: str, prompt: list[int]) -> int:
@@ -67,3 +107,21 @@ def test_uneven_load_sends_to_the_least_loaded_and_a_dropped_tree_forgets() -> N
                            [True, True]) is None  # a 40% match is not enough
     affinity.drop(0)
     assert affinity.prefer(prompt, [0, 0], [True, True]) is None
+
+
+def test_only_a_replica_whose_flush_succeeded_forgets_its_tree() -> None:
+    affinity = PrefixAffinity(3)
+    prompt = token_ids(list(range(50)))
+    for i in range(3):
+        affinity.record(i, prompt)
+    call = RpcReqInput(rid="f", method="flush_cache")
+    refused = RpcReqOutput(rid="x", success=False, message="requests are running")
+    flushed = RpcReqOutput(rid="x", success=True, result={"freed_bytes": 1})
+    merged = affinity.forget_flushed(
+        ["replica0", "replica1", "replica2"], merge_replies, call,
+        [ReplicaReply("replica0", refused), ReplicaReply("replica1", flushed),
+         ReplicaReply("replica2", None, "timed out")])
+    assert not merged.success and merged.result is not None
+    assert merged.result["failed"] == ["replica0", "replica2"]
+    assert [t.nodes for t in affinity.trees] == [1, 0, 1]  # replica0 and 2 still hold it
+    assert affinity.prefer(prompt, [0, 0, 0], [True, True, True]) in (0, 2)

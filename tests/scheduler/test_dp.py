@@ -169,6 +169,16 @@ def test_one_replicas_answer_is_never_passed_off_as_everyones() -> None:
     assert load.result is not None and load.result["queued"] == 7
 
 
+def test_flush_cache_says_what_every_replica_freed_together() -> None:
+    call = RpcReqInput(rid="c5", method="flush_cache")
+    for a, b in ((3, 4), (4, 4)):  # different figures, and equal ones (not one replica's)
+        merged = merge_replies(call, [ReplicaReply("replica0", _reply(True, freed_bytes=a)),
+                                      ReplicaReply("replica1", _reply(True, freed_bytes=b))])
+        assert merged.result is not None and merged.result["freed_bytes"] == a + b
+        assert (merged.result["replica0.freed_bytes"], merged.result["replica1.freed_bytes"]) \
+            == (a, b)
+
+
 # -- end to end: Engine("zmq", dp_size=2) ---------------------------------------
 
 @pytest.fixture(scope="module")
@@ -291,3 +301,14 @@ def test_a_reply_in_another_replicas_name_is_dropped() -> None:
     merged = fanout.reply(RpcReqOutput(rid=dict(sent)[0], success=True), sender=0)
     assert merged is not None and merged[0].result is not None
     assert "replica1.forged" not in merged[0].result
+
+
+def test_cache_aware_sends_embeddings_by_load_not_by_prefix() -> None:
+    # A replica caches no prefix for an embedding: the same prompt, embedded
+    # again and again one at a time, still spreads over both replicas.
+    with Engine("zmq", dp_size=2, dp_policy="cache_aware") as engine:
+        for _ in range(4):
+            assert len(engine.embed(list(range(1, 40)))) > 0
+        load = engine.collective_rpc("get_load")
+    assert load.result is not None
+    assert [load.result[f"replica{i}.dispatched"] for i in range(2)] == [2, 2], load.result

@@ -90,3 +90,5 @@ def test_clear_empties_an_unlocked_tree() -> None:
 def test_negative_capacity_is_refused() -> None:
     with pytest.raises(ValueError, match="capacity"):
         RadixTree(-1)
+    with pytest.raises(ValueError, match="max_nodes"):
+        RadixTree(10, max_nodes=-1)
