@@ -18,12 +18,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from scheduler.models.files import HF_EXTRA, ModelLoadError, check_model_dir
 from scheduler.models.protocol import Model
 from scheduler.models.tiny import ModelConfig, build_model
+
+if TYPE_CHECKING:  # (transformers is the optional [hf] extra)
+    from transformers import PretrainedConfig
 
 __all__ = ["HFModelSpec", "ModelArg", "ModelLoadError", "ModelSpec", "check_model_dir",
            "check_model_loads", "load_model", "model_spec", "own_process_threads"]
@@ -101,19 +105,11 @@ def load_model(model: ModelSpec | Model) -> Model:
         return build_model(model)
     if not isinstance(model, HFModelSpec):
         return model
-    spec = model_spec(model)
-    assert isinstance(spec, HFModelSpec)
-    try:
-        from scheduler.models.hf import HFCausalLM, held_log, load_config
-    except ImportError as exc:
-        raise ModelLoadError(spec.path, f"loading a Hugging Face model needs transformers "
-                                        f"({exc}): {HF_EXTRA}") from exc
+    spec, config = _checked_config(model)
+    from scheduler.models.hf import HFCausalLM, held_log  # (_checked_config imported it)
     root = Path(spec.path)
-    with _converted(root / "config.json"):
-        config = load_config(root)
     with held_log() as held, _converted(root, held):
         return HFCausalLM(root, config=config, dtype=spec.dtype, device=spec.device)
-
 
 
 def check_model_loads(model: ModelSpec) -> None:
@@ -129,8 +125,17 @@ def check_model_loads(model: ModelSpec) -> None:
     Raises:
         ModelLoadError: naming the file and the cause.
     """
-    if not isinstance(model, HFModelSpec):
-        return
+    if isinstance(model, HFModelSpec):
+        _checked_config(model)
+
+
+def _checked_config(model: HFModelSpec) -> tuple[HFModelSpec, PretrainedConfig]:
+    """``model``'s spec, checked (:func:`model_spec`), and its ``config.json`` as
+    ``transformers`` reads it: what both loading and checking start with.
+
+    Raises:
+        ModelLoadError: naming the file and the cause (or that transformers is missing).
+    """
     spec = model_spec(model)
     assert isinstance(spec, HFModelSpec)
     try:
@@ -140,7 +145,7 @@ def check_model_loads(model: ModelSpec) -> None:
                                         f"({exc}): {HF_EXTRA}") from exc
     root = Path(spec.path)
     with _converted(root / "config.json"):
-        load_config(root)
+        return spec, load_config(root)
 
 
 @contextmanager
