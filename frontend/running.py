@@ -31,10 +31,9 @@ import uvicorn
 
 from frontend.app import Frontend
 from scheduler import ModelLoadError
+from scheduler.cli.signals import STOP_SIGNALS, ignore_stop_signals
 
 __all__ = ["run"]
-
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Signals:
@@ -64,13 +63,13 @@ def run(app: Frontend, server: uvicorn.Server, announce: Callable[[], None]) -> 
     status for that).
     """
     handler = _Signals()
-    for sig in _SIGNALS:
+    for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
     try:
         with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
             return runner.run(_run(app, server, handler, announce))
     finally:
-        _ignore_signals()
+        ignore_stop_signals()
 
 
 async def _run(app: Frontend, server: uvicorn.Server, handler: _Signals,
@@ -101,14 +100,3 @@ async def _run(app: Frontend, server: uvicorn.Server, handler: _Signals,
         handler.starting = handler.server = None  # closing: signals are only counted
         await app.close()
 
-
-def _ignore_signals() -> None:
-    """SIGINT and SIGTERM ignored by the kernel from here to the exit: the interpreter's
-    finalization puts the default handlers back, which a late signal would meet."""
-    for sig in _SIGNALS:
-        for _ in range(10):  # one pending raises "race condition": handled, then again
-            try:
-                signal.signal(sig, signal.SIG_IGN)
-                break
-            except OSError:
-                continue

@@ -22,6 +22,7 @@ from scheduler.cli.options import (
     curve_options,
 )
 from scheduler.cli.rpc import run_rpc
+from scheduler.cli.signals import ignore_stop_signals
 from scheduler.cli.top import run_top
 from scheduler.core.admission import Limits
 from scheduler.dp import ReplicaSpec, serve_dispatch
@@ -251,18 +252,6 @@ def _stopping(signum: int, frame: object) -> None:
     """A signal once stopping: nothing to do, the stop is under way."""
 
 
-def _ignore_signals() -> None:
-    """SIGINT and SIGTERM ignored by the kernel from now on: the interpreter's exit puts a
-    Python handler back to the default, which a late second signal then meets
-    (status -15 or -2 for a second signal 20-300 ms after the first)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        for _ in range(10):  # one pending raises "race condition": handled, then again
-            try:
-                signal.signal(sig, signal.SIG_IGN)
-                break
-            except OSError:
-                continue
-
 
 def _until_stopped(serve: Callable[[], bool]) -> int:
     """Run ``serve`` (True once a ``shutdown`` reached all it serves) as a command.
@@ -278,7 +267,7 @@ def _until_stopped(serve: Callable[[], bool]) -> int:
     try:
         return 0 if serve() else 1
     except KeyboardInterrupt:
-        _ignore_signals()
+        ignore_stop_signals()
         print("interrupted: stopping", file=sys.stderr)
         return 0
     except (EndpointInUse, NoReplicaLeft) as exc:

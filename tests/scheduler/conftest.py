@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 from tests.scheduler.rig import Loop
@@ -24,3 +26,23 @@ def make_loop(ctx: zmq.Context[zmq.Socket[bytes]], ipc: Callable[[str], str]
     yield make
     for loop in loops:
         loop.close()
+
+
+@pytest.fixture
+def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """One intra-op thread here and in the scheduler processes: on a busy 2-core box,
+    torch's spinning threads made a tiny model's step 70x slower (0.5 s, not 7 ms),
+    long enough for a data-parallel replica to look lost. A module that builds
+    Hugging Face models uses it with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A float64-ready tiny random Llama and its tokenizer, built once per module."""
+    from scheduler.models.tiny_hf import build_tiny_hf  # (needs the [hf] extra)
+    return build_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,21 +32,7 @@ MAX_NEW = 8
 CHUNK = 512  # the scheduler's default max_prefill_tokens
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """One intra-op thread here and in the scheduler processes: on a busy 2-core box,
-    torch's spinning threads made a tiny model's step 70x slower (0.5 s, not 7 ms),
-    long enough for a data-parallel replica to look lost."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ forces evictions; an abort while a request holds a cached prefix; the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -30,19 +29,7 @@ OFF = Limits(prefix_cache_bytes=0)
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 8  # layers, keys+values, kv heads, head dim, float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """One intra-op thread (see test_hf_model.py: spinning threads on a busy box)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:
