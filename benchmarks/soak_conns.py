@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from tests.procs import stop
+
 __all__ = ["BOUNDS", "SCENARIOS", "connections_past_soft_limit"]
 
 STREAMS = 1200
@@ -101,12 +103,7 @@ def connections_past_soft_limit() -> dict[str, object]:
             status = asyncio.run(_streams(port))
             wall = time.monotonic() - t0
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+            stop(proc, 30)
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     answered = sum(n for k, n in status.items() if k.isdigit())
     return {"connections_served_of_1200_at_soft_limit_1024": answered,

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from bus import RpcClient
-from tests.procs import alive, children
+from tests.procs import alive, children, stop
 
 __all__ = ["main", "respawn_during_standby_start", "serve_dp_no_replica"]
 
@@ -92,12 +92,7 @@ def respawn_during_standby_start() -> dict[str, object]:
                   f"{load['replica0.pid'] if load else None}", file=sys.stderr)
         finally:
             rpc.close()
-            serve.terminate()
-            try:
-                serve.wait(60)
-            except subprocess.TimeoutExpired:
-                serve.kill()
-                serve.wait(30)
+            stop(serve, 60)
     return {"respawn_during_standby_start_ok": ok,
             "respawn_during_standby_start_s": round(took, 2)}
 

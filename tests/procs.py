@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -55,3 +56,13 @@ def left_by(pids: list[int]) -> list[str]:
     runs = [n for n in os.listdir(tempfile.gettempdir())
             if (m := re.match(r"tsbrun-(\d+)-", n)) and m.group(1) in names]
     return shm + runs
+
+
+def stop(proc: subprocess.Popen[str] | subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    """Ask ``proc`` to stop (SIGTERM), wait ``grace`` seconds, then kill it and reap it."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BREAKS", "DoubleStop", "Failed", "broken_copy", "double_ctrl_c", "failed_start",
-           "free_port"]
+__all__ = ["BREAKS", "DoubleStop", "Failed", "broken_copy", "broken_tiny_hf", "double_ctrl_c",
+           "failed_start", "free_port"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +58,15 @@ def broken_copy(good: Path, dest: Path, how: str) -> Path:
     shutil.copytree(good, dest)
     BREAKS[how][1](dest)
     return dest
+
+
+def broken_tiny_hf(dest: Path, how: str) -> Path:
+    """A tiny random Llama built at ``dest``, then broken as :data:`BREAKS` says."""
+    from scheduler.models.tiny_hf import build_tiny_hf  # (needs the [hf] extra)
+
+    root = build_tiny_hf(dest)
+    BREAKS[how][1](root)
+    return root
 
 
 def free_port() -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import eventually
+from tests.procs import stop
 
 _BODY = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 48,
                     "stream": True}).encode()
@@ -59,12 +60,7 @@ def _frontend(tmp: Path, soft: int, hard: int) -> Iterator[tuple[int, int, Path]
         assert found, log.read_text()
         yield found[0], proc.pid, log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        stop(proc, 30)
 
 
 async def _stream(port: int, go: asyncio.Event, connected: list[int], n: int) -> str:

@@ -12,17 +12,13 @@ from pathlib import Path
 import pytest
 
 from frontend.__main__ import parse, settings_from
+from tests.frontend.cli_runs import broken_tiny_hf
 
 
 @pytest.fixture(scope="module")
 def truncated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    from scheduler.models.tiny_hf import build_tiny_hf
-
-    root = build_tiny_hf(tmp_path_factory.mktemp("hf") / "cut")
-    weights = root / "model.safetensors"
-    os.truncate(weights, weights.stat().st_size // 2)
-    return root
+    return broken_tiny_hf(tmp_path_factory.mktemp("hf") / "cut", "truncated_weights")
 
 
 def test_a_truncated_model_is_refused_naming_its_file_before_a_run_directory_is_made(

@@ -19,6 +19,7 @@ from messages import SamplingParams
 from scheduler import Engine, ModelConfig, ModelLoadError, SchedulerGone
 from scheduler.cli.options import DEPRECATED_ALIASES
 from tests import procs
+from tests.frontend.cli_runs import broken_tiny_hf
 
 
 def _serve(tmp_path: Path, *args: str, timeout: float = 60.0) -> tuple[int, str, float]:
@@ -44,12 +45,7 @@ def test_serve_refuses_arguments_no_replica_could_serve_before_starting_one(
 @pytest.fixture(scope="module")
 def truncated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    from scheduler.models.tiny_hf import build_tiny_hf
-
-    root = build_tiny_hf(tmp_path_factory.mktemp("hf") / "cut")
-    weights = root / "model.safetensors"
-    os.truncate(weights, weights.stat().st_size // 2)
-    return root
+    return broken_tiny_hf(tmp_path_factory.mktemp("hf") / "cut", "truncated_weights")
 
 
 def test_serve_dp_refuses_a_truncated_model_naming_the_file(tmp_path: Path,
