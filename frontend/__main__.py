@@ -154,26 +154,17 @@ def _check_listen(host: str, port: int) -> None:
         raise SystemExit(f"--port must be 0-65535, not {port}")
     if port == 0:
         return  # any free port
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as exc:
+    from frontend.listening import open_listeners  # (as DoorServer, where it is used)
+
+    try:  # every address the host names, bound as the server will bind them, then closed
+        trials = open_listeners(host, port, backlog=1)
+    except socket.gaierror as exc:
         raise SystemExit(f"--host {host}: {exc}") from exc
-    trials: list[socket.socket] = []
-    try:  # every address the host names, each as asyncio's create_server binds it
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            trial = socket.socket(family, kind, proto)
-            trials.append(trial)
-            trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                trial.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                trial.bind(address)
-            except OSError as exc:
-                raise SystemExit(f"--host/--port: cannot listen on {host}:{port} "
-                                 f"({address[0]}): {exc.strerror}") from exc
-    finally:
-        for trial in trials:
-            trial.close()
+    except OSError as exc:
+        raise SystemExit(f"--host/--port: cannot listen on {host}:{port} "
+                         f"({exc.filename}): {exc.strerror}") from exc
+    for trial in trials:
+        trial.close()
 
 
 def base_url(host: str, port: int) -> str:

@@ -67,7 +67,8 @@ def open_listeners(host: str, port: int, backlog: int) -> list[socket.socket]:
     binds them: ``SO_REUSEADDR``, IPv6 sockets IPv6-only), non-blocking.
 
     Raises:
-        OSError: an address cannot be resolved or bound.
+        socket.gaierror: ``host`` does not resolve.
+        OSError: an address cannot be bound (its ``filename`` is that address).
     """
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     listeners: list[socket.socket] = []
@@ -78,7 +79,10 @@ def open_listeners(host: str, port: int, backlog: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
+            try:
+                sock.bind(address)
+            except OSError as exc:  # which of the host's addresses, for the message
+                raise OSError(exc.errno, exc.strerror, address[0]) from exc
             sock.listen(backlog)
             sock.setblocking(False)
     except OSError:

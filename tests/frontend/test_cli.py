@@ -53,7 +53,7 @@ def test_served_model_names(tmp_path: Path) -> None:
 
 
 def test_the_start_up_line_names_a_url_a_client_can_use() -> None:
-    # Probe: --host ::1 printed http://::1:8000/v1, and --port 0 printed :0.
+    # An IPv6 host in brackets; port 0 names no port (uvicorn's own line does).
     assert base_url("127.0.0.1", 8000) == "http://127.0.0.1:8000/v1"
     assert base_url("::1", 8000) == "http://[::1]:8000/v1"
     assert ":0/" not in base_url("127.0.0.1", 0) and "free port" in base_url("127.0.0.1", 0)
