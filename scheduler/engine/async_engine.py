@@ -47,7 +47,6 @@ from messages import (
     AbortReq,
     BatchEmbeddingOut,
     BatchTokenIDOut,
-    EncodeError,
     ErrorOut,
     Output,
     Request,
@@ -464,27 +463,13 @@ class AsyncEngine(SchedulerClient):
         else:
             self._send(state)
 
-    def _queue_abort(self, state: RequestState) -> None:
-        self._unsent_aborts.append(state)
-        if len(self._unsent_aborts) == 1:
-            assert self._loop is not None
-            self._loop.call_later(_RETRY_S, self._retry_aborts)
-
     def _retry_aborts(self) -> None:
-        waiting = self._unsent_aborts
-        while waiting and not self.closed and self._gone is None:
-            state = waiting[0]
-            if self._requests.get(state.rid) is state:  # else it ended: nothing to abort
-                try:
-                    sent = self._send_nowait([AbortReq(rid=state.rid)])
-                except EngineError:
-                    break
-                if not sent:
-                    assert self._loop is not None
-                    self._loop.call_later(_RETRY_S, self._retry_aborts)
-                    return
-            waiting.popleft()
-        waiting.clear()
+        """Queue the aborts that waited for room again, in order (each still sent only
+        while its state holds its rid)."""
+        waiting, self._unsent_aborts = self._unsent_aborts, deque()
+        if not self.closed and self._gone is None:
+            for state in waiting:
+                self._send(state)
 
     def _send(self, item: Request | RequestState) -> None:
         """Queue a request, or the abort of a request's state, for this turn's burst.
@@ -518,25 +503,25 @@ class AsyncEngine(SchedulerClient):
         while sent < len(reqs):
             try:
                 n = self._send_nowait(reqs[sent:])
-            except EncodeError as exc:  # this one alone cannot go (validated: not expected)
-                rid = reqs[sent].rid
-                self._end(rid, RequestFailed(rid, "invalid_request", str(exc)))
-                del reqs[sent]
-                continue
-            except EngineError as exc:  # closed under us: nothing more will be sent
-                error = exc
+            except Exception as exc:  # closed under us (or, validated, not expected: one
+                # that cannot be encoded): nothing more will be sent
+                error = exc if isinstance(exc, EngineError) else EngineError(
+                    f"request {reqs[sent].rid!r} could not be sent: {exc}")
                 break
             if n == 0:
                 break
             sent += n
         for req in reqs[sent:]:
             state = aborting.get(id(req))
-            if state is not None and error is None:
-                self._queue_abort(state)
-            elif state is None:
+            if state is None:
                 self._end(req.rid, error or Overloaded(
                     req.rid, "overloaded", "the scheduler is not taking requests (its work "
                                            "channel is full)"))
+            elif error is None:  # an abort waits for room, in order
+                self._unsent_aborts.append(state)
+                if len(self._unsent_aborts) == 1:
+                    assert self._loop is not None
+                    self._loop.call_later(_RETRY_S, self._retry_aborts)
         self._after_sends(sent)
 
     def _end(self, rid: str, item: Item) -> None:
