@@ -238,12 +238,6 @@ class RequestHandle(RequestState):
         """
         return joined(self.rid, [i for items in self._items(timeout) for i in items])
 
-    def embedding(self, timeout: float | None = None) -> npt.NDArray[np.float32]:
-        """Wait for an embedding request's vector. Raises: as :meth:`result`."""
-        item = next(self._items(timeout))[0]
-        assert isinstance(item, np.ndarray)
-        return item
-
 
 class Stream(Generic[T]):
     """A blocking stream's items (``Engine.stream``, ``Engine.stream_steps``).
