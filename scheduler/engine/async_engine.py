@@ -64,7 +64,6 @@ from scheduler.engine.handles import (
     Item,
     RequestState,
     StreamChunk,
-    ends,
     joined,
 )
 from scheduler.engine.stopping import close_timeout
@@ -97,7 +96,7 @@ class AsyncRequest(RequestState):
     """A submitted generate request: ``await`` it for its :class:`~scheduler.GenerateResult`.
 
     The asyncio twin of :class:`~scheduler.RequestHandle`, with no task of its
-    own: many can be awaited one after another. Cancelling what awaits it
+    own: many can be awaited one after another, each once. Cancelling what awaits it
     aborts the request; one never awaited runs to its end (``await
     engine.abort(request.rid)`` stops it). One that fails and is collected
     without ever being awaited (fire and forget) is counted in
@@ -114,6 +113,8 @@ class AsyncRequest(RequestState):
         self._awaited = False
 
     def __await__(self) -> Generator[object, None, GenerateResult]:
+        if self._awaited:  # its outputs went to the first: a second would wait for ever
+            raise RuntimeError(f"request {self.rid!r} is awaited a second time")
         self._awaited = True
         return self._engine._result(self).__await__()
 
@@ -286,7 +287,7 @@ class AsyncEngine(SchedulerClient):
 
         Raises (while iterating): as :meth:`generate`.
         """
-        return _each(self._stream(input_ids, sampling, return_logprob, rid, dp_rank, 1))
+        return _each(self._stream(input_ids, sampling, return_logprob, rid, dp_rank, True))
 
     def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                      *, return_logprob: bool = False, rid: str | None = None,
@@ -301,16 +302,16 @@ class AsyncEngine(SchedulerClient):
         Raises (while iterating): as :meth:`generate`; chunks that arrived
         before an error are yielded first.
         """
-        return self._stream(input_ids, sampling, return_logprob, rid, dp_rank, None)
+        return self._stream(input_ids, sampling, return_logprob, rid, dp_rank, False)
 
     def _stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
-                return_logprob: bool, rid: str | None, dp_rank: int | None, most: int | None
+                return_logprob: bool, rid: str | None, dp_rank: int | None, one: bool
                 ) -> AsyncIterator[list[StreamChunk]]:
-        """A stream's chunks, ``most`` at a time; its request is sent at the first
+        """A stream's chunks (``one``: one at a time); its request is sent at the first
         iteration (not before)."""
         return cast(AsyncIterator[list[StreamChunk]], self._steps(lambda: self._start(
             [self._generate_req(input_ids, sampling, True, return_logprob, rid, dp_rank)],
-            RequestState)[0], most))
+            RequestState)[0], one))
 
     async def embed(self, input_ids: npt.ArrayLike, *, rid: str | None = None,
                     dp_rank: int | None = None, timeout: float | None = None
@@ -395,8 +396,8 @@ class AsyncEngine(SchedulerClient):
         return checked, states
 
     async def _steps(self, start: RequestState | Callable[[], RequestState],
-                     most: int | None = None) -> AsyncIterator[list[Item]]:
-        """A request's outputs, those that have arrived (``most`` at most) as one list,
+                     one: bool = False) -> AsyncIterator[list[Item]]:
+        """A request's outputs, those that have arrived (``one``: the oldest) as one list,
         until its last; an error is raised after the outputs that came before it.
         ``start``: its state, or what sends it at the first iteration. Leaving before
         its end aborts it."""
@@ -406,12 +407,12 @@ class AsyncEngine(SchedulerClient):
             while not finished:
                 # What is buffered is taken without a coroutine; a bare future is
                 # awaited only when nothing waits (the per-token hot path).
-                items = state.take(most)
+                items = state.take(one)
                 if not items:
                     await state.arrival()
                     continue
                 last = items[-1]  # (an error or a final output is the last one)
-                finished = ends(last)
+                finished = not isinstance(last, StreamChunk) or last.finish_reason is not None
                 if isinstance(last, EngineError):
                     if len(items) > 1:
                         yield items[:-1]

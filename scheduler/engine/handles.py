@@ -79,6 +79,10 @@ def joined(rid: str, items: Sequence[Item]) -> GenerateResult:
     chunks = cast(Sequence[StreamChunk], items)
     final = chunks[-1].finish_reason
     assert final is not None
+    if len(chunks) == 1:  # a request not streamed: its one chunk
+        c = chunks[0]
+        return GenerateResult(rid, list(c.token_ids), final,
+                              None if c.logprobs is None else list(c.logprobs), c.cached_tokens)
     has_lps = any(c.logprobs is not None for c in chunks)
     cached = [c.cached_tokens for c in chunks if c.cached_tokens is not None]
     return GenerateResult(rid, [t for c in chunks for t in c.token_ids], final,
@@ -155,12 +159,15 @@ class RequestState:
             if not waiter.done():  # (cancelled if its consumer left)
                 waiter.set_result(None)
 
-    def take(self, most: int | None = None) -> list[Item]:
-        """The outputs waiting now (``most`` at most), oldest first; empty if none."""
+    def take(self, one: bool = False) -> list[Item]:
+        """The outputs waiting now (``one``: the oldest alone), oldest first; empty if none."""
         items = self.items
-        n = len(items) if most is None else min(most, len(items))
-        return [i.chunk(self.rid) if isinstance(i, _Merged) else i
-                for i in (items.popleft() for _ in range(n))]
+        if one and len(items) > 1:
+            item = items.popleft()
+            return [item.chunk(self.rid) if isinstance(item, _Merged) else item]
+        out = [i.chunk(self.rid) if isinstance(i, _Merged) else i for i in items]
+        items.clear()
+        return out
 
     def arrival(self) -> asyncio.Future[None]:
         """A future done when the next output arrives (await it only while empty)."""
