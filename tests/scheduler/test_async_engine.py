@@ -144,6 +144,8 @@ async def test_submit_then_await_each_and_a_timed_out_await_aborts(engine: Async
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(long, 0.2)  # cancels the await: the request is aborted
     await _until_idle(engine)
+    with pytest.raises(RuntimeError, match="awaited a second time"):  # not a wait for ever
+        await asyncio.wait_for(requests[0], 5)
 
 
 @pytest.mark.asyncio(loop_scope="module")
