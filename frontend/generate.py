@@ -27,6 +27,7 @@ from frontend.asgi import SSE, Event, Send, send_bytes
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import ApiError, bad_request, from_engine
+from frontend.guides import guide_of
 from frontend.metrics import HttpMetrics
 from frontend.schemas import (
     ChatChoice,
@@ -105,12 +106,15 @@ class GenerateSettings:
             bound here.
         model_aliases: other names a request may give for the same model (any name
             not served is a 404).
+        guided: the model has a tokenizer vocabulary, so structured output can be
+            served (the built-in models' is synthetic: a guide is a 400).
     """
 
     model_name: str
     default_max_tokens: int = 256
     max_model_len: int | None = None
     model_aliases: tuple[str, ...] = ()
+    guided: bool = True
 
 
 class _ResponseBuilder:
@@ -505,12 +509,17 @@ class OpenAIServing:
         if not req.ignore_eos:
             eos = self.tokenizer.eos_token_id
             stop_ids.extend(i for i in (eos, *extra_stop_ids) if i is not None)
+        fmt = req.response_format if isinstance(req, ChatCompletionRequest) else None
+        guide = guide_of(response_format=None if fmt is None else (fmt.type, fmt.json_schema),
+                         guided_json=req.guided_json, guided_regex=req.guided_regex,
+                         guided_choice=req.guided_choice, guided_grammar=req.guided_grammar,
+                         model=None if self.settings.guided else self.settings.model_name)
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=max(req.top_k, 0),
                                   stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
                                   if stop_ids else None, seed=sampler_seed(req.seed),
-                                  ignore_eos=req.ignore_eos)
+                                  ignore_eos=req.ignore_eos, guide=guide)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"sampling: {exc}") from None
 

@@ -20,6 +20,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from frontend.errors import ApiError, bad_request
+from messages.catalogue import MAX_GUIDE_SPEC
 
 __all__ = [
     "ChatChoice",
@@ -74,6 +75,8 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 #: The longest model name a request may give (a served name is a path as given).
 MAX_MODEL_NAME = 1024
 ModelName = Annotated[str, msgspec.Meta(max_length=MAX_MODEL_NAME)]
+#: A regex, a grammar or a schema as text (the wire's bound on a guide's spec).
+GuideText = Annotated[str, msgspec.Meta(max_length=MAX_GUIDE_SPEC)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -95,8 +98,10 @@ def sampler_seed(seed: int | None) -> int | None:
 
 
 class ResponseFormat(_Body, kw_only=True):
-    """``response_format``: only ``text`` (the default: asks for nothing) is served;
-    ``json_object`` and ``json_schema`` decode, then :func:`check_supported` refuses them."""
+    """``response_format``: ``text`` (the default: asks for nothing), ``json_object``
+    (the answer is a JSON object) or ``json_schema`` (``json_schema.schema`` is the
+    schema the answer validates; ``name``, ``description`` and ``strict`` are read as
+    OpenAI's, the answer always obeys the schema). See :mod:`frontend.guides`."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, object] | None = None
@@ -128,6 +133,12 @@ class _Sampling(_Body, kw_only=True):
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, float] | None = None
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    #: vLLM's structured-output fields (:mod:`frontend.guides`): at most one per request.
+    guided_json: dict[str, object] | GuideText | None = None
+    guided_regex: GuideText | None = None
+    guided_choice: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]],
+                             msgspec.Meta(min_length=1, max_length=4096)] | None = None
+    guided_grammar: GuideText | None = None
 
     def stops(self) -> list[str]:
         """The stop strings, as a list (empty when none)."""
@@ -183,8 +194,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
-    #: Decoded so that what asks for nothing is served (``{"type": "text"}``,
-    #: ``tools: []``, ``tool_choice: "none"``); :func:`check_supported` refuses the rest.
+    #: Structured output (:mod:`frontend.guides`). Of the tool options, what asks for
+    #: nothing is served (``tools: []``, ``tool_choice: "none"``);
+    #: :func:`check_supported` refuses the rest.
     response_format: ResponseFormat | None = None
     tools: Annotated[list[dict[str, object]], msgspec.Meta(max_length=1024)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
@@ -539,23 +551,17 @@ def check_supported(req: _Sampling) -> None:
 
 
 def _check_chat_options(req: ChatCompletionRequest) -> None:
-    """Serve the structured-output and tool options that ask for nothing, refuse the rest.
+    """Serve the tool options that ask for nothing, refuse the rest.
 
-    Served: ``response_format`` ``text``; ``tools`` empty or absent; ``tool_choice``
+    Served: ``tools`` empty or absent; ``tool_choice``
     ``none`` (with tools too: they are not used, nor shown to the model); and
     ``parallel_tool_calls`` (it only shapes tool calls, which are not made then).
 
     Raises:
-        ApiError: 400 naming ``response_format`` (``json_object``, ``json_schema``),
-            ``tools`` (tools the model may call: ``tool_choice`` absent, ``auto``,
+        ApiError: 400 naming ``tools`` (tools the model may call: ``tool_choice`` absent, ``auto``,
             ``required`` or a named function) or ``tool_choice`` (a choice other than
             ``none`` with no tools to choose from, as OpenAI refuses it).
     """
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise _unsupported("response_format", f"response_format {fmt.type!r} is not "
-                                              "supported (structured output is not built "
-                                              "here): only 'text'")
     choice = req.tool_choice
     if req.tools:
         if choice != "none":

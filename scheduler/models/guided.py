@@ -206,10 +206,12 @@ def mask_logits(seqs: Sequence[_Guided], logits: torch.Tensor) -> None:
         assert matcher is not None
         row = bits[j]
         matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    index = torch.tensor(rows)
-    logits[index] = logits[index].masked_fill(torch.from_numpy(allowed == 0),
-                                              float("-inf"))
+    refused = torch.from_numpy(
+        np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0)
+    # Row by row, each a view: indexing the rows with a tensor (a gather, then a
+    # scatter) took 40 ms for 16 rows on a busy 2-core box, the row views 0.1 ms.
+    for j, i in enumerate(rows):
+        logits[i].masked_fill_(refused[j], float("-inf"))
 
 
 def advance(seqs: Sequence[_Guided], tokens: torch.Tensor) -> None:
