@@ -92,10 +92,14 @@ def test_completion_400_names_the_field(server: Server, body: object, param: str
       "guided_regex": "[a-"}, "guided_regex"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
       "response_format": {"type": "yaml"}}, "response_format.type"),
+    # A forced call is constrained decoding: the tiny GRU has no vocabulary for it.
     *[({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-        "tools": [{"type": "function", "function": {"name": "f"}}], **choice}, "tools")
-      for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"},
-                     {"tool_choice": {"type": "function", "function": {"name": "f"}}})],
+        "tools": [{"type": "function", "function": {"name": "f"}}], **choice}, "tool_choice")
+      for choice in ({"tool_choice": "required"},
+                     {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+                     {"tool_choice": {"type": "function", "function": {"name": "g"}}})],
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f x"}}]}, "tools[0].function.name"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
       "tool_choice": "required"}, "tool_choice"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "seed": 1 << 63},

@@ -165,3 +165,103 @@ def test_an_unguided_answer_is_unchanged_beside_guided_ones(server: Server) -> N
         assert [f.result() for f in beside] == [alone, alone]
         for f in answers:
             f.result()
+
+
+# -- tool calls -------------------------------------------------------------------
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {
+    "a": {"type": "integer", "minimum": 0, "maximum": 99},
+    "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}
+TOOLS: Any = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+
+def _check_calls(calls: Any) -> list[tuple[str, str]]:
+    assert calls, "no tool calls"
+    for c in calls:
+        assert c.type == "function" and c.id
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+    return [(c.function.name, c.function.arguments) for c in calls]
+
+
+def _reassembled(chunks: list[Any]) -> list[tuple[str, str]]:
+    """Streamed tool-call deltas put together, as a client does (by ``index``)."""
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            name, args = calls.setdefault(d.index, ["", ""])
+            calls[d.index] = [name + (d.function.name or ""), args + (d.function.arguments or "")]
+    return [(n, a) for n, a in (calls[i] for i in sorted(calls))]
+
+
+def test_required_tool_choice_answers_are_valid_calls_streamed_or_not(server: Server) -> None:
+    client = _client(server)
+    for seed in range(6):
+        ask: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS,
+                    "tool_choice": "required", "max_tokens": BUDGET, "temperature": 1.0,
+                    "seed": seed}
+        out = client.chat.completions.create(**ask)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = _check_calls(choice.message.tool_calls)
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert _reassembled(chunks) == calls
+    one = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=BUDGET, temperature=1.0, seed=3)
+    assert len(_check_calls(one.choices[0].message.tool_calls)) == 1
+
+
+def test_named_tool_choice_streams_its_arguments_and_a_round_trip_renders(
+        server: Server) -> None:
+    client = _client(server)
+    ask: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "add"}},
+                "max_tokens": BUDGET, "temperature": 1.0, "seed": 5}
+    out = client.chat.completions.create(**ask)
+    assert out.choices[0].finish_reason == "stop"  # (as OpenAI gives a named call)
+    calls = _check_calls(out.choices[0].message.tool_calls)
+    assert [name for name, _ in calls] == ["add"]
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    pieces = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(pieces) > 1  # the arguments arrive as the model writes them
+    assert _reassembled(chunks) == calls
+    call: Any = out.choices[0].message.tool_calls[0]
+    history: Any = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": "add", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    again = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
+                                           max_tokens=4, temperature=0.0)
+    assert again.usage is not None and out.usage is not None
+    # The call and its answer are in the prompt (the tools too: auto shows them).
+    assert again.usage.prompt_tokens > out.usage.prompt_tokens + 10
+
+
+def test_auto_shows_the_tools_and_reads_hermes_calls(server: Server) -> None:
+    from frontend.tools import ToolPlan
+
+    client = _client(server)
+    usage = [client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=2,
+        temperature=0.0).usage for choice in ("none", "auto")]
+    assert usage[0] is not None and usage[1] is not None
+    assert usage[1].prompt_tokens > usage[0].prompt_tokens + 50  # the tools, rendered
+    plan = ToolPlan("auto", TOOLS)
+    content, calls = plan.parse('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, '
+                                '"b": 2}}\n</tool_call><tool_call>{"name": "get_weather", '
+                                '"arguments": {"city": "Oslo", "unit": "c"}}</tool_call>')
+    assert content == "Sure."
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("add", '{"a":1,"b":2}'), ("get_weather", '{"city":"Oslo","unit":"c"}')]
+    assert plan.finish("stop", calls) == "tool_calls"
+    assert plan.parse("no calls <tool_call>not json</tool_call>") == (
+        "no calls <tool_call>not json</tool_call>", [])
