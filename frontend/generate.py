@@ -533,11 +533,7 @@ class OpenAIServing:
         if not req.ignore_eos:
             eos = self.tokenizer.eos_token_id
             stop_ids.extend(i for i in (eos, *extra_stop_ids) if i is not None)
-        fmt = req.response_format if isinstance(req, ChatCompletionRequest) else None
-        guide = guide_of(response_format=None if fmt is None else (fmt.type, fmt.json_schema),
-                         guided_json=req.guided_json, guided_regex=req.guided_regex,
-                         guided_choice=req.guided_choice, guided_grammar=req.guided_grammar,
-                         model=None if self.settings.guided else self.settings.model_name)
+        guide = guide_of(req, None if self.settings.guided else self.settings.model_name)
         if tools is not None and tools.guide is not None:
             if guide is not None:
                 raise bad_request("tool_choice: a forced tool call constrains the answer, and "

@@ -19,6 +19,7 @@ import functools
 import json
 
 from frontend.errors import bad_request
+from frontend.schemas import ChatCompletionRequest, CompletionRequest
 from messages import Guide, GuideKind
 from scheduler.models.guided import check_guide
 
@@ -61,12 +62,11 @@ def _json_text(value: object, field: str) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def guide_of(*, response_format: tuple[str, object] | None, guided_json: object,
-             guided_regex: str | None, guided_choice: list[str] | None,
-             guided_grammar: str | None, model: str | None) -> Guide | None:
-    """The request's guide (``None``: it asks for none).
+def guide_of(req: CompletionRequest | ChatCompletionRequest, model: str | None
+             ) -> Guide | None:
+    """The guide ``req`` asks for (``None``: none): its ``response_format`` (chat) or
+    one of its ``guided_*`` fields.
 
-    ``response_format`` is ``(type, json_schema)`` as the request gave it;
     ``model`` names a served model that has no tokenizer vocabulary to guide
     (``None``: it has one).
 
@@ -76,25 +76,25 @@ def guide_of(*, response_format: tuple[str, object] | None, guided_json: object,
             any guide for a model with no vocabulary.
     """
     given: list[tuple[str, GuideKind, str]] = []
-    if response_format is not None and response_format[0] != "text":
-        kind, wrapper = response_format
-        if kind == "json_object":
-            given.append(("response_format", "json_object", ""))
-        else:
-            field = "response_format.json_schema.schema"
-            schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
-            if schema is None:
-                raise bad_request(f"{field}: response_format 'json_schema' needs "
-                                  "json_schema.schema", param=field, code="invalid_guide")
-            given.append((field, "json_schema", _json_text(schema, field)))
-    if guided_json is not None:
-        given.append(("guided_json", "json_schema", _json_text(guided_json, "guided_json")))
-    if guided_regex is not None:
-        given.append(("guided_regex", "regex", guided_regex))
-    if guided_choice is not None:
-        given.append(("guided_choice", "choice", json.dumps(guided_choice)))
-    if guided_grammar is not None:
-        given.append(("guided_grammar", "grammar", guided_grammar))
+    fmt = req.response_format if isinstance(req, ChatCompletionRequest) else None
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", "json_object", ""))
+    elif fmt is not None and fmt.type == "json_schema":
+        where = "response_format.json_schema.schema"
+        wrapper = fmt.json_schema
+        schema = wrapper.get("schema") if wrapper is not None else None
+        if schema is None:
+            raise bad_request(f"{where}: response_format 'json_schema' needs "
+                              "json_schema.schema", param=where, code="invalid_guide")
+        given.append((where, "json_schema", _json_text(schema, where)))
+    if req.guided_json is not None:
+        given.append(("guided_json", "json_schema", _json_text(req.guided_json, "guided_json")))
+    if req.guided_regex is not None:
+        given.append(("guided_regex", "regex", req.guided_regex))
+    if req.guided_choice is not None:
+        given.append(("guided_choice", "choice", json.dumps(req.guided_choice)))
+    if req.guided_grammar is not None:
+        given.append(("guided_grammar", "grammar", req.guided_grammar))
     if not given:
         return None
     if len(given) > 1:

@@ -1,6 +1,7 @@
 """Structured output through the front door, driven by the official ``openai`` client
-against a real server on the float64 tiny Llama: every answer obeys its guide, a guide
-that cannot compile is a 400 naming its field, and an unguided answer is unchanged."""
+against a real server on the float64 tiny Llama (ring, zmq, and zmq with two replicas):
+every answer obeys its guide, a guide that cannot compile is a 400 naming its field, an
+unguided answer is unchanged, and forced tool calls are valid calls."""
 
 from __future__ import annotations
 
@@ -50,7 +51,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_hf(tmp_path_factory.mktemp("hf") / "tiny")
 
 
-@pytest.fixture(scope="module", params=["ring", "zmq"])
+#: The engine's modes: ``dp2`` is zmq with two data-parallel replicas (each compiles
+#: the guides it is sent).
+MODES = {"ring": ["--mode", "ring"], "zmq": ["--mode", "zmq"],
+         "dp2": ["--mode", "zmq", "--dp-size", "2"]}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
 def server(request: pytest.FixtureRequest, model_dir: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # One intra-op thread, here and in a zmq scheduler: on a busy 2-core box torch's
@@ -60,8 +67,8 @@ def server(request: pytest.FixtureRequest, model_dir: Path,
         mp.setenv("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
         settings, app = settings_from(parse([
-            "--model", str(model_dir), "--served-model-name", "tiny", "--mode",
-            request.param, "--endpoint", str(tmp_path_factory.mktemp("ep") / "ep")]))
+            "--model", str(model_dir), "--served-model-name", "tiny", *MODES[request.param],
+            "--endpoint", str(tmp_path_factory.mktemp("ep") / "ep")]))
         s = Server(settings, app.tokenizer)
         try:
             yield s
