@@ -19,9 +19,11 @@ accepted):
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` becomes a call, the
   rest of the text the content.
 
-With ``required`` and ``auto`` a streamed answer's calls are sent once the answer
-is whole (a call is known only when its JSON is): one delta per call, with its
-name and all its arguments. An assistant message's ``tool_calls`` and ``tool``
+Streamed, ``auto`` sends the content as it comes, but for a tail that may begin
+``<tool_call>`` (held until the next step tells); from a ``<tool_call>`` on, the
+rest waits for the answer's end. With ``required`` and ``auto`` the calls are sent
+once the answer is whole (a call is known only when its JSON is): one delta per
+call, with its name and all its arguments. An assistant message's ``tool_calls`` and ``tool``
 messages (a round trip) are rendered by the template.
 """
 
@@ -48,6 +50,7 @@ __all__ = ["ToolPlan", "plan_of", "template_messages"]
 
 #: The Hermes / Qwen tool-call format.
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_OPEN = "<tool_call>"
 
 
 def _compact(value: object) -> str:
@@ -74,8 +77,10 @@ class ToolPlan:
     guide: Guide | None = None
     name: str | None = None
     _id: str = field(default_factory=_call_id)
-    _text: list[str] = field(default_factory=list)
-    _started: bool = False
+    _text: list[str] = field(default_factory=list)  # what waits for the answer's end
+    _started: bool = False  # (named) the first delta went out
+    _held: bool = False  # (auto) a <tool_call> began: the rest waits for the end
+    _pending: str = ""  # (auto) a tail that may begin <tool_call>
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The answer's content and its tool calls."""
@@ -123,12 +128,29 @@ class ToolPlan:
             delta = ToolCallDelta(0, FunctionOut(self.name if first else None, text),
                                   self._id if first else None, "function" if first else None)
             return None, [delta], finish
-        self._text.append(text)
+        shown = ""
+        if self.mode == "auto" and not self._held:
+            shown, text = self._content(text)
+        if self.mode == "required" or self._held:
+            self._text.append(text)
         if finish is None:
-            return None, [], None
-        content, calls = self.parse("".join(self._text))
+            return shown or None, [], None
+        content, calls = self.parse("".join(self._text)) if self._text else (text, [])
         deltas = [ToolCallDelta(i, c.function, c.id, "function") for i, c in enumerate(calls)]
-        return content, deltas, self.finish(finish, calls)
+        return (shown + (content or "")) or None, deltas, self.finish(finish, calls)
+
+    def _content(self, text: str) -> tuple[str, str]:
+        """``auto``: the part of a step's text that is content for sure, and the rest:
+        from ``<tool_call>`` on (held from then on), or a tail that may begin one."""
+        text = self._pending + text
+        at = text.find(_OPEN)
+        if at >= 0:
+            self._held, self._pending = True, ""
+            return text[:at], text[at:]
+        keep = next((k for k in range(min(len(_OPEN) - 1, len(text)), 0, -1)
+                     if text.endswith(_OPEN[:k])), 0)
+        self._pending = text[len(text) - keep:]
+        return text[:len(text) - keep], self._pending
 
 
 def plan_of(req: ChatCompletionRequest) -> ToolPlan | None:

@@ -272,3 +272,19 @@ def test_auto_shows_the_tools_and_reads_hermes_calls(server: Server) -> None:
     assert plan.finish("stop", calls) == "tool_calls"
     assert plan.parse("no calls <tool_call>not json</tool_call>") == (
         "no calls <tool_call>not json</tool_call>", [])
+
+
+def test_auto_streams_content_and_holds_back_what_may_begin_a_call() -> None:
+    from frontend.tools import ToolPlan
+
+    plan = ToolPlan("auto", TOOLS)
+    steps = [plan.stream(t, f) for t, f in (
+        ("Hello <to", None), ('ol_call>{"name": "add", "arguments": {"a": 1}}</tool', None),
+        ("_call> bye", "stop"))]
+    assert [(c, len(d), f) for c, d, f in steps] == [
+        ("Hello ", 0, None), (None, 0, None), ("bye", 1, "tool_calls")]
+    assert steps[2][1][0].function.name == "add"
+    assert steps[2][1][0].function.arguments == '{"a":1}'
+    plain = ToolPlan("auto", TOOLS)
+    assert [plain.stream(t, f)[0] for t, f in (("a <b", None), ("c <", None), ("", "stop"))] \
+        == ["a <b", "c ", "<"]  # ("<b" cannot begin a call; a last "<" can)
