@@ -40,6 +40,7 @@ from bus import SocketOptions
 from frontend.asgi import (
     JSON,
     TEXT,
+    WATCH_AFTER_S,
     Conn,
     Disconnected,
     Receive,
@@ -353,10 +354,12 @@ class Frontend:
         return ApiError(404, self._off.get(path, f"no route {method} {path}"), code="not_found")
 
     async def _guarded(self, receive: Receive, reply: Reply,
-                       run: Callable[[Send], Awaitable[int]]) -> int:
+                       run: Callable[[Send], Awaitable[int]], *, stream: bool = True) -> int:
         """Run ``run`` (given ``reply``) while watching the connection: a client that
-        leaves cancels it (its request is aborted) and the answer is 499."""
-        conn = Conn(receive, reply)
+        leaves cancels it (its request is aborted) and the answer is 499. A whole
+        answer (``stream`` False) is watched from :data:`~frontend.asgi.WATCH_AFTER_S`
+        on (:class:`~frontend.asgi.Conn`)."""
+        conn = Conn(receive, reply, 0.0 if stream else WATCH_AFTER_S)
         try:
             return await run(reply)
         except asyncio.CancelledError:
@@ -400,13 +403,15 @@ class Frontend:
         body = await self._body(scope, receive)
         req = decode(body, CompletionRequest)
         gen = self._generator()
-        return await self._guarded(receive, send, lambda out: gen.completion(req, out, t0))
+        return await self._guarded(receive, send, lambda out: gen.completion(req, out, t0),
+                                   stream=req.stream)
 
     async def _chat(self, scope: Scope, receive: Receive, send: Reply, t0: float) -> int:
         body = await self._body(scope, receive)
         req = decode(body, ChatCompletionRequest)
         gen = self._generator()
-        return await self._guarded(receive, send, lambda out: gen.chat(req, out, t0))
+        return await self._guarded(receive, send, lambda out: gen.chat(req, out, t0),
+                                   stream=req.stream)
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Reply, t0: float) -> int:
         body = await self._body(scope, receive)
@@ -433,7 +438,7 @@ class Frontend:
                 data, self.settings.model_name, EmbeddingUsage(n, n))))
             return 200
 
-        return await self._guarded(receive, send, run)
+        return await self._guarded(receive, send, run, stream=False)
 
     async def _embedding_inputs(self, gen: OpenAIServing, req: EmbeddingRequest) -> list[list[int]]:
         raw = req.input
