@@ -85,6 +85,19 @@ log = logging.getLogger("scheduler.engine")
 #: Seconds a submit waits for room on a full work channel before ``Overloaded``.
 SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000
 
+#: This process's id, updated in a child that ``os.fork`` makes: the fork check every
+#: call passes (``_check_process``, three a request) reads it instead of asking the
+#: kernel (``os.getpid`` is a system call each time).
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
 
 class SchedulerClient:
     """The client side of a scheduler it starts in one of two modes (not the scheduler's
@@ -358,9 +371,8 @@ class SchedulerClient:
         rings and rid counter are the parent's (a request sent from the child
         would take a rid the parent is about to use).
         """
-        pid = os.getpid()
-        if pid != self._owner:
-            raise EngineForked(self._owner, pid)
+        if _pid != self._owner:
+            raise EngineForked(self._owner, _pid)
 
     def _check_open(self) -> None:
         self._check_process()
