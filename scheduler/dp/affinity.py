@@ -84,7 +84,8 @@ class PrefixAffinity:
         self.trees: list[RadixTree[_Run]] = [RadixTree(tree_tokens, tree_nodes)
                                              for _ in range(n)]
         self.routed_by_prefix = 0  # requests sent where their prefix was
-        self.routed_by_load = 0  # requests sent to the least loaded
+        self.routed_by_load = 0  # requests no tree matched enough: the ledger picks
+        self.spilled = 0  # requests whose prefix's replica was overloaded: the least loaded
 
     def prefer(self, prompt: TokenIds, load: Sequence[int], live: Sequence[bool],
                exclude: Container[int] = ()) -> int | None:
@@ -96,20 +97,22 @@ class PrefixAffinity:
         candidates = [i for i, ok in enumerate(live) if ok and i not in exclude]
         if not candidates or not len(ids):
             return None
-        loads = [load[i] for i in candidates]
-        most, least = max(loads), min(loads)
-        if most - least > BALANCE_ABS and most > BALANCE_REL * least:
+        # Untouched: only the chosen tree's path turns recent, by record().
+        held = {i: self.trees[i].match(ids, lock=False, count=False, touch=False).length
+                for i in candidates}
+        # The longest match; among equal ones, the least loaded.
+        best = min(candidates, key=lambda i: (-held[i], load[i]))
+        if not held[best] or held[best] < MATCH_SHARE * len(ids):
             self.routed_by_load += 1
             return None
-        best, best_len = -1, 0
-        for i in candidates:
-            # Untouched: only the chosen tree's path turns recent, by record().
-            length = self.trees[i].match(ids, lock=False, count=False, touch=False).length
-            if length > best_len or (length == best_len and best >= 0 and load[i] < load[best]):
-                best, best_len = i, length
-        if best < 0 or best_len < MATCH_SHARE * len(ids):
-            self.routed_by_load += 1
-            return None
+        least = min(load[i] for i in candidates)
+        if load[best] - least > BALANCE_ABS and load[best] > BALANCE_REL * least:
+            # The holder is overloaded: spill to the least loaded (in flight, the
+            # measure just compared; the longest match among them), which records
+            # the prompt and so holds the prefix too: from then on the less
+            # loaded of the two wins the tie.
+            self.spilled += 1
+            return min((i for i in candidates if load[i] == least), key=lambda i: -held[i])
         self.routed_by_prefix += 1
         return best
 

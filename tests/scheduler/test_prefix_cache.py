@@ -170,3 +170,25 @@ def test_the_tiny_gru_caches_nothing_and_answers_as_before() -> None:
         a = [on.generate(prompt, GREEDY, timeout=60).token_ids for _ in range(2)]
         b = off.generate(prompt, GREEDY, timeout=60).token_ids
     assert a == [b, b]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_conversations_next_turn_reads_the_previous_answer_from_the_cache(
+        model_dir: Path, batched: bool) -> None:
+    """Decoded tokens join the cache when a request ends: a second turn (prompt, answer,
+    new user turn) starts from all of the first turn's keys and values; the last token
+    sampled (never read back) is the one it reads again. ``batched``: the first turns
+    decode side by side (their state in the resident batch when they end)."""
+    turns = _prompts(seed=3)[1:4]
+    long = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    with Engine("ring", model_dir) as engine, Engine("ring", model_dir, limits=OFF) as off:
+        if batched:
+            firsts = [h.result(timeout=120) for h in engine.submit_many(turns, long)]
+        else:
+            firsts = [engine.generate(p, long, timeout=120) for p in turns]
+        seconds = [p + list(a.token_ids) + [7, 8, 9] for p, a in zip(turns, firsts, strict=True)]
+        got = [engine.generate(p, GREEDY, timeout=120) for p in seconds]
+        want = [off.generate(p, GREEDY, timeout=120).token_ids for p in seconds]
+    assert [a.finish_reason for a in firsts] == ["length"] * 3
+    assert [r.token_ids for r in got] == want
+    assert [r.cached_tokens for r in got] == [len(p) + 12 - 1 for p in turns]
