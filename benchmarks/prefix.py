@@ -156,7 +156,8 @@ def run(model_dir: Path, policy: str, cache_bytes: int, prompts: list[list[int]]
         threads = [threading.Thread(target=client) for _ in range(CONCURRENCY)]
         for t in threads:
             t.start()
-        gaps: list[int] = []  # the replicas' difference in requests in flight, as the dispatcher counts
+        # The replicas' difference in requests in flight, as the dispatcher counts them.
+        gaps: list[int] = []
         while any(t.is_alive() for t in threads):
             load = engine.collective_rpc("get_load").result or {}
             a, b = load.get("replica0.in_flight"), load.get("replica1.in_flight")

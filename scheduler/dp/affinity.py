@@ -6,25 +6,45 @@ there (tokens only, no state), bounded in tokens (:data:`TREE_TOKENS`, so
 it approximates what the replica's own prefix cache holds) and in nodes
 (:data:`TREE_NODES`, so its own memory stays bounded when prompts differ in
 a token or two), evicted least recently used first. Only the chosen
-replica's tree counts as used: looking into the others does not refresh them. A request
-goes to the replica whose tree matches the longest part of its prompt when
+replica's tree counts as used: looking into the others does not refresh them.
 
-* that match is at least :data:`MATCH_SHARE` of the prompt, and
-* the load is not too uneven: the most and least loaded live replicas
-  (requests in flight) differ by at most :data:`BALANCE_ABS` requests or
-  by a factor of at most :data:`BALANCE_REL`;
+A request goes to the replica whose tree matches the longest part of its
+prompt (of equal matches, the one with fewer requests in flight) when
 
-otherwise the least loaded replica takes it (the ledger's own choice).
-Either way, its prompt joins the chosen replica's tree. Embedding requests
-are not recorded (a replica caches no prefix for them). A replica that is
-lost, or that joins again (a respawn starts with an empty cache), has its
-tree dropped; so does each replica whose ``flush_cache`` succeeded (one
-that refused, with requests running, keeps its cache and its tree).
+* that match is at least :data:`MATCH_SHARE` of the prompt (else the
+  ledger's least loaded takes it), and
+* that replica is not overloaded: it has at most :data:`BALANCE_ABS`
+  requests in flight more than the least loaded live replica, or at most
+  :data:`BALANCE_REL` times as many. An overloaded holder *spills*: the least
+  loaded replica takes the request (of several, the one matching most) and
+  records the prompt, so it holds the prefix too and from then on the two
+  share that prefix's requests by load.
 
-The thresholds are SGLang router's defaults (0.5; 32 requests and 1.0001):
-on ``benchmarks.prefix`` (8 shared system prompts, 2 replicas, concurrency
-16) the in-flight imbalance never reaches 32, so routing is by prefix alone
-and each system prompt is read once per cluster, not once per replica.
+Load is requests in flight as the dispatcher counts them (the ledger's): it
+knows them at once, where a replica's own report is a heartbeat old. Either
+way, the prompt joins the chosen replica's tree. Embedding requests are not
+recorded (a replica caches no prefix for them). A replica that is lost, or
+that joins again (a respawn starts with an empty cache), has its tree
+dropped; so does each replica whose ``flush_cache`` succeeded (one that
+refused, with requests running, keeps its cache and its tree).
+
+The thresholds, as measured (``docs/ARCHITECTURE.md``, "Choosing the
+thresholds", has the runs): on ``benchmarks.prefix`` (8 system prompts of
+1,024 tokens, 2 replicas, concurrency 16, the default 1 GiB cache) the
+replicas' in-flight counts differ by 10 on average under ``cache_aware``
+without spilling, and by as much under ``round_robin`` (9.6), yet balancing
+them costs time to first token: ``cache_aware``'s TTFT p50 was 92-128 ms
+with :data:`BALANCE_ABS` at 0-2, 55-66 ms at 4 and 28-73 ms (median 43) at
+32, and ``least_loaded`` (mean gap 1.6) was slower than both unbalanced
+policies. Two replicas sharing a few CPU cores gain nothing from an even
+split (a step's fixed cost dominates, so a fuller batch costs little more),
+and each spill costs a miss of a whole shared prefix. So the balance
+thresholds stay SGLang router's (32 requests and 1.0001): at concurrency 16
+they never fire (any :data:`BALANCE_ABS` of 16 or more measures the same);
+they bound the pile-up on a replica far slower than the others. The match
+share stays at 0.5: this workload cannot tell its values apart (a prompt
+matches 97% or nothing), and below half a replica would read more of the
+prompt than it reuses.
 """
 
 from __future__ import annotations
@@ -42,10 +62,11 @@ __all__ = ["BALANCE_ABS", "BALANCE_REL", "MATCH_SHARE", "TREE_NODES", "TREE_TOKE
 
 #: Least share of a prompt a replica's tree must match to win the request.
 MATCH_SHARE = 0.5
-#: The load is uneven (least loaded wins) when the most and least loaded live
-#: replicas differ by more than this many requests in flight ...
+#: The replica holding a prefix is overloaded (the least loaded takes the
+#: request) when it has more than this many requests in flight beyond the least
+#: loaded live replica ...
 BALANCE_ABS = 32
-#: ... and the most loaded has more than this many times the least's.
+#: ... and more than this many times the least loaded's.
 BALANCE_REL = 1.0001
 #: Tokens each replica's tree keeps (4 bytes each: 4 MiB).
 TREE_TOKENS = 1 << 20

@@ -18,8 +18,11 @@ How a step runs (measured on CPU, ``benchmarks/hf.py``):
   one request at a time. Passing sdpa a ready boolean mask (not the 2D one
   ``transformers`` expands every step) saves about 1.5 ms a step.
 * **prefill**: new prompts read whole in the step are one left-padded batch;
-  a chunk that continues a prompt (chunked prefill) and embedding prompts run
-  one request at a time, each from its own cache.
+  chunks that continue a prompt (after a cached prefix, or chunked prefill)
+  are another, per group of similar length (none padded past twice its
+  size), each row its own cache left-padded then its chunk: 8 hits of 32
+  tokens after a 1,024-token prefix, 18.8 ms instead of 26.7 one by one. A
+  first chunk of a long prompt and embedding prompts run one at a time.
 * **embedding**: the mean of the last hidden states (after the final norm)
   over the whole prompt, unit-normed.
 * **prefix cache** (:meth:`HFCausalLM.set_prefix_cache`): a generate
@@ -27,6 +30,10 @@ How a step runs (measured on CPU, ``benchmarks/hf.py``):
   :class:`~scheduler.models.radix.RadixTree` (each node a copy of its span's
   slice, bounded in bytes, least recently used evicted first); a new prompt
   starts from a copy of its longest cached prefix and reads only the rest.
+  When a request is freed, its prompt and the tokens it decoded since (all
+  but the last sampled, which no step read) join the tree too, so a
+  conversation's next turn starts from the previous answer; a decode step
+  that raised leaves its requests out (a layer may hold the step's token).
   Embedding prompts neither read nor fill it: their answer is a mean over
   every position's hidden state, which keys and values do not give back.
 """
