@@ -30,21 +30,17 @@ refused, with requests running, keeps its cache and its tree).
 
 The thresholds, as measured (``docs/ARCHITECTURE.md``, "Choosing the
 thresholds", has the runs): on ``benchmarks.prefix`` (8 system prompts of
-1,024 tokens, 2 replicas, concurrency 16, the default 1 GiB cache) the
-replicas' in-flight counts differ by 10 on average under ``cache_aware``
-without spilling, and by as much under ``round_robin`` (9.6), yet balancing
-them costs time to first token: ``cache_aware``'s TTFT p50 was 92-128 ms
-with :data:`BALANCE_ABS` at 0-2, 55-66 ms at 4 and 28-73 ms (median 43) at
-32, and ``least_loaded`` (mean gap 1.6) was slower than both unbalanced
-policies. Two replicas sharing a few CPU cores gain nothing from an even
-split (a step's fixed cost dominates, so a fuller batch costs little more),
-and each spill costs a miss of a whole shared prefix. So the balance
+1,024 tokens, 2 replicas, concurrency 16, the default cache) the replicas'
+in-flight counts differ by about 10 under ``cache_aware`` without spilling,
+and as much under ``round_robin``; a tight :data:`BALANCE_ABS` (0-4) closes
+the gap but made ``cache_aware``'s time to first token worse in every
+paired run (each spill is a miss of a whole shared prefix, and two replicas
+sharing a few cores gain little from an even split). So the balance
 thresholds stay SGLang router's (32 requests and 1.0001): at concurrency 16
-they never fire (any :data:`BALANCE_ABS` of 16 or more measures the same);
-they bound the pile-up on a replica far slower than the others. The match
-share stays at 0.5: this workload cannot tell its values apart (a prompt
-matches 97% or nothing), and below half a replica would read more of the
-prompt than it reuses.
+they never fire; they bound the pile-up on a replica far slower than the
+others. The match share stays 0.5: that workload cannot tell its values
+apart (a prompt matches 97% or nothing), and below half a replica would
+read more of the prompt than it reuses.
 """
 
 from __future__ import annotations
