@@ -33,9 +33,10 @@ thresholds", has the runs): on ``benchmarks.prefix`` (8 system prompts of
 1,024 tokens, 2 replicas, concurrency 16, the default cache) the replicas'
 in-flight counts differ by about 10 under ``cache_aware`` without spilling,
 and as much under ``round_robin``; a tight :data:`BALANCE_ABS` (0-4) closes
-the gap but made ``cache_aware``'s time to first token worse in every
-paired run (each spill is a miss of a whole shared prefix, and two replicas
-sharing a few cores gain little from an even split). So the balance
+the gap but made ``cache_aware``'s time to first token worse in both
+paired runs (each spill is a miss of a whole shared prefix), though
+``least_loaded`` was the fastest policy in three runs of four: on that
+shared box the noise hides whether balance pays. So the balance
 thresholds stay SGLang router's (32 requests and 1.0001): at concurrency 16
 they never fire; they bound the pile-up on a replica far slower than the
 others. The match share stays 0.5: that workload cannot tell its values
