@@ -50,6 +50,7 @@ from frontend.schemas import (
     sampler_seed,
     sse_safe,
 )
+from frontend.token_text import TokenTexts
 from frontend.tokenizer import Tokenizer
 from frontend.turns import loop_turns
 from messages import SamplingParams, packed_u32
@@ -125,6 +126,7 @@ class _ResponseBuilder:
         self.created = int(time.time())
         self.model = model
         self._tok = tok
+        self._texts: TokenTexts | None = None  # made when logprobs are first reported
         self._first = True
         self._around: tuple[bytes, bytes] | None = None
 
@@ -132,10 +134,15 @@ class _ResponseBuilder:
                   offsets: Sequence[int] | None) -> CompletionLogprobs | ChatLogprobs | None:
         if lps is None:
             return None
-        pieces = [self._tok.piece(i) for i in ids]
+        # Each token's decoded text (frontend.token_text): "".join(tokens) is the answer.
+        texts = self._texts
+        if texts is None:
+            texts = self._texts = TokenTexts(self._tok)
+        pieces = texts.take_all(ids)
         if self.chat:
             # ``bytes`` is the token's own bytes where the tokenizer knows them (a
-            # byte token's piece is an escape like "\\xda", not its byte).
+            # token that ends inside a character has text "" but its bytes), as
+            # OpenAI's: the bytes of the tokens joined decode to the answer.
             table = self._tok.token_bytes()
             raw = [list(table[i]) if table is not None and i < len(table) and table[i]
                    else list(p.encode()) for i, p in zip(ids, pieces, strict=True)]
