@@ -47,6 +47,7 @@ from frontend.schemas import (
     check_supported,
     encode,
     encode_str,
+    logit_bias,
     sampler_seed,
     sse_safe,
 )
@@ -508,6 +509,11 @@ class OpenAIServing:
                   extra_stop_ids: Sequence[int]) -> SamplingParams:
         # ignore_eos: no EOS added here (the tokenizer's, a chat template's), and the
         # scheduler leaves out the model's own stop ids (SamplingParams.ignore_eos).
+        if req.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({req.min_tokens}) is more than the answer's "
+                              f"max_tokens ({max_tokens})", param="min_tokens",
+                              code="invalid_value")
+        bias = logit_bias(req.logit_bias, self._vocab)
         stop_ids = list(req.stop_token_ids or ())
         if not req.ignore_eos:
             eos = self.tokenizer.eos_token_id
@@ -517,7 +523,11 @@ class OpenAIServing:
                                   top_p=req.top_p, top_k=max(req.top_k, 0),
                                   stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
                                   if stop_ids else None, seed=sampler_seed(req.seed),
-                                  ignore_eos=req.ignore_eos)
+                                  ignore_eos=req.ignore_eos,
+                                  presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty,
+                                  repetition_penalty=req.repetition_penalty,
+                                  min_tokens=req.min_tokens, logit_bias=bias)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"sampling: {exc}") from None
 

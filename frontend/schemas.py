@@ -6,8 +6,9 @@ bus's messages, so a bad body fails there with a 400 naming the field
 (:func:`decode` converts msgspec's error at one place). Unknown fields are
 refused, not ignored: an option this server does not implement (``suffix``
 with text, ``tools`` on completions, ...) is a clear 400 naming it. The options OpenAI
-clients may send at their defaults (``n``, the penalties, ``logit_bias``)
-are accepted at those defaults and refused otherwise (:func:`check_supported`).
+clients may send at their defaults (``n``, ``echo``) are accepted at those
+defaults and refused otherwise (:func:`check_supported`); the penalties,
+``min_tokens`` and ``logit_bias`` are served.
 
 Response bodies are structs too, encoded by one module-level encoder.
 """
@@ -20,6 +21,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from frontend.errors import ApiError, bad_request
+from messages import MAX_LOGIT_BIAS
 
 __all__ = [
     "ChatChoice",
@@ -52,6 +54,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_str",
+    "logit_bias",
     "sampler_seed",
     "sse_safe",
 ]
@@ -126,7 +129,13 @@ class _Sampling(_Body, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, float] | None = None
+    #: vLLM's extra: > 1 makes the prompt's and the answer's tokens less likely.
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    #: vLLM's extra: the stop tokens cannot end the answer before it holds this many.
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)] = 0
+    #: Token id (as a string, OpenAI's form) -> bias added to its logit; values are
+    #: clamped to -100..100, as vLLM does (:func:`logit_bias`).
+    logit_bias: Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
     def stops(self) -> list[str]:
@@ -507,20 +516,15 @@ def check_supported(req: _Sampling) -> None:
     """Refuse what is declared but not implemented, at a non-default value.
 
     Raises:
-        ApiError: 400 naming the option (``n > 1``, a penalty, ``logit_bias``,
-            ``echo``, ``suffix``, ``best_of > 1``, ``top_logprobs > 0``, and
-            ``stream_options`` without ``stream``, as OpenAI and vLLM refuse it).
+        ApiError: 400 naming the option (``n > 1``, ``echo``, ``suffix``, ``best_of > 1``,
+            ``top_logprobs > 0``, and ``stream_options`` without ``stream``, as OpenAI
+            and vLLM refuse it).
     """
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed with stream=true",
                           param="stream_options")
     if req.n != 1:
         raise _unsupported("n", "n > 1 is not supported: send one request per answer")
-    if req.presence_penalty or req.frequency_penalty:
-        field = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        raise _unsupported(field, f"{field} is not supported (must be 0)")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias is not supported")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise _unsupported("echo", "echo is not supported")
@@ -566,6 +570,28 @@ def _check_chat_options(req: ChatCompletionRequest) -> None:
         shown = choice.type if isinstance(choice, NamedTool) else choice
         raise bad_request(f"tool_choice {shown!r} is only allowed when tools are given",
                           param="tool_choice", code="unsupported_value")
+
+
+def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
+    """``logit_bias`` as the scheduler takes it: int ids, values clamped to -100..100
+    (vLLM's; OpenAI's range). None when empty.
+
+    Raises:
+        ApiError: 400 naming ``logit_bias``: a key that is not a token id below ``vocab``.
+    """
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab:
+            raise bad_request(f"logit_bias: {key[:32]!r} is not a token id of this model "
+                              f"(0 to {vocab - 1})", param="logit_bias", code="invalid_value")
+        out[token] = min(100.0, max(-100.0, value))
+    return out
 
 
 def _unsupported(param: str, message: str) -> ApiError:

@@ -22,6 +22,7 @@ from messages.base import (
 )
 from messages.burst import MAX_BURST, SEND_BURST
 from messages.catalogue import (
+    MAX_LOGIT_BIAS,
     AbortReq,
     BatchEmbeddingOut,
     BatchTokenIDOut,
@@ -81,6 +82,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_BATCH",
     "MAX_BURST",
+    "MAX_LOGIT_BIAS",
     "MAX_RID",
     "MAX_TEXT",
     "MAX_TOKENS",

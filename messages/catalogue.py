@@ -42,6 +42,7 @@ __all__ = [
     "ErrorCode",
     "ErrorOut",
     "FinishReason",
+    "MAX_LOGIT_BIAS",
     "AbortReq",
     "RpcReqInput",
     "RpcReqOutput",
@@ -69,6 +70,8 @@ RpcResult = dict[
 
 
 _MAX_PACKED_BYTES = 4 * MAX_TOKENS
+#: The most tokens one request's ``logit_bias`` may name.
+MAX_LOGIT_BIAS = 1024
 
 if TYPE_CHECKING:
     # What a reader gets and a writer may pass: a column reads as a sequence
@@ -93,6 +96,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     ``max_new_tokens`` end the request (a benchmark asking for exactly N
     tokens).
 
+    The penalties are vLLM's: ``presence_penalty`` is subtracted from the logit of
+    every token the answer holds, ``frequency_penalty`` times its count in the
+    answer; ``repetition_penalty`` divides the positive logits (multiplies the
+    negative ones) of every token in the prompt or the answer (1: none).
+    ``min_tokens``: the stop tokens (the model's and ``stop_token_ids``) cannot be
+    sampled before that many tokens. ``logit_bias`` adds its value (-100..100) to
+    its token's logit, at most :data:`MAX_LOGIT_BIAS` tokens.
+
     Fields travel by position: a new one is appended, never inserted, so a
     shorter (older) array still decodes, the missing items taking their
     defaults, and an older reader ignores the items past its last field.
@@ -107,6 +118,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     stop_token_ids: TokenIds | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
     ignore_eos: bool = False
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    logit_bias: Annotated[dict[Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)],
+                               Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
+                          msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = None
 
     def _pack(self) -> None:  # on construction (PackingMeta)
         if self.stop_token_ids is not None:

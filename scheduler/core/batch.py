@@ -45,6 +45,7 @@ from messages import (
     TokenizedGenerateReqInput,
 )
 from scheduler.core.admission import Admission
+from scheduler.models.logits import penalize
 from scheduler.models.protocol import Model, PromptChunk
 from scheduler.models.sampling import sample_next
 
@@ -205,8 +206,9 @@ class Batch:
                 self.model.free(s.key)
             if not active:
                 return [], embedded
-            toks, lps = sample_next(torch.stack(rows), [s.sampling for s in active],
-                                    [s.generator for s in active])
+            raw = torch.stack(rows)
+            toks, lps = sample_next(penalize(raw, active), [s.sampling for s in active],
+                                    [s.generator for s in active], raw=raw)
         except Exception as exc:
             failed = active + embedded
             self.running = []

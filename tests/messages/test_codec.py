@@ -184,18 +184,21 @@ def test_typed_codec_decodes_only_its_family() -> None:
 # -- golden bytes: the wire format is pinned; change it deliberately -----------
 
 GOLDEN = {
-    "generate": (  # sampling: 7 items (97), the last ignore_eos=false (c2)
+    "generate": (  # sampling: 12 items (9c): ignore_eos=false (c2), then the penalties,
+        # min_tokens and logit_bias at their defaults (0.0, 0.0, 1.0, 0, nil)
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
         "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c2c2c2c0c0",
+        "2c0100009c08cb0000000000000000cb3ff000000000000000c0c0c2cb0000000000000000cb0000"
+        "000000000000cb3ff000000000000000c0c2c2c0c0",
     ),
     "generate_ignore_eos": (
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0,
                                                           ignore_eos=True)),
         "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c3c2c2c0c0",
+        "2c0100009c08cb0000000000000000cb3ff000000000000000c0c0c3cb0000000000000000cb0000"
+        "000000000000cb3ff000000000000000c0c2c2c0c0",
     ),
     "rpc": (
         RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
@@ -269,6 +272,9 @@ def test_an_encoding_from_before_ignore_eos_decodes_with_it_false() -> None:
 
 
 _OLD_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed")
+#: The items appended after ignore_eos, at their defaults (the penalties, min_tokens,
+#: logit_bias).
+_LATER = [0.0, 0.0, 1.0, 0, None]
 
 
 @given(sampling=st.builds(
@@ -285,7 +291,7 @@ def test_ignore_eos_is_one_item_appended_and_both_sides_read_each_other(
     frame = bytes(memoryview(CODEC.encode(msg)[0]))
     # What we write is the old encoding with one more item (a bool) in sampling.
     head = ["TokenizedGenerateReqInput", "r", token_ids([1]).tobytes()]
-    assert frame == msgspec.msgpack.encode([*head, [*before, sampling.ignore_eos],
+    assert frame == msgspec.msgpack.encode([*head, [*before, sampling.ignore_eos, *_LATER],
                                             False, False, None, None])
     # A reader from before ignore_eos reads everything else (the extra item ignored).
     sampling_item = msgspec.msgpack.encode([*before, sampling.ignore_eos])

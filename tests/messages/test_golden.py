@@ -31,7 +31,9 @@ NO_DEFAULT = object()
 SAMPLING: list[tuple[str, str, object]] = [
     ("max_new_tokens", "int", 16), ("temperature", "float", 1.0), ("top_p", "float", 1.0),
     ("top_k", "int", 0), ("stop_token_ids", "packed_u32", None), ("seed", "int", None),
-    ("ignore_eos", "bool", False)]
+    ("ignore_eos", "bool", False), ("presence_penalty", "float", 0.0),
+    ("frequency_penalty", "float", 0.0), ("repetition_penalty", "float", 1.0),
+    ("min_tokens", "int", 0), ("logit_bias", "map", None)]
 FIELDS: dict[str, list[tuple[str, str, object]]] = {
     "TokenizedGenerateReqInput": [
         ("rid", "str", NO_DEFAULT), ("input_ids", "packed_u32", NO_DEFAULT),

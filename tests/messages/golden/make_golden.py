@@ -48,7 +48,9 @@ def samples() -> dict[str, Message]:
             rid="g-1", input_ids=token_ids([1, 2, 300, 70000]),
             sampling=SamplingParams(max_new_tokens=8, temperature=0.0, top_k=5,
                                     stop_token_ids=token_ids([2]), seed=7,
-                                    ignore_eos=True),
+                                    ignore_eos=True, presence_penalty=0.5,
+                                    frequency_penalty=-0.25, repetition_penalty=1.25,
+                                    min_tokens=3, logit_bias={7: 100.0, 300: -5.5}),
             stream=True),
         "generate_defaults": TokenizedGenerateReqInput(rid="g-2", input_ids=token_ids([5])),
         "generate_embeds_inline": TokenizedGenerateReqInput(
@@ -112,7 +114,8 @@ def plain(msg: msgspec.Struct) -> dict[str, object]:
 
 
 def build() -> list[dict[str, object]]:
-    """The vectors, in a stable order."""
+    """The vectors, in a stable order, as JSON reads them back (a map's int keys
+    become strings)."""
     vectors: list[dict[str, object]] = []
     for name, msg in samples().items():
         frames = CODEC.encode(msg)
@@ -120,7 +123,7 @@ def build() -> list[dict[str, object]]:
             "name": name,
             "type": type(msg).__name__,
             "frames": [bytes(memoryview(f).cast("B")).hex() for f in frames],
-            "plain": plain(msg),
+            "plain": json.loads(json.dumps(plain(msg))),
         })
     return vectors
 

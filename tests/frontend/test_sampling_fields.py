@@ -1,0 +1,162 @@
+"""What eval harnesses and batch clients send, through the door over a real Hugging Face
+model (the float64 tiny Llama the tests build), checked against references computed here
+from ``transformers``' own logits: penalties, ``logit_bias``, ``min_tokens``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+
+from frontend.__main__ import parse, settings_from
+from scheduler.models.tiny_hf import build_tiny_hf
+from tests.frontend.server import Server
+
+PROMPT = [1, 45, 120, 7, 300, 45, 9]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_hf(tmp_path_factory.mktemp("hf") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    settings, app = settings_from(parse(["--model", str(model_dir), "--served-model-name",
+                                         "tiny", "--endpoint",
+                                         str(tmp_path_factory.mktemp("ep") / "ep")]))
+    s = Server(settings, app.tokenizer)
+    yield s
+    s.stop()
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def reference(hf: Any, prompt: list[int], n: int, *, rep: float = 1.0, freq: float = 0.0,
+              pres: float = 0.0, bias: dict[int, float] | None = None
+              ) -> tuple[list[int], list[float]]:
+    """Greedy tokens with vLLM's penalties, one step at a time from the model's full
+    forward pass (written apart from scheduler.models.logits); and each token's logprob
+    under the model's own distribution."""
+    ids, out, lps = list(prompt), list[int](), list[float]()
+    with torch.no_grad():
+        for _ in range(n):
+            raw = hf(torch.tensor([ids])).logits[0, -1]
+            logits = raw.clone()
+            for t, v in (bias or {}).items():
+                logits[t] += v
+            for t in set(ids):  # prompt and answer
+                logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
+            for t in set(out):
+                logits[t] -= freq * out.count(t) + pres
+            tok = int(logits.float().argmax())
+            lps.append(float(torch.log_softmax(raw, -1)[tok]))
+            ids.append(tok)
+            out.append(tok)
+    return out, lps
+
+
+def answer(server: Server, **extra: object) -> tuple[str, list[float], str | None, int]:
+    """The greedy answer to PROMPT: its text, logprobs, finish reason and token count."""
+    r = client(server).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=N, temperature=0.0, logprobs=0,
+        extra_body={"ignore_eos": True, **extra})
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and r.usage is not None
+    return (r.choices[0].text, list(lp.token_logprobs), r.choices[0].finish_reason,
+            r.usage.completion_tokens)
+
+
+def text_of(model_dir: Path, ids: list[int]) -> str:
+    """The answer's text for ``ids``, as the door builds it."""
+    from frontend import Detokenizer, HFTokenizer
+
+    d = Detokenizer(HFTokenizer(str(model_dir)))
+    return d.push(ids) + d.finish()
+
+
+def repeats(ids: list[int]) -> int:
+    """How many tokens of ``ids`` appeared before in it."""
+    return len(ids) - len(set(ids))
+
+
+@pytest.mark.parametrize("penalty", [
+    {"repetition_penalty": 1.8},
+    {"frequency_penalty": 1.5},
+    {"presence_penalty": 2.0},
+    {"frequency_penalty": 0.7, "presence_penalty": 0.5, "repetition_penalty": 1.3},
+])
+def test_penalties_are_vllms_against_the_models_own_logits(
+        server: Server, hf: Any, model_dir: Path, penalty: dict[str, float]) -> None:
+    plain, _ = reference(hf, PROMPT, N)
+    assert repeats(plain) >= 4, plain  # greedy on its own repeats itself
+    want, want_lps = reference(hf, PROMPT, N, rep=penalty.get("repetition_penalty", 1.0),
+                               freq=penalty.get("frequency_penalty", 0.0),
+                               pres=penalty.get("presence_penalty", 0.0))
+    assert repeats(want) < repeats(plain), (want, plain)
+    text, lps, _, count = answer(server, **penalty)
+    assert count == N and text == text_of(model_dir, want)
+    assert text != text_of(model_dir, plain)
+    # The logprobs stay the model's own (vLLM's default raw_logprobs), not the penalized.
+    assert lps == pytest.approx(want_lps, abs=1e-4)
+
+
+def test_no_penalty_is_plain_greedy(server: Server, hf: Any, model_dir: Path) -> None:
+    plain, lps = reference(hf, PROMPT, N)
+    text, got, _, _ = answer(server)
+    assert text == text_of(model_dir, plain) and got == pytest.approx(lps, abs=1e-4)
+
+
+def test_logit_bias_plus_100_forces_its_token_and_minus_100_bans_one(
+        server: Server, hf: Any, model_dir: Path) -> None:
+    forced = 200
+    text, _, _, count = answer(server, logit_bias={str(forced): 100})
+    assert count == N and text == text_of(model_dir, [forced] * N)
+    plain, _ = reference(hf, PROMPT, N)
+    banned = plain[0]
+    want, _ = reference(hf, PROMPT, N, bias={banned: -100.0})
+    assert banned not in want
+    text, _, _, _ = answer(server, logit_bias={str(banned): -100})
+    assert text == text_of(model_dir, want)
+
+
+def test_min_tokens_holds_the_stop_tokens_back(server: Server, model_dir: Path) -> None:
+    # EOS (2) pushed to the top: the answer ends at once, or after min_tokens.
+    c = client(server)
+    for min_tokens, want in ((0, 0), (5, 5)):
+        r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0.0,
+                                 logit_bias={"2": 100}, extra_body={"min_tokens": min_tokens})
+        assert r.usage is not None
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", want)
+    chat = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=N,
+        temperature=1.0, seed=3, logit_bias={"2": 100}, extra_body={"min_tokens": 4})
+    assert chat.usage is not None
+    assert (chat.choices[0].finish_reason, chat.usage.completion_tokens) == ("stop", 4)
+
+
+def test_chat_takes_the_penalties(server: Server) -> None:
+    c = client(server)
+    kw: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 16, "temperature": 0.0}
+    plain = c.chat.completions.create(**kw).choices[0].message.content
+    pen = c.chat.completions.create(**kw, frequency_penalty=2.0,
+                                    extra_body={"repetition_penalty": 2.0})
+    assert pen.choices[0].message.content != plain
