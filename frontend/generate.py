@@ -43,6 +43,7 @@ from frontend.schemas import (
     CompletionRequest,
     PromptTokensDetails,
     TokenLogprob,
+    TopLogprob,
     Usage,
     check_supported,
     encode,
@@ -57,6 +58,7 @@ from frontend.turns import loop_turns
 from messages import SamplingParams, packed_u32
 from messages.checks import prompt_problem
 from scheduler import AsyncEngine, EngineError, StreamChunk
+from scheduler.engine.handles import Tops
 
 __all__ = ["GenerateSettings", "OpenAIServing", "RequestState"]
 
@@ -132,29 +134,55 @@ class _ResponseBuilder:
         self._around: tuple[bytes, bytes] | None = None
 
     def _logprobs(self, ids: Sequence[int], lps: Sequence[float] | None,
-                  offsets: Sequence[int] | None) -> CompletionLogprobs | ChatLogprobs | None:
+                  offsets: Sequence[int] | None, tops: Tops | None = None
+                  ) -> CompletionLogprobs | ChatLogprobs | None:
         if lps is None:
             return None
-        # Each token's decoded text (frontend.token_text): "".join(tokens) is the answer.
+        # Each token's decoded text (frontend.token_text): "".join(tokens) is the answer;
+        # an alternative's text is what it would have added at its position.
         texts = self._texts
         if texts is None:
             texts = self._texts = TokenTexts(self._tok)
-        pieces = texts.take_all(ids)
+        alts: list[list[tuple[str, int, float]]] | None = None
+        if tops is None:
+            pieces = texts.take_all(ids)
+        else:
+            pieces, alts = [], []
+            for i, here in zip(ids, tops, strict=True):
+                alts.append([(texts.peek(t), t, lp) for t, lp in here])
+                pieces.append(texts.take(i))
         if self.chat:
             # ``bytes`` is the token's own bytes where the tokenizer knows them (a
             # token that ends inside a character has text "" but its bytes), as
             # OpenAI's: the bytes of the tokens joined decode to the answer.
             table = self._tok.token_bytes()
-            raw = [list(table[i]) if table is not None and i < len(table) and table[i]
-                   else list(p.encode()) for i, p in zip(ids, pieces, strict=True)]
-            return ChatLogprobs([TokenLogprob(p, lp, b)
-                                 for p, lp, b in zip(pieces, lps, raw, strict=True)])
-        return CompletionLogprobs(pieces, list(lps), text_offset=None if offsets is None
+
+            def own(i: int, text: str) -> list[int]:
+                return list(table[i]) if table is not None and i < len(table) and table[i] \
+                    else list(text.encode())
+
+            raw = [own(i, p) for i, p in zip(ids, pieces, strict=True)]
+            entries = [TokenLogprob(p, lp, b) for p, lp, b in zip(pieces, lps, raw, strict=True)]
+            if alts is not None:
+                for entry, alt in zip(entries, alts, strict=True):
+                    entry.top_logprobs = [TopLogprob(a, lp, own(t, a)) for a, t, lp in alt]
+            return ChatLogprobs(entries)
+        top: list[dict[str, float]] | None = None
+        if alts is not None:  # the top ones and the sampled one, as OpenAI and vLLM give;
+            # two ids of one text (both "": each ends inside a character) keep the likelier
+            top = []
+            for alt, p, lp in zip(alts, pieces, lps, strict=True):
+                d: dict[str, float] = {}
+                for a, _, alp in alt:
+                    d.setdefault(a, alp)
+                d.setdefault(p, lp)
+                top.append(d)
+        return CompletionLogprobs(pieces, list(lps), top, text_offset=None if offsets is None
                                   else list(offsets))
 
     def event(self, text: str, finish: str | None, ids: Sequence[int],
               lps: Sequence[float] | None, usage: Usage | None,
-              offsets: Sequence[int] | None = None) -> bytes:
+              offsets: Sequence[int] | None = None, tops: Tops | None = None) -> bytes:
         first, self._first = self._first, False
         role = "assistant" if first and self.chat else None
         if finish is None and lps is None and usage is None and role is None:
@@ -166,7 +194,7 @@ class _ResponseBuilder:
                 assert mark and _MARK_JSON not in tail  # (the id and model are ours)
                 around = self._around = (head, tail)
             return around[0] + sse_safe(encode_str(text)) + around[1]
-        return self._event(text, finish, self._logprobs(ids, lps, offsets), usage, role)
+        return self._event(text, finish, self._logprobs(ids, lps, offsets, tops), usage, role)
 
     def _event(self, text: str, finish: str | None, lp: CompletionLogprobs | ChatLogprobs | None,
                usage: Usage | None, role: str | None) -> bytes:
@@ -188,10 +216,11 @@ class _ResponseBuilder:
         return b"data: " + sse_safe(encode(body)) + b"\n\n"
 
     def whole(self, text: str, finish: str, ids: Sequence[int], lps: Sequence[float] | None,
-              usage: Usage, offsets: Sequence[int] | None = None) -> bytes:
+              usage: Usage, offsets: Sequence[int] | None = None,
+              tops: Tops | None = None) -> bytes:
         if offsets is not None:  # (a stop string may have cut text an earlier step began)
             offsets = [min(o, len(text)) for o in offsets]
-        lp = self._logprobs(ids, lps, offsets)
+        lp = self._logprobs(ids, lps, offsets, tops)
         if self.chat:
             assert lp is None or isinstance(lp, ChatLogprobs)
             return encode(ChatCompletion(self.id, self.created, self.model,
@@ -527,7 +556,9 @@ class OpenAIServing:
                                   presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty,
                                   repetition_penalty=req.repetition_penalty,
-                                  min_tokens=req.min_tokens, logit_bias=bias)
+                                  min_tokens=req.min_tokens, logit_bias=bias,
+                                  top_logprobs=(req.logprobs or 0) if isinstance(
+                                      req, CompletionRequest) else req.top_logprobs or 0)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"sampling: {exc}") from None
 
@@ -575,9 +606,11 @@ class OpenAIServing:
         text, offsets = _push(detok, result.token_ids, state.logprobs and not response.chat)
         text += detok.finish()
         prompt, answer = len(state.prompt_ids), len(result.token_ids)
+        tops = None if result.top_logprobs is None else tuple(result.top_logprobs)
         body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
                               Usage(prompt, answer, prompt + answer,
-                                    PromptTokensDetails(result.cached_tokens or 0)), offsets)
+                                    PromptTokensDetails(result.cached_tokens or 0)), offsets,
+                              tops)
         self._first_token(state)
         await send_bytes(state.send, 200, body)
         return 200
@@ -601,6 +634,7 @@ class OpenAIServing:
         pieces: list[str] = []  # the non-streamed answer with stop strings
         out_ids: list[int] = []
         out_lps: list[float] | None = [] if state.logprobs else None
+        out_tops: list[tuple[tuple[int, float], ...]] = []
         offsets_wanted = state.logprobs and not response.chat  # (a completion's text_offset)
         out_offsets: list[int] = []
         finish: str | None = None
@@ -623,12 +657,15 @@ class OpenAIServing:
                         out_ids.extend(chunk.token_ids)
                         if out_lps is not None and chunk.logprobs is not None:
                             out_lps.extend(chunk.logprobs)
+                        if chunk.top_logprobs is not None:
+                            out_tops.extend(chunk.top_logprobs)
                         if offsets is not None:
                             out_offsets.extend(offsets)
                     elif text or finish is not None or chunk.logprobs or state.continuous_usage:
                         events.append(response.event(
                             text, finish, chunk.token_ids, chunk.logprobs,
-                            state.usage() if state.continuous_usage else None, offsets))
+                            state.usage() if state.continuous_usage else None, offsets,
+                            chunk.top_logprobs))
                     if finish is not None:
                         break
                 if events:
@@ -658,7 +695,10 @@ class OpenAIServing:
         if not state.stream:
             assert finish is not None
             self._first_token(state)
+            kept = detok.tokens  # (a stop string's cut)
             await send_bytes(send, 200, response.whole(
-                "".join(pieces), finish, out_ids[:detok.tokens], out_lps, state.usage(),
-                out_offsets if offsets_wanted else None))
+                "".join(pieces), finish, out_ids[:kept],
+                None if out_lps is None else out_lps[:kept], state.usage(),
+                out_offsets[:kept] if offsets_wanted else None,
+                tuple(out_tops[:kept]) if state.sampling.top_logprobs else None))
         return 200

@@ -21,7 +21,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from frontend.errors import ApiError, bad_request
-from messages import MAX_LOGIT_BIAS
+from messages import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 __all__ = [
     "ChatChoice",
@@ -48,6 +48,7 @@ __all__ = [
     "ResponseFormat",
     "StreamOptions",
     "TokenLogprob",
+    "TopLogprob",
     "PromptTokensDetails",
     "Usage",
     "check_supported",
@@ -150,7 +151,7 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     prompt: Annotated[str, msgspec.Meta(max_length=1 << 24)] | Annotated[
         list[TokenId | str | list[TokenId]], msgspec.Meta(max_length=1 << 20)]
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -190,7 +191,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=4096)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     #: Decoded so that what asks for nothing is served (``{"type": "text"}``,
     #: ``tools: []``, ``tool_choice: "none"``); :func:`check_supported` refuses the rest.
@@ -253,12 +254,14 @@ class Usage(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The sampled tokens' log-probabilities (no alternatives: ``top_logprobs`` null), and
-    where each token's text begins in the answer (``text_offset``, in characters)."""
+    """The sampled tokens' log-probabilities, each position's ``logprobs`` most likely
+    tokens (``top_logprobs``: text -> logprob, the sampled token's included; null when
+    ``logprobs`` is 0), and where each token's text begins in the answer
+    (``text_offset``, in characters)."""
 
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: None = None
+    top_logprobs: list[dict[str, float]] | None = None
     text_offset: list[int] | None = None
 
 
@@ -289,13 +292,22 @@ class ChatMessageOut(msgspec.Struct):
     role: str = "assistant"
 
 
-class TokenLogprob(msgspec.Struct):
-    """One sampled token of a chat answer and its log-probability."""
+class TopLogprob(msgspec.Struct):
+    """One of the most likely tokens at a position of a chat answer."""
 
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[int] = msgspec.field(default_factory=list)
+
+
+class TokenLogprob(msgspec.Struct):
+    """One sampled token of a chat answer, its log-probability, and its position's
+    ``top_logprobs`` most likely tokens (most likely first)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
 
 
 class ChatLogprobs(msgspec.Struct):
@@ -517,8 +529,8 @@ def check_supported(req: _Sampling) -> None:
 
     Raises:
         ApiError: 400 naming the option (``n > 1``, ``echo``, ``suffix``, ``best_of > 1``,
-            ``top_logprobs > 0``, and ``stream_options`` without ``stream``, as OpenAI
-            and vLLM refuse it).
+            ``top_logprobs`` without ``logprobs``, and ``stream_options`` without
+            ``stream``, as OpenAI and vLLM refuse them).
     """
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed with stream=true",
@@ -532,13 +544,10 @@ def check_supported(req: _Sampling) -> None:
             raise _unsupported("suffix", "suffix is not supported")
         if req.best_of not in (None, 1):
             raise _unsupported("best_of", "best_of > 1 is not supported")
-        if req.logprobs:
-            raise _unsupported("logprobs", "only the sampled tokens' logprobs are available: "
-                                           "use logprobs=0")
     if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs:
-            raise _unsupported("top_logprobs", "top_logprobs > 0 is not supported (the "
-                                               "sampled tokens' logprobs are: logprobs=true)")
+        if req.top_logprobs and not req.logprobs:  # (OpenAI's and vLLM's rule)
+            raise bad_request("top_logprobs: only allowed with logprobs=true",
+                              param="top_logprobs", code="invalid_value")
         _check_chat_options(req)
 
 

@@ -23,6 +23,7 @@ from messages.base import (
 from messages.burst import MAX_BURST, SEND_BURST
 from messages.catalogue import (
     MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
     AbortReq,
     BatchEmbeddingOut,
     BatchTokenIDOut,
@@ -83,6 +84,7 @@ __all__ = [
     "MAX_BATCH",
     "MAX_BURST",
     "MAX_LOGIT_BIAS",
+    "MAX_TOP_LOGPROBS",
     "MAX_RID",
     "MAX_TEXT",
     "MAX_TOKENS",

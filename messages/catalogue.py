@@ -43,6 +43,7 @@ __all__ = [
     "ErrorOut",
     "FinishReason",
     "MAX_LOGIT_BIAS",
+    "MAX_TOP_LOGPROBS",
     "AbortReq",
     "RpcReqInput",
     "RpcReqOutput",
@@ -72,6 +73,8 @@ RpcResult = dict[
 _MAX_PACKED_BYTES = 4 * MAX_TOKENS
 #: The most tokens one request's ``logit_bias`` may name.
 MAX_LOGIT_BIAS = 1024
+#: The most alternatives a request may ask for at each position (OpenAI's bound).
+MAX_TOP_LOGPROBS = 20
 
 if TYPE_CHECKING:
     # What a reader gets and a writer may pass: a column reads as a sequence
@@ -102,7 +105,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     negative ones) of every token in the prompt or the answer (1: none).
     ``min_tokens``: the stop tokens (the model's and ``stop_token_ids``) cannot be
     sampled before that many tokens. ``logit_bias`` adds its value (-100..100) to
-    its token's logit, at most :data:`MAX_LOGIT_BIAS` tokens.
+    its token's logit, at most :data:`MAX_LOGIT_BIAS` tokens. ``top_logprobs``:
+    with ``return_logprob``, the ids and logprobs of that many most likely
+    tokens at each position (:class:`BatchTokenIDOut`'s ``top_ids``).
 
     Fields travel by position: a new one is appended, never inserted, so a
     shorter (older) array still decodes, the missing items taking their
@@ -125,6 +130,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     logit_bias: Annotated[dict[Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)],
                                Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
                           msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
 
     def _pack(self) -> None:  # on construction (PackingMeta)
         if self.stop_token_ids is not None:
@@ -211,6 +217,12 @@ class BatchTokenIDOut(Output):
     reader keeps the latest value it saw for a request. ``None`` (the
     default, and what older senders write): not reported.
 
+    ``top_ids`` and ``top_logprobs`` (both or neither, with ``logprobs``):
+    the ``k`` most likely tokens at each output position and their logprobs,
+    most likely first, ``k`` entries per output id (``k`` is the same for
+    every request of the batch: ``len(top_ids) // len(output_ids)``), so the
+    alternatives of output id ``j`` are ``top_ids[j * k : (j + 1) * k]``.
+
     ``rids`` may be given as any sequence of ``str``; it is kept as a
     :class:`~messages.RidColumn` (it travels as one string, and a decoded
     one makes its ``str`` objects only when first read). A plain ``str``
@@ -224,6 +236,8 @@ class BatchTokenIDOut(Output):
     logprobs: npt.NDArray[np.float32] | None = None
     hidden_states: torch.Tensor | None = None
     cached_tokens: PackedU32 | None = None
+    top_ids: PackedU32 | None = None
+    top_logprobs: npt.NDArray[np.float32] | None = None
 
     def __post_init__(self) -> None:
         # Once per decode step of the whole batch: the checks stay cheap, and
@@ -264,6 +278,21 @@ class BatchTokenIDOut(Output):
             self.cached_tokens = cached = packed_u32(cached, field="cached_tokens")
             if len(cached) != n:
                 raise ValueError(f"cached_tokens has {len(cached)} entries for {n} rids")
+        tops = self.top_ids
+        if tops is not None or self.top_logprobs is not None:
+            if tops is None or self.top_logprobs is None or lp is None:
+                raise ValueError("top_ids and top_logprobs come together, with logprobs")
+            self.top_ids = tops = packed_u32(tops, field="top_ids")
+            tlp = self.top_logprobs
+            if (tlp.dtype != np.float32 or tlp.shape != (len(tops),)
+                    or (total and len(tops) % total) or (not total and len(tops))):
+                raise ValueError("top_ids and top_logprobs must be float32 with k entries "
+                                 "each per output id")
+
+    def top_k(self) -> int:
+        """Alternatives per output id in ``top_ids`` (0: none)."""
+        total = len(self.output_ids)
+        return len(self.top_ids) // total if self.top_ids is not None and total else 0
 
     @classmethod
     def from_lists(
@@ -322,6 +351,12 @@ class BatchTokenIDOut(Output):
             hidden = hidden[torch.from_numpy(tokens)]
         else:
             hidden = None
+        width = self.top_k()
+        top_ids = top_lps = None
+        if self.top_ids is not None and self.top_logprobs is not None:
+            at = (tokens[:, None] * width + np.arange(width)).reshape(-1)
+            top_ids = packed_u32(np.frombuffer(self.top_ids, np.uint32)[at], field="top_ids")
+            top_lps = self.top_logprobs[at]
         return BatchTokenIDOut(
             rids=[self.rids[i] for i, k in enumerate(keep) if k],
             output_ids=packed_u32(ids[tokens], field="output_ids"),
@@ -331,7 +366,8 @@ class BatchTokenIDOut(Output):
             hidden_states=hidden,
             cached_tokens=None if self.cached_tokens is None else packed_u32(
                 [self.cached_tokens[i] for i, k in enumerate(keep) if k],
-                field="cached_tokens"))
+                field="cached_tokens"),
+            top_ids=top_ids, top_logprobs=top_lps)
 
 
 class BatchEmbeddingOut(Output):

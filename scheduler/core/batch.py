@@ -45,7 +45,7 @@ from messages import (
     TokenizedGenerateReqInput,
 )
 from scheduler.core.admission import Admission
-from scheduler.models.logits import penalize
+from scheduler.models.logits import note_top_logprobs, penalize
 from scheduler.models.protocol import Model, PromptChunk
 from scheduler.models.sampling import sample_next
 
@@ -87,6 +87,9 @@ class Seq:
     last: int = -1
     out: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
+    # ``sampling.top_logprobs`` alternatives per sampled position (a stop token's too)
+    top_ids: list[int] = field(default_factory=list)
+    top_lps: list[float] = field(default_factory=list)
     sent: int = 0  # tokens already streamed
     cached: int = -1  # prompt tokens its state started with (the prefix cache); -1: not asked
     finished: FinishReason | None = None
@@ -207,6 +210,7 @@ class Batch:
             if not active:
                 return [], embedded
             raw = torch.stack(rows)
+            note_top_logprobs(raw, active)
             toks, lps = sample_next(penalize(raw, active), [s.sampling for s in active],
                                     [s.generator for s in active], raw=raw)
         except Exception as exc:

@@ -36,7 +36,8 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
     Requests that asked for logprobs and those that did not travel in
     separate batches (at most two per origin): a batch's ``logprobs`` column
     covers every output id in it, so sharing one would hand logprobs to a
-    request that never asked. A batch in which some request sends its first
+    request that never asked; so do requests asking for different numbers of
+    ``top_logprobs`` (a batch has one ``k``). A batch in which some request sends its first
     output or finishes carries every request's ``cached_tokens`` (prompt
     tokens read from the prefix cache): at most twice per request, not once
     per step. Marks what each request has
@@ -44,16 +45,19 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
     silenced by backpressure (their terminal error already waits in the
     backlog) produce nothing.
     """
-    groups: dict[tuple[Origin, bool], list[Seq]] = {}
+    groups: dict[tuple[Origin, bool, int], list[Seq]] = {}
     for s in seqs:
         if not s.silenced and (s.stream or s.finished is not None):
-            groups.setdefault((s.origin, s.logprobs), []).append(s)
+            groups.setdefault((s.origin, s.logprobs, s.sampling.top_logprobs if s.logprobs
+                               else 0), []).append(s)
     out: list[tuple[BatchTokenIDOut, Origin]] = []
-    for (origin, with_lp), group in groups.items():
+    for (origin, with_lp, k), group in groups.items():
         rids: list[str] = []
         ids: list[int] = []
         lens: list[int] = []
         lps: list[float] = []
+        top_ids: list[int] = []
+        top_lps: list[float] = []
         fins: list[FinishReason | None] = []
         telling = False
         for s in group:
@@ -63,6 +67,9 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
             lens.append(len(new))
             if with_lp:
                 lps.extend(s.lps[s.sent :])
+            if k:  # (a stop token's alternatives, past the answer, stay out)
+                top_ids.extend(s.top_ids[s.sent * k : len(s.out) * k])
+                top_lps.extend(s.top_lps[s.sent * k : len(s.out) * k])
             fins.append(s.finished)
             telling = telling or s.sent == 0 or s.finished is not None
             s.sent = len(s.out)
@@ -71,7 +78,9 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
             finished_reasons=fins,
             logprobs=np.asarray(lps, np.float32) if with_lp else None,
             cached_tokens=packed_u32([max(s.cached, 0) for s in group],
-                                     field="cached_tokens") if telling else None), origin))
+                                     field="cached_tokens") if telling else None,
+            top_ids=packed_u32(top_ids, field="top_ids") if k else None,
+            top_logprobs=np.asarray(top_lps, np.float32) if k else None), origin))
     return out
 
 

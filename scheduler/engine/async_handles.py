@@ -30,19 +30,21 @@ __all__ = ["AsyncHandle", "AsyncRequest", "Answer", "chunks", "steps"]
 class _Merged:
     """Chunks merged past the buffer bound: lists extended in place (O(1) a token)."""
 
-    __slots__ = ("cached_tokens", "finish_reason", "logprobs", "token_ids")
+    __slots__ = ("cached_tokens", "finish_reason", "logprobs", "token_ids", "top_logprobs")
 
     def __init__(self, token_ids: list[int], logprobs: list[float] | None) -> None:
         self.token_ids = token_ids
         self.logprobs = logprobs
         self.finish_reason: FinishReason | None = None
         self.cached_tokens: int | None = None
+        self.top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
     def chunk(self, rid: str) -> StreamChunk:
         """The merged chunks as one."""
-        lps = self.logprobs
+        lps, tops = self.logprobs, self.top_logprobs
         return StreamChunk(rid, tuple(self.token_ids), self.finish_reason,
-                           None if lps is None else tuple(lps), self.cached_tokens)
+                           None if lps is None else tuple(lps), self.cached_tokens,
+                           None if tops is None else tuple(tops))
 
 
 class AsyncHandle:
@@ -73,10 +75,14 @@ class AsyncHandle:
                 merged = _Merged(list(last.token_ids), None if last.logprobs is None
                                  else list(last.logprobs))
                 merged.cached_tokens = last.cached_tokens
+                if last.top_logprobs is not None:
+                    merged.top_logprobs = list(last.top_logprobs)
                 last = items[-1] = merged
             last.token_ids.extend(item.token_ids)
             if last.logprobs is not None and item.logprobs is not None:
                 last.logprobs.extend(item.logprobs)
+            if last.top_logprobs is not None and item.top_logprobs is not None:
+                last.top_logprobs.extend(item.top_logprobs)
             last.finish_reason = item.finish_reason
             if item.cached_tokens is not None:
                 last.cached_tokens = item.cached_tokens
@@ -133,7 +139,7 @@ class Answer:
     tokens) or one error, so awaiting a future costs one wake-up and no frames.
     """
 
-    __slots__ = ("_cached", "_ids", "_loop", "_lps", "_thread", "future", "rid")
+    __slots__ = ("_cached", "_ids", "_loop", "_lps", "_thread", "_tops", "future", "rid")
 
     def __init__(self, rid: str, loop: asyncio.AbstractEventLoop) -> None:
         self.rid = rid
@@ -142,6 +148,7 @@ class Answer:
         self._thread = threading.get_ident()
         self._ids: list[int] | None = None  # tokens of unfinished chunks, if any came
         self._lps: list[float] | None = None
+        self._tops: list[tuple[tuple[int, float], ...]] | None = None
         self._cached: int | None = None  # the latest cached_tokens of those chunks
 
     def put(self, item: Item) -> None:
@@ -166,11 +173,16 @@ class Answer:
                 if self._lps is None:
                     self._lps = []
                 self._lps.extend(item.logprobs)
+            if item.top_logprobs is not None:
+                if self._tops is None:
+                    self._tops = []
+                self._tops.extend(item.top_logprobs)
             if item.finish_reason is not None:
-                lps = self._lps
+                lps, tops = self._lps, self._tops
                 future.set_result(StreamChunk(self.rid, tuple(self._ids), item.finish_reason,
                                               None if lps is None else tuple(lps),
-                                              self._cached))
+                                              self._cached,
+                                              None if tops is None else tuple(tops)))
         else:
             future.set_result(item)
 
@@ -235,7 +247,8 @@ class AsyncRequest(Answer):
         assert isinstance(item, StreamChunk) and item.finish_reason is not None
         return GenerateResult(item.rid, list(item.token_ids), item.finish_reason,
                               None if item.logprobs is None else list(item.logprobs),
-                              item.cached_tokens)
+                              item.cached_tokens, None if item.top_logprobs is None
+                              else list(item.top_logprobs))
 
 
 async def chunks(start: Callable[[], AsyncHandle], cancel: Callable[[AsyncHandle], None]

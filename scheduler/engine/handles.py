@@ -23,6 +23,10 @@ __all__ = ["GenerateResult", "RequestHandle", "Stream", "StreamChunk"]
 T = TypeVar("T")
 
 
+#: Per token, the most likely ``(id, logprob)`` pairs at its position.
+Tops = tuple[tuple[tuple[int, float], ...], ...]
+
+
 class StreamChunk(msgspec.Struct, frozen=True, gc=False):
     """New tokens of one request (a streamed step, or the whole answer at the end).
 
@@ -40,6 +44,9 @@ class StreamChunk(msgspec.Struct, frozen=True, gc=False):
     #: Prompt tokens read from the prefix cache, on a request's first and last chunks
     #: (None on the others, and from a scheduler that predates it).
     cached_tokens: int | None = None
+    #: Per token, its position's most likely ``(id, logprob)`` pairs, most likely first
+    #: (``sampling.top_logprobs`` of them, with ``return_logprob``); None when not asked.
+    top_logprobs: Tops | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +63,7 @@ class GenerateResult:
     finish_reason: FinishReason
     logprobs: list[float] | None
     cached_tokens: int | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
 
 _Item = StreamChunk | npt.NDArray[np.float32] | EngineError
@@ -131,11 +139,15 @@ class RequestHandle:
         """Wait for the whole answer (all chunks joined)."""
         ids: list[int] = []
         lps: list[float] | None = None
+        tops: list[tuple[tuple[int, float], ...]] | None = None
         cached: int | None = None
         while True:
             item = self._next(timeout)
             assert isinstance(item, StreamChunk)
             ids.extend(item.token_ids)
+            if item.top_logprobs is not None:
+                tops = [] if tops is None else tops
+                tops.extend(item.top_logprobs)
             if item.cached_tokens is not None:
                 cached = item.cached_tokens
             if item.logprobs is not None:
@@ -143,7 +155,7 @@ class RequestHandle:
                 lps.extend(item.logprobs)
             if item.finish_reason is not None:
                 self._done = True
-                return GenerateResult(self.rid, ids, item.finish_reason, lps, cached)
+                return GenerateResult(self.rid, ids, item.finish_reason, lps, cached, tops)
 
     def embedding(self, timeout: float | None = None) -> npt.NDArray[np.float32]:
         """Wait for an embedding request's vector."""

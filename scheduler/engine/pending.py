@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from bus import Envelope, Rejected
 from messages import BatchEmbeddingOut, BatchTokenIDOut, ErrorOut, Output
-from scheduler.engine.handles import StreamChunk
+from scheduler.engine.handles import StreamChunk, Tops
 from scheduler.errors import EngineError, InvalidRequest, Overloaded, RequestFailed
 
 __all__ = ["Forgotten", "Item", "Pending", "PendingTable"]
@@ -192,6 +192,7 @@ class PendingTable:
             bounds = out.offsets()
             ids = tuple(out.output_ids)  # one conversion for the whole batch; sliced below
             lps = tuple(out.logprobs.tolist()) if out.logprobs is not None else None
+            tops = _tops(out)
             cached = out.cached_tokens
             rids, fins = list(out.rids), out.finished_reasons
             with self._lock:  # once for the batch, not once a request
@@ -205,7 +206,8 @@ class PendingTable:
                 a, b = bounds[i], bounds[i + 1]
                 handle.put(StreamChunk(rids[i], ids[a:b], fins[i],
                                        None if lps is None else lps[a:b],
-                                       None if cached is None else cached[i]))
+                                       None if cached is None else cached[i],
+                                       None if tops is None else tops[a:b]))
         elif isinstance(out, BatchEmbeddingOut):
             rows = out.embeddings.float().numpy()
             for i, rid in enumerate(out.rids):
@@ -215,3 +217,12 @@ class PendingTable:
             self.put(out.rid, error(out.rid, out.code, out.message), final=True)
         else:
             log.error("unexpected output %s on the transport", type(out).__name__)
+
+
+def _tops(out: BatchTokenIDOut) -> Tops | None:
+    """Each output id's ``(id, logprob)`` alternatives (``top_ids``), or None."""
+    k = out.top_k()
+    if not k or out.top_ids is None or out.top_logprobs is None:
+        return None
+    pairs = list(zip(out.top_ids, out.top_logprobs.tolist(), strict=True))
+    return tuple(tuple(pairs[j:j + k]) for j in range(0, len(pairs), k))

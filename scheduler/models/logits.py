@@ -1,4 +1,5 @@
-"""Penalties and biases on next-token logits, before sampling: vLLM's semantics.
+"""Penalties and biases on next-token logits, before sampling (vLLM's semantics), and
+the top alternatives a request asks to see (:func:`note_top_logprobs`).
 
 For the rows whose request asks (:func:`asks`), in vLLM's order:
 
@@ -34,7 +35,7 @@ import torch
 
 from messages import SamplingParams, TokenIds
 
-__all__ = ["Penalized", "asks", "penalize"]
+__all__ = ["Noted", "Penalized", "asks", "note_top_logprobs", "penalize"]
 
 
 class _Prompt(Protocol):
@@ -135,3 +136,37 @@ def _positions(i: int, seq: Penalized, vocab: int, *, prompt: bool) -> npt.NDArr
         ids = np.concatenate([np.frombuffer(seq.req.input_ids, np.uint32).astype(np.int64),
                               ids])
     return ids[ids < vocab] + i * vocab
+
+
+class Noted(Protocol):
+    """What :func:`note_top_logprobs` reads and writes of a running request."""
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+
+    @property
+    def logprobs(self) -> bool: ...
+
+    @property
+    def top_ids(self) -> list[int]: ...
+
+    @property
+    def top_lps(self) -> list[float]: ...
+
+
+def note_top_logprobs(raw: torch.Tensor, seqs: Sequence[Noted]) -> None:
+    """Append to each asking request's ``top_ids`` / ``top_lps`` its ``top_logprobs``
+    most likely tokens at this position and their logprobs (of the model's own
+    distribution ``raw``, most likely first). One ``log_softmax`` and one ``topk``
+    over the asking rows together; nothing when none asks."""
+    picked = [i for i, s in enumerate(seqs) if s.logprobs and s.sampling.top_logprobs]
+    if not picked:
+        return
+    k = max(seqs[i].sampling.top_logprobs for i in picked)
+    rows = raw.index_select(0, torch.tensor(picked)).float()
+    lps, ids = torch.log_softmax(rows, dim=-1).topk(min(k, rows.shape[-1]), dim=-1)
+    for r, i in enumerate(picked):
+        s = seqs[i]
+        want = s.sampling.top_logprobs
+        s.top_ids.extend(ids[r, :want].tolist())
+        s.top_lps.extend(lps[r, :want].tolist())

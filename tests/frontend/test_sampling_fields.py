@@ -160,3 +160,51 @@ def test_chat_takes_the_penalties(server: Server) -> None:
     pen = c.chat.completions.create(**kw, frequency_penalty=2.0,
                                     extra_body={"repetition_penalty": 2.0})
     assert pen.choices[0].message.content != plain
+
+
+def top_reference(hf: Any, prompt: list[int], n: int, k: int) -> list[list[float]]:
+    """Greedy: each position's ``k`` highest logprobs, from the model's own forward pass."""
+    ids = list(prompt)
+    tops = []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1], -1)
+            tops.append(logp.topk(k).values.tolist())
+            ids.append(int(logp.float().argmax()))
+    return tops
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_give_the_top_alternatives(server: Server, hf: Any,
+                                                       stream: bool) -> None:
+    want = top_reference(hf, PROMPT, 8, 5)
+    got = client(server).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.0, logprobs=5, stream=stream,
+        extra_body={"ignore_eos": True})
+    choices = [c.choices[0] for c in got] if stream else [got.choices[0]]  # type: ignore[union-attr]
+    tops = [d for c in choices if c.logprobs for d in c.logprobs.top_logprobs or []]
+    tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens or []]
+    lps = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs or []]
+    assert len(tops) == len(tokens) == 8
+    for d, w, token, lp in zip(tops, want, tokens, lps, strict=True):
+        # (texts may coincide: two ids that each end inside a character are both "")
+        assert 1 <= len(d) <= 6 and d[token] == pytest.approx(lp, abs=1e-5)
+        assert sorted(d.values(), reverse=True)[0] == pytest.approx(w[0], abs=1e-4)
+        assert lp == pytest.approx(w[0], abs=1e-4)  # greedy: the most likely one
+        assert all(any(v == pytest.approx(x, abs=1e-4) for x in w) for v in d.values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_are_the_most_likely_in_order(server: Server, stream: bool) -> None:
+    got = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+        temperature=1.0, seed=5, logprobs=True, top_logprobs=3, stream=stream,
+        extra_body={"ignore_eos": True})
+    parts = [c.choices[0] for c in got] if stream else [got.choices[0]]  # type: ignore[union-attr]
+    entries = [e for p in parts if p.logprobs for e in p.logprobs.content or []]
+    assert len(entries) == 8
+    for e in entries:
+        values = [t.logprob for t in e.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert e.logprob <= values[0] + 1e-6  # sampled at temperature 1: maybe not the top
+        assert all(t.bytes is not None for t in e.top_logprobs)

@@ -50,7 +50,8 @@ def samples() -> dict[str, Message]:
                                     stop_token_ids=token_ids([2]), seed=7,
                                     ignore_eos=True, presence_penalty=0.5,
                                     frequency_penalty=-0.25, repetition_penalty=1.25,
-                                    min_tokens=3, logit_bias={7: 100.0, 300: -5.5}),
+                                    min_tokens=3, logit_bias={7: 100.0, 300: -5.5},
+                                    top_logprobs=2),
             stream=True),
         "generate_defaults": TokenizedGenerateReqInput(rid="g-2", input_ids=token_ids([5])),
         "generate_embeds_inline": TokenizedGenerateReqInput(
@@ -76,6 +77,11 @@ def samples() -> dict[str, Message]:
         "batch_cached_tokens": BatchTokenIDOut.from_lists(["p", "q"], [[4], [5, 6]],
                                                           [None, "length"],
                                                           cached_tokens=[0, 48]),
+        "batch_top_logprobs": BatchTokenIDOut(
+            rids=["t"], output_ids=token_ids([4, 5]), output_lens=token_ids([2]),
+            finished_reasons=[None], logprobs=np.asarray([-0.5, -1.0], np.float32),
+            top_ids=token_ids([4, 9, 5, 4]),
+            top_logprobs=np.asarray([-0.5, -1.5, -1.0, -2.0], np.float32)),
         "batch_logprobs_out_of_band": BatchTokenIDOut.from_lists(
             ["long"], [list(range(1100))], ["length"],
             logprobs=[[-(i % 8) / 4 for i in range(1100)]]),
