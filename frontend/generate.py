@@ -130,14 +130,69 @@ class _ResponseBuilder:
         self.model = model
         self._tok = tok
         self._texts: TokenTexts | None = None  # made when logprobs are first reported
+        #: ``echo``: the prompt's text (and logprobs) the answer's first event or body
+        #: begins with (:meth:`echo`); ``_shift``: where the answer's text begins.
+        self._prefix: tuple[str, CompletionLogprobs | None] | None = None
+        self._shift = 0
         self._first = True
         self._around: tuple[bytes, bytes] | None = None
+
+    def echo(self, prompt_ids: Sequence[int], lps: Sequence[float] | None,
+             tops: Tops | None, with_logprobs: bool) -> None:
+        """Begin the answer with its prompt (a completion's ``echo``): its text (decoded,
+        special tokens left out, as vLLM echoes ids), and with ``with_logprobs`` each
+        prompt token's text and logprob (the first's null, as OpenAI and vLLM give it;
+        ``lps`` the others', ``tops`` their alternatives)."""
+        text = self._tok.decode(prompt_ids)
+        self._shift = len(text)
+        if not with_logprobs:
+            self._prefix = (text, None)
+            return
+        texts = TokenTexts(self._tok)
+        tokens: list[str] = []
+        values: list[float | None] = [None, *(lps or ())]
+        top: list[dict[str, float] | None] | None = [None] if tops is not None else None
+        offsets: list[int] = []
+        at = 0
+        for j, i in enumerate(prompt_ids):
+            if top is not None and tops is not None and j:
+                d: dict[str, float] = {}
+                for t, lp in tops[j - 1]:
+                    d.setdefault(texts.peek(t), lp)
+                top.append(d)
+            offsets.append(at)
+            piece = texts.take(i)
+            if top is not None and j and lps is not None:
+                d.setdefault(piece, lps[j - 1])
+            tokens.append(piece)
+            at += len(piece) if texts.in_text(i) else 0
+        self._prefix = (text, CompletionLogprobs(tokens, values[:len(tokens)], top,
+                                                 text_offset=offsets))
+
+    def _echoed(self, text: str, lp: CompletionLogprobs | None) -> tuple[
+            str, CompletionLogprobs | None]:
+        """``text`` and ``lp`` after the prompt, when it is still to be sent."""
+        prefix, self._prefix = self._prefix, None
+        if prefix is None:
+            return text, lp
+        head, head_lp = prefix
+        if head_lp is None or lp is None:
+            return head + text, lp
+        top = None if head_lp.top_logprobs is None or (
+            lp.top_logprobs is None and lp.tokens) else head_lp.top_logprobs + (
+                lp.top_logprobs or [])
+        return head + text, CompletionLogprobs(
+            head_lp.tokens + lp.tokens, head_lp.token_logprobs + lp.token_logprobs, top,
+            text_offset=None if lp.text_offset is None or head_lp.text_offset is None
+            else head_lp.text_offset + lp.text_offset)
 
     def _logprobs(self, ids: Sequence[int], lps: Sequence[float] | None,
                   offsets: Sequence[int] | None, tops: Tops | None = None
                   ) -> CompletionLogprobs | ChatLogprobs | None:
         if lps is None:
             return None
+        if offsets is not None and self._shift:  # after an echoed prompt
+            offsets = [o + self._shift for o in offsets]
         # Each token's decoded text (frontend.token_text): "".join(tokens) is the answer;
         # an alternative's text is what it would have added at its position.
         texts = self._texts
@@ -167,7 +222,7 @@ class _ResponseBuilder:
                 for entry, alt in zip(entries, alts, strict=True):
                     entry.top_logprobs = [TopLogprob(a, lp, own(t, a)) for a, t, lp in alt]
             return ChatLogprobs(entries)
-        top: list[dict[str, float]] | None = None
+        top: list[dict[str, float] | None] | None = None
         if alts is not None:  # the top ones and the sampled one, as OpenAI and vLLM give;
             # two ids of one text (both "": each ends inside a character) keep the likelier
             top = []
@@ -177,15 +232,16 @@ class _ResponseBuilder:
                     d.setdefault(a, alp)
                 d.setdefault(p, lp)
                 top.append(d)
-        return CompletionLogprobs(pieces, list(lps), top, text_offset=None if offsets is None
-                                  else list(offsets))
+        return CompletionLogprobs(pieces, list[float | None](lps), top,
+                                  text_offset=None if offsets is None else list(offsets))
 
     def event(self, text: str, finish: str | None, ids: Sequence[int],
               lps: Sequence[float] | None, usage: Usage | None,
               offsets: Sequence[int] | None = None, tops: Tops | None = None) -> bytes:
         first, self._first = self._first, False
         role = "assistant" if first and self.chat else None
-        if finish is None and lps is None and usage is None and role is None:
+        if finish is None and lps is None and usage is None and role is None \
+                and self._prefix is None:
             # Most events differ only in their text: the bytes around it are
             # encoded once per request (a tenth of building and encoding it all).
             around = self._around
@@ -206,6 +262,7 @@ class _ResponseBuilder:
                 usage=usage)
         else:
             assert lp is None or isinstance(lp, CompletionLogprobs)
+            text, lp = self._echoed(text, lp)
             body = Completion(self.id, self.created, self.model,
                               [CompletionChoice(self.index, text, finish, lp)], usage=usage)
         return b"data: " + sse_safe(encode(body)) + b"\n\n"
@@ -221,6 +278,9 @@ class _ResponseBuilder:
         if offsets is not None:  # (a stop string may have cut text an earlier step began)
             offsets = [min(o, len(text)) for o in offsets]
         lp = self._logprobs(ids, lps, offsets, tops)
+        if not self.chat:
+            assert lp is None or isinstance(lp, CompletionLogprobs)
+            text, lp = self._echoed(text, lp)
         if self.chat:
             assert lp is None or isinstance(lp, ChatLogprobs)
             return encode(ChatCompletion(self.id, self.created, self.model,
@@ -265,6 +325,15 @@ class RequestState:
     t0: float
 
     cached_tokens: int = 0
+    #: ``echo`` (completions): the answer begins with the prompt (its logprobs too, when
+    #: ``logprobs`` is given: ``sampling.prompt_logprobs`` asks the scheduler for them).
+    echo: bool = False
+
+    def echo_prompt(self, lps: Sequence[float] | None, tops: Tops | None) -> None:
+        """Have the answer begin with the prompt, once its logprobs (if asked) are in."""
+        if self.echo:
+            self.echo = False
+            self.response.echo(self.prompt_ids, lps, tops, self.logprobs)
 
     def usage(self) -> Usage:
         """The usage so far: the prompt's tokens (and how many of them the prefix cache
@@ -340,10 +409,12 @@ class OpenAIServing:
     def _completion_state(self, req: CompletionRequest, ids: list[int], send: Send,
                           t0: float) -> RequestState:
         max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
-        return self._state(
+        state = self._state(
             req, endpoint="completions", prompt_ids=ids, max_tokens=max_tokens,
             stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
             send=send, t0=t0)
+        state.echo = req.echo
+        return state
 
     async def _completion_prompts(self, prompt: str | list[int | str | list[int]]
                                   ) -> list[list[int]]:
@@ -558,7 +629,9 @@ class OpenAIServing:
                                   repetition_penalty=req.repetition_penalty,
                                   min_tokens=req.min_tokens, logit_bias=bias,
                                   top_logprobs=(req.logprobs or 0) if isinstance(
-                                      req, CompletionRequest) else req.top_logprobs or 0)
+                                      req, CompletionRequest) else req.top_logprobs or 0,
+                                  prompt_logprobs=req.logprobs if isinstance(
+                                      req, CompletionRequest) and req.echo else None)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"sampling: {exc}") from None
 
@@ -603,6 +676,7 @@ class OpenAIServing:
         result = await self.engine.submit(state.prompt_ids, state.sampling,
                                           return_logprob=state.logprobs)
         detok, response = state.detok, state.response
+        state.echo_prompt(result.prompt_logprobs, result.prompt_top_logprobs)
         text, offsets = _push(detok, result.token_ids, state.logprobs and not response.chat)
         text += detok.finish()
         prompt, answer = len(state.prompt_ids), len(result.token_ids)
@@ -640,6 +714,8 @@ class OpenAIServing:
         finish: str | None = None
         try:
             chunks = await anext(it)  # a refusal is still an HTTP error here
+            if chunks:
+                state.echo_prompt(chunks[0].prompt_logprobs, chunks[0].prompt_top_logprobs)
             while True:
                 await self.turns.take()
                 events: list[bytes] = []

@@ -6,7 +6,7 @@ bus's messages, so a bad body fails there with a 400 naming the field
 (:func:`decode` converts msgspec's error at one place). Unknown fields are
 refused, not ignored: an option this server does not implement (``suffix``
 with text, ``tools`` on completions, ...) is a clear 400 naming it. The options OpenAI
-clients may send at their defaults (``n``, ``echo``) are accepted at those
+clients may send at their defaults (``n``) are accepted at those
 defaults and refused otherwise (:func:`check_supported`); the penalties,
 ``min_tokens`` and ``logit_bias`` are served.
 
@@ -260,8 +260,8 @@ class CompletionLogprobs(msgspec.Struct):
     (``text_offset``, in characters)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] | None = None
 
 
@@ -528,7 +528,7 @@ def check_supported(req: _Sampling) -> None:
     """Refuse what is declared but not implemented, at a non-default value.
 
     Raises:
-        ApiError: 400 naming the option (``n > 1``, ``echo``, ``suffix``, ``best_of > 1``,
+        ApiError: 400 naming the option (``n > 1``, ``suffix``, ``best_of > 1``,
             ``top_logprobs`` without ``logprobs``, and ``stream_options`` without
             ``stream``, as OpenAI and vLLM refuse them).
     """
@@ -538,8 +538,6 @@ def check_supported(req: _Sampling) -> None:
     if req.n != 1:
         raise _unsupported("n", "n > 1 is not supported: send one request per answer")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise _unsupported("echo", "echo is not supported")
         if req.suffix:  # ("" asks for nothing)
             raise _unsupported("suffix", "suffix is not supported")
         if req.best_of not in (None, 1):

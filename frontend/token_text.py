@@ -66,6 +66,11 @@ class TokenTexts:
         dec.setstate(self._dec.getstate())
         return dec.decode(raw)
 
+    def in_text(self, token_id: int) -> bool:
+        """Whether ``token_id``'s string is part of the answer's text (a special token's
+        name is not: the text leaves special tokens out)."""
+        return self._table is None or self._bytes(token_id) is not None
+
     def _other(self, token_id: int) -> str:
         if self._table is not None:  # a special token, or an id past the vocabulary
             return self._tok.piece(token_id)

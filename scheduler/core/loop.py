@@ -285,7 +285,7 @@ class Scheduler(ControlMethods):
         sp = req.sampling
         seq = Seq(req, origin, len(req.input_ids) + sp.max_new_tokens, sp, req.stream,
                   req.return_logprob, t_arrival=self._now)
-        if sp.max_new_tokens == 0:
+        if sp.max_new_tokens == 0 and sp.prompt_logprobs is None:  # (else: scored first)
             seq.finished = "length"
             self._live[req.rid] = seq
             self._emit([seq])

@@ -30,7 +30,8 @@ __all__ = ["AsyncHandle", "AsyncRequest", "Answer", "chunks", "steps"]
 class _Merged:
     """Chunks merged past the buffer bound: lists extended in place (O(1) a token)."""
 
-    __slots__ = ("cached_tokens", "finish_reason", "logprobs", "token_ids", "top_logprobs")
+    __slots__ = ("cached_tokens", "finish_reason", "logprobs", "prompt", "token_ids",
+                 "top_logprobs")
 
     def __init__(self, token_ids: list[int], logprobs: list[float] | None) -> None:
         self.token_ids = token_ids
@@ -38,13 +39,17 @@ class _Merged:
         self.finish_reason: FinishReason | None = None
         self.cached_tokens: int | None = None
         self.top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+        self.prompt: StreamChunk | None = None  # the first chunk merged (its prompt's)
 
     def chunk(self, rid: str) -> StreamChunk:
         """The merged chunks as one."""
         lps, tops = self.logprobs, self.top_logprobs
+        first = self.prompt
         return StreamChunk(rid, tuple(self.token_ids), self.finish_reason,
                            None if lps is None else tuple(lps), self.cached_tokens,
-                           None if tops is None else tuple(tops))
+                           None if tops is None else tuple(tops),
+                           None if first is None else first.prompt_logprobs,
+                           None if first is None else first.prompt_top_logprobs)
 
 
 class AsyncHandle:
@@ -77,6 +82,7 @@ class AsyncHandle:
                 merged.cached_tokens = last.cached_tokens
                 if last.top_logprobs is not None:
                     merged.top_logprobs = list(last.top_logprobs)
+                merged.prompt = last
                 last = items[-1] = merged
             last.token_ids.extend(item.token_ids)
             if last.logprobs is not None and item.logprobs is not None:
@@ -139,7 +145,8 @@ class Answer:
     tokens) or one error, so awaiting a future costs one wake-up and no frames.
     """
 
-    __slots__ = ("_cached", "_ids", "_loop", "_lps", "_thread", "_tops", "future", "rid")
+    __slots__ = ("_cached", "_first", "_ids", "_loop", "_lps", "_thread", "_tops", "future",
+                 "rid")
 
     def __init__(self, rid: str, loop: asyncio.AbstractEventLoop) -> None:
         self.rid = rid
@@ -149,6 +156,7 @@ class Answer:
         self._ids: list[int] | None = None  # tokens of unfinished chunks, if any came
         self._lps: list[float] | None = None
         self._tops: list[tuple[tuple[int, float], ...]] | None = None
+        self._first: StreamChunk | None = None  # (its prompt logprobs, when asked)
         self._cached: int | None = None  # the latest cached_tokens of those chunks
 
     def put(self, item: Item) -> None:
@@ -166,6 +174,7 @@ class Answer:
                                                 or item.finish_reason is None):
             if self._ids is None:
                 self._ids = []
+                self._first = item
             self._ids.extend(item.token_ids)
             if item.cached_tokens is not None:
                 self._cached = item.cached_tokens
@@ -178,11 +187,14 @@ class Answer:
                     self._tops = []
                 self._tops.extend(item.top_logprobs)
             if item.finish_reason is not None:
-                lps, tops = self._lps, self._tops
+                lps, tops, first = self._lps, self._tops, self._first
                 future.set_result(StreamChunk(self.rid, tuple(self._ids), item.finish_reason,
                                               None if lps is None else tuple(lps),
                                               self._cached,
-                                              None if tops is None else tuple(tops)))
+                                              None if tops is None else tuple(tops),
+                                              None if first is None else first.prompt_logprobs,
+                                              None if first is None
+                                              else first.prompt_top_logprobs))
         else:
             future.set_result(item)
 
@@ -248,7 +260,8 @@ class AsyncRequest(Answer):
         return GenerateResult(item.rid, list(item.token_ids), item.finish_reason,
                               None if item.logprobs is None else list(item.logprobs),
                               item.cached_tokens, None if item.top_logprobs is None
-                              else list(item.top_logprobs))
+                              else list(item.top_logprobs), item.prompt_logprobs,
+                              item.prompt_top_logprobs)
 
 
 async def chunks(start: Callable[[], AsyncHandle], cancel: Callable[[AsyncHandle], None]

@@ -47,6 +47,10 @@ class StreamChunk(msgspec.Struct, frozen=True, gc=False):
     #: Per token, its position's most likely ``(id, logprob)`` pairs, most likely first
     #: (``sampling.top_logprobs`` of them, with ``return_logprob``); None when not asked.
     top_logprobs: Tops | None = None
+    #: On a request's first chunk, when it asked (``sampling.prompt_logprobs``): the
+    #: logprob of each prompt token after the first, and each one's alternatives.
+    prompt_logprobs: tuple[float, ...] | None = None
+    prompt_top_logprobs: Tops | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,8 @@ class GenerateResult:
     logprobs: list[float] | None
     cached_tokens: int | None = None
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    prompt_logprobs: tuple[float, ...] | None = None
+    prompt_top_logprobs: Tops | None = None
 
 
 _Item = StreamChunk | npt.NDArray[np.float32] | EngineError
@@ -141,9 +147,11 @@ class RequestHandle:
         lps: list[float] | None = None
         tops: list[tuple[tuple[int, float], ...]] | None = None
         cached: int | None = None
+        first: StreamChunk | None = None
         while True:
             item = self._next(timeout)
             assert isinstance(item, StreamChunk)
+            first = first or item
             ids.extend(item.token_ids)
             if item.top_logprobs is not None:
                 tops = [] if tops is None else tops
@@ -155,7 +163,8 @@ class RequestHandle:
                 lps.extend(item.logprobs)
             if item.finish_reason is not None:
                 self._done = True
-                return GenerateResult(self.rid, ids, item.finish_reason, lps, cached, tops)
+                return GenerateResult(self.rid, ids, item.finish_reason, lps, cached, tops,
+                                      first.prompt_logprobs, first.prompt_top_logprobs)
 
     def embedding(self, timeout: float | None = None) -> npt.NDArray[np.float32]:
         """Wait for an embedding request's vector."""

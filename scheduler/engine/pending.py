@@ -193,6 +193,7 @@ class PendingTable:
             ids = tuple(out.output_ids)  # one conversion for the whole batch; sliced below
             lps = tuple(out.logprobs.tolist()) if out.logprobs is not None else None
             tops = _tops(out)
+            prompts = _prompts(out)
             cached = out.cached_tokens
             rids, fins = list(out.rids), out.finished_reasons
             with self._lock:  # once for the batch, not once a request
@@ -207,7 +208,8 @@ class PendingTable:
                 handle.put(StreamChunk(rids[i], ids[a:b], fins[i],
                                        None if lps is None else lps[a:b],
                                        None if cached is None else cached[i],
-                                       None if tops is None else tops[a:b]))
+                                       None if tops is None else tops[a:b],
+                                       *(prompts[i] if prompts is not None else (None, None))))
         elif isinstance(out, BatchEmbeddingOut):
             rows = out.embeddings.float().numpy()
             for i, rid in enumerate(out.rids):
@@ -226,3 +228,25 @@ def _tops(out: BatchTokenIDOut) -> Tops | None:
         return None
     pairs = list(zip(out.top_ids, out.top_logprobs.tolist(), strict=True))
     return tuple(tuple(pairs[j:j + k]) for j in range(0, len(pairs), k))
+
+
+def _prompts(out: BatchTokenIDOut) -> list[tuple[tuple[float, ...] | None, Tops | None]] | None:
+    """Each request's prompt logprobs and their alternatives (``prompt_lens``), or None:
+    a request that sends none here gets ``(None, None)``."""
+    plens, plp = out.prompt_lens, out.prompt_logprobs
+    if plens is None or plp is None:
+        return None
+    k = out.prompt_top_k()
+    values = plp.tolist()
+    pairs = list(zip(out.prompt_top_ids, out.prompt_top_logprobs.tolist(), strict=True)) \
+        if k and out.prompt_top_ids is not None and out.prompt_top_logprobs is not None else []
+    got: list[tuple[tuple[float, ...] | None, Tops | None]] = []
+    at = 0
+    for n in plens:
+        if not n:  # (a one-token prompt has no entry: told apart by its first output)
+            got.append(((), () if k else None))
+            continue
+        tops = tuple(tuple(pairs[j * k:(j + 1) * k]) for j in range(at, at + n)) if k else None
+        got.append((tuple(values[at:at + n]), tops))
+        at += n
+    return got

@@ -1,5 +1,6 @@
 """Penalties and biases on next-token logits, before sampling (vLLM's semantics), and
-the top alternatives a request asks to see (:func:`note_top_logprobs`).
+the top alternatives a request asks to see (:func:`note_top_logprobs`, and
+:func:`score_prompt` for its prompt's tokens).
 
 For the rows whose request asks (:func:`asks`), in vLLM's order:
 
@@ -35,7 +36,7 @@ import torch
 
 from messages import SamplingParams, TokenIds
 
-__all__ = ["Noted", "Penalized", "asks", "note_top_logprobs", "penalize"]
+__all__ = ["Noted", "Penalized", "asks", "note_top_logprobs", "penalize", "score_prompt"]
 
 
 class _Prompt(Protocol):
@@ -170,3 +171,21 @@ def note_top_logprobs(raw: torch.Tensor, seqs: Sequence[Noted]) -> None:
         want = s.sampling.top_logprobs
         s.top_ids.extend(ids[r, :want].tolist())
         s.top_lps.extend(lps[r, :want].tolist())
+
+
+def score_prompt(scores: torch.Tensor, prompt: TokenIds, k: int
+                 ) -> tuple[list[float], list[int], list[float]]:
+    """A prompt's logprobs from the model's logits after each of its positions
+    (``scores`` ``(T, vocab)``, :meth:`~scheduler.models.protocol.Model.prompt_scores`):
+    the logprob of each token after the first, and ``k`` alternatives (ids, logprobs,
+    most likely first) at each of those positions."""
+    ids = torch.from_numpy(np.frombuffer(prompt, np.uint32).astype(np.int64))[1:]
+    rows = scores[:len(ids)].float()
+    if not len(ids):
+        return [], [], []
+    logp = torch.log_softmax(rows, dim=-1)
+    lps = logp.gather(1, ids.clamp(max=logp.shape[-1] - 1).unsqueeze(1))[:, 0].tolist()
+    if not k:
+        return lps, [], []
+    top_lps, top_ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return lps, top_ids.reshape(-1).tolist(), top_lps.reshape(-1).tolist()

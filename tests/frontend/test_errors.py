@@ -67,7 +67,6 @@ def error(r: httpx.Response) -> dict[str, object]:
     ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
-    ({"model": "tiny", "prompt": "x", "echo": True}, "echo"),
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs"),
     ({"model": "tiny", "prompt": "x", "tools": []}, "tools"),
 ])

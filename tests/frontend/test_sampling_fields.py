@@ -208,3 +208,60 @@ def test_chat_top_logprobs_are_the_most_likely_in_order(server: Server, stream: 
         assert len(values) == 3 and values == sorted(values, reverse=True)
         assert e.logprob <= values[0] + 1e-6  # sampled at temperature 1: maybe not the top
         assert all(t.bytes is not None for t in e.top_logprobs)
+
+
+def prompt_reference(hf: Any, prompt: list[int], k: int) -> tuple[list[float], list[list[float]]]:
+    """Each prompt token's logprob after the first (and the ``k`` highest at its position),
+    from ``transformers``' own forward pass."""
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1)
+    return ([float(logp[j - 1, prompt[j]]) for j in range(1, len(prompt))],
+            [logp[j - 1].topk(k).values.tolist() for j in range(1, len(prompt))])
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(server: Server, hf: Any,
+                                                model_dir: Path) -> None:
+    """lm-eval's loglikelihood request: ``echo, max_tokens 0, logprobs``. Twice: the
+    second time the prompt is in the prefix cache, which a scored prompt must not use."""
+    want, want_top = prompt_reference(hf, PROMPT, 5)
+    c = client(server)
+    for _ in range(2):
+        r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True,
+                                 logprobs=5)
+        choice = r.choices[0]
+        lp = choice.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+        assert r.usage is not None and r.usage.completion_tokens == 0
+        assert choice.finish_reason == "length"
+        assert choice.text == text_of(model_dir, PROMPT)
+        assert len(lp.tokens) == len(PROMPT) and lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+        assert lp.top_logprobs is not None and lp.top_logprobs[0] is None
+        for d, w in zip(lp.top_logprobs[1:], want_top, strict=True):
+            assert d is not None and max(d.values()) == pytest.approx(w[0], abs=1e-5)
+        assert lp.text_offset is not None and len(lp.text_offset) == len(PROMPT)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_an_answer_begins_with_the_prompt(server: Server, hf: Any,
+                                                    model_dir: Path, stream: bool) -> None:
+    want, _ = prompt_reference(hf, PROMPT, 1)
+    plain, plain_lps = reference(hf, PROMPT, 3)
+    r = client(server).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0.0,
+        stream=stream, extra_body={"ignore_eos": True})
+    choices = [c.choices[0] for c in r] if stream else [r.choices[0]]  # type: ignore[union-attr]
+    text = "".join(c.text for c in choices)
+    assert text == text_of(model_dir, PROMPT) + text_of(model_dir, plain)
+    lps = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs or []]
+    assert lps[0] is None
+    assert lps[1:] == pytest.approx([*want, *plain_lps], abs=1e-5)
+    offsets = [o for c in choices if c.logprobs for o in c.logprobs.text_offset or []]
+    assert offsets == sorted(offsets) and len(offsets) == len(PROMPT) + 3
+
+
+def test_echo_without_logprobs_and_max_tokens_0_is_the_prompt(server: Server,
+                                                              model_dir: Path) -> None:
+    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=0,
+                                          echo=True)
+    assert r.choices[0].text == text_of(model_dir, PROMPT) and r.choices[0].logprobs is None

@@ -184,21 +184,22 @@ def test_typed_codec_decodes_only_its_family() -> None:
 # -- golden bytes: the wire format is pinned; change it deliberately -----------
 
 GOLDEN = {
-    "generate": (  # sampling: 13 items (9d): ignore_eos=false (c2), then the penalties,
-        # min_tokens, logit_bias and top_logprobs at their defaults (0.0, 0.0, 1.0, 0, nil, 0)
+    "generate": (  # sampling: 14 items (9e): ignore_eos=false (c2), then the penalties,
+        # min_tokens, logit_bias, top_logprobs and prompt_logprobs at their defaults
+        # (0.0, 0.0, 1.0, 0, nil, 0, nil)
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
         "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009d08cb0000000000000000cb3ff000000000000000c0c0c2cb0000000000000000cb0000"
-        "000000000000cb3ff000000000000000c000c2c2c0c0",
+        "2c0100009e08cb0000000000000000cb3ff000000000000000c0c0c2cb0000000000000000cb0000"
+        "000000000000cb3ff000000000000000c000c0c2c2c0c0",
     ),
     "generate_ignore_eos": (
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0,
                                                           ignore_eos=True)),
         "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009d08cb0000000000000000cb3ff000000000000000c0c0c3cb0000000000000000cb0000"
-        "000000000000cb3ff000000000000000c000c2c2c0c0",
+        "2c0100009e08cb0000000000000000cb3ff000000000000000c0c0c3cb0000000000000000cb0000"
+        "000000000000cb3ff000000000000000c000c0c2c2c0c0",
     ),
     "rpc": (
         RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
@@ -208,8 +209,8 @@ GOLDEN = {
     "batch": (
         BatchTokenIDOut.from_lists(["a", "b"], [[7], [9, 10]], [None, "stop"]),
         # rids: one str, "\0a\0b" (messages.rids), since the rid column
-        "9aaf4261746368546f6b656e49444f7574a400610062c40c07000000090000000a000000c4080100"
-        "00000200000092c0a473746f70c0c0c0c0c0",
+        "9eaf4261746368546f6b656e49444f7574a400610062c40c07000000090000000a000000c4080100"
+        "00000200000092c0a473746f70c0c0c0c0c0c0c0c0c0",
     ),
 }
 
@@ -273,8 +274,8 @@ def test_an_encoding_from_before_ignore_eos_decodes_with_it_false() -> None:
 
 _OLD_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed")
 #: The items appended after ignore_eos, at their defaults (the penalties, min_tokens,
-#: logit_bias, top_logprobs).
-_LATER = [0.0, 0.0, 1.0, 0, None, 0]
+#: logit_bias, top_logprobs, prompt_logprobs).
+_LATER = [0.0, 0.0, 1.0, 0, None, 0, None]
 
 
 @given(sampling=st.builds(

@@ -33,7 +33,8 @@ SAMPLING: list[tuple[str, str, object]] = [
     ("top_k", "int", 0), ("stop_token_ids", "packed_u32", None), ("seed", "int", None),
     ("ignore_eos", "bool", False), ("presence_penalty", "float", 0.0),
     ("frequency_penalty", "float", 0.0), ("repetition_penalty", "float", 1.0),
-    ("min_tokens", "int", 0), ("logit_bias", "map", None), ("top_logprobs", "int", 0)]
+    ("min_tokens", "int", 0), ("logit_bias", "map", None), ("top_logprobs", "int", 0),
+    ("prompt_logprobs", "int", None)]
 FIELDS: dict[str, list[tuple[str, str, object]]] = {
     "TokenizedGenerateReqInput": [
         ("rid", "str", NO_DEFAULT), ("input_ids", "packed_u32", NO_DEFAULT),
@@ -53,7 +54,9 @@ FIELDS: dict[str, list[tuple[str, str, object]]] = {
         ("output_lens", "packed_u32", NO_DEFAULT), ("finished_reasons", "list", NO_DEFAULT),
         ("logprobs", "ndarray", None), ("hidden_states", "tensor", None),
         ("cached_tokens", "packed_u32", None), ("top_ids", "packed_u32", None),
-        ("top_logprobs", "ndarray", None)],
+        ("top_logprobs", "ndarray", None), ("prompt_lens", "packed_u32", None),
+        ("prompt_logprobs", "ndarray", None), ("prompt_top_ids", "packed_u32", None),
+        ("prompt_top_logprobs", "ndarray", None)],
     "BatchEmbeddingOut": [("rids", "list", NO_DEFAULT), ("embeddings", "tensor", NO_DEFAULT)],
     "ErrorOut": [("rid", "str", NO_DEFAULT), ("code", "str", NO_DEFAULT),
                  ("message", "str", "")],
