@@ -72,8 +72,19 @@ _MARK = "\x00text\x00"
 _MARK_JSON = msgspec.json.encode(_MARK)
 #: The most prompts one completion request may hold (each is a request to the engine).
 MAX_PROMPTS = 256
-#: Reads back one prompt's answer of several (:meth:`OpenAIServing._several`).
+#: Read back one answer of several (:meth:`OpenAIServing._several`).
 _COMPLETION = msgspec.json.Decoder(Completion)
+_CHAT = msgspec.json.Decoder(ChatCompletion)
+#: The most answers of one prompt a request may ask for (``n``, ``best_of``).
+MAX_ANSWERS = 128
+
+
+def _cumulative_logprob(part: Completion | ChatCompletion) -> float:
+    """The sum of an answer's token logprobs (``best_of``'s ranking)."""
+    lp = part.choices[0].logprobs
+    if isinstance(lp, CompletionLogprobs):
+        return sum(v for v in lp.token_logprobs if v is not None)
+    return sum(e.logprob for e in lp.content) if lp is not None else 0.0
 
 
 async def _cancel_all(tasks: Sequence[asyncio.Future[int]]) -> None:
@@ -92,6 +103,39 @@ def _into(body: bytearray) -> Send:
             assert isinstance(chunk, bytes)
             body.extend(chunk)
     return keep
+
+
+def _copies(req: CompletionRequest | ChatCompletionRequest, prompts: int) -> int:
+    """How many answers of each prompt to generate: ``best_of`` (completions), else ``n``.
+
+    Raises:
+        ApiError: 400 naming ``best_of`` (below ``n``, or above it while streaming, as
+            vLLM refuses it) or ``n`` (more answers in all than :data:`MAX_PROMPTS`).
+    """
+    best_of = req.best_of if isinstance(req, CompletionRequest) else None
+    copies = req.n if best_of is None else best_of
+    if copies < req.n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})",
+                          param="best_of", code="invalid_value")
+    if copies > req.n and req.stream:
+        raise bad_request("best_of above n cannot be streamed (the best answers are known "
+                          "only at the end)", param="best_of", code="invalid_value")
+    if copies > MAX_ANSWERS or copies * prompts > MAX_PROMPTS:
+        raise bad_request(f"{copies} answers of {prompts} prompts: at most {MAX_PROMPTS} "
+                          f"answers in one request", param="best_of" if best_of else "n",
+                          code="invalid_value")
+    return copies
+
+
+def _nth(state: RequestState, copy: int) -> RequestState:
+    """``state`` as the ``copy``-th answer of its prompt: a seeded request's answers each
+    get their own seed (the seed + ``copy``), so they differ and each reproduces; an
+    unseeded one's differ by their rids."""
+    seed = state.sampling.seed
+    if copy and seed is not None:
+        state.sampling = msgspec.structs.replace(state.sampling,
+                                                 seed=(seed + copy) % (1 << 63))
+    return state
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +302,7 @@ class _ResponseBuilder:
         if self.chat:
             assert lp is None or isinstance(lp, ChatLogprobs)
             body = ChatCompletionChunk(self.id, self.created, self.model, [ChatChunkChoice(
-                0, ChatDelta(role, text if text or role is None else ""), finish, lp)],
+                self.index, ChatDelta(role, text if text or role is None else ""), finish, lp)],
                 usage=usage)
         else:
             assert lp is None or isinstance(lp, CompletionLogprobs)
@@ -284,7 +328,8 @@ class _ResponseBuilder:
         if self.chat:
             assert lp is None or isinstance(lp, ChatLogprobs)
             return encode(ChatCompletion(self.id, self.created, self.model,
-                                         [ChatChoice(0, ChatMessageOut(text), finish, lp)],
+                                         [ChatChoice(self.index, ChatMessageOut(text), finish,
+                                                     lp)],
                                          usage))
         assert lp is None or isinstance(lp, CompletionLogprobs)
         return encode(Completion(self.id, self.created, self.model,
@@ -402,19 +447,28 @@ class OpenAIServing:
         check_supported(req)
         self.check_model(req.model)
         prompts = await self._completion_prompts(req.prompt)
-        if len(prompts) > 1:
-            return await self._several(req, prompts, send, t0)
-        return await self._answer(self._completion_state(req, prompts[0], send, t0))
+        copies = _copies(req, len(prompts))
+        if len(prompts) == 1 and copies == 1:
+            return await self._answer(self._completion_state(req, prompts[0], send, t0))
+        # Every answer is checked (its budget, its sampling) before any runs.
+        states = [self._completion_state(req, ids, send, t0, copy=i)
+                  for ids in prompts for i in range(copies)]
+        hide = copies != req.n and req.logprobs is None
+        if hide:  # best_of ranks by logprobs, asked or not
+            for state in states:
+                state.logprobs = True
+        return await self._several(req, states, send, copies=copies, keep=req.n,
+                                   hide_logprobs=hide)
 
     def _completion_state(self, req: CompletionRequest, ids: list[int], send: Send,
-                          t0: float) -> RequestState:
+                          t0: float, copy: int = 0) -> RequestState:
         max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
         state = self._state(
             req, endpoint="completions", prompt_ids=ids, max_tokens=max_tokens,
             stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
             send=send, t0=t0)
         state.echo = req.echo
-        return state
+        return _nth(state, copy)
 
     async def _completion_prompts(self, prompt: str | list[int | str | list[int]]
                                   ) -> list[list[int]]:
@@ -461,52 +515,70 @@ class OpenAIServing:
             raise bad_request(f"{where}: {problem}", param="prompt")
         return ids
 
-    async def _several(self, req: CompletionRequest, prompts: list[list[int]], send: Send,
-                       t0: float) -> int:
-        """Answer several prompts as one completion: each is its own request to the
-        engine, all at once; their answers become the choices, in the prompts' order,
-        and the usage is their sum. One refused (before anything was sent) aborts the
-        others.
+    async def _several(self, req: CompletionRequest | ChatCompletionRequest,
+                       states: list[RequestState], send: Send, *, copies: int = 1,
+                       keep: int = 1, hide_logprobs: bool = False) -> int:
+        """Answer several requests to the engine as one answer: several prompts, or
+        ``copies`` answers of each prompt (``n``, ``best_of``), all at once; their
+        answers become the choices, ``index`` = prompt's index * ``keep`` + answer's
+        (vLLM's order), and the usage is their sum (each prompt counted once). With
+        ``copies > keep`` (``best_of``) each prompt keeps its ``keep`` answers of highest
+        cumulative logprob (``hide_logprobs``: asked only to rank them, left out of the
+        answer). One refused (before anything was sent) aborts the others.
 
         Raises:
-            ApiError: what one prompt's answer raises.
+            ApiError: what one answer raises.
         """
         if req.stream:
-            return await self._several_streamed(req, prompts, send, t0)
-        bodies = [bytearray() for _ in prompts]
-        # Every prompt is checked (its budget, its sampling) before any runs.
-        states = [self._completion_state(req, ids, _into(body), t0)
-                  for ids, body in zip(prompts, bodies, strict=True)]
+            return await self._several_streamed(req, states, send)
+        chat = states[0].response.chat
+        bodies = [bytearray() for _ in states]
+        for state, body in zip(states, bodies, strict=True):
+            state.send = _into(body)
         tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
         try:
             await asyncio.gather(*tasks)
         finally:
             await _cancel_all(tasks)
-        parts = [_COMPLETION.decode(body) for body in bodies]
-        choices: list[CompletionChoice] = []
+        parts = [(_CHAT if chat else _COMPLETION).decode(body) for body in bodies]
+        choices: list[CompletionChoice | ChatChoice] = []
         prompt_tokens = answer_tokens = cached = 0
-        for i, part in enumerate(parts):
-            choice = part.choices[0]
-            choice.index = i
-            choices.append(choice)
-            assert part.usage is not None
-            prompt_tokens += part.usage.prompt_tokens
-            answer_tokens += part.usage.completion_tokens
-            cached += part.usage.prompt_tokens_details.cached_tokens
+        for at in range(0, len(parts), copies):
+            group = parts[at:at + copies]
+            first_usage = group[0].usage
+            assert first_usage is not None
+            prompt_tokens += first_usage.prompt_tokens
+            cached += first_usage.prompt_tokens_details.cached_tokens
+            picked = group if copies == keep else sorted(
+                group, key=_cumulative_logprob, reverse=True)[:keep]
+            for part in picked:
+                choice = part.choices[0]
+                choice.index = len(choices)
+                if hide_logprobs:
+                    choice.logprobs = None
+                choices.append(choice)
+                assert part.usage is not None
+            answer_tokens += sum(p.usage.completion_tokens for p in group if p.usage)
         first = parts[0]
-        await send_bytes(send, 200, encode(Completion(
-            first.id, first.created, first.model, choices, usage=Usage(
-                prompt_tokens, answer_tokens, prompt_tokens + answer_tokens,
-                PromptTokensDetails(cached)))))
+        usage = Usage(prompt_tokens, answer_tokens, prompt_tokens + answer_tokens,
+                      PromptTokensDetails(cached))
+        answer: bytes
+        if chat:
+            answer = encode(ChatCompletion(first.id, first.created, first.model, [
+                c for c in choices if isinstance(c, ChatChoice)], usage))
+        else:
+            answer = encode(Completion(first.id, first.created, first.model, [
+                c for c in choices if isinstance(c, CompletionChoice)], usage=usage))
+        await send_bytes(send, 200, answer)
         return 200
 
-    async def _several_streamed(self, req: CompletionRequest, prompts: list[list[int]],
-                                send: Send, t0: float) -> int:
-        """Stream several prompts' answers as one: each prompt's events carry its choice
-        ``index`` and the one answer id, interleaved as they come; one ``[DONE]`` ends
-        them all, after the summed usage (``include_usage``). The response starts with
-        the first prompt's first event: a refusal of any prompt before that is an HTTP
-        error, after it an error event (the others are aborted either way).
+    async def _several_streamed(self, req: CompletionRequest | ChatCompletionRequest,
+                                states: list[RequestState], send: Send) -> int:
+        """Stream several answers as one: each one's events carry its choice ``index``
+        and the one answer id, interleaved as they come; one ``[DONE]`` ends them all,
+        after the summed usage (``include_usage``). The response starts with the first
+        answer's first event: a refusal of any before that is an HTTP error, after it an
+        error event (the others are aborted either way).
 
         Raises:
             ApiError: before anything was sent.
@@ -523,17 +595,17 @@ class OpenAIServing:
                     return
                 body = event.get("body", b"")
                 assert isinstance(body, bytes)
-                if body.endswith(_DONE):  # one [DONE], after every prompt's answer
+                if body.endswith(_DONE):  # one [DONE], after every answer
                     body = body[:-len(_DONE)]
                 if body:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
             return forward
 
-        states = [self._completion_state(req, ids, into(i), t0)
-                  for i, ids in enumerate(prompts)]
-        rid = states[0].response.id.removeprefix("cmpl-")
+        chat = states[0].response.chat
+        rid = states[0].response.id.split("-", 1)[1]
         for i, state in enumerate(states):
-            state.response = _ResponseBuilder(False, rid, self.settings.model_name,
+            state.send = into(i)
+            state.response = _ResponseBuilder(chat, rid, self.settings.model_name,
                                               self.tokenizer, index=i)
             state.include_usage = False  # the summed usage goes last, once
         tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
@@ -551,12 +623,17 @@ class OpenAIServing:
         tail = [_DONE]
         opts = req.stream_options
         if opts is not None and opts.include_usage:
-            usages = [state.usage() for state in states]
-            prompt = sum(u.prompt_tokens for u in usages)
-            answer = sum(u.completion_tokens for u in usages)
+            seen: set[int] = set()
+            prompt = answer = cached = 0
+            for state in states:
+                u = state.usage()
+                if id(state.prompt_ids) not in seen:  # each prompt once (n answers of one)
+                    seen.add(id(state.prompt_ids))
+                    prompt += u.prompt_tokens
+                    cached += u.prompt_tokens_details.cached_tokens
+                answer += u.completion_tokens
             tail.insert(0, states[0].response.usage_event(Usage(
-                prompt, answer, prompt + answer, PromptTokensDetails(
-                    sum(u.prompt_tokens_details.cached_tokens for u in usages)))))
+                prompt, answer, prompt + answer, PromptTokensDetails(cached))))
         await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
         return 200
 
@@ -577,10 +654,13 @@ class OpenAIServing:
         ids = await self.tokenize(text, special=False)
         max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
                                   field)
-        return await self._answer(self._state(
+        states = [_nth(self._state(
             req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
             stops=[*req.stops(), *self.template.stops], extra_stop_ids=self.template.stop_ids,
-            logprobs=req.logprobs, send=send, t0=t0))
+            logprobs=req.logprobs, send=send, t0=t0), i) for i in range(_copies(req, 1))]
+        if len(states) == 1:
+            return await self._answer(states[0])
+        return await self._several(req, states, send, copies=req.n, keep=req.n)
 
     def _budget(self, prompt: int, asked: int | None, default: int, where: str,
                 field: str = "max_tokens") -> int:

@@ -6,9 +6,8 @@ bus's messages, so a bad body fails there with a 400 naming the field
 (:func:`decode` converts msgspec's error at one place). Unknown fields are
 refused, not ignored: an option this server does not implement (``suffix``
 with text, ``tools`` on completions, ...) is a clear 400 naming it. The options OpenAI
-clients may send at their defaults (``n``) are accepted at those
-defaults and refused otherwise (:func:`check_supported`); the penalties,
-``min_tokens`` and ``logit_bias`` are served.
+clients may send but this server does not serve (``suffix``) are accepted
+at their defaults and refused otherwise (:func:`check_supported`).
 
 Response bodies are structs too, encoded by one module-level encoder.
 """
@@ -154,7 +153,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
 
 
 class ContentPart(_Body, kw_only=True):
@@ -528,20 +527,16 @@ def check_supported(req: _Sampling) -> None:
     """Refuse what is declared but not implemented, at a non-default value.
 
     Raises:
-        ApiError: 400 naming the option (``n > 1``, ``suffix``, ``best_of > 1``,
+        ApiError: 400 naming the option (``suffix``,
             ``top_logprobs`` without ``logprobs``, and ``stream_options`` without
             ``stream``, as OpenAI and vLLM refuse them).
     """
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed with stream=true",
                           param="stream_options")
-    if req.n != 1:
-        raise _unsupported("n", "n > 1 is not supported: send one request per answer")
     if isinstance(req, CompletionRequest):
         if req.suffix:  # ("" asks for nothing)
             raise _unsupported("suffix", "suffix is not supported")
-        if req.best_of not in (None, 1):
-            raise _unsupported("best_of", "best_of > 1 is not supported")
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs and not req.logprobs:  # (OpenAI's and vLLM's rule)
             raise bad_request("top_logprobs: only allowed with logprobs=true",

@@ -265,3 +265,50 @@ def test_echo_without_logprobs_and_max_tokens_0_is_the_prompt(server: Server,
     r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=0,
                                           echo=True)
     assert r.choices[0].text == text_of(model_dir, PROMPT) and r.choices[0].logprobs is None
+
+
+def test_n_answers_per_prompt_in_vllms_order(server: Server) -> None:
+    c = client(server)
+    r = c.completions.create(model="tiny", prompt=[PROMPT, PROMPT[:4]], n=3, max_tokens=6,
+                             temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert [ch.index for ch in r.choices] == list(range(6))
+    texts = [ch.text for ch in r.choices]
+    assert len(set(texts[:3])) == 3  # three answers of one prompt, not one thrice
+    again = c.completions.create(model="tiny", prompt=[PROMPT, PROMPT[:4]], n=3,
+                                 max_tokens=6, temperature=1.0, seed=11,
+                                 extra_body={"ignore_eos": True})
+    assert [ch.text for ch in again.choices] == texts  # seeded: reproducible
+    alone = c.completions.create(model="tiny", prompt=PROMPT[:4], max_tokens=6,
+                                 temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert alone.choices[0].text == texts[3]  # prompt 1's first answer: its own seed
+    assert r.usage is not None and r.usage.completion_tokens == 36
+    assert r.usage.prompt_tokens == len(PROMPT) + 4  # each prompt counted once
+
+
+def test_chat_n_streamed_and_whole(server: Server) -> None:
+    c = client(server)
+    kw: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 5, "temperature": 1.0, "seed": 4, "n": 2,
+                          "extra_body": {"ignore_eos": True}}
+    whole = c.chat.completions.create(**kw)
+    assert [ch.index for ch in whole.choices] == [0, 1]
+    got = ["", ""]
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            got[ch.index] += ch.delta.content or ""
+    assert got == [ch.message.content for ch in whole.choices]
+    assert got[0] != got[1]
+
+
+def test_best_of_keeps_the_most_likely_answers(server: Server) -> None:
+    c = client(server)
+    every = c.completions.create(model="tiny", prompt=PROMPT, n=4, max_tokens=6,
+                                 temperature=1.0, seed=2, logprobs=0,
+                                 extra_body={"ignore_eos": True})
+    scores = {ch.text: sum(ch.logprobs.token_logprobs or []) for ch in every.choices
+              if ch.logprobs}
+    best = c.completions.create(model="tiny", prompt=PROMPT, n=1, best_of=4, max_tokens=6,
+                                temperature=1.0, seed=2, extra_body={"ignore_eos": True})
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == max(scores, key=lambda t: scores[t])
+    assert best.usage is not None and best.usage.completion_tokens == 24
