@@ -250,7 +250,8 @@ class Frontend:
             await self.close()
             raise
         self._gen = OpenAIServing(engine, self.tokenizer, GenerateSettings(
-            s.model_name, s.default_max_tokens, self.max_model_len, s.model_aliases),
+            s.model_name, s.default_max_tokens, self.max_model_len, s.model_aliases,
+            guided=isinstance(s.model, HFModelSpec)),
             self.metrics, self.template)
         if self.metrics is not None:
             self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())

@@ -27,6 +27,7 @@ from frontend.asgi import SSE, Event, Send, send_bytes
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import ApiError, bad_request, from_engine
+from frontend.guides import guide_of
 from frontend.metrics import HttpMetrics
 from frontend.schemas import (
     ChatChoice,
@@ -54,6 +55,7 @@ from frontend.schemas import (
 )
 from frontend.token_text import TokenTexts
 from frontend.tokenizer import Tokenizer
+from frontend.tools import ToolPlan, plan_of
 from frontend.turns import loop_turns
 from messages import SamplingParams, packed_u32
 from messages.checks import prompt_problem
@@ -75,6 +77,10 @@ MAX_PROMPTS = 256
 #: Read back one answer of several (:meth:`OpenAIServing._several`).
 _COMPLETION = msgspec.json.Decoder(Completion)
 _CHAT = msgspec.json.Decoder(ChatCompletion)
+#: The least logprob an answer reports (vLLM's): a top alternative a guide forbids is
+#: -inf, which JSON cannot carry.
+LOGPROB_FLOOR = -9999.0
+
 #: The most answers of one prompt a request may ask for (``n``, ``best_of``).
 MAX_ANSWERS = 128
 
@@ -153,12 +159,15 @@ class GenerateSettings:
             bound here.
         model_aliases: other names a request may give for the same model (any name
             not served is a 404).
+        guided: the model has a tokenizer vocabulary, so structured output can be
+            served (the built-in models' is synthetic: a guide is a 400).
     """
 
     model_name: str
     default_max_tokens: int = 256
     max_model_len: int | None = None
     model_aliases: tuple[str, ...] = ()
+    guided: bool = True
 
 
 class _ResponseBuilder:
@@ -248,7 +257,8 @@ class _ResponseBuilder:
         else:
             pieces, alts = [], []
             for i, here in zip(ids, tops, strict=True):
-                alts.append([(texts.peek(t), t, lp) for t, lp in here])
+                # (a guide's forbidden tokens are -inf: JSON has no -inf, vLLM's floor)
+                alts.append([(texts.peek(t), t, max(lp, LOGPROB_FLOOR)) for t, lp in here])
                 pieces.append(texts.take(i))
         if self.chat:
             # ``bytes`` is the token's own bytes where the tokenizer knows them (a
@@ -311,6 +321,18 @@ class _ResponseBuilder:
                               [CompletionChoice(self.index, text, finish, lp)], usage=usage)
         return b"data: " + sse_safe(encode(body)) + b"\n\n"
 
+    def tool_event(self, plan: ToolPlan, text: str, finish: str | None,
+                   usage: Usage | None) -> list[bytes]:
+        """A streamed step of an answer that may call tools (``plan.stream``)."""
+        content, calls, finish = plan.stream(text, finish)
+        first, self._first = self._first, False
+        if not (first or content or calls or finish is not None or usage is not None):
+            return []
+        delta = ChatDelta("assistant" if first else None, content, calls or None)
+        body = ChatCompletionChunk(self.id, self.created, self.model,
+                                   [ChatChunkChoice(self.index, delta, finish)], usage=usage)
+        return [b"data: " + sse_safe(encode(body)) + b"\n\n"]
+
     def usage_event(self, usage: Usage) -> bytes:
         body = ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage) \
             if self.chat else Completion(self.id, self.created, self.model, [], usage=usage)
@@ -318,7 +340,7 @@ class _ResponseBuilder:
 
     def whole(self, text: str, finish: str, ids: Sequence[int], lps: Sequence[float] | None,
               usage: Usage, offsets: Sequence[int] | None = None,
-              tops: Tops | None = None) -> bytes:
+              tops: Tops | None = None, tools: ToolPlan | None = None) -> bytes:
         if offsets is not None:  # (a stop string may have cut text an earlier step began)
             offsets = [min(o, len(text)) for o in offsets]
         lp = self._logprobs(ids, lps, offsets, tops)
@@ -327,9 +349,13 @@ class _ResponseBuilder:
             text, lp = self._echoed(text, lp)
         if self.chat:
             assert lp is None or isinstance(lp, ChatLogprobs)
+            message = ChatMessageOut(text, "assistant")
+            if tools is not None:
+                content, calls = tools.parse(text)
+                message = ChatMessageOut(content, "assistant", calls or None)
+                finish = tools.finish(finish, calls)
             return encode(ChatCompletion(self.id, self.created, self.model,
-                                         [ChatChoice(self.index, ChatMessageOut(text), finish,
-                                                     lp)],
+                                         [ChatChoice(self.index, message, finish, lp)],
                                          usage))
         assert lp is None or isinstance(lp, CompletionLogprobs)
         return encode(Completion(self.id, self.created, self.model,
@@ -353,6 +379,7 @@ class RequestState:
         include_usage: a last event carries the usage (``stream_options``).
         continuous_usage: every event carries the usage so far.
         send: the ASGI send of its connection.
+        tools: its tool calls' plan (:mod:`frontend.tools`); ``None``: none.
         t0: when the request arrived (``time.perf_counter``), for time to first token.
     """
 
@@ -370,6 +397,7 @@ class RequestState:
     t0: float
 
     cached_tokens: int = 0
+    tools: ToolPlan | None = None  # how its tool calls are made and read (chat)
     #: ``echo`` (completions): the answer begins with the prompt (its logprobs too, when
     #: ``logprobs`` is given: ``sampling.prompt_logprobs`` asks the scheduler for them).
     echo: bool = False
@@ -650,14 +678,19 @@ class OpenAIServing:
         if asked == 0:  # (a completion's 0 is legitimate: it will score a prompt, with echo)
             raise bad_request(f"{field} must be at least 1 on a chat completion, not 0 (as "
                               "vLLM answers)", param=field, code="invalid_value")
-        text = self.template.render(req.messages, req.add_generation_prompt)
+        tools = plan_of(req)
+        text = self.template.render(req.messages, req.add_generation_prompt,
+                                    None if tools is None else tools.tools)
         ids = await self.tokenize(text, special=False)
         max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
                                   field)
+        # Each answer its own state, guide and tool plan (a plan holds its answer's
+        # streaming state and call id): n answers are n requests, each constrained.
         states = [_nth(self._state(
             req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
             stops=[*req.stops(), *self.template.stops], extra_stop_ids=self.template.stop_ids,
-            logprobs=req.logprobs, send=send, t0=t0), i) for i in range(_copies(req, 1))]
+            logprobs=req.logprobs, send=send, t0=t0, tools=tools if not i else plan_of(req)),
+            i) for i in range(_copies(req, 1))]
         if len(states) == 1:
             return await self._answer(states[0])
         return await self._several(req, states, send, copies=req.n, keep=req.n)
@@ -686,7 +719,8 @@ class OpenAIServing:
                           code="context_length_exceeded")
 
     def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  extra_stop_ids: Sequence[int]) -> SamplingParams:
+                  extra_stop_ids: Sequence[int], tools: ToolPlan | None = None
+                  ) -> SamplingParams:
         # ignore_eos: no EOS added here (the tokenizer's, a chat template's), and the
         # scheduler leaves out the model's own stop ids (SamplingParams.ignore_eos).
         if req.min_tokens > max_tokens:
@@ -698,12 +732,23 @@ class OpenAIServing:
         if not req.ignore_eos:
             eos = self.tokenizer.eos_token_id
             stop_ids.extend(i for i in (eos, *extra_stop_ids) if i is not None)
+        guide = guide_of(req, None if self.settings.guided else self.settings.model_name)
+        if tools is not None and tools.guide is not None:
+            if guide is not None:
+                raise bad_request("tool_choice: a forced tool call constrains the answer, and "
+                                  "so does a guided_* field: give one", param="tool_choice",
+                                  code="conflicting_values")
+            if not self.settings.guided:
+                raise bad_request(f"tool_choice: a forced tool call needs the model's "
+                                  f"tokenizer vocabulary, and model {self.settings.model_name!r}"
+                                  " has none", param="tool_choice", code="unsupported_value")
+            guide = tools.guide
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=max(req.top_k, 0),
                                   stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
                                   if stop_ids else None, seed=sampler_seed(req.seed),
-                                  ignore_eos=req.ignore_eos,
+                                  ignore_eos=req.ignore_eos, guide=guide,
                                   presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty,
                                   repetition_penalty=req.repetition_penalty,
@@ -717,8 +762,8 @@ class OpenAIServing:
 
     def _state(self, req: CompletionRequest | ChatCompletionRequest, *, endpoint: str,
                prompt_ids: list[int], max_tokens: int, stops: list[str],
-               extra_stop_ids: Sequence[int], logprobs: bool, send: Send, t0: float
-               ) -> RequestState:
+               extra_stop_ids: Sequence[int], logprobs: bool, send: Send, t0: float,
+               tools: ToolPlan | None = None) -> RequestState:
         """The state of ``req`` about to be answered.
 
         Raises:
@@ -735,7 +780,7 @@ class OpenAIServing:
             response=_ResponseBuilder(chat, next(self._ids), self.settings.model_name,
                                       self.tokenizer),
             prompt_ids=prompt_ids,
-            sampling=self._sampling(req, max_tokens, extra_stop_ids),
+            sampling=self._sampling(req, max_tokens, extra_stop_ids, tools), tools=tools,
             detok=Detokenizer(self.tokenizer, stops, prompt_ids), has_stops=bool(stops),
             logprobs=logprobs, stream=req.stream, include_usage=include_usage,
             # OpenAI's (and vLLM's) continuous_usage_stats: every event carries the usage
@@ -764,7 +809,7 @@ class OpenAIServing:
         body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
                               Usage(prompt, answer, prompt + answer,
                                     PromptTokensDetails(result.cached_tokens or 0)), offsets,
-                              tops)
+                              tops, state.tools)
         self._first_token(state)
         await send_bytes(state.send, 200, body)
         return 200
@@ -817,6 +862,9 @@ class OpenAIServing:
                             out_tops.extend(chunk.top_logprobs)
                         if offsets is not None:
                             out_offsets.extend(offsets)
+                    elif state.tools is not None:
+                        events.extend(response.tool_event(state.tools, text, finish, state.usage()
+                                                          if state.continuous_usage else None))
                     elif text or finish is not None or chunk.logprobs or state.continuous_usage:
                         events.append(response.event(
                             text, finish, chunk.token_ids, chunk.logprobs,
@@ -856,5 +904,5 @@ class OpenAIServing:
                 "".join(pieces), finish, out_ids[:kept],
                 None if out_lps is None else out_lps[:kept], state.usage(),
                 out_offsets[:kept] if offsets_wanted else None,
-                tuple(out_tops[:kept]) if state.sampling.top_logprobs else None))
+                tuple(out_tops[:kept]) if state.sampling.top_logprobs else None, state.tools))
         return 200

@@ -45,6 +45,7 @@ from messages import (
     TokenizedGenerateReqInput,
 )
 from scheduler.core.admission import Admission
+from scheduler.models import guided
 from scheduler.models.logits import note_top_logprobs, penalize, score_prompt
 from scheduler.models.protocol import Model, PromptChunk
 from scheduler.models.sampling import sample_next
@@ -97,6 +98,7 @@ class Seq:
     sent: int = 0  # tokens already streamed
     cached: int = -1  # prompt tokens its state started with (the prefix cache); -1: not asked
     finished: FinishReason | None = None
+    matcher: guided.Matcher | None = None  # its guide's parser state (structured output)
     # On the scheduler's monotonic clock (seconds), for the latency metrics.
     t_arrival: float = 0.0
     t_admit: float = 0.0
@@ -145,6 +147,8 @@ class Batch:
         #: ends ``length`` when it is full, so no step ever reads a position past it
         #: (with learned positions, as GPT-2's, one such request failed its whole batch).
         self._context = model.max_prompt_tokens
+        #: Structured output: each distinct guide compiled once (scheduler.models.guided).
+        self.guides = guided.Guides(model, model.vocab_size, model.stop_token_ids)
         model.set_prefix_cache(admission.limits.prefix_cache_bytes)
 
     def __bool__(self) -> bool:
@@ -219,9 +223,16 @@ class Batch:
             if not active:
                 return [], embedded
             raw = torch.stack(rows)
+            # A guided request's mask first, in place: its logprobs and top
+            # alternatives are of the distribution its grammar allows (as vLLM's,
+            # whose bitmask is applied before the sampler). Penalties and biases
+            # then only add to, scale or fill -inf entries, each of which stays
+            # -inf: a token the grammar forbids stays forbidden whatever its bias.
+            guided.mask_logits(active, raw)
             note_top_logprobs(raw, active)
             toks, lps = sample_next(penalize(raw, active), [s.sampling for s in active],
                                     [s.generator for s in active], raw=raw)
+            guided.advance(active, toks)
         except Exception as exc:
             failed = active + embedded
             self.running = []

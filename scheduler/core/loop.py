@@ -44,6 +44,7 @@ from scheduler.core.control import ControlMethods
 from scheduler.core.metrics import SchedulerMetrics, registry_for
 from scheduler.core.outputs import embedding_outputs, stopped_by, token_outputs
 from scheduler.core.rpc_methods import RpcMethods
+from scheduler.models.guided import GuideError
 from scheduler.models.protocol import Model
 
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
@@ -285,6 +286,12 @@ class Scheduler(ControlMethods):
         sp = req.sampling
         seq = Seq(req, origin, len(req.input_ids) + sp.max_new_tokens, sp, req.stream,
                   req.return_logprob, t_arrival=self._now)
+        if sp.guide is not None:
+            try:
+                seq.matcher = self.batch.guides.start(req.rid, sp.guide)
+            except GuideError as exc:
+                self._refuse(req.rid, origin, "invalid_request", str(exc))
+                return
         if sp.max_new_tokens == 0 and sp.prompt_logprobs is None:  # (else: scored first)
             seq.finished = "length"
             self._live[req.rid] = seq

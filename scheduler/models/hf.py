@@ -205,6 +205,8 @@ class HFCausalLM:
         text = self.config.get_text_config(decoder=True)
         head = self.hf.get_output_embeddings()  # type: ignore[no-untyped-call]
         self._name = root.name
+        #: Where its ``tokenizer.json`` is (structured output reads the vocabulary).
+        self.tokenizer_dir: Path = root
         self._vocab = int(head.weight.shape[0]) if head is not None else int(text.vocab_size)
         self._stops = _eos_ids(root, getattr(self.config, "eos_token_id", None)
                                or getattr(text, "eos_token_id", None))

@@ -69,7 +69,9 @@ def asks(sp: SamplingParams) -> bool:
 def penalize(logits: torch.Tensor, seqs: Sequence[Penalized]) -> torch.Tensor:
     """``logits`` (``(B, vocab)``, row ``i`` for ``seqs[i]``) with each request's
     penalties and biases applied; the same tensor when no request asks for any
-    (otherwise a new one: the caller's stays the model's own)."""
+    (otherwise a new one: the caller's stays the model's own). A ``-inf`` logit
+    stays ``-inf`` (every step adds, scales by a positive factor or fills with
+    ``-inf``): the batch masks a guided request's logits before, and relies on it."""
     picked = [i for i, s in enumerate(seqs) if asks(s.sampling)]
     if not picked:
         return logits

@@ -184,22 +184,22 @@ def test_typed_codec_decodes_only_its_family() -> None:
 # -- golden bytes: the wire format is pinned; change it deliberately -----------
 
 GOLDEN = {
-    "generate": (  # sampling: 14 items (9e): ignore_eos=false (c2), then the penalties,
-        # min_tokens, logit_bias, top_logprobs and prompt_logprobs at their defaults
-        # (0.0, 0.0, 1.0, 0, nil, 0, nil)
+    "generate": (  # sampling: 15 items (9f): ignore_eos=false (c2), guide=null (c0), then
+        # the penalties, min_tokens, logit_bias, top_logprobs and prompt_logprobs at their
+        # defaults (0.0, 0.0, 1.0, 0, nil, 0, nil)
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
         "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009e08cb0000000000000000cb3ff000000000000000c0c0c2cb0000000000000000cb0000"
-        "000000000000cb3ff000000000000000c000c0c2c2c0c0",
+        "2c0100009f08cb0000000000000000cb3ff000000000000000c0c0c2c0cb0000000000000000cb00"
+        "00000000000000cb3ff000000000000000c000c0c2c2c0c0",
     ),
     "generate_ignore_eos": (
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0,
                                                           ignore_eos=True)),
         "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009e08cb0000000000000000cb3ff000000000000000c0c0c3cb0000000000000000cb0000"
-        "000000000000cb3ff000000000000000c000c0c2c2c0c0",
+        "2c0100009f08cb0000000000000000cb3ff000000000000000c0c0c3c0cb0000000000000000cb00"
+        "00000000000000cb3ff000000000000000c000c0c2c2c0c0",
     ),
     "rpc": (
         RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
@@ -273,9 +273,9 @@ def test_an_encoding_from_before_ignore_eos_decodes_with_it_false() -> None:
 
 
 _OLD_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed")
-#: The items appended after ignore_eos, at their defaults (the penalties, min_tokens,
-#: logit_bias, top_logprobs, prompt_logprobs).
-_LATER = [0.0, 0.0, 1.0, 0, None, 0, None]
+#: The items appended after ignore_eos, at their defaults (guide, the penalties,
+#: min_tokens, logit_bias, top_logprobs, prompt_logprobs).
+_LATER = [None, 0.0, 0.0, 1.0, 0, None, 0, None]
 
 
 @given(sampling=st.builds(
@@ -290,7 +290,8 @@ def test_ignore_eos_is_one_item_appended_and_both_sides_read_each_other(
     before[4] = None if before[4] is None else bytes(before[4])
     msg = TokenizedGenerateReqInput(rid="r", input_ids=token_ids([1]), sampling=sampling)
     frame = bytes(memoryview(CODEC.encode(msg)[0]))
-    # What we write is the old encoding with one more item (a bool) in sampling.
+    # What we write is the old encoding with one more item (a bool) in sampling
+    # (then the items appended after it, at their defaults: _LATER).
     head = ["TokenizedGenerateReqInput", "r", token_ids([1]).tobytes()]
     assert frame == msgspec.msgpack.encode([*head, [*before, sampling.ignore_eos, *_LATER],
                                             False, False, None, None])
