@@ -44,19 +44,23 @@ from frontend.schemas import (
     CompletionRequest,
     PromptTokensDetails,
     TokenLogprob,
+    TopLogprob,
     Usage,
     check_supported,
     encode,
     encode_str,
+    logit_bias,
     sampler_seed,
     sse_safe,
 )
+from frontend.token_text import TokenTexts
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolPlan, plan_of
 from frontend.turns import loop_turns
 from messages import SamplingParams, packed_u32
 from messages.checks import prompt_problem
 from scheduler import AsyncEngine, EngineError, StreamChunk
+from scheduler.engine.handles import Tops
 
 __all__ = ["GenerateSettings", "OpenAIServing", "RequestState"]
 
@@ -70,8 +74,23 @@ _MARK = "\x00text\x00"
 _MARK_JSON = msgspec.json.encode(_MARK)
 #: The most prompts one completion request may hold (each is a request to the engine).
 MAX_PROMPTS = 256
-#: Reads back one prompt's answer of several (:meth:`OpenAIServing._several`).
+#: Read back one answer of several (:meth:`OpenAIServing._several`).
 _COMPLETION = msgspec.json.Decoder(Completion)
+_CHAT = msgspec.json.Decoder(ChatCompletion)
+#: The least logprob an answer reports (vLLM's): a top alternative a guide forbids is
+#: -inf, which JSON cannot carry.
+LOGPROB_FLOOR = -9999.0
+
+#: The most answers of one prompt a request may ask for (``n``, ``best_of``).
+MAX_ANSWERS = 128
+
+
+def _cumulative_logprob(part: Completion | ChatCompletion) -> float:
+    """The sum of an answer's token logprobs (``best_of``'s ranking)."""
+    lp = part.choices[0].logprobs
+    if isinstance(lp, CompletionLogprobs):
+        return sum(v for v in lp.token_logprobs if v is not None)
+    return sum(e.logprob for e in lp.content) if lp is not None else 0.0
 
 
 async def _cancel_all(tasks: Sequence[asyncio.Future[int]]) -> None:
@@ -90,6 +109,39 @@ def _into(body: bytearray) -> Send:
             assert isinstance(chunk, bytes)
             body.extend(chunk)
     return keep
+
+
+def _copies(req: CompletionRequest | ChatCompletionRequest, prompts: int) -> int:
+    """How many answers of each prompt to generate: ``best_of`` (completions), else ``n``.
+
+    Raises:
+        ApiError: 400 naming ``best_of`` (below ``n``, or above it while streaming, as
+            vLLM refuses it) or ``n`` (more answers in all than :data:`MAX_PROMPTS`).
+    """
+    best_of = req.best_of if isinstance(req, CompletionRequest) else None
+    copies = req.n if best_of is None else best_of
+    if copies < req.n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})",
+                          param="best_of", code="invalid_value")
+    if copies > req.n and req.stream:
+        raise bad_request("best_of above n cannot be streamed (the best answers are known "
+                          "only at the end)", param="best_of", code="invalid_value")
+    if copies > MAX_ANSWERS or copies * prompts > MAX_PROMPTS:
+        raise bad_request(f"{copies} answers of {prompts} prompts: at most {MAX_PROMPTS} "
+                          f"answers in one request", param="best_of" if best_of else "n",
+                          code="invalid_value")
+    return copies
+
+
+def _nth(state: RequestState, copy: int) -> RequestState:
+    """``state`` as the ``copy``-th answer of its prompt: a seeded request's answers each
+    get their own seed (the seed + ``copy``), so they differ and each reproduces; an
+    unseeded one's differ by their rids."""
+    seed = state.sampling.seed
+    if copy and seed is not None:
+        state.sampling = msgspec.structs.replace(state.sampling,
+                                                 seed=(seed + copy) % (1 << 63))
+    return state
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,31 +182,120 @@ class _ResponseBuilder:
         self.created = int(time.time())
         self.model = model
         self._tok = tok
+        self._texts: TokenTexts | None = None  # made when logprobs are first reported
+        #: ``echo``: the prompt's text (and logprobs) the answer's first event or body
+        #: begins with (:meth:`echo`); ``_shift``: where the answer's text begins.
+        self._prefix: tuple[str, CompletionLogprobs | None] | None = None
+        self._shift = 0
         self._first = True
         self._around: tuple[bytes, bytes] | None = None
 
+    def echo(self, prompt_ids: Sequence[int], lps: Sequence[float] | None,
+             tops: Tops | None, with_logprobs: bool) -> None:
+        """Begin the answer with its prompt (a completion's ``echo``): its text (decoded,
+        special tokens left out, as vLLM echoes ids), and with ``with_logprobs`` each
+        prompt token's text and logprob (the first's null, as OpenAI and vLLM give it;
+        ``lps`` the others', ``tops`` their alternatives)."""
+        text = self._tok.decode(prompt_ids)
+        self._shift = len(text)
+        if not with_logprobs:
+            self._prefix = (text, None)
+            return
+        texts = TokenTexts(self._tok)
+        tokens: list[str] = []
+        values: list[float | None] = [None, *(lps or ())]
+        top: list[dict[str, float] | None] | None = [None] if tops is not None else None
+        offsets: list[int] = []
+        at = 0
+        for j, i in enumerate(prompt_ids):
+            if top is not None and tops is not None and j:
+                d: dict[str, float] = {}
+                for t, lp in tops[j - 1]:
+                    d.setdefault(texts.peek(t), lp)
+                top.append(d)
+            offsets.append(at)
+            piece = texts.take(i)
+            if top is not None and j and lps is not None:
+                d.setdefault(piece, lps[j - 1])
+            tokens.append(piece)
+            at += len(piece) if texts.in_text(i) else 0
+        self._prefix = (text, CompletionLogprobs(tokens, values[:len(tokens)], top,
+                                                 text_offset=offsets))
+
+    def _echoed(self, text: str, lp: CompletionLogprobs | None) -> tuple[
+            str, CompletionLogprobs | None]:
+        """``text`` and ``lp`` after the prompt, when it is still to be sent."""
+        prefix, self._prefix = self._prefix, None
+        if prefix is None:
+            return text, lp
+        head, head_lp = prefix
+        if head_lp is None or lp is None:
+            return head + text, lp
+        top = None if head_lp.top_logprobs is None or (
+            lp.top_logprobs is None and lp.tokens) else head_lp.top_logprobs + (
+                lp.top_logprobs or [])
+        return head + text, CompletionLogprobs(
+            head_lp.tokens + lp.tokens, head_lp.token_logprobs + lp.token_logprobs, top,
+            text_offset=None if lp.text_offset is None or head_lp.text_offset is None
+            else head_lp.text_offset + lp.text_offset)
+
     def _logprobs(self, ids: Sequence[int], lps: Sequence[float] | None,
-                  offsets: Sequence[int] | None) -> CompletionLogprobs | ChatLogprobs | None:
+                  offsets: Sequence[int] | None, tops: Tops | None = None
+                  ) -> CompletionLogprobs | ChatLogprobs | None:
         if lps is None:
             return None
-        pieces = [self._tok.piece(i) for i in ids]
+        if offsets is not None and self._shift:  # after an echoed prompt
+            offsets = [o + self._shift for o in offsets]
+        # Each token's decoded text (frontend.token_text): "".join(tokens) is the answer;
+        # an alternative's text is what it would have added at its position.
+        texts = self._texts
+        if texts is None:
+            texts = self._texts = TokenTexts(self._tok)
+        alts: list[list[tuple[str, int, float]]] | None = None
+        if tops is None:
+            pieces = texts.take_all(ids)
+        else:
+            pieces, alts = [], []
+            for i, here in zip(ids, tops, strict=True):
+                # (a guide's forbidden tokens are -inf: JSON has no -inf, vLLM's floor)
+                alts.append([(texts.peek(t), t, max(lp, LOGPROB_FLOOR)) for t, lp in here])
+                pieces.append(texts.take(i))
         if self.chat:
             # ``bytes`` is the token's own bytes where the tokenizer knows them (a
-            # byte token's piece is an escape like "\\xda", not its byte).
+            # token that ends inside a character has text "" but its bytes), as
+            # OpenAI's: the bytes of the tokens joined decode to the answer.
             table = self._tok.token_bytes()
-            raw = [list(table[i]) if table is not None and i < len(table) and table[i]
-                   else list(p.encode()) for i, p in zip(ids, pieces, strict=True)]
-            return ChatLogprobs([TokenLogprob(p, lp, b)
-                                 for p, lp, b in zip(pieces, lps, raw, strict=True)])
-        return CompletionLogprobs(pieces, list(lps), text_offset=None if offsets is None
-                                  else list(offsets))
+
+            def own(i: int, text: str) -> list[int]:
+                return list(table[i]) if table is not None and i < len(table) and table[i] \
+                    else list(text.encode())
+
+            raw = [own(i, p) for i, p in zip(ids, pieces, strict=True)]
+            entries = [TokenLogprob(p, lp, b) for p, lp, b in zip(pieces, lps, raw, strict=True)]
+            if alts is not None:
+                for entry, alt in zip(entries, alts, strict=True):
+                    entry.top_logprobs = [TopLogprob(a, lp, own(t, a)) for a, t, lp in alt]
+            return ChatLogprobs(entries)
+        top: list[dict[str, float] | None] | None = None
+        if alts is not None:  # the top ones and the sampled one, as OpenAI and vLLM give;
+            # two ids of one text (both "": each ends inside a character) keep the likelier
+            top = []
+            for alt, p, lp in zip(alts, pieces, lps, strict=True):
+                d: dict[str, float] = {}
+                for a, _, alp in alt:
+                    d.setdefault(a, alp)
+                d.setdefault(p, lp)
+                top.append(d)
+        return CompletionLogprobs(pieces, list[float | None](lps), top,
+                                  text_offset=None if offsets is None else list(offsets))
 
     def event(self, text: str, finish: str | None, ids: Sequence[int],
               lps: Sequence[float] | None, usage: Usage | None,
-              offsets: Sequence[int] | None = None) -> bytes:
+              offsets: Sequence[int] | None = None, tops: Tops | None = None) -> bytes:
         first, self._first = self._first, False
         role = "assistant" if first and self.chat else None
-        if finish is None and lps is None and usage is None and role is None:
+        if finish is None and lps is None and usage is None and role is None \
+                and self._prefix is None:
             # Most events differ only in their text: the bytes around it are
             # encoded once per request (a tenth of building and encoding it all).
             around = self._around
@@ -163,7 +304,7 @@ class _ResponseBuilder:
                 assert mark and _MARK_JSON not in tail  # (the id and model are ours)
                 around = self._around = (head, tail)
             return around[0] + sse_safe(encode_str(text)) + around[1]
-        return self._event(text, finish, self._logprobs(ids, lps, offsets), usage, role)
+        return self._event(text, finish, self._logprobs(ids, lps, offsets, tops), usage, role)
 
     def _event(self, text: str, finish: str | None, lp: CompletionLogprobs | ChatLogprobs | None,
                usage: Usage | None, role: str | None) -> bytes:
@@ -171,10 +312,11 @@ class _ResponseBuilder:
         if self.chat:
             assert lp is None or isinstance(lp, ChatLogprobs)
             body = ChatCompletionChunk(self.id, self.created, self.model, [ChatChunkChoice(
-                0, ChatDelta(role, text if text or role is None else ""), finish, lp)],
+                self.index, ChatDelta(role, text if text or role is None else ""), finish, lp)],
                 usage=usage)
         else:
             assert lp is None or isinstance(lp, CompletionLogprobs)
+            text, lp = self._echoed(text, lp)
             body = Completion(self.id, self.created, self.model,
                               [CompletionChoice(self.index, text, finish, lp)], usage=usage)
         return b"data: " + sse_safe(encode(body)) + b"\n\n"
@@ -188,7 +330,7 @@ class _ResponseBuilder:
             return []
         delta = ChatDelta("assistant" if first else None, content, calls or None)
         body = ChatCompletionChunk(self.id, self.created, self.model,
-                                   [ChatChunkChoice(0, delta, finish)], usage=usage)
+                                   [ChatChunkChoice(self.index, delta, finish)], usage=usage)
         return [b"data: " + sse_safe(encode(body)) + b"\n\n"]
 
     def usage_event(self, usage: Usage) -> bytes:
@@ -198,10 +340,13 @@ class _ResponseBuilder:
 
     def whole(self, text: str, finish: str, ids: Sequence[int], lps: Sequence[float] | None,
               usage: Usage, offsets: Sequence[int] | None = None,
-              tools: ToolPlan | None = None) -> bytes:
+              tops: Tops | None = None, tools: ToolPlan | None = None) -> bytes:
         if offsets is not None:  # (a stop string may have cut text an earlier step began)
             offsets = [min(o, len(text)) for o in offsets]
-        lp = self._logprobs(ids, lps, offsets)
+        lp = self._logprobs(ids, lps, offsets, tops)
+        if not self.chat:
+            assert lp is None or isinstance(lp, CompletionLogprobs)
+            text, lp = self._echoed(text, lp)
         if self.chat:
             assert lp is None or isinstance(lp, ChatLogprobs)
             message = ChatMessageOut(text, "assistant")
@@ -210,7 +355,8 @@ class _ResponseBuilder:
                 message = ChatMessageOut(content, "assistant", calls or None)
                 finish = tools.finish(finish, calls)
             return encode(ChatCompletion(self.id, self.created, self.model,
-                                         [ChatChoice(0, message, finish, lp)], usage))
+                                         [ChatChoice(self.index, message, finish, lp)],
+                                         usage))
         assert lp is None or isinstance(lp, CompletionLogprobs)
         return encode(Completion(self.id, self.created, self.model,
                                  [CompletionChoice(self.index, text, finish, lp)], usage=usage))
@@ -252,6 +398,15 @@ class RequestState:
 
     cached_tokens: int = 0
     tools: ToolPlan | None = None  # how its tool calls are made and read (chat)
+    #: ``echo`` (completions): the answer begins with the prompt (its logprobs too, when
+    #: ``logprobs`` is given: ``sampling.prompt_logprobs`` asks the scheduler for them).
+    echo: bool = False
+
+    def echo_prompt(self, lps: Sequence[float] | None, tops: Tops | None) -> None:
+        """Have the answer begin with the prompt, once its logprobs (if asked) are in."""
+        if self.echo:
+            self.echo = False
+            self.response.echo(self.prompt_ids, lps, tops, self.logprobs)
 
     def usage(self) -> Usage:
         """The usage so far: the prompt's tokens (and how many of them the prefix cache
@@ -320,17 +475,28 @@ class OpenAIServing:
         check_supported(req)
         self.check_model(req.model)
         prompts = await self._completion_prompts(req.prompt)
-        if len(prompts) > 1:
-            return await self._several(req, prompts, send, t0)
-        return await self._answer(self._completion_state(req, prompts[0], send, t0))
+        copies = _copies(req, len(prompts))
+        if len(prompts) == 1 and copies == 1:
+            return await self._answer(self._completion_state(req, prompts[0], send, t0))
+        # Every answer is checked (its budget, its sampling) before any runs.
+        states = [self._completion_state(req, ids, send, t0, copy=i)
+                  for ids in prompts for i in range(copies)]
+        hide = copies != req.n and req.logprobs is None
+        if hide:  # best_of ranks by logprobs, asked or not
+            for state in states:
+                state.logprobs = True
+        return await self._several(req, states, send, copies=copies, keep=req.n,
+                                   hide_logprobs=hide)
 
     def _completion_state(self, req: CompletionRequest, ids: list[int], send: Send,
-                          t0: float) -> RequestState:
+                          t0: float, copy: int = 0) -> RequestState:
         max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
-        return self._state(
+        state = self._state(
             req, endpoint="completions", prompt_ids=ids, max_tokens=max_tokens,
             stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
             send=send, t0=t0)
+        state.echo = req.echo
+        return _nth(state, copy)
 
     async def _completion_prompts(self, prompt: str | list[int | str | list[int]]
                                   ) -> list[list[int]]:
@@ -377,52 +543,70 @@ class OpenAIServing:
             raise bad_request(f"{where}: {problem}", param="prompt")
         return ids
 
-    async def _several(self, req: CompletionRequest, prompts: list[list[int]], send: Send,
-                       t0: float) -> int:
-        """Answer several prompts as one completion: each is its own request to the
-        engine, all at once; their answers become the choices, in the prompts' order,
-        and the usage is their sum. One refused (before anything was sent) aborts the
-        others.
+    async def _several(self, req: CompletionRequest | ChatCompletionRequest,
+                       states: list[RequestState], send: Send, *, copies: int = 1,
+                       keep: int = 1, hide_logprobs: bool = False) -> int:
+        """Answer several requests to the engine as one answer: several prompts, or
+        ``copies`` answers of each prompt (``n``, ``best_of``), all at once; their
+        answers become the choices, ``index`` = prompt's index * ``keep`` + answer's
+        (vLLM's order), and the usage is their sum (each prompt counted once). With
+        ``copies > keep`` (``best_of``) each prompt keeps its ``keep`` answers of highest
+        cumulative logprob (``hide_logprobs``: asked only to rank them, left out of the
+        answer). One refused (before anything was sent) aborts the others.
 
         Raises:
-            ApiError: what one prompt's answer raises.
+            ApiError: what one answer raises.
         """
         if req.stream:
-            return await self._several_streamed(req, prompts, send, t0)
-        bodies = [bytearray() for _ in prompts]
-        # Every prompt is checked (its budget, its sampling) before any runs.
-        states = [self._completion_state(req, ids, _into(body), t0)
-                  for ids, body in zip(prompts, bodies, strict=True)]
+            return await self._several_streamed(req, states, send)
+        chat = states[0].response.chat
+        bodies = [bytearray() for _ in states]
+        for state, body in zip(states, bodies, strict=True):
+            state.send = _into(body)
         tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
         try:
             await asyncio.gather(*tasks)
         finally:
             await _cancel_all(tasks)
-        parts = [_COMPLETION.decode(body) for body in bodies]
-        choices: list[CompletionChoice] = []
+        parts = [(_CHAT if chat else _COMPLETION).decode(body) for body in bodies]
+        choices: list[CompletionChoice | ChatChoice] = []
         prompt_tokens = answer_tokens = cached = 0
-        for i, part in enumerate(parts):
-            choice = part.choices[0]
-            choice.index = i
-            choices.append(choice)
-            assert part.usage is not None
-            prompt_tokens += part.usage.prompt_tokens
-            answer_tokens += part.usage.completion_tokens
-            cached += part.usage.prompt_tokens_details.cached_tokens
+        for at in range(0, len(parts), copies):
+            group = parts[at:at + copies]
+            first_usage = group[0].usage
+            assert first_usage is not None
+            prompt_tokens += first_usage.prompt_tokens
+            cached += first_usage.prompt_tokens_details.cached_tokens
+            picked = group if copies == keep else sorted(
+                group, key=_cumulative_logprob, reverse=True)[:keep]
+            for part in picked:
+                choice = part.choices[0]
+                choice.index = len(choices)
+                if hide_logprobs:
+                    choice.logprobs = None
+                choices.append(choice)
+                assert part.usage is not None
+            answer_tokens += sum(p.usage.completion_tokens for p in group if p.usage)
         first = parts[0]
-        await send_bytes(send, 200, encode(Completion(
-            first.id, first.created, first.model, choices, usage=Usage(
-                prompt_tokens, answer_tokens, prompt_tokens + answer_tokens,
-                PromptTokensDetails(cached)))))
+        usage = Usage(prompt_tokens, answer_tokens, prompt_tokens + answer_tokens,
+                      PromptTokensDetails(cached))
+        answer: bytes
+        if chat:
+            answer = encode(ChatCompletion(first.id, first.created, first.model, [
+                c for c in choices if isinstance(c, ChatChoice)], usage))
+        else:
+            answer = encode(Completion(first.id, first.created, first.model, [
+                c for c in choices if isinstance(c, CompletionChoice)], usage=usage))
+        await send_bytes(send, 200, answer)
         return 200
 
-    async def _several_streamed(self, req: CompletionRequest, prompts: list[list[int]],
-                                send: Send, t0: float) -> int:
-        """Stream several prompts' answers as one: each prompt's events carry its choice
-        ``index`` and the one answer id, interleaved as they come; one ``[DONE]`` ends
-        them all, after the summed usage (``include_usage``). The response starts with
-        the first prompt's first event: a refusal of any prompt before that is an HTTP
-        error, after it an error event (the others are aborted either way).
+    async def _several_streamed(self, req: CompletionRequest | ChatCompletionRequest,
+                                states: list[RequestState], send: Send) -> int:
+        """Stream several answers as one: each one's events carry its choice ``index``
+        and the one answer id, interleaved as they come; one ``[DONE]`` ends them all,
+        after the summed usage (``include_usage``). The response starts with the first
+        answer's first event: a refusal of any before that is an HTTP error, after it an
+        error event (the others are aborted either way).
 
         Raises:
             ApiError: before anything was sent.
@@ -439,17 +623,17 @@ class OpenAIServing:
                     return
                 body = event.get("body", b"")
                 assert isinstance(body, bytes)
-                if body.endswith(_DONE):  # one [DONE], after every prompt's answer
+                if body.endswith(_DONE):  # one [DONE], after every answer
                     body = body[:-len(_DONE)]
                 if body:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
             return forward
 
-        states = [self._completion_state(req, ids, into(i), t0)
-                  for i, ids in enumerate(prompts)]
-        rid = states[0].response.id.removeprefix("cmpl-")
+        chat = states[0].response.chat
+        rid = states[0].response.id.split("-", 1)[1]
         for i, state in enumerate(states):
-            state.response = _ResponseBuilder(False, rid, self.settings.model_name,
+            state.send = into(i)
+            state.response = _ResponseBuilder(chat, rid, self.settings.model_name,
                                               self.tokenizer, index=i)
             state.include_usage = False  # the summed usage goes last, once
         tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
@@ -467,12 +651,17 @@ class OpenAIServing:
         tail = [_DONE]
         opts = req.stream_options
         if opts is not None and opts.include_usage:
-            usages = [state.usage() for state in states]
-            prompt = sum(u.prompt_tokens for u in usages)
-            answer = sum(u.completion_tokens for u in usages)
+            seen: set[int] = set()
+            prompt = answer = cached = 0
+            for state in states:
+                u = state.usage()
+                if id(state.prompt_ids) not in seen:  # each prompt once (n answers of one)
+                    seen.add(id(state.prompt_ids))
+                    prompt += u.prompt_tokens
+                    cached += u.prompt_tokens_details.cached_tokens
+                answer += u.completion_tokens
             tail.insert(0, states[0].response.usage_event(Usage(
-                prompt, answer, prompt + answer, PromptTokensDetails(
-                    sum(u.prompt_tokens_details.cached_tokens for u in usages)))))
+                prompt, answer, prompt + answer, PromptTokensDetails(cached))))
         await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
         return 200
 
@@ -495,11 +684,16 @@ class OpenAIServing:
         ids = await self.tokenize(text, special=False)
         max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
                                   field)
-        state = self._state(
+        # Each answer its own state, guide and tool plan (a plan holds its answer's
+        # streaming state and call id): n answers are n requests, each constrained.
+        states = [_nth(self._state(
             req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
             stops=[*req.stops(), *self.template.stops], extra_stop_ids=self.template.stop_ids,
-            logprobs=req.logprobs, send=send, t0=t0, tools=tools)
-        return await self._answer(state)
+            logprobs=req.logprobs, send=send, t0=t0, tools=tools if not i else plan_of(req)),
+            i) for i in range(_copies(req, 1))]
+        if len(states) == 1:
+            return await self._answer(states[0])
+        return await self._several(req, states, send, copies=req.n, keep=req.n)
 
     def _budget(self, prompt: int, asked: int | None, default: int, where: str,
                 field: str = "max_tokens") -> int:
@@ -529,6 +723,11 @@ class OpenAIServing:
                   ) -> SamplingParams:
         # ignore_eos: no EOS added here (the tokenizer's, a chat template's), and the
         # scheduler leaves out the model's own stop ids (SamplingParams.ignore_eos).
+        if req.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({req.min_tokens}) is more than the answer's "
+                              f"max_tokens ({max_tokens})", param="min_tokens",
+                              code="invalid_value")
+        bias = logit_bias(req.logit_bias, self._vocab)
         stop_ids = list(req.stop_token_ids or ())
         if not req.ignore_eos:
             eos = self.tokenizer.eos_token_id
@@ -549,7 +748,15 @@ class OpenAIServing:
                                   top_p=req.top_p, top_k=max(req.top_k, 0),
                                   stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
                                   if stop_ids else None, seed=sampler_seed(req.seed),
-                                  ignore_eos=req.ignore_eos, guide=guide)
+                                  ignore_eos=req.ignore_eos, guide=guide,
+                                  presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty,
+                                  repetition_penalty=req.repetition_penalty,
+                                  min_tokens=req.min_tokens, logit_bias=bias,
+                                  top_logprobs=(req.logprobs or 0) if isinstance(
+                                      req, CompletionRequest) else req.top_logprobs or 0,
+                                  prompt_logprobs=req.logprobs if isinstance(
+                                      req, CompletionRequest) and req.echo else None)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"sampling: {exc}") from None
 
@@ -594,13 +801,15 @@ class OpenAIServing:
         result = await self.engine.submit(state.prompt_ids, state.sampling,
                                           return_logprob=state.logprobs)
         detok, response = state.detok, state.response
+        state.echo_prompt(result.prompt_logprobs, result.prompt_top_logprobs)
         text, offsets = _push(detok, result.token_ids, state.logprobs and not response.chat)
         text += detok.finish()
         prompt, answer = len(state.prompt_ids), len(result.token_ids)
+        tops = None if result.top_logprobs is None else tuple(result.top_logprobs)
         body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
                               Usage(prompt, answer, prompt + answer,
                                     PromptTokensDetails(result.cached_tokens or 0)), offsets,
-                              state.tools)
+                              tops, state.tools)
         self._first_token(state)
         await send_bytes(state.send, 200, body)
         return 200
@@ -624,11 +833,14 @@ class OpenAIServing:
         pieces: list[str] = []  # the non-streamed answer with stop strings
         out_ids: list[int] = []
         out_lps: list[float] | None = [] if state.logprobs else None
+        out_tops: list[tuple[tuple[int, float], ...]] = []
         offsets_wanted = state.logprobs and not response.chat  # (a completion's text_offset)
         out_offsets: list[int] = []
         finish: str | None = None
         try:
             chunks = await anext(it)  # a refusal is still an HTTP error here
+            if chunks:
+                state.echo_prompt(chunks[0].prompt_logprobs, chunks[0].prompt_top_logprobs)
             while True:
                 await self.turns.take()
                 events: list[bytes] = []
@@ -646,6 +858,8 @@ class OpenAIServing:
                         out_ids.extend(chunk.token_ids)
                         if out_lps is not None and chunk.logprobs is not None:
                             out_lps.extend(chunk.logprobs)
+                        if chunk.top_logprobs is not None:
+                            out_tops.extend(chunk.top_logprobs)
                         if offsets is not None:
                             out_offsets.extend(offsets)
                     elif state.tools is not None:
@@ -654,7 +868,8 @@ class OpenAIServing:
                     elif text or finish is not None or chunk.logprobs or state.continuous_usage:
                         events.append(response.event(
                             text, finish, chunk.token_ids, chunk.logprobs,
-                            state.usage() if state.continuous_usage else None, offsets))
+                            state.usage() if state.continuous_usage else None, offsets,
+                            chunk.top_logprobs))
                     if finish is not None:
                         break
                 if events:
@@ -684,7 +899,10 @@ class OpenAIServing:
         if not state.stream:
             assert finish is not None
             self._first_token(state)
+            kept = detok.tokens  # (a stop string's cut)
             await send_bytes(send, 200, response.whole(
-                "".join(pieces), finish, out_ids[:detok.tokens], out_lps, state.usage(),
-                out_offsets if offsets_wanted else None, state.tools))
+                "".join(pieces), finish, out_ids[:kept],
+                None if out_lps is None else out_lps[:kept], state.usage(),
+                out_offsets[:kept] if offsets_wanted else None,
+                tuple(out_tops[:kept]) if state.sampling.top_logprobs else None, state.tools))
         return 200

@@ -6,8 +6,8 @@ bus's messages, so a bad body fails there with a 400 naming the field
 (:func:`decode` converts msgspec's error at one place). Unknown fields are
 refused, not ignored: an option this server does not implement (``suffix``
 with text, ``tools`` on completions, ...) is a clear 400 naming it. The options OpenAI
-clients may send at their defaults (``n``, the penalties, ``logit_bias``)
-are accepted at those defaults and refused otherwise (:func:`check_supported`).
+clients may send but this server does not serve (``suffix``) are accepted
+at their defaults and refused otherwise (:func:`check_supported`).
 
 Response bodies are structs too, encoded by one module-level encoder.
 """
@@ -20,6 +20,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from frontend.errors import ApiError, bad_request
+from messages import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from messages.catalogue import MAX_GUIDE_SPEC
 
 __all__ = [
@@ -55,12 +56,14 @@ __all__ = [
     "ResponseFormat",
     "StreamOptions",
     "TokenLogprob",
+    "TopLogprob",
     "PromptTokensDetails",
     "Usage",
     "check_supported",
     "decode",
     "encode",
     "encode_str",
+    "logit_bias",
     "sampler_seed",
     "sse_safe",
 ]
@@ -180,7 +183,13 @@ class _Sampling(_Body, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, float] | None = None
+    #: vLLM's extra: > 1 makes the prompt's and the answer's tokens less likely.
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    #: vLLM's extra: the stop tokens cannot end the answer before it holds this many.
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)] = 0
+    #: Token id (as a string, OpenAI's form) -> bias added to its logit; values are
+    #: clamped to -100..100, as vLLM does (:func:`logit_bias`).
+    logit_bias: Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
     #: vLLM's structured-output fields (:mod:`frontend.guides`): at most one per request.
     guided_json: dict[str, object] | GuideText | None = None
@@ -201,10 +210,10 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     prompt: Annotated[str, msgspec.Meta(max_length=1 << 24)] | Annotated[
         list[TokenId | str | list[TokenId]], msgspec.Meta(max_length=1 << 20)]
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
 
 
 class ContentPart(_Body, kw_only=True):
@@ -249,7 +258,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=4096)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     #: Structured output (:mod:`frontend.guides`). Of the tool options, what asks for
     #: nothing is served (``tools: []``, ``tool_choice: "none"``);
@@ -313,12 +322,14 @@ class Usage(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The sampled tokens' log-probabilities (no alternatives: ``top_logprobs`` null), and
-    where each token's text begins in the answer (``text_offset``, in characters)."""
+    """The sampled tokens' log-probabilities, each position's ``logprobs`` most likely
+    tokens (``top_logprobs``: text -> logprob, the sampled token's included; null when
+    ``logprobs`` is 0), and where each token's text begins in the answer
+    (``text_offset``, in characters)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: None = None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] | None = None
 
 
@@ -376,13 +387,22 @@ class ChatMessageOut(msgspec.Struct, omit_defaults=True):
     tool_calls: list[ToolCall] | None = None
 
 
-class TokenLogprob(msgspec.Struct):
-    """One sampled token of a chat answer and its log-probability."""
+class TopLogprob(msgspec.Struct):
+    """One of the most likely tokens at a position of a chat answer."""
 
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[int] = msgspec.field(default_factory=list)
+
+
+class TokenLogprob(msgspec.Struct):
+    """One sampled token of a chat answer, its log-probability, and its position's
+    ``top_logprobs`` most likely tokens (most likely first)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
 
 
 class ChatLogprobs(msgspec.Struct):
@@ -604,34 +624,20 @@ def check_supported(req: _Sampling) -> None:
     """Refuse what is declared but not implemented, at a non-default value.
 
     Raises:
-        ApiError: 400 naming the option (``n > 1``, a penalty, ``logit_bias``,
-            ``echo``, ``suffix``, ``best_of > 1``, ``top_logprobs > 0``, and
-            ``stream_options`` without ``stream``, as OpenAI and vLLM refuse it).
+        ApiError: 400 naming the option (``suffix``,
+            ``top_logprobs`` without ``logprobs``, and ``stream_options`` without
+            ``stream``, as OpenAI and vLLM refuse them).
     """
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed with stream=true",
                           param="stream_options")
-    if req.n != 1:
-        raise _unsupported("n", "n > 1 is not supported: send one request per answer")
-    if req.presence_penalty or req.frequency_penalty:
-        field = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        raise _unsupported(field, f"{field} is not supported (must be 0)")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias is not supported")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise _unsupported("echo", "echo is not supported")
         if req.suffix:  # ("" asks for nothing)
             raise _unsupported("suffix", "suffix is not supported")
-        if req.best_of not in (None, 1):
-            raise _unsupported("best_of", "best_of > 1 is not supported")
-        if req.logprobs:
-            raise _unsupported("logprobs", "only the sampled tokens' logprobs are available: "
-                                           "use logprobs=0")
     if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs:
-            raise _unsupported("top_logprobs", "top_logprobs > 0 is not supported (the "
-                                               "sampled tokens' logprobs are: logprobs=true)")
+        if req.top_logprobs and not req.logprobs:  # (OpenAI's and vLLM's rule)
+            raise bad_request("top_logprobs: only allowed with logprobs=true",
+                              param="top_logprobs", code="invalid_value")
         _check_chat_options(req)
 
 
@@ -664,6 +670,28 @@ def _check_chat_options(req: ChatCompletionRequest) -> None:
         shown = choice.type if isinstance(choice, NamedTool) else choice
         raise bad_request(f"tool_choice {shown!r} is only allowed when tools are given",
                           param="tool_choice", code="unsupported_value")
+
+
+def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
+    """``logit_bias`` as the scheduler takes it: int ids, values clamped to -100..100
+    (vLLM's; OpenAI's range). None when empty.
+
+    Raises:
+        ApiError: 400 naming ``logit_bias``: a key that is not a token id below ``vocab``.
+    """
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab:
+            raise bad_request(f"logit_bias: {key[:32]!r} is not a token id of this model "
+                              f"(0 to {vocab - 1})", param="logit_bias", code="invalid_value")
+        out[token] = min(100.0, max(-100.0, value))
+    return out
 
 
 def _unsupported(param: str, message: str) -> ApiError:

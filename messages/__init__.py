@@ -22,6 +22,8 @@ from messages.base import (
 )
 from messages.burst import MAX_BURST, SEND_BURST
 from messages.catalogue import (
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
     AbortReq,
     BatchEmbeddingOut,
     BatchTokenIDOut,
@@ -83,6 +85,8 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_BATCH",
     "MAX_BURST",
+    "MAX_LOGIT_BIAS",
+    "MAX_TOP_LOGPROBS",
     "MAX_RID",
     "MAX_TEXT",
     "MAX_TOKENS",

@@ -44,6 +44,8 @@ __all__ = [
     "FinishReason",
     "Guide",
     "GuideKind",
+    "MAX_LOGIT_BIAS",
+    "MAX_TOP_LOGPROBS",
     "AbortReq",
     "RpcReqInput",
     "RpcReqOutput",
@@ -71,6 +73,10 @@ RpcResult = dict[
 
 
 _MAX_PACKED_BYTES = 4 * MAX_TOKENS
+#: The most tokens one request's ``logit_bias`` may name.
+MAX_LOGIT_BIAS = 1024
+#: The most alternatives a request may ask for at each position (OpenAI's bound).
+MAX_TOP_LOGPROBS = 20
 
 if TYPE_CHECKING:
     # What a reader gets and a writer may pass: a column reads as a sequence
@@ -121,6 +127,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     ``max_new_tokens`` end the request (a benchmark asking for exactly N
     tokens). ``guide`` constrains the output (:class:`Guide`).
 
+    The penalties are vLLM's: ``presence_penalty`` is subtracted from the logit of
+    every token the answer holds, ``frequency_penalty`` times its count in the
+    answer; ``repetition_penalty`` divides the positive logits (multiplies the
+    negative ones) of every token in the prompt or the answer (1: none).
+    ``min_tokens``: the stop tokens (the model's and ``stop_token_ids``) cannot be
+    sampled before that many tokens. ``logit_bias`` adds its value (-100..100) to
+    its token's logit, at most :data:`MAX_LOGIT_BIAS` tokens. ``top_logprobs``:
+    with ``return_logprob``, the ids and logprobs of that many most likely
+    tokens at each position (:class:`BatchTokenIDOut`'s ``top_ids``).
+    ``prompt_logprobs`` (None: not asked): the logprob of each prompt token
+    after the first, and that many alternatives at each of those positions;
+    the prompt is then read whole (its cached prefix is not reused), and with
+    ``max_new_tokens=0`` the request ends ``length`` once it is read (a prompt
+    scored, no token sampled).
+
     Fields travel by position: a new one is appended, never inserted, so a
     shorter (older) array still decodes, the missing items taking their
     defaults, and an older reader ignores the items past its last field.
@@ -136,6 +157,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
     ignore_eos: bool = False
     guide: Guide | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    logit_bias: Annotated[dict[Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)],
+                               Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
+                          msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     def _pack(self) -> None:  # on construction (PackingMeta)
         if self.stop_token_ids is not None:
@@ -222,6 +252,19 @@ class BatchTokenIDOut(Output):
     reader keeps the latest value it saw for a request. ``None`` (the
     default, and what older senders write): not reported.
 
+    ``top_ids`` and ``top_logprobs`` (both or neither, with ``logprobs``):
+    the ``k`` most likely tokens at each output position and their logprobs,
+    most likely first, ``k`` entries per output id (``k`` is the same for
+    every request of the batch: ``len(top_ids) // len(output_ids)``), so the
+    alternatives of output id ``j`` are ``top_ids[j * k : (j + 1) * k]``.
+
+    ``prompt_lens`` (one per rid, when some request of the batch asked for
+    ``prompt_logprobs`` and sends its first output here): how many prompt
+    logprobs request ``i`` has in ``prompt_logprobs`` (its prompt's tokens
+    after the first; 0 for the others), sliced as ``output_lens`` slices
+    ``output_ids``; ``prompt_top_ids`` / ``prompt_top_logprobs`` hold ``k``
+    alternatives per entry, as ``top_ids`` does (``k`` one per batch, 0: none).
+
     ``rids`` may be given as any sequence of ``str``; it is kept as a
     :class:`~messages.RidColumn` (it travels as one string, and a decoded
     one makes its ``str`` objects only when first read). A plain ``str``
@@ -235,6 +278,12 @@ class BatchTokenIDOut(Output):
     logprobs: npt.NDArray[np.float32] | None = None
     hidden_states: torch.Tensor | None = None
     cached_tokens: PackedU32 | None = None
+    top_ids: PackedU32 | None = None
+    top_logprobs: npt.NDArray[np.float32] | None = None
+    prompt_lens: PackedU32 | None = None
+    prompt_logprobs: npt.NDArray[np.float32] | None = None
+    prompt_top_ids: PackedU32 | None = None
+    prompt_top_logprobs: npt.NDArray[np.float32] | None = None
 
     def __post_init__(self) -> None:
         # Once per decode step of the whole batch: the checks stay cheap, and
@@ -275,6 +324,48 @@ class BatchTokenIDOut(Output):
             self.cached_tokens = cached = packed_u32(cached, field="cached_tokens")
             if len(cached) != n:
                 raise ValueError(f"cached_tokens has {len(cached)} entries for {n} rids")
+        tops = self.top_ids
+        if tops is not None or self.top_logprobs is not None:
+            if tops is None or self.top_logprobs is None or lp is None:
+                raise ValueError("top_ids and top_logprobs come together, with logprobs")
+            self.top_ids = tops = packed_u32(tops, field="top_ids")
+            tlp = self.top_logprobs
+            if (tlp.dtype != np.float32 or tlp.shape != (len(tops),)
+                    or (total and len(tops) % total) or (not total and len(tops))):
+                raise ValueError("top_ids and top_logprobs must be float32 with k entries "
+                                 "each per output id")
+        plens = self.prompt_lens
+        if plens is not None:
+            self.prompt_lens = plens = packed_u32(plens, field="prompt_lens")
+            plp = self.prompt_logprobs
+            if len(plens) != n or plp is None or plp.dtype != np.float32 \
+                    or plp.shape != (sum(plens),):
+                raise ValueError("prompt_lens (one per rid) and prompt_logprobs (float32, "
+                                 "as many as they add up to) come together")
+            ptops = self.prompt_top_ids
+            if ptops is not None or self.prompt_top_logprobs is not None:
+                ptlp = self.prompt_top_logprobs
+                if ptops is None or ptlp is None:
+                    raise ValueError("prompt_top_ids and prompt_top_logprobs come together")
+                self.prompt_top_ids = ptops = packed_u32(ptops, field="prompt_top_ids")
+                entries = len(plp)
+                if ptlp.dtype != np.float32 or ptlp.shape != (len(ptops),) or (
+                        entries and len(ptops) % entries) or (not entries and len(ptops)):
+                    raise ValueError("prompt_top_ids and prompt_top_logprobs must be "
+                                     "float32 with k entries each per prompt logprob")
+        elif self.prompt_logprobs is not None or self.prompt_top_ids is not None:
+            raise ValueError("prompt_logprobs come with prompt_lens")
+
+    def prompt_top_k(self) -> int:
+        """Alternatives per prompt logprob in ``prompt_top_ids`` (0: none)."""
+        plp, ptops = self.prompt_logprobs, self.prompt_top_ids
+        return len(ptops) // len(plp) if plp is not None and ptops is not None and len(plp) \
+            else 0
+
+    def top_k(self) -> int:
+        """Alternatives per output id in ``top_ids`` (0: none)."""
+        total = len(self.output_ids)
+        return len(self.top_ids) // total if self.top_ids is not None and total else 0
 
     @classmethod
     def from_lists(
@@ -333,6 +424,27 @@ class BatchTokenIDOut(Output):
             hidden = hidden[torch.from_numpy(tokens)]
         else:
             hidden = None
+        width = self.top_k()
+        top_ids = top_lps = None
+        if self.top_ids is not None and self.top_logprobs is not None:
+            at = (tokens[:, None] * width + np.arange(width)).reshape(-1)
+            top_ids = packed_u32(np.frombuffer(self.top_ids, np.uint32)[at], field="top_ids")
+            top_lps = self.top_logprobs[at]
+        plens = self.prompt_lens
+        prompt_lens = prompt_lps = prompt_top_ids = prompt_top_lps = None
+        if plens is not None and self.prompt_logprobs is not None:
+            pb = list(itertools.accumulate(plens, initial=0))
+            ents = [np.arange(pb[i], pb[i + 1]) for i, k in enumerate(keep) if k]
+            sel = np.concatenate(ents) if ents else np.zeros(0, np.int64)
+            prompt_lens = packed_u32([plens[i] for i, k in enumerate(keep) if k],
+                                     field="prompt_lens")
+            prompt_lps = self.prompt_logprobs[sel]
+            pk = self.prompt_top_k()
+            if self.prompt_top_ids is not None and self.prompt_top_logprobs is not None:
+                at = (sel[:, None] * pk + np.arange(pk)).reshape(-1)
+                prompt_top_ids = packed_u32(np.frombuffer(self.prompt_top_ids, np.uint32)[at],
+                                            field="prompt_top_ids")
+                prompt_top_lps = self.prompt_top_logprobs[at]
         return BatchTokenIDOut(
             rids=[self.rids[i] for i, k in enumerate(keep) if k],
             output_ids=packed_u32(ids[tokens], field="output_ids"),
@@ -342,7 +454,10 @@ class BatchTokenIDOut(Output):
             hidden_states=hidden,
             cached_tokens=None if self.cached_tokens is None else packed_u32(
                 [self.cached_tokens[i] for i, k in enumerate(keep) if k],
-                field="cached_tokens"))
+                field="cached_tokens"),
+            top_ids=top_ids, top_logprobs=top_lps, prompt_lens=prompt_lens,
+            prompt_logprobs=prompt_lps, prompt_top_ids=prompt_top_ids,
+            prompt_top_logprobs=prompt_top_lps)
 
 
 class BatchEmbeddingOut(Output):

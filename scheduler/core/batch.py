@@ -46,6 +46,7 @@ from messages import (
 )
 from scheduler.core.admission import Admission
 from scheduler.models import guided
+from scheduler.models.logits import note_top_logprobs, penalize, score_prompt
 from scheduler.models.protocol import Model, PromptChunk
 from scheduler.models.sampling import sample_next
 
@@ -87,6 +88,13 @@ class Seq:
     last: int = -1
     out: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
+    # ``sampling.top_logprobs`` alternatives per sampled position (a stop token's too)
+    top_ids: list[int] = field(default_factory=list)
+    top_lps: list[float] = field(default_factory=list)
+    # ``sampling.prompt_logprobs``: its prompt's, until sent (the ``top_*`` as above)
+    prompt_lps: list[float] | None = None
+    prompt_top_ids: list[int] = field(default_factory=list)
+    prompt_top_lps: list[float] = field(default_factory=list)
     sent: int = 0  # tokens already streamed
     cached: int = -1  # prompt tokens its state started with (the prefix cache); -1: not asked
     finished: FinishReason | None = None
@@ -204,15 +212,26 @@ class Batch:
             return [], []
         try:
             rows = self._forward(new, parts)
+            for s in new:  # (the prompts that asked to be scored were read with scores)
+                if s.sampling.prompt_logprobs is not None and s.sampling is not _EMBED:
+                    s.prompt_lps, s.prompt_top_ids, s.prompt_top_lps = score_prompt(
+                        self.model.prompt_scores(s.key), s.req.input_ids,
+                        s.sampling.prompt_logprobs)
             for s in embedded:
                 s.embedding = self.model.embedding(s.key)
                 self.model.free(s.key)
             if not active:
                 return [], embedded
-            logits = torch.stack(rows)
-            guided.mask_logits(active, logits)
-            toks, lps = sample_next(logits, [s.sampling for s in active],
-                                    [s.generator for s in active])
+            raw = torch.stack(rows)
+            # A guided request's mask first, in place: its logprobs and top
+            # alternatives are of the distribution its grammar allows (as vLLM's,
+            # whose bitmask is applied before the sampler). Penalties and biases
+            # then only add to, scale or fill -inf entries, each of which stays
+            # -inf: a token the grammar forbids stays forbidden whatever its bias.
+            guided.mask_logits(active, raw)
+            note_top_logprobs(raw, active)
+            toks, lps = sample_next(penalize(raw, active), [s.sampling for s in active],
+                                    [s.generator for s in active], raw=raw)
             guided.advance(active, toks)
         except Exception as exc:
             failed = active + embedded
@@ -227,7 +246,9 @@ class Batch:
         context = self._context
         for s, t, lp in zip(active, toks.tolist(), lps.tolist(), strict=True):
             s.last = t
-            if t in s.stop:
+            if not s.sampling.max_new_tokens:  # a prompt only scored (prompt_logprobs)
+                s.finished = "length"
+            elif t in s.stop:
                 s.finished = "stop"
             else:
                 s.out.append(t)
@@ -293,8 +314,10 @@ class Batch:
             else:
                 break
             if fresh and seq.cached < 0:
-                seq.cached = 0 if seq.sampling is _EMBED else self.model.reuse_prefix(
-                    seq.key, as_tensor(seq.req.input_ids))
+                # A prompt to score is read whole: a cached prefix has no logits to give.
+                seq.cached = 0 if seq.sampling is _EMBED or \
+                    seq.sampling.prompt_logprobs is not None else self.model.reuse_prefix(
+                        seq.key, as_tensor(seq.req.input_ids))
                 seq.prefilled = seq.cached
             left = len(seq.req.input_ids) - seq.prefilled
             whole = max(MIN_PREFILL_COST, left) <= budget or left <= budget
@@ -337,9 +360,11 @@ class Batch:
             tokens = torch.tensor([s.last for s in self.running])
             rows.extend(self.model.decode_step([s.key for s in self.running], tokens))
         chunks = [PromptChunk(s.key, as_tensor(s.req.input_ids[s.prefilled:]), s.prefilled,
-                              True, s.sampling is _EMBED) for s in new]
+                              True, s.sampling is _EMBED, s.sampling.prompt_logprobs is not None)
+                  for s in new]
         chunks += [PromptChunk(s.key, as_tensor(s.req.input_ids[s.prefilled:s.prefilled + n]),
-                               s.prefilled, False, s.sampling is _EMBED) for s, n in parts]
+                               s.prefilled, False, s.sampling is _EMBED,
+                               s.sampling.prompt_logprobs is not None) for s, n in parts]
         if chunks:
             logits = self.model.prefill_chunks(chunks)
             for s in new:

@@ -292,7 +292,7 @@ class Scheduler(ControlMethods):
             except GuideError as exc:
                 self._refuse(req.rid, origin, "invalid_request", str(exc))
                 return
-        if sp.max_new_tokens == 0:
+        if sp.max_new_tokens == 0 and sp.prompt_logprobs is None:  # (else: scored first)
             seq.finished = "length"
             self._live[req.rid] = seq
             self._emit([seq])

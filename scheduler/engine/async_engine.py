@@ -64,6 +64,7 @@ from scheduler.engine.handles import (
     Item,
     RequestState,
     StreamChunk,
+    Tops,
     joined,
 )
 from scheduler.engine.stopping import close_timeout
@@ -711,12 +712,16 @@ def deliver_rows(requests: dict[str, RequestState],
             ids = tuple(out.output_ids)  # one conversion for the whole batch; sliced below
             lps = tuple(out.logprobs.tolist()) if out.logprobs is not None else None
             cached = out.cached_tokens
+            tops = _tops(out)
+            prompts = _prompts(out)
             for i, (rid, fin) in enumerate(zip(out.rids, out.finished_reasons, strict=True)):
                 state = requests.pop(rid, None) if fin is not None else requests.get(rid)
                 if state is not None:
                     a, b = bounds[i], bounds[i + 1]
                     state.put(StreamChunk(rid, ids[a:b], fin, None if lps is None else lps[a:b],
-                                          None if cached is None else cached[i]))
+                                          None if cached is None else cached[i],
+                                          None if tops is None else tops[a:b],
+                                          *(prompts[i] if prompts is not None else (None, None))))
             done += len(out.rids)
         elif isinstance(out, BatchEmbeddingOut):
             vectors = out.embeddings.float().numpy()
@@ -734,6 +739,37 @@ def deliver_rows(requests: dict[str, RequestState],
         else:
             log.error("unexpected output %s on the transport", type(out).__name__)
             done += 1
+
+
+def _tops(out: BatchTokenIDOut) -> Tops | None:
+    """Each output id's ``(id, logprob)`` alternatives (``top_ids``), or None."""
+    k = out.top_k()
+    if not k or out.top_ids is None or out.top_logprobs is None:
+        return None
+    pairs = list(zip(out.top_ids, out.top_logprobs.tolist(), strict=True))
+    return tuple(tuple(pairs[j:j + k]) for j in range(0, len(pairs), k))
+
+
+def _prompts(out: BatchTokenIDOut) -> list[tuple[tuple[float, ...] | None, Tops | None]] | None:
+    """Each request's prompt logprobs and their alternatives (``prompt_lens``), or None:
+    a request that sends none here gets ``(None, None)``."""
+    plens, plp = out.prompt_lens, out.prompt_logprobs
+    if plens is None or plp is None:
+        return None
+    k = out.prompt_top_k()
+    values = plp.tolist()
+    pairs = list(zip(out.prompt_top_ids, out.prompt_top_logprobs.tolist(), strict=True)) \
+        if k and out.prompt_top_ids is not None and out.prompt_top_logprobs is not None else []
+    got: list[tuple[tuple[float, ...] | None, Tops | None]] = []
+    at = 0
+    for n in plens:
+        if not n:  # (a one-token prompt has no entry: told apart by its first output)
+            got.append(((), () if k else None))
+            continue
+        tops = tuple(tuple(pairs[j * k:(j + 1) * k]) for j in range(at, at + n)) if k else None
+        got.append((tuple(values[at:at + n]), tops))
+        at += n
+    return got
 
 
 async def _each(steps: AsyncIterator[list[StreamChunk]]) -> AsyncIterator[StreamChunk]:

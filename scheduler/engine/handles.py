@@ -25,9 +25,13 @@ from messages import FinishReason
 from scheduler.errors import EngineError
 
 __all__ = ["GenerateResult", "Item", "RequestHandle", "RequestState", "Stream", "StreamChunk",
-           "ends", "joined"]
+           "Tops", "ends", "joined"]
 
 T = TypeVar("T")
+
+
+#: Per token, the most likely ``(id, logprob)`` pairs at its position.
+Tops = tuple[tuple[tuple[int, float], ...], ...]
 
 
 class StreamChunk(msgspec.Struct, frozen=True, gc=False):
@@ -47,6 +51,13 @@ class StreamChunk(msgspec.Struct, frozen=True, gc=False):
     #: Prompt tokens read from the prefix cache, on a request's first and last chunks
     #: (None on the others, and from a scheduler that predates it).
     cached_tokens: int | None = None
+    #: Per token, its position's most likely ``(id, logprob)`` pairs, most likely first
+    #: (``sampling.top_logprobs`` of them, with ``return_logprob``); None when not asked.
+    top_logprobs: Tops | None = None
+    #: On a request's first chunk, when it asked (``sampling.prompt_logprobs``): the
+    #: logprob of each prompt token after the first, and each one's alternatives.
+    prompt_logprobs: tuple[float, ...] | None = None
+    prompt_top_logprobs: Tops | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +74,9 @@ class GenerateResult:
     finish_reason: FinishReason
     logprobs: list[float] | None
     cached_tokens: int | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    prompt_logprobs: tuple[float, ...] | None = None
+    prompt_top_logprobs: Tops | None = None
 
 
 #: What a request receives: a chunk, an embedding, or the error that ends it.
@@ -75,44 +89,58 @@ def ends(item: Item) -> bool:
 
 
 def joined(rid: str, items: Sequence[Item]) -> GenerateResult:
-    """A generate request's chunks, the last one final, as its one answer."""
+    """A generate request's chunks, the last one final, as its one answer (the
+    prompt's logprobs are the first chunk's: they travel once, with it)."""
     chunks = cast(Sequence[StreamChunk], items)
     final = chunks[-1].finish_reason
     assert final is not None
+    first = chunks[0]
     if len(chunks) == 1:  # a request not streamed: its one chunk
-        c = chunks[0]
+        c = first
         return GenerateResult(rid, list(c.token_ids), final,
-                              None if c.logprobs is None else list(c.logprobs), c.cached_tokens)
+                              None if c.logprobs is None else list(c.logprobs), c.cached_tokens,
+                              None if c.top_logprobs is None else list(c.top_logprobs),
+                              c.prompt_logprobs, c.prompt_top_logprobs)
     has_lps = any(c.logprobs is not None for c in chunks)
+    has_tops = any(c.top_logprobs is not None for c in chunks)
     cached = [c.cached_tokens for c in chunks if c.cached_tokens is not None]
     return GenerateResult(rid, [t for c in chunks for t in c.token_ids], final,
                           [lp for c in chunks for lp in c.logprobs or ()] if has_lps else None,
-                          cached[-1] if cached else None)
+                          cached[-1] if cached else None,
+                          [t for c in chunks for t in c.top_logprobs or ()] if has_tops else None,
+                          first.prompt_logprobs, first.prompt_top_logprobs)
 
 
 class _Merged:
     """Chunks merged past the buffer bound: lists extended in place (O(1) a token)."""
 
-    __slots__ = ("cached_tokens", "finish_reason", "logprobs", "token_ids")
+    __slots__ = ("cached_tokens", "finish_reason", "first", "logprobs", "token_ids",
+                 "top_logprobs")
 
     def __init__(self, first: StreamChunk) -> None:
         self.token_ids = list(first.token_ids)
         self.logprobs = None if first.logprobs is None else list(first.logprobs)
+        self.top_logprobs = None if first.top_logprobs is None else list(first.top_logprobs)
         self.finish_reason = first.finish_reason
         self.cached_tokens = first.cached_tokens
+        self.first = first  # the first chunk merged: its prompt logprobs, if any
 
     def add(self, chunk: StreamChunk) -> None:
         self.token_ids.extend(chunk.token_ids)
         if self.logprobs is not None and chunk.logprobs is not None:
             self.logprobs.extend(chunk.logprobs)
+        if self.top_logprobs is not None and chunk.top_logprobs is not None:
+            self.top_logprobs.extend(chunk.top_logprobs)
         self.finish_reason = chunk.finish_reason
         if chunk.cached_tokens is not None:
             self.cached_tokens = chunk.cached_tokens
 
     def chunk(self, rid: str) -> StreamChunk:
-        lps = self.logprobs
+        lps, tops, first = self.logprobs, self.top_logprobs, self.first
         return StreamChunk(rid, tuple(self.token_ids), self.finish_reason,
-                           None if lps is None else tuple(lps), self.cached_tokens)
+                           None if lps is None else tuple(lps), self.cached_tokens,
+                           None if tops is None else tuple(tops),
+                           first.prompt_logprobs, first.prompt_top_logprobs)
 
 
 class RequestState:

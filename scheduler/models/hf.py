@@ -220,6 +220,7 @@ class HFCausalLM:
         self._max_prompt = getattr(text, "max_position_embeddings", None)
         self._kv: dict[int, KV] = {}  # requests not in the resident batch
         self._sums: dict[int, tuple[torch.Tensor, int]] = {}  # embedding: sum, count
+        self._scores: dict[int, list[torch.Tensor]] = {}  # PromptChunk.scores' logits
         self._batch: _Resident | None = None
         self._sdpa = self.config._attn_implementation == "sdpa"
         self._prefixes: RadixTree[_KVSpan] | None = None  # None: no prefix cache
@@ -265,20 +266,24 @@ class HFCausalLM:
     def prefill_chunks(self, chunks: Sequence[PromptChunk]) -> torch.Tensor:
         """Read prompts: new whole ones as one padded batch, the others one by one."""
         logits = torch.zeros(len(chunks), self._vocab, dtype=self.hf.dtype)
-        fresh = [i for i, c in enumerate(chunks) if c.start == 0 and c.last and not c.embed]
+        fresh = [i for i, c in enumerate(chunks)
+                 if c.start == 0 and c.last and not c.embed and not c.scores]
         if fresh:
             logits[fresh] = self._prefill_fresh([chunks[i] for i in fresh])
-        more = [i for i, c in enumerate(chunks) if c.start and not c.embed]
+        # Chunks continuing a prompt, batched by size; one read for its scores goes
+        # one by one (_prefill_one keeps every position's logits).
+        more = [i for i, c in enumerate(chunks) if c.start and not c.embed and not c.scores]
         for group in _similar(more, [len(c.token_ids) for c in chunks]):
             if len(group) > 1:
                 logits[group] = self._prefill_more([chunks[i] for i in group])
             else:
                 logits[group[0]] = self._prefill_one(chunks[group[0]])
+        done = set(fresh) | set(more)
         for i, c in enumerate(chunks):
             if c.embed:
                 self._embed_chunk(c)
-            elif not c.start and i not in fresh:
-                logits[i] = self._prefill_one(c)  # a first chunk, not the whole prompt
+            elif i not in done:
+                logits[i] = self._prefill_one(c)  # a first chunk, or one read for its scores
         return logits
 
     @torch.inference_mode()
@@ -321,6 +326,7 @@ class HFCausalLM:
             self._cache_answer(key, said)
         self._kv.pop(key, None)
         self._sums.pop(key, None)
+        self._scores.pop(key, None)
         self._read.pop(key, None)
         held = self._held.pop(key, None)
         if held is not None:
@@ -458,9 +464,11 @@ class HFCausalLM:
         """A chunk of one generate prompt, from that request's cache so far."""
         cache = self._cache_of(c)
         out = self.hf(input_ids=self._ids(c), position_ids=self._positions(c), cache=cache,
-                      use_cache=True, logits_to_keep=1)
+                      use_cache=True, logits_to_keep=0 if c.scores else 1)
         self._kv[c.key] = _layers(cache)
         self._remember(c)
+        if c.scores:  # every position's, for prompt_scores
+            self._scores.setdefault(c.key, []).append(out.logits[0].to("cpu"))
         return _last(out.logits)[0]
 
     def _prefill_more(self, chunks: list[PromptChunk]) -> torch.Tensor:
@@ -500,6 +508,11 @@ class HFCausalLM:
                 for k, v in _layers(cache)]
             self._remember(c)
         return _last(out.logits)
+
+    def prompt_scores(self, key: int) -> torch.Tensor:
+        """The logits of the chunks read with ``scores`` (see the protocol)."""
+        kept = self._scores.pop(key, [])
+        return torch.cat(kept) if kept else torch.zeros(0, self._vocab, dtype=self.hf.dtype)
 
     def _embed_chunk(self, c: PromptChunk) -> None:
         """A chunk of an embedding prompt: add its last hidden states to the request's sum."""

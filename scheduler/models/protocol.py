@@ -41,6 +41,8 @@ class PromptChunk:
         start: prompt tokens of this request read before (0: a new request).
         last: the prompt ends with this chunk (a generate request samples next).
         embed: an embedding request: its state feeds :meth:`Model.embedding`.
+        scores: keep the logits of every position of the chunk, for
+            :meth:`Model.prompt_scores` (a request asking for its prompt's logprobs).
     """
 
     key: int
@@ -48,6 +50,7 @@ class PromptChunk:
     start: int
     last: bool
     embed: bool = False
+    scores: bool = False
 
 
 @runtime_checkable
@@ -93,6 +96,14 @@ class Model(Protocol):
         """Feed one token per request (``tokens (B,)``) and return logits ``(B, vocab)``.
 
         Rows never mix: a request's answer does not depend on the others.
+        """
+        ...
+
+    def prompt_scores(self, key: int) -> torch.Tensor:
+        """The logits kept for ``key``'s chunks read with ``scores``, in order, and
+        forgotten: ``(T, vocab)`` on the CPU, row ``i`` the next-token logits after
+        position ``i`` of what was read (``(0, vocab)`` when none were kept). They cost
+        ``T * vocab`` numbers until taken (or :meth:`free`).
         """
         ...
 

@@ -18,18 +18,23 @@ def sample_next(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    *,
+    raw: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return (tokens ``(B,)``, their logprobs ``(B,)``).
 
     Logprobs are of the model's distribution (before temperature and
-    filters), as serving engines report them. Sampled rows are processed
+    filters), as serving engines report them: of ``raw`` when given (the
+    model's logits, where ``logits`` are them after penalties and biases:
+    vLLM's default ``raw_logprobs``). Sampled rows are processed
     together (one sort, one softmax, one search for the whole batch); each
     draws its uniform from its own generator, and every operation is
     row-wise, so a seeded request gets the same tokens whatever else shares
     the batch.
     """
+    model = raw if raw is not None and raw is not logits else None
     logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits if model is None else model.float(), dim=-1)
     # Greedy picks the argmax of the float32 logits, as ``transformers``'
     # ``generate`` does: subtracting the log-sum-exp first can round two
     # near-equal logits together and flip the choice.

@@ -61,6 +61,7 @@ class TinyLM(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.5 / p.shape[-1] ** 0.5 + 0.02))
         self.eval()
         self._states: dict[int, torch.Tensor] = {}
+        self._scores: dict[int, list[torch.Tensor]] = {}  # PromptChunk.scores' logits
 
     # -- the Model protocol ------------------------------------------------------
 
@@ -82,10 +83,18 @@ class TinyLM(nn.Module):
     def prefill_chunks(self, chunks: Sequence[PromptChunk]) -> torch.Tensor:
         """Read the chunks together (packed), each from its request's state so far."""
         starts = [self._states.get(c.key) if c.start else None for c in chunks]
+        for c, st in zip(chunks, starts, strict=True):
+            if c.scores:  # every position's logits, kept for prompt_scores
+                self._scores.setdefault(c.key, []).append(self.all_logits(c.token_ids, st))
         logits, states = self.prefill_batch([c.token_ids for c in chunks], starts)
         for c, st in zip(chunks, states, strict=True):
             self._states[c.key] = st
         return logits
+
+    def prompt_scores(self, key: int) -> torch.Tensor:
+        """The logits of the chunks read with ``scores`` (see the protocol)."""
+        kept = self._scores.pop(key, [])
+        return torch.cat(kept) if kept else torch.zeros(0, self.config.vocab_size)
 
     def decode_step(self, keys: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
         """One token for each request: its states stacked, one GRU step, unstacked."""
@@ -101,6 +110,7 @@ class TinyLM(nn.Module):
     def free(self, key: int) -> None:
         """Forget ``key``'s state."""
         self._states.pop(key, None)
+        self._scores.pop(key, None)
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """The module's ``state_dict``."""
@@ -191,6 +201,14 @@ class TinyLM(nn.Module):
         normed: torch.Tensor = self.norm(h)
         return normed @ self.embed.weight.T
 
+    @torch.inference_mode()
+    def all_logits(self, ids: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        """Next-token logits after every token of ``ids`` ``(T, vocab)``, read from
+        ``state`` ``(layers, hidden)`` (None: from scratch)."""
+        h0 = None if state is None else state.unsqueeze(1).contiguous()
+        out, _ = self.gru(self.embed(ids.long()).unsqueeze(0), h0)
+        return self._logits(out[0])
+
 
 class StubLM(TinyLM):
     """A stand-in with the model's interface and (almost) none of its cost.
@@ -225,6 +243,9 @@ class StubLM(TinyLM):
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(prompts)
         return self._zero_logits(n), self._state.expand(n, -1, -1)
+
+    def all_logits(self, ids: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        return torch.zeros(len(ids), self.config.vocab_size)
 
 
 def build_model(config: ModelConfig) -> TinyLM:

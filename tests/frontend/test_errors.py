@@ -61,10 +61,16 @@ def error(r: httpx.Response) -> dict[str, object]:
     ({"model": "tiny", "prompt": [[1], [99999]]}, "prompt"),
     ({"model": "tiny", "prompt": [[1], []]}, "prompt"),
     ({"model": "tiny", "prompt": ["a"] * 257}, "prompt"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, "n"),
-    ({"model": "tiny", "prompt": "x", "presence_penalty": 1}, "presence_penalty"),
-    ({"model": "tiny", "prompt": "x", "echo": True}, "echo"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "n": 129}, "n"),
+    ({"model": "tiny", "prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    ({"model": "tiny", "prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+    ({"model": "tiny", "prompt": ["a", "b", "c"], "n": 128}, "n"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs"),
     ({"model": "tiny", "prompt": "x", "tools": []}, "tools"),
 ])
 def test_completion_400_names_the_field(server: Server, body: object, param: str) -> None:
@@ -221,7 +227,7 @@ def test_head_where_get_is_not_allowed(server: Server) -> None:
 
 
 def test_status_counted_in_metrics(server: Server) -> None:
-    post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "n": 3})
+    post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "n": 3, "best_of": 2})
     text = httpx.get(f"{server.url}/metrics").text
     assert 'tsb_http_requests_total{endpoint="completions",status="400"}' in text
 

@@ -288,3 +288,62 @@ def test_auto_streams_content_and_holds_back_what_may_begin_a_call() -> None:
     plain = ToolPlan("auto", TOOLS)
     assert [plain.stream(t, f)[0] for t, f in (("a <b", None), ("c <", None), ("", "stop"))] \
         == ["a <b", "c ", "<"]  # ("<b" cannot begin a call; a last "<" can)
+
+
+def test_a_guide_holds_against_the_sampling_fields_and_each_of_n_answers_is_guided(
+        server: Server) -> None:
+    """A guide's mask stands whatever a logit_bias, penalty or min_tokens asks (a token
+    it forbids stays forbidden); each of n answers is guided; the top alternatives a
+    guide forbids are reported at vLLM's floor (-9999), not as a -inf JSON cannot hold."""
+    choices = ["yes please", "no thanks"]
+    bang = server.app.tokenizer.encode("!", add_special_tokens=False)
+    assert len(bang) == 1
+    client = _client(server)
+    unguided = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0.0,
+        logit_bias={str(bang[0]): 100})
+    assert unguided.choices[0].message.content == "!!!!"  # the bias wins, unguided
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=20, temperature=1.0, seed=3, n=4,
+        logit_bias={str(bang[0]): 100}, presence_penalty=2.0, frequency_penalty=2.0,
+        extra_body={"guided_choice": choices, "repetition_penalty": 3.0, "min_tokens": 2},
+        logprobs=True, top_logprobs=5)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for c in out.choices:
+        assert c.message.content in choices and c.finish_reason == "stop", c
+        assert c.logprobs is not None and c.logprobs.content is not None
+        assert "".join(e.token for e in c.logprobs.content) == c.message.content
+        for e in c.logprobs.content:
+            assert len(e.top_logprobs) == 5
+            assert all(t.logprob == -9999.0 or t.token[:1] in "yesplanothk " for t in
+                       e.top_logprobs), e
+    streamed = list(client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=20, temperature=1.0, seed=3, n=2,
+        logit_bias={str(bang[0]): 100}, extra_body={"guided_choice": choices},
+        stream=True))
+    texts = ["", ""]
+    for chunk in streamed:
+        for part in chunk.choices:
+            texts[part.index] += part.delta.content or ""
+    assert all(t in choices for t in texts), texts
+
+
+def test_each_of_n_forced_tool_calls_is_its_own_call(server: Server) -> None:
+    """n answers with a forced tool call: each a valid call with its own id, streamed
+    under its own choice index."""
+    client = _client(server)
+    ask: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "add"}},
+                "max_tokens": BUDGET, "temperature": 1.0, "seed": 5, "n": 2}
+    out = client.chat.completions.create(**ask)
+    ids = set()
+    for c in out.choices:
+        assert [name for name, _ in _check_calls(c.message.tool_calls)] == ["add"]
+        ids.add(c.message.tool_calls[0].id if c.message.tool_calls else None)
+    assert len(ids) == 2
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    for index in (0, 1):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine and mine[-1].choices[0].finish_reason == "stop"
+        assert [name for name, _ in _reassembled(mine)] == ["add"]
+        json.loads(_reassembled(mine)[0][1])

@@ -275,3 +275,36 @@ def test_text_offset_after_invalid_bytes_and_past_a_stop() -> None:
     d = Detokenizer(tok, ["XY"])
     text, offsets = d.push_offsets(tok.encode("abXYZ"))
     assert text == "ab" and offsets == [0, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_tokens_are_each_tokens_text(scripted_server: tuple[Server, Tokenizer],
+                                             stream: bool) -> None:
+    """Logprob tokens are decoded text (vLLM's), not vocabulary pieces (``'Ġcaf'``): joined
+    they are the answer, a token that ends inside a character is "" and the one that
+    completes it carries the character."""
+    server, tok = scripted_server
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    n = len(ids)
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    got = c.completions.create(model="tiny", prompt="x", max_tokens=n, temperature=0,
+                               logprobs=0, stop=["never there"], stream=stream,
+                               extra_body={"ignore_eos": True})
+    choices = [ch.choices[0] for ch in got] if stream else [got.choices[0]]  # type: ignore[union-attr]
+    tokens = [t for ch in choices if ch.logprobs for t in ch.logprobs.tokens or []]
+    assert len(tokens) == n
+    assert "".join(tokens) == "".join(ch.text for ch in choices) == TEXT
+    table = tok.token_bytes()
+    assert table is not None
+    split = [i for i, t in enumerate(ids) if table[t].decode(errors="replace") != tokens[i]]
+    assert split and all(tokens[i] == "" or "\ufffd" not in tokens[i] for i in split)
+    assert not any("\u0120" in t for t in tokens)  # (ByteLevel's stand-in for a space)
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                     max_tokens=n, temperature=0, logprobs=True, stream=stream,
+                                     stop=["never there"], extra_body={"ignore_eos": True})
+    parts = [ch.choices[0] for ch in chat] if stream else [chat.choices[0]]  # type: ignore[union-attr]
+    entries = [e for p in parts if p.logprobs for e in p.logprobs.content or []]
+    text = "".join((p.delta.content or "") if stream else (p.message.content or "")  # type: ignore[union-attr]
+                   for p in parts)
+    assert "".join(e.token for e in entries) == text == TEXT
+    assert bytes(b for e in entries for b in e.bytes or ()).decode() == TEXT

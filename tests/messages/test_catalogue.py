@@ -18,6 +18,7 @@ from messages import (
     RpcReqInput,
     SamplingParams,
     TokenizedGenerateReqInput,
+    packed_u32,
     token_ids,
 )
 
@@ -208,3 +209,26 @@ def test_select_keeps_the_marked_requests_whole(rows: list[tuple[list[int], bool
     assert kept.logprobs is not None
     assert [list(lp) for _, lp in kept.logprobs_items()] == [
         [float(t) for t in ids] for _, ids in expected]
+
+
+def test_select_carries_each_requests_top_and_prompt_logprobs() -> None:
+    """A replica's batch split by rid (dp, backpressure) keeps each request's
+    alternatives and prompt logprobs with it."""
+    batch = BatchTokenIDOut(
+        rids=["a", "b"], output_ids=packed_u32([1, 2, 3]), output_lens=packed_u32([1, 2]),
+        finished_reasons=[None, "stop"], logprobs=np.asarray([-1, -2, -3], np.float32),
+        top_ids=packed_u32([10, 11, 20, 21, 30, 31]),
+        top_logprobs=np.arange(6, dtype=np.float32),
+        prompt_lens=packed_u32([2, 1]), prompt_logprobs=np.asarray([-4, -5, -6], np.float32),
+        prompt_top_ids=packed_u32([7, 8, 9]),
+        prompt_top_logprobs=np.asarray([-0.5, -0.25, -0.125], np.float32))
+    b = batch.select([False, True])
+    assert b.top_ids is not None and list(b.top_ids) == [20, 21, 30, 31] and b.top_k() == 2
+    assert b.top_logprobs is not None and b.top_logprobs.tolist() == [2, 3, 4, 5]
+    assert b.prompt_lens is not None and list(b.prompt_lens) == [1]
+    assert b.prompt_logprobs is not None and b.prompt_logprobs.tolist() == [-6]
+    assert b.prompt_top_ids is not None and list(b.prompt_top_ids) == [9]
+    with pytest.raises(ValueError, match="k entries"):
+        BatchTokenIDOut(rids=["a"], output_ids=packed_u32([1, 2]), output_lens=packed_u32([2]),
+                        finished_reasons=[None], logprobs=np.zeros(2, np.float32),
+                        top_ids=packed_u32([1, 2, 3]), top_logprobs=np.zeros(3, np.float32))

@@ -184,18 +184,22 @@ def test_typed_codec_decodes_only_its_family() -> None:
 # -- golden bytes: the wire format is pinned; change it deliberately -----------
 
 GOLDEN = {
-    "generate": (  # sampling: 8 items (98): ignore_eos=false (c2), guide=null (c0)
+    "generate": (  # sampling: 15 items (9f): ignore_eos=false (c2), guide=null (c0), then
+        # the penalties, min_tokens, logit_bias, top_logprobs and prompt_logprobs at their
+        # defaults (0.0, 0.0, 1.0, 0, nil, 0, nil)
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
         "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009808cb0000000000000000cb3ff000000000000000c0c0c2c0c2c2c0c0",
+        "2c0100009f08cb0000000000000000cb3ff000000000000000c0c0c2c0cb0000000000000000cb00"
+        "00000000000000cb3ff000000000000000c000c0c2c2c0c0",
     ),
     "generate_ignore_eos": (
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0,
                                                           ignore_eos=True)),
         "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009808cb0000000000000000cb3ff000000000000000c0c0c3c0c2c2c0c0",
+        "2c0100009f08cb0000000000000000cb3ff000000000000000c0c0c3c0cb0000000000000000cb00"
+        "00000000000000cb3ff000000000000000c000c0c2c2c0c0",
     ),
     "rpc": (
         RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
@@ -205,8 +209,8 @@ GOLDEN = {
     "batch": (
         BatchTokenIDOut.from_lists(["a", "b"], [[7], [9, 10]], [None, "stop"]),
         # rids: one str, "\0a\0b" (messages.rids), since the rid column
-        "98af4261746368546f6b656e49444f7574a400610062c40c07000000090000000a000000c4080100"
-        "00000200000092c0a473746f70c0c0c0",
+        "9eaf4261746368546f6b656e49444f7574a400610062c40c07000000090000000a000000c4080100"
+        "00000200000092c0a473746f70c0c0c0c0c0c0c0c0c0",
     ),
 }
 
@@ -269,6 +273,9 @@ def test_an_encoding_from_before_ignore_eos_decodes_with_it_false() -> None:
 
 
 _OLD_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed")
+#: The items appended after ignore_eos, at their defaults (guide, the penalties,
+#: min_tokens, logit_bias, top_logprobs, prompt_logprobs).
+_LATER = [None, 0.0, 0.0, 1.0, 0, None, 0, None]
 
 
 @given(sampling=st.builds(
@@ -284,9 +291,9 @@ def test_ignore_eos_is_one_item_appended_and_both_sides_read_each_other(
     msg = TokenizedGenerateReqInput(rid="r", input_ids=token_ids([1]), sampling=sampling)
     frame = bytes(memoryview(CODEC.encode(msg)[0]))
     # What we write is the old encoding with one more item (a bool) in sampling
-    # (then the items appended after it: no guide, null).
+    # (then the items appended after it, at their defaults: _LATER).
     head = ["TokenizedGenerateReqInput", "r", token_ids([1]).tobytes()]
-    assert frame == msgspec.msgpack.encode([*head, [*before, sampling.ignore_eos, None],
+    assert frame == msgspec.msgpack.encode([*head, [*before, sampling.ignore_eos, *_LATER],
                                             False, False, None, None])
     # A reader from before ignore_eos reads everything else (the extra item ignored).
     sampling_item = msgspec.msgpack.encode([*before, sampling.ignore_eos])

@@ -31,7 +31,10 @@ NO_DEFAULT = object()
 SAMPLING: list[tuple[str, str, object]] = [
     ("max_new_tokens", "int", 16), ("temperature", "float", 1.0), ("top_p", "float", 1.0),
     ("top_k", "int", 0), ("stop_token_ids", "packed_u32", None), ("seed", "int", None),
-    ("ignore_eos", "bool", False), ("guide", "Guide", None)]
+    ("ignore_eos", "bool", False), ("guide", "Guide", None),
+    ("presence_penalty", "float", 0.0), ("frequency_penalty", "float", 0.0),
+    ("repetition_penalty", "float", 1.0), ("min_tokens", "int", 0), ("logit_bias", "map", None),
+    ("top_logprobs", "int", 0), ("prompt_logprobs", "int", None)]
 GUIDE: list[tuple[str, str, object]] = [("kind", "str", NO_DEFAULT), ("spec", "str", "")]
 FIELDS: dict[str, list[tuple[str, str, object]]] = {
     "TokenizedGenerateReqInput": [
@@ -51,7 +54,10 @@ FIELDS: dict[str, list[tuple[str, str, object]]] = {
         ("rids", "rid_column", NO_DEFAULT), ("output_ids", "packed_u32", NO_DEFAULT),
         ("output_lens", "packed_u32", NO_DEFAULT), ("finished_reasons", "list", NO_DEFAULT),
         ("logprobs", "ndarray", None), ("hidden_states", "tensor", None),
-        ("cached_tokens", "packed_u32", None)],
+        ("cached_tokens", "packed_u32", None), ("top_ids", "packed_u32", None),
+        ("top_logprobs", "ndarray", None), ("prompt_lens", "packed_u32", None),
+        ("prompt_logprobs", "ndarray", None), ("prompt_top_ids", "packed_u32", None),
+        ("prompt_top_logprobs", "ndarray", None)],
     "BatchEmbeddingOut": [("rids", "list", NO_DEFAULT), ("embeddings", "tensor", NO_DEFAULT)],
     "ErrorOut": [("rid", "str", NO_DEFAULT), ("code", "str", NO_DEFAULT),
                  ("message", "str", "")],

@@ -25,7 +25,7 @@ from scheduler import (
     StreamChunk,
 )
 from scheduler.engine.async_engine import deliver_rows
-from scheduler.engine.handles import RequestState
+from scheduler.engine.handles import RequestState, joined
 
 SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
 Mode = Literal["ring", "zmq"]
@@ -338,6 +338,30 @@ def test_chunks_are_merged_past_the_bound() -> None:
     items = h.take()
     tokens = [t for c in items if isinstance(c, StreamChunk) for t in c.token_ids]
     assert tokens == [*range(RequestState.max_buffered + 10), 999]
+
+
+class _OneBuffered(RequestState):
+    max_buffered = 1  # every chunk merged into the first: its prompt logprobs too
+
+
+@pytest.mark.parametrize("state", [RequestState, _OneBuffered])
+def test_merged_chunks_keep_top_logprobs_and_the_first_chunks_prompt_logprobs(
+        state: type[RequestState]) -> None:
+    """Past the bound, each token's alternatives are merged with it, and the prompt's
+    logprobs (on a request's first chunk only) survive into the joined answer."""
+    n = RequestState.max_buffered + 10
+    h = state("r")
+    for i in range(n):
+        h.put(StreamChunk("r", (i,), None, (-1.0,), None, (((i, -1.0), (i + 1, -2.0)),),
+                          *(((-0.5,), (((7, -0.25),),)) if i == 0 else (None, None))))
+    h.put(StreamChunk("r", (999,), "length", (-3.0,), None, (((999, -3.0), (1, -4.0)),)))
+    items = h.take()
+    assert len(items) == state.max_buffered
+    result = joined("r", items)
+    assert result.token_ids == [*range(n), 999]
+    assert result.top_logprobs == [*(((i, -1.0), (i + 1, -2.0)) for i in range(n)),
+                                   ((999, -3.0), (1, -4.0))]
+    assert result.prompt_logprobs == (-0.5,) and result.prompt_top_logprobs == (((7, -0.25),),)
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -49,7 +49,10 @@ def samples() -> dict[str, Message]:
             rid="g-1", input_ids=token_ids([1, 2, 300, 70000]),
             sampling=SamplingParams(max_new_tokens=8, temperature=0.0, top_k=5,
                                     stop_token_ids=token_ids([2]), seed=7,
-                                    ignore_eos=True),
+                                    ignore_eos=True, presence_penalty=0.5,
+                                    frequency_penalty=-0.25, repetition_penalty=1.25,
+                                    min_tokens=3, logit_bias={7: 100.0, 300: -5.5},
+                                    top_logprobs=2, prompt_logprobs=1),
             stream=True),
         "generate_defaults": TokenizedGenerateReqInput(rid="g-2", input_ids=token_ids([5])),
         "generate_guided": TokenizedGenerateReqInput(
@@ -78,6 +81,18 @@ def samples() -> dict[str, Message]:
         "batch_cached_tokens": BatchTokenIDOut.from_lists(["p", "q"], [[4], [5, 6]],
                                                           [None, "length"],
                                                           cached_tokens=[0, 48]),
+        "batch_top_logprobs": BatchTokenIDOut(
+            rids=["t"], output_ids=token_ids([4, 5]), output_lens=token_ids([2]),
+            finished_reasons=[None], logprobs=np.asarray([-0.5, -1.0], np.float32),
+            top_ids=token_ids([4, 9, 5, 4]),
+            top_logprobs=np.asarray([-0.5, -1.5, -1.0, -2.0], np.float32)),
+        "batch_prompt_logprobs": BatchTokenIDOut(
+            rids=["s", "u"], output_ids=token_ids([]), output_lens=token_ids([0, 0]),
+            finished_reasons=["length", "length"],
+            logprobs=np.asarray([], np.float32), prompt_lens=token_ids([2, 1]),
+            prompt_logprobs=np.asarray([-1.5, -0.5, -3.0], np.float32),
+            prompt_top_ids=token_ids([8, 9, 7]),
+            prompt_top_logprobs=np.asarray([-1.0, -0.5, -0.25], np.float32)),
         "batch_logprobs_out_of_band": BatchTokenIDOut.from_lists(
             ["long"], [list(range(1100))], ["length"],
             logprobs=[[-(i % 8) / 4 for i in range(1100)]]),
@@ -116,7 +131,8 @@ def plain(msg: msgspec.Struct) -> dict[str, object]:
 
 
 def build() -> list[dict[str, object]]:
-    """The vectors, in a stable order."""
+    """The vectors, in a stable order, as JSON reads them back (a map's int keys
+    become strings)."""
     vectors: list[dict[str, object]] = []
     for name, msg in samples().items():
         frames = CODEC.encode(msg)
@@ -124,7 +140,7 @@ def build() -> list[dict[str, object]]:
             "name": name,
             "type": type(msg).__name__,
             "frames": [bytes(memoryview(f).cast("B")).hex() for f in frames],
-            "plain": plain(msg),
+            "plain": json.loads(json.dumps(plain(msg))),
         })
     return vectors
 
