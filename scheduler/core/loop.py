@@ -23,6 +23,7 @@ from messages import (
     AbortReq,
     ErrorCode,
     ErrorOut,
+    KVHandoff,
     NotCarried,
     Output,
     Request,
@@ -41,6 +42,7 @@ from scheduler.core.admission import Admission, Limits
 from scheduler.core.backpressure import InboxThrottle, collapse
 from scheduler.core.batch import Batch, Seq, StepFailed
 from scheduler.core.control import ControlMethods
+from scheduler.core.handoff import handoff_of, seq_of, state_of
 from scheduler.core.metrics import SchedulerMetrics, registry_for
 from scheduler.core.outputs import embedding_outputs, stopped_by, token_outputs
 from scheduler.core.rpc_methods import RpcMethods
@@ -156,6 +158,7 @@ class Scheduler(ControlMethods):
         self._handlers.register(TokenizedEmbeddingReqInput, self._on_embed)  # type: ignore[arg-type]
         self._handlers.register(AbortReq, self._on_abort)  # type: ignore[arg-type]
         self._handlers.register(RpcReqInput, self._on_rpc)  # type: ignore[arg-type]
+        self._handlers.register(KVHandoff, self._on_handoff)  # type: ignore[arg-type]
         self._handlers.freeze()
         self._live: dict[str, Seq] = {}
         self._aborted: list[Seq] = []
@@ -308,6 +311,41 @@ class Scheduler(ControlMethods):
             return
         self._live[req.rid] = seq
 
+    def _on_handoff(self, h: KVHandoff, origin: Origin) -> None:
+        """Adopt a request another scheduler prefilled: it decodes here from the next step."""
+        problem = self._check_ids(h.input_ids, h.rid) or (
+            "" if h.output_ids else f"hand-off of request {h.rid!r} carries no sampled token")
+        if problem:
+            self._refuse(h.rid, origin, "invalid_request", problem)
+            return
+        seq = seq_of(h, origin, self._now)
+        try:
+            self.batch.adopt(seq, state_of(h), h.rng_state)
+        except ValueError as exc:  # StateMismatch: another model, dtype or shape
+            self._refuse(h.rid, origin, "invalid_request",
+                         f"hand-off of request {h.rid!r} refused: {exc}")
+            return
+        self._live[h.rid] = seq
+
+    def _hand_off(self, seqs: list[Seq]) -> None:
+        """Requests read here for another scheduler to decode leave, as hand-offs."""
+        for s in seqs:
+            req = s.req
+            if s.finished is not None or not isinstance(req, TokenizedGenerateReqInput) \
+                    or not req.prefill_only or self._live.get(req.rid) is not s:
+                continue
+            try:
+                h = handoff_of(s, self.model)
+            except (KeyError, NotImplementedError) as exc:
+                self._live.pop(req.rid, None)
+                self.batch.remove(s)
+                self._error(req.rid, s.origin, "internal",
+                            f"request {req.rid!r} could not be handed off: {exc}")
+                continue
+            self._live.pop(req.rid, None)
+            self.batch.remove(s)  # its state here is freed: the hand-off holds a copy
+            self._route(h, s.origin)
+
     def _on_abort(self, req: AbortReq, origin: Origin) -> None:
         # Idempotent: the first abort takes the request out of _live, so a
         # second one (in the same poll or later) finds nothing to do.
@@ -375,6 +413,7 @@ class Scheduler(ControlMethods):
         self._tokens += n
         self._rate_tokens += n
         self._emit(active)
+        self._hand_off(active)
         return True
 
     def _emit_embeddings(self, seqs: list[Seq]) -> None:

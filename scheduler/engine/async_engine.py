@@ -107,9 +107,10 @@ class AsyncEngine(SchedulerClient):
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0, tp_size: int = 1,
                  dp_size: int = 1, dp_policy: Policy = "least_loaded",
-                 limits: Limits | None = None, metrics: bool = True) -> None:
+                 limits: Limits | None = None, metrics: bool = True,
+                 pd: tuple[int, int] | None = None) -> None:
         super().__init__(mode, model, max_batch=max_batch, tp_size=tp_size, dp_size=dp_size,
-                         dp_policy=dp_policy, limits=limits, metrics=metrics)
+                         dp_policy=dp_policy, limits=limits, metrics=metrics, pd=pd)
         self._start_timeout = start_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the loop's thread, once started
