@@ -187,15 +187,15 @@ GOLDEN = {
     "generate": (  # sampling: 7 items (97), the last ignore_eos=false (c2)
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
-        "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c2c2c2c0c0",
+        "99b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
+        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c2c2c2c0c0c2",
     ),
     "generate_ignore_eos": (
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0,
                                                           ignore_eos=True)),
-        "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c3c2c2c0c0",
+        "99b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
+        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c3c2c2c0c0c2",
     ),
     "rpc": (
         RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
@@ -231,6 +231,16 @@ def test_batch_cached_tokens_round_trip_and_follow_select() -> None:
     assert kept is not None and list(kept) == [32, 5]
     with pytest.raises(ValueError, match="cached_tokens has 1 entries for 2 rids"):
         BatchTokenIDOut.from_lists(["a", "b"], [[1], [2]], [None, None], cached_tokens=[3])
+
+
+def test_generate_from_before_prefill_only_decodes_as_not_prefill_only() -> None:
+    # A sender that predates prefill_only writes 8 items (98); the field takes its default.
+    old = bytes.fromhex(
+        "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
+        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c2c2c2c0c0")
+    msg = CODEC.decode([old])
+    assert isinstance(msg, TokenizedGenerateReqInput) and msg.prefill_only is False
+    assert list(msg.input_ids) == [1, 2, 300]
 
 
 @pytest.mark.parametrize("name", GOLDEN)
@@ -286,7 +296,7 @@ def test_ignore_eos_is_one_item_appended_and_both_sides_read_each_other(
     # What we write is the old encoding with one more item (a bool) in sampling.
     head = ["TokenizedGenerateReqInput", "r", token_ids([1]).tobytes()]
     assert frame == msgspec.msgpack.encode([*head, [*before, sampling.ignore_eos],
-                                            False, False, None, None])
+                                            False, False, None, None, False])
     # A reader from before ignore_eos reads everything else (the extra item ignored).
     sampling_item = msgspec.msgpack.encode([*before, sampling.ignore_eos])
     assert msgspec.msgpack.decode(sampling_item, type=SamplingBefore) == SamplingBefore(
