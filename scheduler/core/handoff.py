@@ -15,24 +15,25 @@ from __future__ import annotations
 import numpy as np
 
 from bus import Origin
-from messages import KVHandoff, TokenizedGenerateReqInput
+from messages import KVHandoff, TokenizedGenerateReqInput, token_ids
 from scheduler.core.batch import Seq
-from scheduler.models.protocol import Model, RequestState
+from scheduler.models.protocol import Empty, Model, RequestState
 
 __all__ = ["handoff_of", "seq_of", "state_of"]
 
 
-def handoff_of(seq: Seq, model: Model) -> KVHandoff:
-    """The hand-off of ``seq``, whose prompt is read and first token sampled.
+def handoff_of(seq: Seq, model: Model, empty: Empty | None = None) -> KVHandoff:
+    """The hand-off of ``seq``, whose prompt is read and first token sampled; its state
+    is written into a tensor ``empty`` makes (the outbox's slab: no copy on the way).
 
     Raises:
         KeyError, NotImplementedError: the model cannot export this request's state.
     """
     req = seq.req
     assert isinstance(req, TokenizedGenerateReqInput)
-    state = model.export_state(seq.key)
+    state = model.export_state(seq.key, empty)
     return KVHandoff(
-        rid=req.rid, input_ids=req.input_ids, output_ids=seq.out, sent=seq.sent,
+        rid=req.rid, input_ids=req.input_ids, output_ids=token_ids(seq.out), sent=seq.sent,
         sampling=req.sampling, kv=state.kv, fingerprint=state.fingerprint,
         stream=seq.stream, return_logprob=seq.logprobs,
         logprobs=np.asarray(seq.lps, np.float32) if seq.logprobs else None,

@@ -46,7 +46,7 @@ from scheduler.core.handoff import handoff_of, seq_of, state_of
 from scheduler.core.metrics import SchedulerMetrics, registry_for
 from scheduler.core.outputs import embedding_outputs, stopped_by, token_outputs
 from scheduler.core.rpc_methods import RpcMethods
-from scheduler.models.protocol import Model
+from scheduler.models.protocol import Empty, Model
 
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 
@@ -121,6 +121,8 @@ class Scheduler(ControlMethods):
         tell_ranks: rank 0 of several: hands the other ranks a request
             this rank decided on alone (an abort of a request whose outputs
             are stuck), so every rank keeps the same batch.
+        empty: makes the tensor a hand-off's state is written into (the output
+            outbox's ``PushOutbox.empty``: a slab, so it crosses with no copy).
     """
 
     def __init__(self, receiver: RequestSource, router: Router[Output], model: Model, *,
@@ -128,8 +130,10 @@ class Scheduler(ControlMethods):
                  idle_timeout: float = 1.0, rank: int = 0, world_size: int = 1,
                  rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None,
                  limits: Limits | None = None, metrics: bool = True,
-                 tell_ranks: Callable[[Request], None] | None = None) -> None:
+                 tell_ranks: Callable[[Request], None] | None = None,
+                 empty: Empty | None = None) -> None:
         self.receiver = receiver
+        self._empty = empty
         self.router = router
         self.model = model
         self.admission = Admission(limits or Limits())
@@ -335,7 +339,7 @@ class Scheduler(ControlMethods):
                     or not req.prefill_only or self._live.get(req.rid) is not s:
                 continue
             try:
-                h = handoff_of(s, self.model)
+                h = handoff_of(s, self.model, self._empty)
             except (KeyError, NotImplementedError) as exc:
                 self._live.pop(req.rid, None)
                 self.batch.remove(s)

@@ -316,7 +316,8 @@ class Dispatcher:
             if pin is not None and not 0 <= pin < len(self.replicas):
                 code = "invalid_request"
             elif (pin in busy and self.replicas[pin].live) if pin is not None else \
-                    any(r.live for r in self.replicas):  # every live one is busy with it
+                    any(r.live and r.index not in self.decode_only  # every live one that
+                        for r in self.replicas):  # takes new requests is busy with it
                 code = "overloaded"  # the orphan ends soon: a retry will go through
                 why = f"replica {busy[0]} is still ending an earlier request with this id"
             self._error(rid, origin, code, f"request {rid!r}: {why}{lost}")
@@ -326,7 +327,7 @@ class Dispatcher:
         if pin is not None:  # consumed here: a replica is a lone scheduler, where only
             sent = msgspec.structs.replace(msg, dp_rank=None)  # 0 or null is valid
         if i in self.prefill_only and isinstance(msg, TokenizedGenerateReqInput):
-            sent = msgspec.structs.replace(sent, prefill_only=True)  # type: ignore[type-var]
+            sent = msgspec.structs.replace(sent, prefill_only=True)
         try:
             rep.work.send_nowait(sent)
         except WouldBlock:

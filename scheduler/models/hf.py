@@ -56,7 +56,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from scheduler.models.files import ModelLoadError, check_model_dir
-from scheduler.models.protocol import PromptChunk, RequestState, check_state
+from scheduler.models.protocol import Empty, PromptChunk, RequestState, check_state
 from scheduler.models.radix import Hit, RadixTree, TreeStats
 
 __all__ = ["HFCausalLM", "held_log", "load_config"]
@@ -369,12 +369,15 @@ class HFCausalLM:
         dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         return (int(text.num_hidden_layers), 2, heads, None, int(dim))
 
-    def export_state(self, key: int) -> RequestState:
-        """Every layer's keys and values of ``key``, stacked into one tensor (one copy)."""
+    def export_state(self, key: int, empty: Empty | None = None) -> RequestState:
+        """Every layer's keys and values of ``key``, stacked into one tensor that ``empty``
+        makes (a slab of the outbox it will leave by: the only copy on its way)."""
         if key not in self._kv:
             self._evict(list(self._batch.keys) if self._batch is not None else [])
         kv = self._kv[key]
-        out = torch.empty((len(kv), 2, *kv[0][0].shape[1:]), dtype=kv[0][0].dtype)
+        shape = (len(kv), 2, *kv[0][0].shape[1:])
+        dtype = kv[0][0].dtype
+        out = empty(shape, dtype) if empty is not None else torch.empty(shape, dtype=dtype)
         for i, (k, v) in enumerate(kv):
             out[i, 0].copy_(k[0])
             out[i, 1].copy_(v[0])

@@ -27,7 +27,7 @@ local directory).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -35,7 +35,12 @@ import torch
 
 from scheduler.models.radix import TreeStats
 
-__all__ = ["Model", "PromptChunk", "RequestState", "StateMismatch", "check_state"]
+__all__ = ["Empty", "Model", "PromptChunk", "RequestState", "StateMismatch", "check_state"]
+
+#: Makes an uninitialized tensor (shape, dtype) for a state to be written into: a
+#: sender's shared-memory slab (``PushOutbox.empty``), so the state crosses to the
+#: next process with no copy on the way.
+Empty = Callable[[Sequence[int], torch.dtype], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +201,9 @@ class Model(Protocol):
         its dtype. Two replicas adopt each other's states only when these agree."""
         ...
 
-    def export_state(self, key: int) -> RequestState:
-        """``key``'s state once its prompt is read (the request itself is not freed).
+    def export_state(self, key: int, empty: Empty | None = None) -> RequestState:
+        """``key``'s state once its prompt is read (the request itself is not freed),
+        written into a tensor ``empty`` makes (default: ``torch.empty``).
 
         Raises:
             KeyError: ``key`` holds no generate state.

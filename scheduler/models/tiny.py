@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from scheduler.models.protocol import PromptChunk, RequestState, check_state
+from scheduler.models.protocol import Empty, PromptChunk, RequestState, check_state
 from scheduler.models.radix import TreeStats
 
 __all__ = ["ModelConfig", "StubLM", "TinyLM", "build_model"]
@@ -116,9 +116,11 @@ class TinyLM(nn.Module):
         c = self.config
         return f"{self.name}:v{c.vocab_size}h{c.hidden}l{c.layers}s{c.seed}:float32"
 
-    def export_state(self, key: int) -> RequestState:
+    def export_state(self, key: int, empty: Empty | None = None) -> RequestState:
         """The GRU's hidden state after the prompt, ``(layers, hidden)``."""
-        return RequestState(self._states[key].clone(), self.fingerprint)
+        state = self._states[key]
+        out = empty(state.shape, state.dtype) if empty is not None else torch.empty_like(state)
+        return RequestState(out.copy_(state), self.fingerprint)
 
     def adopt_state(self, key: int, state: RequestState, positions: int) -> None:
         """Continue from another replica's hidden state (the same model's)."""
