@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "port; the 'metrics:' line on stderr names it once bound)")
     s.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics endpoint binds (default: loopback)")
+    s.add_argument("--pd", type=_pd_ratio, default=None, metavar="P:D",
+                   help="prefill and decode apart: P replicas read prompts and D decode, "
+                        "each its own process, behind one dispatcher (instead of --dp-size)")
     x = sub.add_parser("dispatch", help="serve one endpoint over scheduler replicas that "
                                         "already run (data parallel)")
     _add_upstream(x)
@@ -205,6 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             endpoints, specs, options=options, curve_clients=allowed, policy=args.dp_policy,
             heartbeat_timeout=args.heartbeat_timeout, rpc_timeout=args.rpc_timeout,
             max_backlog=args.max_backlog))
+    if args.pd is not None:
+        if args.dp_size not in (1, sum(args.pd)):
+            parser.error(f"--pd {args.pd[0]}:{args.pd[1]} runs {sum(args.pd)} replicas: "
+                         f"leave --dp-size out")
+        args.dp_size = sum(args.pd)
     for flag, value in (("--max-batch", args.max_batch), ("--dp-size", args.dp_size)):
         if value < 1:  # checked before anything starts: no replica could ever serve
             parser.error(f"{flag} must be at least 1, not {value}")
@@ -296,6 +304,14 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     return spec
 
 
+def _pd_ratio(text: str) -> tuple[int, int]:
+    """``--pd P:D``: two counts of replicas, each at least 1."""
+    p, sep, d = text.partition(":")
+    if not sep or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not P:D with P, D >= 1 (e.g. 1:1)")
+    return int(p), int(d)
+
+
 def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOptions,
               allowed: list[bytes] | None, limits: Limits, model: ModelSpec) -> int:
     """``serve --dp-size N``: N local replicas (private ipc) behind a dispatcher on ``endpoints``.
@@ -324,7 +340,8 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
             reached[0] = serve_dispatch(endpoints, specs, options=options,
                                         curve_clients=allowed, policy=args.dp_policy,
                                         max_backlog=limits.max_backlog,
-                                        heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT)
+                                        heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT,
+                                        pd=args.pd)
         except KeyboardInterrupt:
             if none_left:
                 raise NoReplicaLeft(none_left[0]) from None
