@@ -24,8 +24,7 @@ pytest.importorskip("transformers")
 
 from messages import KVHandoff, SamplingParams
 from scheduler import Engine, ModelConfig, RequestFailed
-from scheduler.dp.fanout import merge_replies
-from scheduler.dp.table import Refused, dispatch_table
+from scheduler.dp import Refused, dispatch_table, merge_replies
 from scheduler.models.hf import HFCausalLM
 from scheduler.models.protocol import PromptChunk, RequestState, StateMismatch
 from scheduler.models.tiny import TinyLM
