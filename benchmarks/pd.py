@@ -26,6 +26,14 @@ machine (compare ratios, not absolute numbers: the box is small and shared).
   to end (export into a slab, both hops, adopt; ``kv_handoff_ms_p50``)
   beside reading the prompt again (``reprefill_ms_p50``, 512-token chunks
   as the scheduler reads it).
+* **Interference** (``itl_*``): 16 streams decode while 4,000-token prompts
+  arrive every 500 ms for ``PD_SECONDS`` (20) seconds, on the float64 tiny
+  Llama: the streams' inter-token latency (the gaps between a stream's
+  chunks, a chunk of k tokens counting k gaps) under ``pd=(1, 1)`` against
+  ``dp_size=2`` with chunked prefill (two replica processes either way), the
+  long prompts' time to first token, and the CPU seconds each replica
+  process used (on a 2-core box the two replicas, the dispatcher and this
+  client share two cores, which is what bounds the ratio).
 * **Answers**: ``Engine(pd=(1, 1))`` against a colocated ``Engine("zmq")``,
   greedy, prompts of 1 to 2,000 tokens: ``match_ratio_pd_vs_colocated`` is
   the share of requests whose tokens are equal, token for token.
@@ -61,7 +69,10 @@ KEYS = frozenset([
     "kv_handoff_bytes", "kv_handoff_ms", "kv_handoff_gbps_same_node", "kv_floor_ms",
     "ratio_kv_handoff_vs_memcpy_floor", "kv_export_ms", "kv_adopt_us", "kv_adopt_copy_ms",
     "kv_handoff_ms_p50", "reprefill_ms_p50", "ratio_reprefill_vs_kv_handoff",
-    "match_ratio_pd_vs_colocated", "requests_compared"])
+    "match_ratio_pd_vs_colocated", "requests_compared", "interference_seconds",
+    "itl_p50_ms_pd", "itl_p99_ms_pd", "itl_p50_ms_colocated", "itl_p99_ms_colocated",
+    "itl_p99_ratio_pd_vs_colocated", "ttft_p50_ms_long_pd", "ttft_p50_ms_long_colocated",
+    "replica_cpu_s_pd", "replica_cpu_s_colocated"])
 
 
 def _handoff(kv: torch.Tensor, rid: str = "h") -> KVHandoff:
@@ -253,6 +264,99 @@ def answers(model_dir: Path) -> dict[str, float]:
             "requests_compared": len(prompts)}
 
 
+def _cpu_s(pids: list[int]) -> list[float]:
+    """User + system CPU seconds of each process so far (``/proc/<pid>/stat``)."""
+    out = []
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return out
+
+
+def _interference(engine: Any, seconds: float) -> tuple[list[float], list[float], list[float]]:
+    """ITL samples (ms) of 16 streams while long prompts arrive; the long prompts' TTFT
+    (ms); each replica's CPU seconds meanwhile."""
+    import threading
+    rng = np.random.default_rng(2)
+    streams = [rng.integers(3, 384, 64).tolist() for _ in range(16)]
+    decode = SamplingParams(max_new_tokens=3000, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    gaps: list[float] = []
+    ttfts: list[float] = []
+    stop = threading.Event()
+    started = threading.Barrier(17)
+
+    def consume(prompt: list[int]) -> None:
+        it = engine.stream_steps(prompt, decode)
+        first = True
+        last = 0.0
+        for steps in it:
+            now = time.perf_counter()
+            n = sum(len(c.token_ids) for c in steps)
+            if first:
+                first = False
+                started.wait()
+            elif not stop.is_set():
+                gaps.append((now - last) * 1e3 / max(n, 1))
+                gaps.extend([0.0] * (n - 1))
+            last = now
+            if stop.is_set():
+                it.close()
+                return
+
+    def first_token(t0: float, h: Any) -> None:
+        next(iter(h))
+        ttfts.append((time.perf_counter() - t0) * 1e3)
+
+    def arrive() -> None:
+        handles = []
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            h = engine.submit(rng.integers(3, 384, 4000).tolist(), long, stream=True)
+            handles.append((t0, h))
+            threading.Thread(target=first_token, args=(t0, h), daemon=True).start()
+            time.sleep(0.5)  # sleep-ok: the arrival rate under test
+        for _, h in handles:
+            h.result(300)
+
+    threads = [threading.Thread(target=consume, args=(p,)) for p in streams]
+    for t in threads:
+        t.start()
+    started.wait()
+    pids = [p for ranks in engine.replica_pids for p in ranks]
+    cpu0 = _cpu_s(pids)
+    arrive()
+    cpu = [b - a for a, b in zip(cpu0, _cpu_s(pids), strict=True)]
+    stop.set()
+    for t in threads:
+        t.join(120)
+    return gaps, ttfts, cpu
+
+
+def interference(model_dir: Path) -> dict[str, object]:
+    """ITL of decoding streams while long prompts arrive: pd 1:1 against dp_size=2."""
+    from scheduler import Engine
+    seconds = float(os.environ.get("PD_SECONDS", "20"))
+    res: dict[str, object] = {"interference_seconds": seconds}
+    for name, kw in (("pd", {"pd": (1, 1)}), ("colocated", {"dp_size": 2})):
+        with Engine("zmq", model_dir, **kw) as engine:
+            gaps, ttfts, cpu = _interference(engine, seconds)
+        p50, p99 = np.percentile(gaps, [50, 99])
+        res[f"itl_p50_ms_{name}"] = round(float(p50), 2)
+        res[f"itl_p99_ms_{name}"] = round(float(p99), 2)
+        res[f"ttft_p50_ms_long_{name}"] = round(statistics.median(ttfts), 1) if ttfts else None
+        res[f"replica_cpu_s_{name}"] = [round(c, 1) for c in cpu]
+        print(f"{name}: itl p50 {p50:.2f} ms p99 {p99:.2f} ms over {len(gaps)} tokens, "
+              f"long ttft p50 {res[f'ttft_p50_ms_long_{name}']} ms, replica cpu {cpu}",
+              file=sys.stderr)
+    pd99, co99 = res["itl_p99_ms_pd"], res["itl_p99_ms_colocated"]
+    assert isinstance(pd99, float) and isinstance(co99, float)
+    res["itl_p99_ratio_pd_vs_colocated"] = round(pd99 / co99, 2)
+    return res
+
+
 def main() -> None:
     from scheduler.models.tiny_hf import build_tiny_hf
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -263,8 +367,8 @@ def main() -> None:
         res: dict[str, float] = {**transport(path), **long_prompt(path, model_dir)}
     finally:
         path.close()
-    res.update(answers(model_dir))
-    print_checked(res, KEYS, "benchmarks.pd")
+    out: dict[str, object] = {**res, **answers(model_dir), **interference(model_dir)}
+    print_checked(out, KEYS, "benchmarks.pd")
 
 
 if __name__ == "__main__":

@@ -207,3 +207,14 @@ def test_a_replica_dying_at_each_stage_answers_replica_lost(model_dir: Path) -> 
         with pytest.raises(RequestFailed) as info:
             queued.result(30)
         assert info.value.code == "replica_lost"
+
+
+def test_serve_pd_takes_p_colon_d_and_refuses_the_rest() -> None:
+    from scheduler.__main__ import _pd_ratio, build_parser
+    assert _pd_ratio("1:1") == (1, 1) and _pd_ratio("2:3") == (2, 3)
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--endpoint", "/tmp/x", "--pd", "1:2"])
+    assert args.pd == (1, 2)
+    for bad in ("0:1", "1:0", "1", "a:b", "1:1:1", "-1:2"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--endpoint", "/tmp/x", "--pd", bad])
