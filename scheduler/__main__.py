@@ -160,9 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "port; the 'metrics:' line on stderr names it once bound)")
     s.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics endpoint binds (default: loopback)")
-    s.add_argument("--pd", type=_pd_ratio, default=None, metavar="P:D",
-                   help="prefill and decode apart: P replicas read prompts and D decode, "
-                        "each its own process, behind one dispatcher (instead of --dp-size)")
     x = sub.add_parser("dispatch", help="serve one endpoint over scheduler replicas that "
                                         "already run (data parallel)")
     _add_upstream(x)
@@ -302,14 +299,6 @@ def _model(args: argparse.Namespace) -> ModelSpec:
                                   args.device))
     check_model_loads(spec)
     return spec
-
-
-def _pd_ratio(text: str) -> tuple[int, int]:
-    """``--pd P:D``: two counts of replicas, each at least 1."""
-    p, sep, d = text.partition(":")
-    if not sep or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not P:D with P, D >= 1 (e.g. 1:1)")
-    return int(p), int(d)
 
 
 def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOptions,

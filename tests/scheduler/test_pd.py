@@ -209,12 +209,19 @@ def test_a_replica_dying_at_each_stage_answers_replica_lost(model_dir: Path) -> 
         assert info.value.code == "replica_lost"
 
 
-def test_serve_pd_takes_p_colon_d_and_refuses_the_rest() -> None:
-    from scheduler.__main__ import _pd_ratio, build_parser
-    assert _pd_ratio("1:1") == (1, 1) and _pd_ratio("2:3") == (2, 3)
+def test_serve_and_the_frontend_take_pd_p_colon_d_and_refuse_the_rest() -> None:
+    from frontend.__main__ import build_parser as frontend_parser
+    from frontend.__main__ import settings_from
+    from scheduler.__main__ import build_parser
+    from scheduler.cli.options import pd_ratio
+    assert pd_ratio("1:1") == (1, 1) and pd_ratio("2:3") == (2, 3)
     parser = build_parser()
     args = parser.parse_args(["serve", "--endpoint", "/tmp/x", "--pd", "1:2"])
     assert args.pd == (1, 2)
     for bad in ("0:1", "1:0", "1", "a:b", "1:1:1", "-1:2"):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--endpoint", "/tmp/x", "--pd", bad])
+    front = frontend_parser().parse_args(["--pd", "1:1"])
+    assert front.pd == (1, 1)
+    with pytest.raises(SystemExit, match="--pd needs --mode zmq"):
+        settings_from(front)
