@@ -131,17 +131,31 @@ def test_a_stream_under_pd_has_no_gap_and_no_duplicate(model_dir: Path,
     assert all(c.finish_reason is None for c in chunks[:-1])
 
 
-def test_an_abort_while_decoding_frees_both_sides(pd_engine: Engine) -> None:
+def test_aborts_at_every_stage_free_both_sides(pd_engine: Engine) -> None:
+    """Queued or being read (aborted at once), at its first token (on the prefill side,
+    in hand-off or just adopted: whichever the race gives), decoding (second token):
+    each ends ``abort``, and neither replica keeps anything."""
     long = SamplingParams(max_new_tokens=100_000, temperature=0.0)
-    handle = pd_engine.submit(_prompts(2)[3], long, stream=True)
-    it = iter(handle)
+    rng = np.random.default_rng(6)
+    at_once = [pd_engine.submit(rng.integers(3, 384, 1500).tolist(), long, stream=True)
+               for _ in range(3)]
+    for h in at_once:
+        pd_engine.abort(h.rid)
+    firsts = [pd_engine.submit(p, long, stream=True) for p in _prompts(7)[:4]]
+    for h in firsts:
+        next(iter(h))
+        pd_engine.abort(h.rid)
+    decoding = pd_engine.submit(_prompts(2)[3], long, stream=True)
+    it = iter(decoding)
     next(it), next(it)  # the second token comes from the decode replica
-    pd_engine.abort(handle.rid)
-    assert handle.result(30).finish_reason == "abort"
+    pd_engine.abort(decoding.rid)
+    for h in [*at_once, *firsts, decoding]:
+        assert h.result(30).finish_reason == "abort"
     deadline = time.monotonic() + 30
     while True:  # the replicas report what runs in their heartbeats
         load = _load(pd_engine)
-        if all(load[f"replica{i}.{k}"] == 0 for i in (0, 1) for k in ("running", "queued")):
+        if all(load[f"replica{i}.{k}"] == 0 for i in (0, 1) for k in ("running", "queued")) \
+                and load["replica0.in_flight"] == load["replica1.in_flight"] == 0:
             break
         assert time.monotonic() < deadline, load
         time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
