@@ -56,6 +56,19 @@ _one_replica = functools.partial(dp_rank_problem, replicas=1)  # a dispatcher co
 Handler = Callable[[Request, Origin], None]
 
 
+def _handoff_problem(h: KVHandoff) -> str:
+    """What makes hand-off ``h`` impossible to continue, or ``""``."""
+    n = len(h.output_ids)
+    if not n:
+        return f"hand-off of request {h.rid!r} carries no sampled token"
+    if h.sent > n:
+        return f"hand-off of request {h.rid!r} says {h.sent} tokens were sent of {n}"
+    if h.logprobs is not None and h.logprobs.shape != (n,):
+        return (f"hand-off of request {h.rid!r} has {h.logprobs.shape} logprobs for {n} "
+                f"tokens")
+    return ""
+
+
 class RequestSource(Protocol):
     """Where requests come from: a :class:`~bus.Receiver`, or a tensor-parallel wrapper."""
 
@@ -317,8 +330,7 @@ class Scheduler(ControlMethods):
 
     def _on_handoff(self, h: KVHandoff, origin: Origin) -> None:
         """Adopt a request another scheduler prefilled: it decodes here from the next step."""
-        problem = self._check_ids(h.input_ids, h.rid) or (
-            "" if h.output_ids else f"hand-off of request {h.rid!r} carries no sampled token")
+        problem = self._check_ids(h.input_ids, h.rid) or _handoff_problem(h)
         if problem:
             self._refuse(h.rid, origin, "invalid_request", problem)
             return

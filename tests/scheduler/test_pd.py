@@ -14,20 +14,28 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
 
-from messages import KVHandoff, SamplingParams
+from messages import (
+    BatchTokenIDOut,
+    KVHandoff,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    token_ids,
+)
 from scheduler import Engine, ModelConfig, RequestFailed
 from scheduler.dp import Refused, dispatch_table, merge_replies
 from scheduler.models.hf import HFCausalLM
 from scheduler.models.protocol import PromptChunk, RequestState, StateMismatch
 from scheduler.models.tiny import TinyLM
+from tests.scheduler.rig import Loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
 
@@ -239,3 +247,41 @@ def test_serve_and_the_frontend_take_pd_p_colon_d_and_refuse_the_rest() -> None:
     assert front.pd == (1, 1)
     with pytest.raises(SystemExit, match="--pd needs --mode zmq"):
         settings_from(front)
+
+
+# -- one scheduler's side: hand off, adopt, refuse (in process, the rig) ----------------
+
+def test_a_scheduler_hands_off_and_another_adopts_and_refuses_what_cannot_continue(
+        make_loop: Callable[..., Loop]) -> None:
+    prefill, decode, colocated = (make_loop("zmq") for _ in range(3))
+    ids = token_ids([5, 9, 2, 33, 17])
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    colocated.send(TokenizedGenerateReqInput(rid="r", input_ids=ids, sampling=sp, stream=True))
+    colocated.run_until(lambda: "r" in colocated.finished())
+    prefill.send(TokenizedGenerateReqInput(rid="r", input_ids=ids, sampling=sp, stream=True,
+                                           prefill_only=True))
+    prefill.run_until(lambda: any(isinstance(o, KVHandoff) for o, _ in prefill.got))
+    first = prefill.got[0][0]
+    assert isinstance(first, BatchTokenIDOut) and first.finished_reasons == [None]
+    h = prefill.got[1][0]
+    assert isinstance(h, KVHandoff) and list(h.output_ids) == list(first.output_ids)
+    assert h.sent == 1 and prefill.sched.model.live_states == 0 and not prefill.sched.busy
+    decode.send(h)
+    decode.run_until(lambda: "r" in decode.finished())
+    rest, end = decode.finished()["r"]
+    assert [*first.output_ids, *rest] == colocated.finished()["r"][0] and end == "length"
+    assert decode.sched.model.live_states == 0
+    # What cannot continue is refused, naming why (and, for another model, both).
+    bad = {"g": msgspec.structs.replace(h, rid="g", sent=2),
+           "m": msgspec.structs.replace(h, rid="m", fingerprint="other-model:0:float32"),
+           "s": msgspec.structs.replace(h, rid="s", kv=h.kv[:0])}
+    for forged in bad.values():
+        decode.send(forged)
+    decode.run_until(lambda: len(decode.errors()) == 3)
+    errors = decode.errors()
+    assert all(e.code == "invalid_request" for e in errors.values())
+    assert "2 tokens were sent of 1" in errors["g"].message
+    assert "other-model:0:float32" in errors["m"].message
+    assert h.fingerprint in errors["m"].message
+    assert "shape" in errors["s"].message
+    assert decode.sched.model.live_states == 0 and not decode.sched.busy
