@@ -23,13 +23,14 @@ Configurations, each on a fresh engine (so a fresh cache), in this order:
 ``round_robin`` with the cache off (``nocache``); ``cache_aware`` with the
 cache (``cache``); ``round_robin`` and ``least_loaded`` with it.
 
-The cache: each replica's is bounded at ``--cache-mib`` (default 6 MiB:
-about 5 of the 8 system prompts, at 1 KiB a token in this model), smaller
-than the working set, as a real model's cache is beside its traffic (a 7B
-model in float16 holds ~8k tokens a GiB). With the library's default (1 GiB,
-``--cache-mib 1024``) each replica holds every system prompt, the cache
-alone gets ~97% of the ideal under any policy, and routing can only save
-the 8 first reads of each prompt on a second replica.
+The cache: each replica's is bounded at ``--cache-mib``, by default the
+library's own (``Limits().prefix_cache_bytes``, 1 GiB): each replica holds
+every system prompt (1 KiB a token in this model), so the cache alone gets
+~97% of the ideal under any policy and routing by prefix can only save the
+8 first reads of each prompt on a second replica. ``--cache-mib 6`` (about
+5 of the 8 system prompts) is the regime where the cache alone cannot hold
+the working set, as a real model's cache is beside its traffic (a 7B model
+in float16 holds ~8k tokens a GiB).
 
 Keys:
 
@@ -42,6 +43,9 @@ Keys:
   streamed chunk, client side); ``ttft_p50_ratio_cache_aware_vs_round_robin_nocache``
   and ``..._vs_round_robin_cache``.
 * ``requests_per_s_<config>``; ``requests_per_s_ratio_cache_aware_vs_round_robin_nocache``.
+* ``in_flight_gap_mean_<config>``: how unevenly the two replicas were loaded:
+  the difference in requests in flight between them, as the dispatcher
+  counts them (its ``get_load``), sampled every 50 ms, averaged.
 * ``match_ratio_vs_nocache``: share of requests whose greedy tokens under
   ``cache_aware`` with the cache equal those of ``round_robin`` without it.
 * ``dispatch_overhead_us_per_request_cache_aware``: what the ``cache_aware``
@@ -94,12 +98,11 @@ KEYS = frozenset(
      "requests_per_s_ratio_cache_aware_vs_round_robin_nocache",
      "dispatch_overhead_us_per_request_cache_aware",
      "dispatch_pick_us_per_request_least_loaded"]
-    + [f"{k}_{n}" for n in _NAMES for k in ("ttft_p50_ms", "ttft_p99_ms", "requests_per_s")]
+    + [f"{k}_{n}" for n in _NAMES
+       for k in ("ttft_p50_ms", "ttft_p99_ms", "requests_per_s", "in_flight_gap_mean")]
     + [f"cached_token_ratio_{p}" for p, c in CONFIGS if c])
-#: Each replica's prefix cache in the default run: room for about 5 of the 8
-#: system prompts (1 KiB a token in this model) and some user turns, so the
-#: cache alone cannot hold the working set: the regime where routing matters.
-CACHE_MIB = 6
+#: Each replica's prefix cache in the default run: the library's default.
+CACHE_MIB = Limits().prefix_cache_bytes / (1 << 20)
 
 
 def say(line: str) -> None:
@@ -122,8 +125,9 @@ def _metric(text: str, name: str) -> float:
 
 
 def run(model_dir: Path, policy: str, cache_bytes: int, prompts: list[list[int]]
-        ) -> tuple[list[list[int]], list[float], float, float]:
-    """(tokens per request, TTFTs in ms, requests/s, cached prompt tokens) of one config."""
+        ) -> tuple[list[list[int]], list[float], float, float, float]:
+    """(tokens per request, TTFTs in ms, requests/s, cached prompt tokens, mean gap in
+    flight between the replicas) of one config."""
     limits = Limits(prefix_cache_bytes=cache_bytes)
     answers: list[list[int]] = [[] for _ in prompts]
     ttfts: list[float] = [0.0] * len(prompts)
@@ -152,11 +156,19 @@ def run(model_dir: Path, policy: str, cache_bytes: int, prompts: list[list[int]]
         threads = [threading.Thread(target=client) for _ in range(CONCURRENCY)]
         for t in threads:
             t.start()
+        # The replicas' difference in requests in flight, as the dispatcher counts them.
+        gaps: list[int] = []
+        while any(t.is_alive() for t in threads):
+            load = engine.collective_rpc("get_load").result or {}
+            a, b = load.get("replica0.in_flight"), load.get("replica1.in_flight")
+            if isinstance(a, int) and isinstance(b, int):
+                gaps.append(abs(a - b))
+            time.sleep(0.05)  # sleep-ok: sampling pace
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
         hits = _metric(engine.metrics(), "tsb_prefix_cache_hit_tokens_total")
-    return answers, ttfts, len(prompts) / wall, hits
+    return answers, ttfts, len(prompts) / wall, hits, statistics.mean(gaps or [0])
 
 
 def dispatch_us(prompts: list[list[int]]) -> tuple[float, float]:
@@ -187,8 +199,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="share of the 512 requests to send (at least 32)")
     parser.add_argument("--cache-mib", type=float, default=CACHE_MIB,
-                        help="each replica's prefix cache, MiB (the library's default is "
-                             "1024)")
+                        help="each replica's prefix cache, MiB (default: the library's, "
+                             f"{CACHE_MIB:g})")
     args = parser.parse_args()
     # One torch thread here and in every replica (inherited): OpenMP workers
     # spinning on a busy 2-core box made a step tens of times slower.
@@ -206,12 +218,14 @@ def main() -> None:
         for policy, cache in CONFIGS:
             name = f"{policy}_{'cache' if cache else 'nocache'}"
             say(f"{name}: {n} requests ...")
-            got, ttfts, rps, hits = run(model_dir, policy, cache_bytes if cache else 0, prompts)
+            got, ttfts, rps, hits, gap = run(model_dir, policy, cache_bytes if cache else 0,
+                                             prompts)
             answers[name] = got
             p50, p99 = percentiles(ttfts)
             result[f"ttft_p50_ms_{name}"] = round(p50, 1)
             result[f"ttft_p99_ms_{name}"] = round(p99, 1)
             result[f"requests_per_s_{name}"] = round(rps, 2)
+            result[f"in_flight_gap_mean_{name}"] = round(gap, 2)
             if cache:
                 result[f"cached_token_ratio_{policy}"] = round(hits / ideal, 3)
             say(f"  {json.dumps({k: v for k, v in result.items() if name in k or policy in k})}")

@@ -40,17 +40,17 @@ from bus import SocketOptions
 from frontend.asgi import (
     JSON,
     TEXT,
+    WATCH_AFTER_S,
     Conn,
     Disconnected,
     Receive,
+    Reply,
     Scope,
     Send,
     read_body,
     request_id,
     send_bytes,
     send_error,
-    with_request_id,
-    without_body,
 )
 from frontend.chat import ChatTemplate
 from frontend.errors import ApiError, bad_request, from_engine
@@ -140,7 +140,7 @@ class Settings:
     pd: tuple[int, int] | None = None
 
 
-Handler = Callable[[Scope, Receive, Send, float], Awaitable[int]]
+Handler = Callable[[Scope, Receive, Reply, float], Awaitable[int]]
 
 
 def _engine(s: Settings) -> AsyncEngine:
@@ -252,7 +252,8 @@ class Frontend:
             await self.close()
             raise
         self._gen = OpenAIServing(engine, self.tokenizer, GenerateSettings(
-            s.model_name, s.default_max_tokens, self.max_model_len, s.model_aliases),
+            s.model_name, s.default_max_tokens, self.max_model_len, s.model_aliases,
+            guided=isinstance(s.model, HFModelSpec)),
             self.metrics, self.template)
         if self.metrics is not None:
             self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())
@@ -297,9 +298,7 @@ class Frontend:
         method, path = scope["method"], scope["path"]
         assert isinstance(method, str) and isinstance(path, str)
         route = self._routes.get((method, path))
-        send = with_request_id(send, request_id(scope))
-        if method == "HEAD":
-            send = without_body(send)
+        reply = Reply(send, request_id(scope), head=method == "HEAD")
         endpoint = route[0] if route is not None else "other"
         metrics = self.metrics
         if metrics is not None:
@@ -316,10 +315,10 @@ class Frontend:
                 # requests arriving at once held the loop 20-30 ms between
                 # their bodies and their tokenizing (frontend.turns).
                 await loop_turns().take()
-            status = await route[1](scope, receive, send, t0)
+            status = await route[1](scope, receive, reply, t0)
         except ApiError as exc:
             status = exc.status
-            await send_error(send, exc)
+            await send_error(reply, exc)
         except asyncio.CancelledError:
             # Only the server's shutdown cancels here (a generation's own cancellation
             # is _guarded's): an answer in OpenAI's shape, not uvicorn's 500 and a
@@ -330,19 +329,19 @@ class Frontend:
             status = 503
             with contextlib.suppress(Exception):  # (bounded: a client not reading)
                 async with asyncio.timeout(CUT_SHORT_S):
-                    await send_error(send, ApiError(503, "the server is shutting down",
+                    await send_error(reply, ApiError(503, "the server is shutting down",
                                                     type="server_error", code="shutting_down"))
         except Disconnected:
             status = 499  # nginx's "client closed request": nothing was sent
         except EngineError as exc:  # raised outside a generation's own conversion
             error = from_engine(exc)
             status = error.status
-            await send_error(send, error)
+            await send_error(reply, error)
         except Exception:  # a bug: logged, and a 500 in OpenAI's shape, not uvicorn's text
             log.exception("%s %s failed", method, path)
             status = 500
             with contextlib.suppress(Exception):  # (begun: uvicorn closes it unfinished)
-                await send_error(send, ApiError(500, "internal error (see the server's log)",
+                await send_error(reply, ApiError(500, "internal error (see the server's log)",
                                                 type="server_error", code="internal"))
         finally:
             if metrics is not None:
@@ -357,13 +356,15 @@ class Frontend:
                             param="model", code="model_not_found")
         return ApiError(404, self._off.get(path, f"no route {method} {path}"), code="not_found")
 
-    async def _guarded(self, receive: Receive, send: Send,
-                       run: Callable[[Send], Awaitable[int]]) -> int:
-        """Run ``run`` (given ``send``) while watching the connection: a client that
-        leaves cancels it (its request is aborted) and the answer is 499."""
-        conn = Conn(receive)
+    async def _guarded(self, receive: Receive, reply: Reply,
+                       run: Callable[[Send], Awaitable[int]], *, stream: bool = True) -> int:
+        """Run ``run`` (given ``reply``) while watching the connection: a client that
+        leaves cancels it (its request is aborted) and the answer is 499. A whole
+        answer (``stream`` False) is watched from :data:`~frontend.asgi.WATCH_AFTER_S`
+        on (:class:`~frontend.asgi.Conn`)."""
+        conn = Conn(receive, reply, 0.0 if stream else WATCH_AFTER_S)
         try:
-            return await run(conn.watch(send))
+            return await run(reply)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None:
@@ -377,7 +378,7 @@ class Frontend:
                              code="shutting_down")
             try:  # bounded: a client that is not reading must not hold the shutdown
                 async with asyncio.timeout(CUT_SHORT_S):
-                    begun = await conn.cut_short(send, error.body())
+                    begun = await conn.cut_short(error.body())
             except (TimeoutError, asyncio.CancelledError):  # (cancelled again: teardown)
                 if task is not None and task.cancelling():
                     task.uncancel()
@@ -401,19 +402,21 @@ class Frontend:
                            code="scheduler_unavailable")
         return self._gen
 
-    async def _completions(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+    async def _completions(self, scope: Scope, receive: Receive, send: Reply, t0: float) -> int:
         body = await self._body(scope, receive)
         req = decode(body, CompletionRequest)
         gen = self._generator()
-        return await self._guarded(receive, send, lambda out: gen.completion(req, out, t0))
+        return await self._guarded(receive, send, lambda out: gen.completion(req, out, t0),
+                                   stream=req.stream)
 
-    async def _chat(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+    async def _chat(self, scope: Scope, receive: Receive, send: Reply, t0: float) -> int:
         body = await self._body(scope, receive)
         req = decode(body, ChatCompletionRequest)
         gen = self._generator()
-        return await self._guarded(receive, send, lambda out: gen.chat(req, out, t0))
+        return await self._guarded(receive, send, lambda out: gen.chat(req, out, t0),
+                                   stream=req.stream)
 
-    async def _embeddings(self, scope: Scope, receive: Receive, send: Send, t0: float) -> int:
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Reply, t0: float) -> int:
         body = await self._body(scope, receive)
         req = decode(body, EmbeddingRequest)
         gen = self._generator()
@@ -438,7 +441,7 @@ class Frontend:
                 data, self.settings.model_name, EmbeddingUsage(n, n))))
             return 200
 
-        return await self._guarded(receive, send, run)
+        return await self._guarded(receive, send, run, stream=False)
 
     async def _embedding_inputs(self, gen: OpenAIServing, req: EmbeddingRequest) -> list[list[int]]:
         raw = req.input

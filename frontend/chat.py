@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from frontend.errors import ApiError, TokenizerError
 from frontend.schemas import ChatMessage
 from frontend.tokenizer import Tokenizer
+from frontend.tools import hermes_calls, hermes_system, template_messages
 
 __all__ = ["ChatTemplate"]
 
@@ -35,9 +36,16 @@ log = logging.getLogger("frontend.chat")
 END_OF_TURN = "<|im_end|>"
 
 
-def _default(messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
-    parts = [f"<|im_start|>{m.role}{'' if m.name is None else ' name=' + m.name}\n"
-             f"{m.text()}{END_OF_TURN}\n" for m in messages]
+#: A template: the messages, whether to open the assistant's turn, the tools to show.
+Render = Callable[[Sequence[ChatMessage], bool, "list[dict[str, object]] | None"], str]
+
+
+def _default(messages: Sequence[ChatMessage], add_generation_prompt: bool,
+             tools: list[dict[str, object]] | None = None) -> str:
+    parts = [f"<|im_start|>system\n{hermes_system(tools)}{END_OF_TURN}\n"] if tools else []
+    parts += [f"<|im_start|>{m['role']}{'' if m.get('name') is None else ' name=' + str(m['name'])}"
+              f"\n{m['content']}{hermes_calls(m)}{END_OF_TURN}\n"
+              for m in template_messages(list(messages))]
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
     return "".join(parts)
@@ -53,7 +61,7 @@ class ChatTemplate:
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._render: Callable[[Sequence[ChatMessage], bool], str] = _default
+        self._render: Render = _default
         self.source = "default"
         own = tokenizer.chat_template
         if own is not None:
@@ -68,15 +76,17 @@ class ChatTemplate:
         self.stop_ids = sorted(set(ids))
         self.stops = [] if END_OF_TURN in specials or self.source != "default" else [END_OF_TURN]
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages``.
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+               tools: list[dict[str, object]] | None = None) -> str:
+        """The prompt text of ``messages`` (and of ``tools``, the functions the model may
+        call, in OpenAI's shape: :mod:`frontend.tools`).
 
         Raises:
             ApiError: 400: the tokenizer's template refused the conversation
                 (it raised, e.g. "roles must alternate").
         """
         try:
-            return self._render(messages, add_generation_prompt)
+            return self._render(messages, add_generation_prompt, tools)
         except ApiError:
             raise
         except Exception as exc:
@@ -84,8 +94,7 @@ class ChatTemplate:
                            param="messages", code="chat_template") from None
 
 
-def _jinja(source: str, tokenizer: Tokenizer
-           ) -> Callable[[Sequence[ChatMessage], bool], str] | None:
+def _jinja(source: str, tokenizer: Tokenizer) -> Render | None:
     """The tokenizer's Jinja template in a sandbox, or None without jinja2."""
     try:
         from jinja2 import TemplateError
@@ -112,11 +121,10 @@ def _jinja(source: str, tokenizer: Tokenizer
 
     bos, eos = text_of("bos_token"), text_of("eos_token")
 
-    def render(messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+    def render(messages: Sequence[ChatMessage], add_generation_prompt: bool,
+               tools: list[dict[str, object]] | None) -> str:
         return template.render(
-            messages=[{"role": m.role, "content": m.text()} if m.name is None else
-                      {"role": m.role, "content": m.text(), "name": m.name} for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos, eos_token=eos)
+            messages=template_messages(list(messages)), tools=tools,
+            add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
 
     return render

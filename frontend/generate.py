@@ -27,6 +27,7 @@ from frontend.asgi import SSE, Event, Send, send_bytes
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import ApiError, bad_request, from_engine
+from frontend.guides import guide_of
 from frontend.metrics import HttpMetrics
 from frontend.schemas import (
     ChatChoice,
@@ -51,6 +52,7 @@ from frontend.schemas import (
     sse_safe,
 )
 from frontend.tokenizer import Tokenizer
+from frontend.tools import ToolPlan, plan_of
 from frontend.turns import loop_turns
 from messages import SamplingParams, packed_u32
 from messages.checks import prompt_problem
@@ -105,12 +107,15 @@ class GenerateSettings:
             bound here.
         model_aliases: other names a request may give for the same model (any name
             not served is a 404).
+        guided: the model has a tokenizer vocabulary, so structured output can be
+            served (the built-in models' is synthetic: a guide is a 400).
     """
 
     model_name: str
     default_max_tokens: int = 256
     max_model_len: int | None = None
     model_aliases: tuple[str, ...] = ()
+    guided: bool = True
 
 
 class _ResponseBuilder:
@@ -174,21 +179,38 @@ class _ResponseBuilder:
                               [CompletionChoice(self.index, text, finish, lp)], usage=usage)
         return b"data: " + sse_safe(encode(body)) + b"\n\n"
 
+    def tool_event(self, plan: ToolPlan, text: str, finish: str | None,
+                   usage: Usage | None) -> list[bytes]:
+        """A streamed step of an answer that may call tools (``plan.stream``)."""
+        content, calls, finish = plan.stream(text, finish)
+        first, self._first = self._first, False
+        if not (first or content or calls or finish is not None or usage is not None):
+            return []
+        delta = ChatDelta("assistant" if first else None, content, calls or None)
+        body = ChatCompletionChunk(self.id, self.created, self.model,
+                                   [ChatChunkChoice(0, delta, finish)], usage=usage)
+        return [b"data: " + sse_safe(encode(body)) + b"\n\n"]
+
     def usage_event(self, usage: Usage) -> bytes:
         body = ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage) \
             if self.chat else Completion(self.id, self.created, self.model, [], usage=usage)
         return b"data: " + sse_safe(encode(body)) + b"\n\n"
 
     def whole(self, text: str, finish: str, ids: Sequence[int], lps: Sequence[float] | None,
-              usage: Usage, offsets: Sequence[int] | None = None) -> bytes:
+              usage: Usage, offsets: Sequence[int] | None = None,
+              tools: ToolPlan | None = None) -> bytes:
         if offsets is not None:  # (a stop string may have cut text an earlier step began)
             offsets = [min(o, len(text)) for o in offsets]
         lp = self._logprobs(ids, lps, offsets)
         if self.chat:
             assert lp is None or isinstance(lp, ChatLogprobs)
+            message = ChatMessageOut(text, "assistant")
+            if tools is not None:
+                content, calls = tools.parse(text)
+                message = ChatMessageOut(content, "assistant", calls or None)
+                finish = tools.finish(finish, calls)
             return encode(ChatCompletion(self.id, self.created, self.model,
-                                         [ChatChoice(0, ChatMessageOut(text), finish, lp)],
-                                         usage))
+                                         [ChatChoice(0, message, finish, lp)], usage))
         assert lp is None or isinstance(lp, CompletionLogprobs)
         return encode(Completion(self.id, self.created, self.model,
                                  [CompletionChoice(self.index, text, finish, lp)], usage=usage))
@@ -211,6 +233,7 @@ class RequestState:
         include_usage: a last event carries the usage (``stream_options``).
         continuous_usage: every event carries the usage so far.
         send: the ASGI send of its connection.
+        tools: its tool calls' plan (:mod:`frontend.tools`); ``None``: none.
         t0: when the request arrived (``time.perf_counter``), for time to first token.
     """
 
@@ -228,6 +251,7 @@ class RequestState:
     t0: float
 
     cached_tokens: int = 0
+    tools: ToolPlan | None = None  # how its tool calls are made and read (chat)
 
     def usage(self) -> Usage:
         """The usage so far: the prompt's tokens (and how many of them the prefix cache
@@ -465,14 +489,17 @@ class OpenAIServing:
         if asked == 0:  # (a completion's 0 is legitimate: it will score a prompt, with echo)
             raise bad_request(f"{field} must be at least 1 on a chat completion, not 0 (as "
                               "vLLM answers)", param=field, code="invalid_value")
-        text = self.template.render(req.messages, req.add_generation_prompt)
+        tools = plan_of(req)
+        text = self.template.render(req.messages, req.add_generation_prompt,
+                                    None if tools is None else tools.tools)
         ids = await self.tokenize(text, special=False)
         max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
                                   field)
-        return await self._answer(self._state(
+        state = self._state(
             req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
             stops=[*req.stops(), *self.template.stops], extra_stop_ids=self.template.stop_ids,
-            logprobs=req.logprobs, send=send, t0=t0))
+            logprobs=req.logprobs, send=send, t0=t0, tools=tools)
+        return await self._answer(state)
 
     def _budget(self, prompt: int, asked: int | None, default: int, where: str,
                 field: str = "max_tokens") -> int:
@@ -498,26 +525,38 @@ class OpenAIServing:
                           code="context_length_exceeded")
 
     def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  extra_stop_ids: Sequence[int]) -> SamplingParams:
+                  extra_stop_ids: Sequence[int], tools: ToolPlan | None = None
+                  ) -> SamplingParams:
         # ignore_eos: no EOS added here (the tokenizer's, a chat template's), and the
         # scheduler leaves out the model's own stop ids (SamplingParams.ignore_eos).
         stop_ids = list(req.stop_token_ids or ())
         if not req.ignore_eos:
             eos = self.tokenizer.eos_token_id
             stop_ids.extend(i for i in (eos, *extra_stop_ids) if i is not None)
+        guide = guide_of(req, None if self.settings.guided else self.settings.model_name)
+        if tools is not None and tools.guide is not None:
+            if guide is not None:
+                raise bad_request("tool_choice: a forced tool call constrains the answer, and "
+                                  "so does a guided_* field: give one", param="tool_choice",
+                                  code="conflicting_values")
+            if not self.settings.guided:
+                raise bad_request(f"tool_choice: a forced tool call needs the model's "
+                                  f"tokenizer vocabulary, and model {self.settings.model_name!r}"
+                                  " has none", param="tool_choice", code="unsupported_value")
+            guide = tools.guide
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=max(req.top_k, 0),
                                   stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
                                   if stop_ids else None, seed=sampler_seed(req.seed),
-                                  ignore_eos=req.ignore_eos)
+                                  ignore_eos=req.ignore_eos, guide=guide)
         except (ValueError, TypeError) as exc:
             raise bad_request(f"sampling: {exc}") from None
 
     def _state(self, req: CompletionRequest | ChatCompletionRequest, *, endpoint: str,
                prompt_ids: list[int], max_tokens: int, stops: list[str],
-               extra_stop_ids: Sequence[int], logprobs: bool, send: Send, t0: float
-               ) -> RequestState:
+               extra_stop_ids: Sequence[int], logprobs: bool, send: Send, t0: float,
+               tools: ToolPlan | None = None) -> RequestState:
         """The state of ``req`` about to be answered.
 
         Raises:
@@ -534,7 +573,7 @@ class OpenAIServing:
             response=_ResponseBuilder(chat, next(self._ids), self.settings.model_name,
                                       self.tokenizer),
             prompt_ids=prompt_ids,
-            sampling=self._sampling(req, max_tokens, extra_stop_ids),
+            sampling=self._sampling(req, max_tokens, extra_stop_ids, tools), tools=tools,
             detok=Detokenizer(self.tokenizer, stops, prompt_ids), has_stops=bool(stops),
             logprobs=logprobs, stream=req.stream, include_usage=include_usage,
             # OpenAI's (and vLLM's) continuous_usage_stats: every event carries the usage
@@ -560,7 +599,8 @@ class OpenAIServing:
         prompt, answer = len(state.prompt_ids), len(result.token_ids)
         body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
                               Usage(prompt, answer, prompt + answer,
-                                    PromptTokensDetails(result.cached_tokens or 0)), offsets)
+                                    PromptTokensDetails(result.cached_tokens or 0)), offsets,
+                              state.tools)
         self._first_token(state)
         await send_bytes(state.send, 200, body)
         return 200
@@ -608,6 +648,9 @@ class OpenAIServing:
                             out_lps.extend(chunk.logprobs)
                         if offsets is not None:
                             out_offsets.extend(offsets)
+                    elif state.tools is not None:
+                        events.extend(response.tool_event(state.tools, text, finish, state.usage()
+                                                          if state.continuous_usage else None))
                     elif text or finish is not None or chunk.logprobs or state.continuous_usage:
                         events.append(response.event(
                             text, finish, chunk.token_ids, chunk.logprobs,
@@ -643,5 +686,5 @@ class OpenAIServing:
             self._first_token(state)
             await send_bytes(send, 200, response.whole(
                 "".join(pieces), finish, out_ids[:detok.tokens], out_lps, state.usage(),
-                out_offsets if offsets_wanted else None))
+                out_offsets if offsets_wanted else None, state.tools))
         return 200

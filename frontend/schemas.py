@@ -20,6 +20,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from frontend.errors import ApiError, bad_request
+from messages.catalogue import MAX_GUIDE_SPEC
 
 __all__ = [
     "ChatChoice",
@@ -31,6 +32,14 @@ __all__ = [
     "ChatLogprobs",
     "ChatMessage",
     "ChatMessageOut",
+    "CalledFunction",
+    "ChosenFunction",
+    "FunctionDef",
+    "FunctionOut",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallIn",
     "Completion",
     "CompletionChoice",
     "CompletionLogprobs",
@@ -74,6 +83,8 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 #: The longest model name a request may give (a served name is a path as given).
 MAX_MODEL_NAME = 1024
 ModelName = Annotated[str, msgspec.Meta(max_length=MAX_MODEL_NAME)]
+#: A regex, a grammar or a schema as text (the wire's bound on a guide's spec).
+GuideText = Annotated[str, msgspec.Meta(max_length=MAX_GUIDE_SPEC)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -95,18 +106,61 @@ def sampler_seed(seed: int | None) -> int | None:
 
 
 class ResponseFormat(_Body, kw_only=True):
-    """``response_format``: only ``text`` (the default: asks for nothing) is served;
-    ``json_object`` and ``json_schema`` decode, then :func:`check_supported` refuses them."""
+    """``response_format``: ``text`` (the default: asks for nothing), ``json_object``
+    (the answer is a JSON object) or ``json_schema`` (``json_schema.schema`` is the
+    schema the answer validates; ``name``, ``description`` and ``strict`` are read as
+    OpenAI's, the answer always obeys the schema). See :mod:`frontend.guides`."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, object] | None = None
 
 
-class NamedTool(_Body, kw_only=True):
-    """``tool_choice`` naming one function (``{"type": "function", "function": {...}}``)."""
+#: A function's name, as OpenAI allows it.
+FunctionName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDef(_Body, kw_only=True):
+    """A tool's function: its name, what it does, and its arguments' JSON schema."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body, kw_only=True):
+    """One of ``tools``: a function the model may call."""
 
     type: Literal["function"]
-    function: dict[str, object]
+    function: FunctionDef
+
+
+class ChosenFunction(_Body, kw_only=True):
+    """The function a named ``tool_choice`` picks."""
+
+    name: FunctionName
+
+
+class NamedTool(_Body, kw_only=True):
+    """``tool_choice`` naming one function (``{"type": "function", "function": {"name": ...}}``)."""
+
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class CalledFunction(_Body, kw_only=True):
+    """A call's function: its name and its arguments (JSON text)."""
+
+    name: FunctionName
+    arguments: str
+
+
+class ToolCallIn(_Body, kw_only=True):
+    """A tool call of an earlier assistant message (a round trip's history)."""
+
+    id: Annotated[str, msgspec.Meta(max_length=256)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class _Sampling(_Body, kw_only=True):
@@ -128,6 +182,12 @@ class _Sampling(_Body, kw_only=True):
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, float] | None = None
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    #: vLLM's structured-output fields (:mod:`frontend.guides`): at most one per request.
+    guided_json: dict[str, object] | GuideText | None = None
+    guided_regex: GuideText | None = None
+    guided_choice: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]],
+                             msgspec.Meta(min_length=1, max_length=4096)] | None = None
+    guided_grammar: GuideText | None = None
 
     def stops(self) -> list[str]:
         """The stop strings, as a list (empty when none)."""
@@ -157,21 +217,29 @@ class ContentPart(_Body, kw_only=True):
 class ChatMessage(_Body, kw_only=True):
     """One message of a conversation.
 
-    ``content`` is required in every message and is never null: OpenAI lets
-    an assistant message leave it out only beside ``tool_calls``, which this
-    server does not take (an unknown field). Missing or null is a 400 naming
-    ``messages[i].content``, not a turn rendered as empty text.
+    ``content`` is required in every message and is never null, but in an
+    assistant message with ``tool_calls`` (as OpenAI has it). Missing or null
+    elsewhere is a 400 naming ``messages[i].content``, not a turn rendered as
+    empty text.
     """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=1024)]
+    #: Required (a missing or null one is a 400), but in an assistant message that
+    #: makes tool calls (:func:`check_supported` checks it).
+    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=1024)] | None = None
     #: The participant's name (OpenAI's pattern): rendered into the turn by the default
     #: template (ChatML's ``name=``) and handed to a tokenizer's own as ``message.name``.
     name: Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}$")] | None = None
+    #: An assistant message's calls (a round trip's history), rendered by the template.
+    tool_calls: Annotated[list[ToolCallIn], msgspec.Meta(max_length=128)] | None = None
+    #: A ``tool`` message's answer names the call it answers.
+    tool_call_id: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
+        """The content as one string (text parts joined; none: empty)."""
         content = self.content
+        if content is None:
+            return ""
         return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
@@ -183,10 +251,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
-    #: Decoded so that what asks for nothing is served (``{"type": "text"}``,
-    #: ``tools: []``, ``tool_choice: "none"``); :func:`check_supported` refuses the rest.
+    #: Structured output (:mod:`frontend.guides`). Of the tool options, what asks for
+    #: nothing is served (``tools: []``, ``tool_choice: "none"``);
+    #: :func:`check_supported` refuses the rest.
     response_format: ResponseFormat | None = None
-    tools: Annotated[list[dict[str, object]], msgspec.Meta(max_length=1024)] | None = None
+    tools: Annotated[list[Tool], msgspec.Meta(max_length=1024)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = None
 
@@ -273,11 +342,38 @@ class Completion(msgspec.Struct):
     usage: Usage | None = None
 
 
-class ChatMessageOut(msgspec.Struct):
-    """The assistant's message."""
+class FunctionOut(msgspec.Struct, omit_defaults=True):
+    """A tool call's function (``arguments``: JSON text); in a streamed delta, the
+    name comes once and the arguments in pieces."""
 
-    content: str
-    role: str = "assistant"
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCall(msgspec.Struct):
+    """One tool call of the assistant's message."""
+
+    id: str
+    function: FunctionOut
+    type: str = "function"
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A streamed piece of a tool call: its ``index``; ``id``, ``type`` and the name
+    in its first piece, pieces of the arguments after."""
+
+    index: int
+    function: FunctionOut
+    id: str | None = None
+    type: str | None = None
+
+
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
+    """The assistant's message: text, or tool calls (``content`` null then)."""
+
+    content: str | None
+    role: str
+    tool_calls: list[ToolCall] | None = None
 
 
 class TokenLogprob(msgspec.Struct):
@@ -320,6 +416,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -539,29 +636,30 @@ def check_supported(req: _Sampling) -> None:
 
 
 def _check_chat_options(req: ChatCompletionRequest) -> None:
-    """Serve the structured-output and tool options that ask for nothing, refuse the rest.
-
-    Served: ``response_format`` ``text``; ``tools`` empty or absent; ``tool_choice``
-    ``none`` (with tools too: they are not used, nor shown to the model); and
-    ``parallel_tool_calls`` (it only shapes tool calls, which are not made then).
+    """Check the messages' content and the tool options (served: :mod:`frontend.tools`).
 
     Raises:
-        ApiError: 400 naming ``response_format`` (``json_object``, ``json_schema``),
-            ``tools`` (tools the model may call: ``tool_choice`` absent, ``auto``,
-            ``required`` or a named function) or ``tool_choice`` (a choice other than
-            ``none`` with no tools to choose from, as OpenAI refuses it).
+        ApiError: 400 naming ``messages[i].content`` (missing or null, but in an
+            assistant message with tool calls), ``tool_choice`` (a choice other than
+            ``none`` with no tools to choose from, as OpenAI refuses it, or naming a
+            function not in ``tools``), or ``response_format`` beside tool calls
+            (two constraints on one answer).
     """
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise _unsupported("response_format", f"response_format {fmt.type!r} is not "
-                                              "supported (structured output is not built "
-                                              "here): only 'text'")
+    for i, m in enumerate(req.messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise bad_request(f"messages[{i}].content: required (null only in an assistant "
+                              "message with tool_calls)", param=f"messages[{i}].content")
     choice = req.tool_choice
     if req.tools:
-        if choice != "none":
-            shown = choice.type if isinstance(choice, NamedTool) else choice or "auto"
-            raise _unsupported("tools", f"tool calls are not supported (tool_choice "
-                                        f"{shown!r}): send no tools, or tool_choice 'none'")
+        if isinstance(choice, NamedTool) and choice.function.name not in {
+                t.function.name for t in req.tools}:
+            raise bad_request(f"tool_choice names function {choice.function.name!r}, which is "
+                              "not in tools", param="tool_choice", code="invalid_value")
+        fmt = req.response_format
+        if choice != "none" and fmt is not None and fmt.type != "text":
+            raise bad_request("response_format: not with tool calls (tool_choice "
+                              "'none' to use it)", param="response_format",
+                              code="conflicting_values")
     elif choice is not None and choice != "none":
         shown = choice.type if isinstance(choice, NamedTool) else choice
         raise bad_request(f"tool_choice {shown!r} is only allowed when tools are given",

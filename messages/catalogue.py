@@ -42,6 +42,8 @@ __all__ = [
     "ErrorCode",
     "ErrorOut",
     "FinishReason",
+    "Guide",
+    "GuideKind",
     "AbortReq",
     "KVHandoff",
     "RpcReqInput",
@@ -81,6 +83,32 @@ else:
     RidSeq = Annotated[str, msgspec.Meta(max_length=(MAX_RID + 1) * MAX_BATCH)]
 
 
+#: What a :class:`Guide`'s ``spec`` is.
+GuideKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+#: The longest guide spec (a schema, a regex, a grammar, the choices as JSON).
+MAX_GUIDE_SPEC = 1 << 20
+
+
+class Guide(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
+    """A constraint on a generate request's output (structured output).
+
+    The scheduler compiles ``(kind, spec)`` once per distinct pair against its
+    model's vocabulary (a bounded cache) and masks the request's logits every
+    step so that only tokens the constraint allows can be sampled; the request
+    ends ``stop`` when the constraint is complete. ``spec`` by ``kind``:
+
+    * ``json_schema``: a JSON Schema, as JSON text (the answer is one JSON value
+      it validates, written without optional whitespace);
+    * ``json_object``: unused (any JSON object);
+    * ``regex``: a regular expression the whole answer matches;
+    * ``choice``: a JSON array of strings: the answer is exactly one of them;
+    * ``grammar``: a Lark grammar (llguidance's dialect), or a GBNF one (``::=``).
+    """
+
+    kind: GuideKind
+    spec: Annotated[str, msgspec.Meta(max_length=MAX_GUIDE_SPEC)] = ""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True,
                      gc=False, metaclass=PackingMeta):
     """How to pick the next token.
@@ -92,7 +120,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     whatever else shares the batch. ``ignore_eos`` runs past the model's own
     stop tokens (its end-of-sequence ids): only ``stop_token_ids`` and
     ``max_new_tokens`` end the request (a benchmark asking for exactly N
-    tokens).
+    tokens). ``guide`` constrains the output (:class:`Guide`).
 
     Fields travel by position: a new one is appended, never inserted, so a
     shorter (older) array still decodes, the missing items taking their
@@ -108,6 +136,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     stop_token_ids: TokenIds | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
     ignore_eos: bool = False
+    guide: Guide | None = None
 
     def _pack(self) -> None:  # on construction (PackingMeta)
         if self.stop_token_ids is not None:

@@ -45,6 +45,7 @@ from messages import (
     TokenizedGenerateReqInput,
 )
 from scheduler.core.admission import Admission
+from scheduler.models import guided
 from scheduler.models.protocol import Model, PromptChunk, RequestState
 from scheduler.models.sampling import sample_next
 
@@ -89,6 +90,7 @@ class Seq:
     sent: int = 0  # tokens already streamed
     cached: int = -1  # prompt tokens its state started with (the prefix cache); -1: not asked
     finished: FinishReason | None = None
+    matcher: guided.Matcher | None = None  # its guide's parser state (structured output)
     # On the scheduler's monotonic clock (seconds), for the latency metrics.
     t_arrival: float = 0.0
     t_admit: float = 0.0
@@ -137,6 +139,8 @@ class Batch:
         #: ends ``length`` when it is full, so no step ever reads a position past it
         #: (with learned positions, as GPT-2's, one such request failed its whole batch).
         self._context = model.max_prompt_tokens
+        #: Structured output: each distinct guide compiled once (scheduler.models.guided).
+        self.guides = guided.Guides(model, model.vocab_size, model.stop_token_ids)
         model.set_prefix_cache(admission.limits.prefix_cache_bytes)
 
     def __bool__(self) -> bool:
@@ -220,8 +224,11 @@ class Batch:
                 self.model.free(s.key)
             if not active:
                 return [], embedded
-            toks, lps = sample_next(torch.stack(rows), [s.sampling for s in active],
+            logits = torch.stack(rows)
+            guided.mask_logits(active, logits)
+            toks, lps = sample_next(logits, [s.sampling for s in active],
                                     [s.generator for s in active])
+            guided.advance(active, toks)
         except Exception as exc:
             failed = active + embedded
             self.running = []

@@ -7,7 +7,11 @@ leaves this scheduler. A scheduler that receives a hand-off builds the
 request back (:func:`seq_of`) and adopts its state
 (:meth:`~scheduler.core.batch.Batch.adopt`): it decodes from the next step,
 streaming from the first token not yet sent, so the client sees no gap and
-no duplicate.
+no duplicate. A guided request (structured output) carries its guide in its
+sampling parameters, not its parser state: the adopting scheduler compiles
+the guide again (cached per spec) and feeds the new matcher the tokens
+already answered (:func:`resume_guide`), so the rest of the answer obeys
+the same grammar.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import numpy as np
 from bus import Origin
 from messages import KVHandoff, TokenizedGenerateReqInput, token_ids
 from scheduler.core.batch import Seq
+from scheduler.models.guided import GuideError, Guides
 from scheduler.models.protocol import Empty, Model, RequestState
 
-__all__ = ["handoff_of", "seq_of", "state_of"]
+__all__ = ["handoff_of", "resume_guide", "seq_of", "state_of"]
 
 
 def handoff_of(seq: Seq, model: Model, empty: Empty | None = None) -> KVHandoff:
@@ -61,3 +66,22 @@ def seq_of(h: KVHandoff, origin: Origin, now: float) -> Seq:
 def state_of(h: KVHandoff) -> RequestState:
     """The model state ``h`` carries."""
     return RequestState(h.kv, h.fingerprint)
+
+
+def resume_guide(seq: Seq, guides: Guides) -> None:
+    """Give a handed-off guided request its parser state here: a fresh matcher for its
+    guide, advanced over the tokens it has answered (nothing for an unguided one).
+
+    Raises:
+        GuideError: the guide cannot be compiled here, or its grammar refuses the
+            tokens already answered (naming the request).
+    """
+    guide = seq.sampling.guide
+    if guide is None:
+        return
+    rid = seq.req.rid
+    matcher = guides.start(rid, guide)
+    if not matcher.consume_tokens(seq.out):
+        raise GuideError(rid, f"its {guide.kind} guide refuses the {len(seq.out)} tokens "
+                              f"already answered: {matcher.get_error()}")
+    seq.matcher = matcher

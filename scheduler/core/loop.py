@@ -42,10 +42,11 @@ from scheduler.core.admission import Admission, Limits
 from scheduler.core.backpressure import InboxThrottle, collapse
 from scheduler.core.batch import Batch, Seq, StepFailed
 from scheduler.core.control import ControlMethods
-from scheduler.core.handoff import handoff_of, seq_of, state_of
+from scheduler.core.handoff import handoff_of, resume_guide, seq_of, state_of
 from scheduler.core.metrics import SchedulerMetrics, registry_for
 from scheduler.core.outputs import embedding_outputs, stopped_by, token_outputs
 from scheduler.core.rpc_methods import RpcMethods
+from scheduler.models.guided import GuideError
 from scheduler.models.protocol import Empty, Model
 
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
@@ -305,6 +306,12 @@ class Scheduler(ControlMethods):
         sp = req.sampling
         seq = Seq(req, origin, len(req.input_ids) + sp.max_new_tokens, sp, req.stream,
                   req.return_logprob, t_arrival=self._now)
+        if sp.guide is not None:
+            try:
+                seq.matcher = self.batch.guides.start(req.rid, sp.guide)
+            except GuideError as exc:
+                self._refuse(req.rid, origin, "invalid_request", str(exc))
+                return
         if sp.max_new_tokens == 0:
             seq.finished = "length"
             self._live[req.rid] = seq
@@ -335,6 +342,12 @@ class Scheduler(ControlMethods):
             self._refuse(h.rid, origin, "invalid_request", problem)
             return
         seq = seq_of(h, origin, self._now)
+        try:
+            resume_guide(seq, self.batch.guides)
+        except GuideError as exc:
+            self._refuse(h.rid, origin, "invalid_request",
+                         f"hand-off of request {h.rid!r} refused: {exc.reason}")
+            return
         try:
             self.batch.adopt(seq, state_of(h), h.rng_state)
         except ValueError as exc:  # StateMismatch: another model, dtype or shape

@@ -6,25 +6,42 @@ there (tokens only, no state), bounded in tokens (:data:`TREE_TOKENS`, so
 it approximates what the replica's own prefix cache holds) and in nodes
 (:data:`TREE_NODES`, so its own memory stays bounded when prompts differ in
 a token or two), evicted least recently used first. Only the chosen
-replica's tree counts as used: looking into the others does not refresh them. A request
-goes to the replica whose tree matches the longest part of its prompt when
+replica's tree counts as used: looking into the others does not refresh them.
 
-* that match is at least :data:`MATCH_SHARE` of the prompt, and
-* the load is not too uneven: the most and least loaded live replicas
-  (requests in flight) differ by at most :data:`BALANCE_ABS` requests or
-  by a factor of at most :data:`BALANCE_REL`;
+A request goes to the replica whose tree matches the longest part of its
+prompt (of equal matches, the one with fewer requests in flight) when
 
-otherwise the least loaded replica takes it (the ledger's own choice).
-Either way, its prompt joins the chosen replica's tree. Embedding requests
-are not recorded (a replica caches no prefix for them). A replica that is
-lost, or that joins again (a respawn starts with an empty cache), has its
-tree dropped; so does each replica whose ``flush_cache`` succeeded (one
-that refused, with requests running, keeps its cache and its tree).
+* that match is at least :data:`MATCH_SHARE` of the prompt (else the
+  ledger's least loaded takes it), and
+* that replica is not overloaded: it has at most :data:`BALANCE_ABS`
+  requests in flight more than the least loaded live replica, or at most
+  :data:`BALANCE_REL` times as many. An overloaded holder *spills*: the least
+  loaded replica takes the request (of several, the one matching most) and
+  records the prompt, so it holds the prefix too and from then on the two
+  share that prefix's requests by load.
 
-The thresholds are SGLang router's defaults (0.5; 32 requests and 1.0001):
-on ``benchmarks.prefix`` (8 shared system prompts, 2 replicas, concurrency
-16) the in-flight imbalance never reaches 32, so routing is by prefix alone
-and each system prompt is read once per cluster, not once per replica.
+Load is requests in flight as the dispatcher counts them (the ledger's): it
+knows them at once, where a replica's own report is a heartbeat old. Either
+way, the prompt joins the chosen replica's tree. Embedding requests are not
+recorded (a replica caches no prefix for them). A replica that is lost, or
+that joins again (a respawn starts with an empty cache), has its tree
+dropped; so does each replica whose ``flush_cache`` succeeded (one that
+refused, with requests running, keeps its cache and its tree).
+
+The thresholds, as measured (``docs/ARCHITECTURE.md``, "Choosing the
+thresholds", has the runs): on ``benchmarks.prefix`` (8 system prompts of
+1,024 tokens, 2 replicas, concurrency 16, the default cache) the replicas'
+in-flight counts differ by about 10 under ``cache_aware`` without spilling,
+and as much under ``round_robin``; a tight :data:`BALANCE_ABS` (0-4) closes
+the gap but made ``cache_aware``'s time to first token worse in both
+paired runs (each spill is a miss of a whole shared prefix), though
+``least_loaded`` was the fastest policy in three runs of four: on that
+shared box the noise hides whether balance pays. So the balance
+thresholds stay SGLang router's (32 requests and 1.0001): at concurrency 16
+they never fire; they bound the pile-up on a replica far slower than the
+others. The match share stays 0.5: that workload cannot tell its values
+apart (a prompt matches 97% or nothing), and below half a replica would
+read more of the prompt than it reuses.
 """
 
 from __future__ import annotations
@@ -42,10 +59,11 @@ __all__ = ["BALANCE_ABS", "BALANCE_REL", "MATCH_SHARE", "TREE_NODES", "TREE_TOKE
 
 #: Least share of a prompt a replica's tree must match to win the request.
 MATCH_SHARE = 0.5
-#: The load is uneven (least loaded wins) when the most and least loaded live
-#: replicas differ by more than this many requests in flight ...
+#: The replica holding a prefix is overloaded (the least loaded takes the
+#: request) when it has more than this many requests in flight beyond the least
+#: loaded live replica ...
 BALANCE_ABS = 32
-#: ... and the most loaded has more than this many times the least's.
+#: ... and more than this many times the least loaded's.
 BALANCE_REL = 1.0001
 #: Tokens each replica's tree keeps (4 bytes each: 4 MiB).
 TREE_TOKENS = 1 << 20
@@ -84,7 +102,8 @@ class PrefixAffinity:
         self.trees: list[RadixTree[_Run]] = [RadixTree(tree_tokens, tree_nodes)
                                              for _ in range(n)]
         self.routed_by_prefix = 0  # requests sent where their prefix was
-        self.routed_by_load = 0  # requests sent to the least loaded
+        self.routed_by_load = 0  # requests no tree matched enough: the ledger picks
+        self.spilled = 0  # requests whose prefix's replica was overloaded: the least loaded
 
     def prefer(self, prompt: TokenIds, load: Sequence[int], live: Sequence[bool],
                exclude: Container[int] = ()) -> int | None:
@@ -96,20 +115,22 @@ class PrefixAffinity:
         candidates = [i for i, ok in enumerate(live) if ok and i not in exclude]
         if not candidates or not len(ids):
             return None
-        loads = [load[i] for i in candidates]
-        most, least = max(loads), min(loads)
-        if most - least > BALANCE_ABS and most > BALANCE_REL * least:
+        # Untouched: only the chosen tree's path turns recent, by record().
+        held = {i: self.trees[i].match(ids, lock=False, count=False, touch=False).length
+                for i in candidates}
+        # The longest match; among equal ones, the least loaded.
+        best = min(candidates, key=lambda i: (-held[i], load[i]))
+        if not held[best] or held[best] < MATCH_SHARE * len(ids):
             self.routed_by_load += 1
             return None
-        best, best_len = -1, 0
-        for i in candidates:
-            # Untouched: only the chosen tree's path turns recent, by record().
-            length = self.trees[i].match(ids, lock=False, count=False, touch=False).length
-            if length > best_len or (length == best_len and best >= 0 and load[i] < load[best]):
-                best, best_len = i, length
-        if best < 0 or best_len < MATCH_SHARE * len(ids):
-            self.routed_by_load += 1
-            return None
+        least = min(load[i] for i in candidates)
+        if load[best] - least > BALANCE_ABS and load[best] > BALANCE_REL * least:
+            # The holder is overloaded: spill to the least loaded (in flight, the
+            # measure just compared; the longest match among them), which records
+            # the prompt and so holds the prefix too: from then on the less
+            # loaded of the two wins the tie.
+            self.spilled += 1
+            return min((i for i in candidates if load[i] == least), key=lambda i: -held[i])
         self.routed_by_prefix += 1
         return best
 

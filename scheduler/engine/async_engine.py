@@ -1,44 +1,41 @@
-"""``AsyncEngine``: the asyncio face of the engine core, for asyncio frontends.
+"""``AsyncEngine``: the engine client, on one asyncio event loop.
 
-Outputs are read on the event loop itself: ``loop.add_reader`` on the
-output inbox's fd (the egress ring's eventfd, or the PULL socket's zmq FD,
-drained to empty and re-checked, as its edge-triggered rules require) hands
-each output straight to its request's handle. No thread hop per message.
-Rpc replies are read the same way (the rpc socket's fd), each handed to the
-call waiting on its rid: rpc calls are in flight together, with no thread
-and no lock held for one. ``Engine`` runs this class on a private event-loop
-thread: it is the one client core under both faces.
+Every request takes one path. :meth:`AsyncEngine._start` validates it,
+records its :class:`~scheduler.engine.handles.RequestState` under its rid
+and queues it; the requests queued in one turn of the loop leave at its end
+together (over zmq as one burst: one zmq message, one msgspec call; on the
+ring in one put). The loop reads outputs as they come (``loop.add_reader``
+on the egress ring's eventfd, or the PULL socket's zmq FD, drained to empty
+and re-checked, as its edge-triggered rules require) and hands each to its
+request's state (:func:`deliver_rows`); :meth:`AsyncEngine._steps` hands a
+state's outputs to its caller, which ``submit``, ``generate``, ``stream``,
+``stream_steps`` and ``embed`` all wrap. Rpc replies are read on the same
+loop, each handed to the call waiting on its rid, so rpc calls are in
+flight together, with no thread and no lock held for one. ``Engine`` runs
+this class on a private event-loop thread.
 
-Cancellation aborts: cancelling a task awaiting :meth:`AsyncEngine.generate`
-or :meth:`AsyncEngine.embed`, or leaving :meth:`AsyncEngine.stream` early
-(``break``, ``aclose()``, garbage collection), forgets the request's handle
-and sends ``AbortReq`` for it, so the scheduler frees its slot.
+Cancellation aborts: cancelling a task awaiting a request, or leaving a
+stream early (``break``, ``aclose()``, garbage collection), drops the
+request's outputs and sends ``AbortReq`` for it, so the scheduler frees its
+slot; one whose last answer is in already is left alone (its rid may be a
+new request's by now).
 
-Sending never blocks the loop. The requests submitted in one turn of the
-loop leave at its end together: over zmq as one burst (one zmq message, one
-msgspec call: ``messages.burst``), on the ring in one put; a lone request
-leaves as soon as its task awaits. A work channel that is full (a scheduler
-not reading) fails them with :class:`~scheduler.Overloaded` when awaited,
-and an abort that finds it full waits in order and goes out as soon as
+Sending never blocks the loop. A work channel that is full (a scheduler not
+reading) fails this turn's requests with :class:`~scheduler.Overloaded` when
+awaited; an abort that finds it full waits in order and goes out as soon as
 there is room (it is never dropped).
-
-Buffering policy: each request buffers what its consumer has not taken yet.
-Past :attr:`AsyncHandle.max_buffered` items, a new token chunk is merged
-into the last buffered one instead of queued: a slow consumer of one stream
-holds at most that many objects (plus its tokens, which are never dropped),
-and delivery to the other streams never waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Literal, Self, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Sequence
+from typing import Literal, Self, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -48,7 +45,9 @@ from bus import ChannelClosed, Envelope, LogSummary, PeerGone, Rejected, RpcTime
 from messages import (
     SEND_BURST,
     AbortReq,
-    EncodeError,
+    BatchEmbeddingOut,
+    BatchTokenIDOut,
+    ErrorOut,
     Output,
     Request,
     RpcReqOutput,
@@ -59,45 +58,118 @@ from messages import (
 )
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine.async_handles import Answer, AsyncHandle, AsyncRequest, chunks, steps
-from scheduler.engine.core import SEND_TIMEOUT, P, SchedulerClient
-from scheduler.engine.handles import GenerateResult, StreamChunk
-from scheduler.engine.pending import Forgotten, Pending
+from scheduler.engine.core import SEND_TIMEOUT, SchedulerClient
+from scheduler.engine.handles import (
+    GenerateResult,
+    Item,
+    RequestState,
+    StreamChunk,
+    joined,
+)
 from scheduler.engine.stopping import close_timeout
-from scheduler.errors import EngineClosed, EngineError, Overloaded, RequestFailed
+from scheduler.errors import (
+    EngineClosed,
+    EngineError,
+    InvalidRequest,
+    Overloaded,
+    RequestFailed,
+    SchedulerGone,
+)
 from scheduler.handshake import HELLO_METHOD, hello_answer, hello_params
 from scheduler.models.loading import ModelArg
 
-__all__ = ["AsyncEngine", "AsyncHandle", "AsyncRequest"]
+__all__ = ["AsyncEngine", "AsyncRequest", "deliver_rows"]
 
 log = logging.getLogger("scheduler.engine")
 
-#: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._send``).
+S = TypeVar("S", bound=RequestState)
+
+#: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._after_sends``).
 _READ_EVERY = 32
-#: Requests handed an output per loop callback (PendingTable.deliver_rows).
+#: Requests handed an output per loop callback (:func:`deliver_rows`).
 _ROWS_PER_TURN = 512
 #: Seconds between two tries to send aborts a full work channel refused.
 _RETRY_S = 0.005
 
 
+class AsyncRequest(RequestState):
+    """A submitted generate request: ``await`` it for its :class:`~scheduler.GenerateResult`.
 
-class _AbortOf:
-    """An abort waiting in this turn's sends for the entry it is for (a cancelled
-    request's token, or the handle an explicit abort was for): it becomes an
-    ``AbortReq`` at the last moment, and only while that entry holds its rid."""
+    The asyncio twin of :class:`~scheduler.RequestHandle`, with no task of its
+    own: many can be awaited one after another, each once. Cancelling what awaits it
+    aborts the request; one never awaited runs to its end (``await
+    engine.abort(request.rid)`` stops it). One that fails and is collected
+    without ever being awaited (fire and forget) is counted in
+    :attr:`AsyncEngine.unawaited_failures`, never logged one by one.
 
-    __slots__ = ("entry",)
+    Raises (when awaited): as :meth:`AsyncEngine.generate`.
+    """
 
-    def __init__(self, entry: Pending) -> None:
-        self.entry = entry
+    __slots__ = ("_awaited", "_engine")
+
+    def __init__(self, rid: str, engine: AsyncEngine) -> None:
+        super().__init__(rid)
+        self._engine = engine
+        self._awaited = False
+
+    def __await__(self) -> Generator[object, None, GenerateResult]:
+        if self._awaited:  # its outputs went to the first: a second would wait for ever
+            raise RuntimeError(f"request {self.rid!r} is awaited a second time")
+        self._awaited = True
+        return self._engine._result(self).__await__()
+
+    def __del__(self) -> None:
+        last = self.items[-1] if self.items else None
+        if not self._awaited and isinstance(last, EngineError):
+            self._engine._unseen_failure(last)
 
 
 class AsyncEngine(SchedulerClient):
-    """The engine for asyncio code: the same modes, options and errors as ``Engine``.
+    """The engine for asyncio code: one scheduler, in one of two modes.
 
     Use it as ``async with AsyncEngine(...) as engine:`` (or ``await
     engine.start()`` and ``await engine.close()``), from one event loop.
-    Arguments are :class:`~scheduler.Engine`'s.
+
+    Args:
+        mode: ``"ring"`` (scheduler embedded in this process; requests and
+            outputs by reference through rings; rpc over zmq) or ``"zmq"``
+            (scheduler in its own process; everything over zmq ``ipc://``).
+        model: the built-in model's :class:`~scheduler.ModelConfig` (default),
+            or a Hugging Face model: a local directory (``str`` or ``Path``)
+            or an :class:`~scheduler.HFModelSpec` (dtype, device). ``zmq``
+            mode loads it in the scheduler's process, having checked here
+            that it would load (:class:`~scheduler.ModelLoadError` otherwise,
+            naming the file; with ``dp_size``, a dispatcher whose every
+            replica was given up on is :class:`~scheduler.SchedulerGone`,
+            saying so).
+        max_batch: most requests decoding at once.
+        start_timeout: seconds to wait for the scheduler to answer ``hello``,
+            its first rpc (which also checks that it reads our wire layout:
+            :class:`~messages.ProtocolMismatch` otherwise).
+        tp_size: tensor-parallel ranks (``zmq`` mode): that many scheduler
+            processes joined by ``torch.distributed``; rank 0 owns the
+            channels and broadcasts every poll, outputs leave from rank 0,
+            and an rpc runs on every rank and is answered once.
+        dp_size: data-parallel replicas (``zmq`` mode): that many schedulers
+            (each of ``tp_size`` ranks) behind one dispatcher
+            (:mod:`scheduler.dp`). Requests go to the least-loaded live
+            replica (or the one ``dp_rank=`` pins), an abort to its owner,
+            an rpc to every replica (one merged reply). A replica that dies
+            fails only the requests it had started (``replica_lost``).
+        dp_policy: ``"least_loaded"`` (default) or ``"round_robin"``.
+        limits: admission and output-backlog bounds of the scheduler
+            (:class:`~scheduler.Limits`): past them a request fails with
+            :class:`~scheduler.Overloaded`.
+        metrics: record the scheduler's Prometheus metrics (:meth:`metrics`).
+        pd: ``(P, D)``: prefill and decode apart (``zmq`` mode), ``P + D``
+            replicas behind the dispatcher: a generate request is read on one
+            of the first ``P``, which streams its first token and hands its KV
+            cache (:class:`~messages.KVHandoff`) to one of the other ``D``,
+            which streams the rest. ``None``: every replica does both.
+
+    Every request is validated as the wire would validate it before it is
+    sent (:class:`~scheduler.InvalidRequest` at submit), in both modes: a
+    request is either refused at once or answered later, never lost.
     """
 
     #: Requests that failed (``Overloaded`` above all) and were collected
@@ -115,18 +187,17 @@ class AsyncEngine(SchedulerClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the loop's thread, once started
         self._watchdog: asyncio.Task[None] | None = None
-        self._fd = self._outputs_fd
         pollable = self._out_inbox.pollable()
         self._zmq_out = pollable if isinstance(pollable, zmq.Socket) else None
+        self._fd = pollable if isinstance(pollable, int) else int(pollable.get(zmq.FD))
         self._reading = False  # the loop's reader is registered
         self._sent_unread = 0  # sends since outputs were last read
         self._backlog: deque[Envelope[Output] | Rejected] = deque()  # read, not yet delivered
-        # Aborts waiting for room on the channel; a cancelled request's as its
-        # Forgotten token, turned into an AbortReq only while it holds its rid.
-        self._unsent_aborts: deque[Pending | AbortReq] = deque()
-        # Sent in this turn of the loop: one burst at its end.
-        self._outq: list[Request | _AbortOf] = []
-        self._outq_cancels = 0  # _AbortOf items in _outq
+        # Sent at the end of this turn of the loop, as one burst: requests, and the
+        # states of requests to abort (an abort is made, or not, at the last moment).
+        self._outq: list[Request | RequestState] = []
+        # Aborts waiting for room on the work channel, in order, as their requests' states.
+        self._unsent_aborts: deque[RequestState] = deque()
         self.unawaited_failures = 0
         self._unseen_log = LogSummary(log, "requests failed with nobody awaiting them")
 
@@ -161,24 +232,6 @@ class AsyncEngine(SchedulerClient):
 
     # -- requests -------------------------------------------------------------
 
-    def _on_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            raise EngineClosed("the engine is not started (use 'async with' or start())")
-        return self._loop
-
-    def _handle(self, rid: str) -> AsyncHandle:
-        return AsyncHandle(rid, self._on_loop())
-
-    def _request(self, rid: str) -> AsyncRequest:
-        return AsyncRequest(rid, self._on_loop(), self._cancel, self._unseen_failure)
-
-    def _unseen_failure(self, error: EngineError) -> None:
-        """A request failed and was collected without ever being awaited: counted,
-        and summarized in the log (never a traceback per request)."""
-        self.unawaited_failures += 1
-        code = getattr(error, "code", type(error).__name__)
-        self._unseen_log.add("submit", f"{code}: {error}")
-
     async def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                        *, return_logprob: bool = False, rid: str | None = None,
                        dp_rank: int | None = None, timeout: float | None = None
@@ -193,12 +246,8 @@ class AsyncEngine(SchedulerClient):
             EngineClosed: the engine is closed.
             TimeoutError: no answer within ``timeout`` seconds (the request is aborted).
         """
-        # An awaitable with no frame of its own, not the stream's async
-        # generator: the hot path of many short requests.
         request = self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
                               dp_rank=dp_rank)
-        if timeout is None:
-            return await request
         async with asyncio.timeout(timeout):
             return await request
 
@@ -218,10 +267,9 @@ class AsyncEngine(SchedulerClient):
                 this surfaces when the request is awaited).
             EngineClosed: the engine is closed (or not started).
             SchedulerGone: the scheduler died.
-            ValueError: ``input_ids`` are not valid token ids.
         """
-        return self._submit(self._generate_req(input_ids, sampling, stream, return_logprob,
-                                               rid, dp_rank), self._request)
+        req = self._generate_req(input_ids, sampling, stream, return_logprob, rid, dp_rank)
+        return self._start([req], self._request)[0]
 
     def submit_many(self, inputs: Sequence[npt.ArrayLike],
                     sampling: SamplingParams | None = None, *, stream: bool = False,
@@ -232,16 +280,11 @@ class AsyncEngine(SchedulerClient):
         All are validated before any is sent.
 
         Raises:
-            InvalidRequest, ValueError: one of them is refused (none was sent).
+            InvalidRequest: one of them is refused (none was sent).
             EngineClosed, SchedulerGone: as :meth:`submit`.
         """
-        reqs = [self._validated(self._generate_req(ids, sampling, stream, return_logprob,
-                                                   None, dp_rank)) for ids in inputs]
-        requests = [self._request(r.rid) for r in reqs]
-        self._register(reqs, requests)
-        for req in reqs:  # queued in this turn of the loop: they leave as one burst
-            self._send(req)
-        return requests
+        return self._start([self._generate_req(ids, sampling, stream, return_logprob, None,
+                                               dp_rank) for ids in inputs], self._request)
 
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                return_logprob: bool = False, rid: str | None = None,
@@ -250,8 +293,7 @@ class AsyncEngine(SchedulerClient):
 
         Raises (while iterating): as :meth:`generate`.
         """
-        return chunks(self._stream_start(input_ids, sampling, return_logprob, rid, dp_rank),
-                      self._cancel)
+        return _each(self._stream(input_ids, sampling, return_logprob, rid, dp_rank, True))
 
     def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                      *, return_logprob: bool = False, rid: str | None = None,
@@ -260,22 +302,22 @@ class AsyncEngine(SchedulerClient):
         list (never empty; one chunk per scheduler step in it).
 
         For a consumer that writes to a socket: what arrived while it was busy
-        is written at once, one write for many steps, not one a step. Leaving
-        early aborts the request.
+        is written at once, one write for many steps, not one a step. The
+        request is sent at the first iteration. Leaving early aborts it.
 
         Raises (while iterating): as :meth:`generate`; chunks that arrived
         before an error are yielded first.
         """
-        return steps(self._stream_start(input_ids, sampling, return_logprob, rid, dp_rank),
-                     self._cancel)
+        return self._stream(input_ids, sampling, return_logprob, rid, dp_rank, False)
 
-    def _stream_start(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
-                      return_logprob: bool, rid: str | None, dp_rank: int | None
-                      ) -> Callable[[], AsyncHandle]:
-        """Sends the stream's request when called (at its first iteration, not before)."""
-        return lambda: self._submit(self._generate_req(input_ids, sampling, True,
-                                                       return_logprob, rid, dp_rank),
-                                    self._handle)
+    def _stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
+                return_logprob: bool, rid: str | None, dp_rank: int | None, one: bool
+                ) -> AsyncIterator[list[StreamChunk]]:
+        """A stream's chunks (``one``: one at a time); its request is sent at the first
+        iteration (not before)."""
+        return cast(AsyncIterator[list[StreamChunk]], self._steps(lambda: self._start(
+            [self._generate_req(input_ids, sampling, True, return_logprob, rid, dp_rank)],
+            RequestState)[0], one))
 
     async def embed(self, input_ids: npt.ArrayLike, *, rid: str | None = None,
                     dp_rank: int | None = None, timeout: float | None = None
@@ -284,83 +326,117 @@ class AsyncEngine(SchedulerClient):
 
         Raises: as :meth:`generate`.
         """
-        answer = self._submit(self._embed_req(input_ids, dp_rank, rid),
-                              lambda rid: Answer(rid, self._on_loop()))
-        try:
-            async with asyncio.timeout(timeout):
-                item = await answer.future
-        except asyncio.CancelledError:
-            answer.cancelled()
-            self._cancel(answer)
-            raise
-        except TimeoutError:
-            answer.cancelled()
-            self._cancel(answer)
-            raise
-        assert isinstance(item, np.ndarray)
-        return item
+        state = self._start([self._embed_req(input_ids, dp_rank, rid)], RequestState)[0]
+        async with asyncio.timeout(timeout):
+            items = [item async for got in self._steps(state) for item in got]
+        assert isinstance(items[0], np.ndarray)
+        return items[0]
 
-    def _submit_now(self, reqs: Sequence[TokenizedGenerateReqInput
-                                          | TokenizedEmbeddingReqInput],
-                    make: Callable[[str], P], *, on_loop: bool = True
-                    ) -> tuple[list[Request], list[P], int]:
-        """Validate and register ``reqs`` with the handles ``make`` builds, and send what
-        the work channel takes now, in order (the threaded face's submit: what is left
-        goes with :meth:`_send_rest`). Returns (the requests, their handles, how many
-        were sent).
+    def _request(self, rid: str) -> AsyncRequest:
+        return AsyncRequest(rid, self)
 
-        Safe from another thread than the loop's with ``on_loop=False`` (the
-        table and the sends take their locks; what the loop queued this turn,
-        and its opportunistic read, are left to the loop): a blocking caller
-        submits with no hop to the loop.
+    def _start(self, reqs: Sequence[TokenizedGenerateReqInput | TokenizedEmbeddingReqInput],
+               make: Callable[[str], S]) -> list[S]:
+        """Validate ``reqs``, record the state ``make(rid)`` builds for each, and queue them
+        for this turn's burst: the way in of every request. All or none.
 
         Raises:
-            InvalidRequest: one is refused (none was sent).
+            InvalidRequest: one is refused, or its rid is in flight (none was sent).
             EngineClosed, SchedulerGone: as :meth:`submit`.
         """
-        checked: list[Request] = [self._validated(r) for r in reqs]
-        handles = [make(r.rid) for r in checked]
-        self._register(checked, handles)
-        if on_loop:
-            self._flush_sends()  # what this turn queued goes first
-        try:
-            self._check_open()
-            sent = self._send_nowait(checked)
-        except BaseException:
-            self._table.unregister(handles)
-            raise
-        if on_loop:
-            self._after_sends(sent)
-        return checked, handles, sent
+        if self._loop is None:
+            raise EngineClosed("the engine is not started (use 'async with' or start())")
+        checked, states = self._register(reqs, make)
+        for req in checked:
+            self._send(req)
+        return states
 
-    async def _send_rest(self, reqs: list[Request], handles: Sequence[Pending],
-                         sent: int) -> None:
-        """Send ``reqs[sent:]``, waiting for room on a full work channel (the threaded
-        face's backpressure); those not sent when it fails are unregistered.
+    async def _start_waiting(self, reqs: Sequence[TokenizedGenerateReqInput
+                                                  | TokenizedEmbeddingReqInput],
+                             make: Callable[[str], S]) -> list[S]:
+        """As :meth:`_start`, but sent at once, waiting for room while the work channel
+        is full (the blocking face's backpressure).
 
         Raises:
             Overloaded: no room for the channel's send timeout in a row (says how
-                many were sent).
-            EngineClosed, SchedulerGone: promptly, while waiting.
+                many were sent; those not sent are forgotten).
+            InvalidRequest, EngineClosed, SchedulerGone: as :meth:`_start`.
         """
-        since = time.monotonic()
+        checked, states = self._register(reqs, make)
+        self._flush_sends()  # what this turn queued goes first
+        sent, since = 0, time.monotonic()
         try:
-            while sent < len(reqs):
+            while True:
+                n = self._send_nowait(checked[sent:])
+                self._after_sends(n)
+                sent += n
+                if sent == len(checked):
+                    return states
+                if n:
+                    since = time.monotonic()
+                elif time.monotonic() - since > SEND_TIMEOUT:
+                    raise Overloaded(checked[sent].rid, "overloaded", "the scheduler is not "
+                                     "taking requests (its work channel stayed full for "
+                                     f"{SEND_TIMEOUT:g} s): {sent} of {len(checked)} were sent")
                 await asyncio.sleep(_RETRY_S)
                 self._check_open()
-                n = self._send_nowait(reqs[sent:])
-                if n:
-                    sent, since = sent + n, time.monotonic()
-                    self._after_sends(n)
-                elif time.monotonic() - since > SEND_TIMEOUT:
-                    raise Overloaded(reqs[sent].rid, "overloaded", "the scheduler is not "
-                                     "taking requests (its work channel stayed full for "
-                                     f"{SEND_TIMEOUT:g} s): {sent} of {len(reqs)} were sent")
-                elif not self._alive():
-                    self._check_open()
         except BaseException:
-            self._table.unregister(handles[sent:])
+            for state in states[sent:]:
+                if self._requests.get(state.rid) is state:
+                    del self._requests[state.rid]
             raise
+
+    def _register(self, reqs: Sequence[TokenizedGenerateReqInput | TokenizedEmbeddingReqInput],
+                  make: Callable[[str], S]) -> tuple[list[Request], list[S]]:
+        checked: list[Request] = [self._validated(r) for r in reqs]
+        self._check_open()
+        table = self._requests
+        for req in checked:
+            if req.rid in table:
+                raise InvalidRequest(req.rid, "this request id is still in flight (pending, "
+                                              "or cancelled and not yet ended by the scheduler)")
+        if len(checked) > 1 and len({r.rid for r in checked}) != len(checked):
+            raise InvalidRequest(checked[0].rid, "two requests of one batch share an id")
+        states = [make(r.rid) for r in checked]
+        table.update(zip([r.rid for r in checked], states, strict=True))
+        return checked, states
+
+    async def _steps(self, start: RequestState | Callable[[], RequestState],
+                     one: bool = False) -> AsyncIterator[list[Item]]:
+        """A request's outputs, those that have arrived (``one``: the oldest) as one list,
+        until its last; an error is raised after the outputs that came before it.
+        ``start``: its state, or what sends it at the first iteration. Leaving before
+        its end aborts it."""
+        state = start if isinstance(start, RequestState) else start()
+        finished = False
+        try:
+            while not finished:
+                # What is buffered is taken without a coroutine; a bare future is
+                # awaited only when nothing waits (the per-token hot path).
+                items = state.take(one)
+                if not items:
+                    await state.arrival()
+                    continue
+                last = items[-1]  # (an error or a final output is the last one)
+                finished = not isinstance(last, StreamChunk) or last.finish_reason is not None
+                if isinstance(last, EngineError):
+                    if len(items) > 1:
+                        yield items[:-1]
+                    raise last
+                yield items
+        finally:
+            if not finished:  # cancelled, broken out of, or collected: free the slot
+                self._cancel(state)
+
+    async def _result(self, request: AsyncRequest) -> GenerateResult:
+        return joined(request.rid, [item async for got in self._steps(request) for item in got])
+
+    def _unseen_failure(self, error: EngineError) -> None:
+        """A request failed and was collected without ever being awaited: counted,
+        and summarized in the log (never a traceback per request)."""
+        self.unawaited_failures += 1
+        code = getattr(error, "code", type(error).__name__)
+        self._unseen_log.add("submit", f"{code}: {error}")
 
     async def abort(self, rid: str) -> None:
         """Abort a queued or running request (idempotent).
@@ -373,73 +449,147 @@ class AsyncEngine(SchedulerClient):
             InvalidRequest: ``rid`` is not a valid request id.
             EngineClosed, SchedulerGone: as :meth:`generate`.
         """
-        req = self._abort_req(rid)
         self._check_open()
-        holder = self._table.holder(rid)
-        if holder is not None:  # none: it ended (its answer is in): nothing to abort
-            self._send_abort(req, holder)
+        self._validated(AbortReq(rid=rid))
+        state = self._requests.get(rid)
+        if state is not None:  # none: it ended (its answer is in): nothing to abort
+            self._abort(state)
 
-    def _cancel(self, handle: Pending) -> None:
-        """The caller of ``handle`` left: forget it and abort its request, best effort.
+    def _cancel(self, state: RequestState) -> None:
+        """The caller of ``state`` left: drop its outputs, and abort its request unless it
+        ended (by identity: its rid may be a new request's by now)."""
+        state.left = True
+        if self._requests.get(state.rid) is state and not self.closed and self._gone is None:
+            self._abort(state)
 
-        By identity: a request that already ended (its final answer is in,
-        perhaps not yet consumed) is not aborted, and its rid, which a new
-        request may hold by now, is left alone. The abort goes out only while
-        the request it is for still holds the rid (:meth:`_abort_now`).
-        """
-        token = self._forget(handle)
-        if token is None or self.closed or self._gone is not None:
-            return
-        try:
-            self._send_abort(token)
-        except EngineError:
-            pass  # closing or gone: nothing left to free
-
-    def _abort_now(self, item: Pending | AbortReq) -> AbortReq | None:
-        """The abort to send for ``item`` (a cancelled request's token, or the handle
-        an explicit abort was for) now: only while it still holds its rid (else
-        its request ended, and the rid may be a new request's)."""
-        if isinstance(item, AbortReq):
-            return item
-        return AbortReq(rid=item.rid) if self._table.owns(item) else None
-
-    def _send_abort(self, req: AbortReq | Forgotten, holder: Pending | None = None) -> None:
-        """Send an abort now, or as soon as the work channel has room: never lost,
-        never blocking the loop. One that must wait is kept as the entry it is for
-        (``req`` itself for a cancelled request, else ``holder``) and is sent
-        only while that entry still holds the rid."""
-        entry: Pending | AbortReq = req if isinstance(req, Forgotten) else holder or req
+    def _abort(self, state: RequestState) -> None:
+        """Abort ``state``'s request at the end of this turn, or as soon as the work channel
+        has room, in order: only while it still holds its rid."""
         if self._unsent_aborts:  # keep order behind those already waiting
-            self._unsent_aborts.append(entry)
-            return
-        try:
-            self._send(entry if isinstance(entry, AbortReq) else _AbortOf(entry))
-        except Overloaded:
-            self._queue_abort(entry)
-
-    def _queue_abort(self, entry: Pending | AbortReq) -> None:
-        self._unsent_aborts.append(entry)
-        if len(self._unsent_aborts) == 1:
-            assert self._loop is not None
-            self._loop.call_later(_RETRY_S, self._retry_aborts)
+            self._unsent_aborts.append(state)
+        else:
+            self._send(state)
 
     def _retry_aborts(self) -> None:
-        waiting = self._unsent_aborts
-        while waiting and not self.closed and self._gone is None:
-            req = self._abort_now(waiting[0])
-            if req is None:  # its request ended meanwhile: nothing to abort
-                waiting.popleft()
-                continue
+        """Queue the aborts that waited for room again, in order (each still sent only
+        while its state holds its rid)."""
+        waiting, self._unsent_aborts = self._unsent_aborts, deque()
+        if not self.closed and self._gone is None:
+            for state in waiting:
+                self._send(state)
+
+    def _send(self, item: Request | RequestState) -> None:
+        """Queue a request, or the abort of a request's state, for this turn's burst.
+
+        The lone request of an idle engine leaves as soon as its task awaits.
+        """
+        assert self._loop is not None
+        queue = self._outq
+        queue.append(item)
+        if len(queue) == 1:
+            self._loop.call_soon(self._flush_sends)
+        elif len(queue) >= SEND_BURST:
+            self._flush_sends()
+
+    def _flush_sends(self) -> None:
+        """Send what this turn of the loop queued, as bursts; a request the channel does
+        not take fails with Overloaded, an abort waits for room."""
+        queued, self._outq = self._outq, []
+        reqs: list[Request] = []
+        aborting: dict[int, RequestState] = {}  # id(abort) -> the state it is for
+        for item in queued:
+            if isinstance(item, RequestState):
+                if self._requests.get(item.rid) is not item:
+                    continue  # its request ended: nothing to abort
+                abort = AbortReq(rid=item.rid)
+                aborting[id(abort)] = item
+                item = abort
+            reqs.append(item)
+        error: EngineError | None = None
+        sent = 0
+        while sent < len(reqs):
             try:
-                SchedulerClient._send(self, req)  # now, not at the turn's end
-            except Overloaded:
-                assert self._loop is not None
-                self._loop.call_later(_RETRY_S, self._retry_aborts)
-                return
-            except EngineError:
+                n = self._send_nowait(reqs[sent:])
+            except Exception as exc:  # closed under us (or, validated, not expected: one
+                # that cannot be encoded): nothing more will be sent
+                error = exc if isinstance(exc, EngineError) else EngineError(
+                    f"request {reqs[sent].rid!r} could not be sent: {exc}")
                 break
-            waiting.popleft()
-        waiting.clear()
+            if n == 0:
+                break
+            sent += n
+        for req in reqs[sent:]:
+            state = aborting.get(id(req))
+            if state is None:
+                self._end(req.rid, error or Overloaded(
+                    req.rid, "overloaded", "the scheduler is not taking requests (its work "
+                                           "channel is full)"))
+            elif error is None:  # an abort waits for room, in order
+                self._unsent_aborts.append(state)
+                if len(self._unsent_aborts) == 1:
+                    assert self._loop is not None
+                    self._loop.call_later(_RETRY_S, self._retry_aborts)
+        self._after_sends(sent)
+
+    def _end(self, rid: str, item: Item) -> None:
+        state = self._requests.pop(rid, None)
+        if state is not None:
+            state.put(item)
+
+    def _fail_all(self, error: EngineError) -> None:
+        """End every waiting request with ``error``."""
+        states = list(self._requests.values())
+        self._requests.clear()
+        for state in states:
+            state.put(error)
+
+    # -- outputs --------------------------------------------------------------------
+
+    def _after_sends(self, n: int) -> None:
+        # A burst of submits runs in one loop iteration, before the loop polls
+        # again: read outputs every so often meanwhile, so delivery overlaps it
+        # (one non-blocking poll per _READ_EVERY sends).
+        self._sent_unread += n
+        if self._sent_unread >= _READ_EVERY and self._reading:
+            self._on_readable()
+
+    def _on_readable(self) -> None:
+        if not self._reading:  # a call scheduled before the reader was removed
+            return
+        self._sent_unread = 0
+        # A poll at a time, delivered a share of rows at a time: the requests
+        # woken run before the next share, and a flood of outputs never holds
+        # the loop for longer than one share (deliver_rows).
+        backlog, more = self._backlog, False
+        if not backlog:
+            got = self._outputs.poll()
+            backlog.extend(got)
+            more = len(got) >= self._outputs.budget
+        deliver_rows(self._requests, backlog, _ROWS_PER_TURN)
+        assert self._loop is not None
+        sock = self._zmq_out
+        # zmq's FD is edge-triggered: it fires again only after EVENTS is read
+        # with nothing left; if messages slipped in meanwhile, go again.
+        if backlog or more or (sock is not None
+                               and cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN):
+            self._loop.call_soon(self._on_readable)
+
+    def _on_rpc_readable(self) -> None:
+        # Outputs waiting now are delivered before the rpc replies: a reply the
+        # scheduler sent after a request's last tokens finds them delivered (a
+        # caller that waits for get_load to say idle, then reads its stream).
+        if self._reading:
+            self._on_readable()
+        self._rpc.read_replies()
+
+    async def _watch(self) -> None:
+        """Fail every waiting request and rpc call promptly once the scheduler is gone."""
+        while not self.closed:
+            await asyncio.sleep(0.1)  # a liveness poll, not a wait for a condition
+            if not self._alive():
+                why = self._gone or "the scheduler is gone"
+                self._fail_all(SchedulerGone(why))
+                self._rpc.fail_all(PeerGone(f"{self._rpc.name} ({self._rpc.endpoint})", why))
 
     # -- rpc --------------------------------------------------------------------
 
@@ -520,144 +670,84 @@ class AsyncEngine(SchedulerClient):
         seconds = close_timeout(timeout)  # (refused before anything is stopped)
         if self.closed:
             return
+        self._closed = True
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._flush_sends()  # what this turn submitted goes before the shutdown
-        loop = asyncio.get_running_loop()
-        # The shutdown rpc and joins block: run them off the loop, which keeps
+        # The shutdown rpc and the joins block: run them off the loop, which keeps
         # delivering the terminal answers meanwhile.
-        await loop.run_in_executor(None, self._shutdown, seconds,
-                                   functools.partial(self._stop_reading, loop))
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_scheduler, seconds)
+        if self._loop is not None:
+            self._loop.remove_reader(self._fd)
+            self._loop.remove_reader(self._rpc.fileno())
+        self._reading = False
+        while True:  # read last what arrived last, after what was read before
+            got = self._outputs.poll()
+            self._backlog.extend(got)
+            if len(got) < self._outputs.budget:
+                break
+        deliver_rows(self._requests, self._backlog, len(self._backlog))
+        self._fail_all(EngineClosed("the engine closed before the request finished"))
+        self._release()
         self._unseen_log.flush()  # the last ones counted, not left unsaid
 
-    def _stop_reading(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._loop is None:
-            return
-        asyncio.run_coroutine_threadsafe(self._remove_reader(), loop).result()
 
-    async def _remove_reader(self) -> None:
-        assert self._loop is not None
-        self._loop.remove_reader(self._fd)
-        self._loop.remove_reader(self._rpc.fileno())
-        self._reading = False
-        self._table.deliver_all(self._backlog)  # read but not yet delivered: first, in order
-        self._backlog.clear()
-        self._read_outputs()  # then what arrived last
+def deliver_rows(requests: dict[str, RequestState],
+                 backlog: deque[Envelope[Output] | Rejected], rows: int) -> None:
+    """Deliver outputs from the front of ``backlog`` to their requests' states until about
+    ``rows`` requests were handed an item (at least one output; a batch is never split).
 
-    def _send(self, req: Request | _AbortOf) -> None:
-        # Never blocks the loop. What is sent in one turn of the loop leaves at
-        # its end, together: over zmq as one burst, on the ring in one put (one
-        # lock, one wake-up of the scheduler). The lone request of an idle
-        # frontend leaves as soon as its task awaits.
-        if self._loop is None:
-            assert not isinstance(req, _AbortOf)  # nothing is cancelled before start()
-            super()._send(req)  # a full work channel: Overloaded at once
-            self._after_sends(1)
-            return
-        self._check_open()
-        queue = self._outq
-        if isinstance(req, _AbortOf):
-            self._outq_cancels += 1
-        queue.append(req)
-        if len(queue) == 1:
-            self._loop.call_soon(self._flush_sends)
-        elif len(queue) >= SEND_BURST:
-            self._flush_sends()
-
-    def _flush_sends(self) -> None:
-        """Send what this turn of the loop submitted, as bursts; what the channel
-        does not take fails with Overloaded (an abort waits for room instead)."""
-        pending, self._outq = self._outq, []
-        if not pending:
-            return
-        queue: list[Request]
-        tokens: dict[int, Pending] = {}  # id(abort) -> the entry it is for
-        if self._outq_cancels:  # decided now, at the last moment before sending
-            self._outq_cancels = 0
-            queue = []
-            for item in pending:
-                if isinstance(item, _AbortOf):
-                    abort = self._abort_now(item.entry)
-                    if abort is None:
-                        continue  # its request ended: nothing to abort
-                    tokens[id(abort)] = item.entry
-                    item = abort
-                queue.append(item)
+    An event loop's share of a poll: one poll can hold a thousand step
+    outputs of 256 requests each when the loop fell behind, and delivering
+    them in one callback held the loop (and every timer, socket and health
+    check on it) for 100 ms (measured with 256 HTTP streams). The rest
+    waits in ``backlog`` for the next callback. A request's last output
+    removes it from ``requests``; one for no request of ours is dropped.
+    """
+    done = 0
+    while backlog and done < rows:
+        env = backlog.popleft()
+        if isinstance(env, Rejected):
+            log.error("undecodable output from the scheduler: %s", env.error)
+            done += 1
+            continue
+        out = env.message
+        if isinstance(out, BatchTokenIDOut):
+            bounds = out.offsets()
+            ids = tuple(out.output_ids)  # one conversion for the whole batch; sliced below
+            lps = tuple(out.logprobs.tolist()) if out.logprobs is not None else None
+            cached = out.cached_tokens
+            for i, (rid, fin) in enumerate(zip(out.rids, out.finished_reasons, strict=True)):
+                state = requests.pop(rid, None) if fin is not None else requests.get(rid)
+                if state is not None:
+                    a, b = bounds[i], bounds[i + 1]
+                    state.put(StreamChunk(rid, ids[a:b], fin, None if lps is None else lps[a:b],
+                                          None if cached is None else cached[i]))
+            done += len(out.rids)
+        elif isinstance(out, BatchEmbeddingOut):
+            vectors = out.embeddings.float().numpy()
+            for i, rid in enumerate(out.rids):
+                state = requests.pop(rid, None)
+                if state is not None:
+                    state.put(vectors[i].copy())
+            done += len(out.rids)
+        elif isinstance(out, ErrorOut):
+            error = Overloaded if out.code == "overloaded" else RequestFailed
+            state = requests.pop(out.rid, None)
+            if state is not None:
+                state.put(error(out.rid, out.code, out.message))
+            done += 1
         else:
-            queue = cast(list[Request], pending)
-        error: EngineError | None = None
-        rest, sent = queue, 0
-        while rest:
-            try:
-                n = self._send_nowait(rest)
-            except EncodeError as exc:  # rest[0] alone cannot go (validated: not expected)
-                self._put(rest[0].rid, RequestFailed(rest[0].rid, "invalid_request", str(exc)),
-                          final=True)
-                rest = rest[1:]
-                continue
-            except Exception as exc:  # closed under us: nothing more will be sent
-                error = EngineClosed(f"the engine closed before sending: {exc}")
-                break
-            if n == 0:
-                break
-            sent += n
-            rest = rest[n:]
-        for req in rest:
-            if isinstance(req, AbortReq) and error is None:
-                # An abort waits as the entry it is for: checked again then.
-                self._queue_abort(tokens.get(id(req), req))
-            else:
-                self._put(req.rid, error or Overloaded(
-                    req.rid, "overloaded", "the scheduler is not taking requests (its work "
-                                           "channel is full)"), final=True)
-        self._after_sends(sent)
+            log.error("unexpected output %s on the transport", type(out).__name__)
+            done += 1
 
-    def _after_sends(self, n: int) -> None:
-        # A burst of submits runs in one loop iteration, before the loop polls
-        # again: read outputs every so often meanwhile, so delivery overlaps
-        # the burst as the threaded face's reader does (one non-blocking poll
-        # per _READ_EVERY sends).
-        self._sent_unread += n
-        if self._sent_unread >= _READ_EVERY and self._reading:
-            self._on_readable()
 
-    def _on_readable(self) -> None:
-        if not self._reading:  # a call scheduled before the reader was removed
-            return
-        self._sent_unread = 0
-        # A poll at a time, delivered a share of rows at a time: the requests
-        # woken run before the next share, and a flood of outputs never holds
-        # the loop for longer than one share (PendingTable.deliver_rows).
-        backlog, more = self._backlog, False
-        if not backlog:
-            got = self._outputs.poll()
-            backlog.extend(got)
-            more = len(got) >= self._outputs.budget
-        self._table.deliver_rows(backlog, _ROWS_PER_TURN)
-        if backlog or more:
-            assert self._loop is not None
-            self._loop.call_soon(self._on_readable)
-            return
-        sock = self._zmq_out
-        # zmq's FD is edge-triggered: it fires again only after EVENTS is read
-        # with nothing left; if messages slipped in meanwhile, go again.
-        if sock is not None and cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
-            assert self._loop is not None
-            self._loop.call_soon(self._on_readable)
-
-    def _on_rpc_readable(self) -> None:
-        # Outputs waiting now are delivered before the rpc replies: a reply the
-        # scheduler sent after a request's last tokens finds them delivered (a
-        # caller that waits for get_load to say idle, then reads its stream).
-        if self._reading:
-            self._on_readable()
-        self._rpc.read_replies()
-
-    async def _watch(self) -> None:
-        """Fail every waiting request promptly once the scheduler is gone."""
-        while not self.closed:
-            await asyncio.sleep(0.1)  # a liveness poll, not a wait for a condition
-            self._check_alive()
+async def _each(steps: AsyncIterator[list[StreamChunk]]) -> AsyncIterator[StreamChunk]:
+    """The chunks of ``steps`` one at a time; leaving early closes (aborts) it."""
+    async with contextlib.aclosing(cast(AsyncGenerator[list[StreamChunk], None], steps)):
+        async for chunks in steps:
+            for chunk in chunks:
+                yield chunk
 
 
 def _settle(future: asyncio.Future[RpcReqOutput | Exception],

@@ -1,11 +1,10 @@
-"""``SchedulerClient``: the client side of a scheduler, under both engine faces.
+"""``SchedulerClient``: the wiring under the engine client, and what each request needs of it.
 
 Wiring a mode (the embedded scheduler thread, or the scheduler processes and
-their ipc endpoints), rid allocation, validation at submit, the pending
-table, mapping outputs and errors to each request, liveness, rpc and
-teardown. :class:`~scheduler.AsyncEngine` is the client built on it (one
-event loop reads outputs and rpc replies); :class:`~scheduler.Engine` runs an
-``AsyncEngine`` on a private event-loop thread.
+their ipc endpoints), rid allocation, validation at submit, sending on the
+work channel, liveness, and stopping. :class:`~scheduler.AsyncEngine` is
+the client built on it (its event loop sends, reads outputs and rpc
+replies, and holds each request's state).
 """
 
 from __future__ import annotations
@@ -17,12 +16,11 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from typing import Literal, TypeVar
 
 import numpy.typing as npt
-import zmq
 
 from bus import (
     ChannelClosed,
@@ -38,7 +36,6 @@ from bus import (
 )
 from bus.channels import Inbox
 from messages import (
-    AbortReq,
     Codec,
     DecodeError,
     Output,
@@ -54,14 +51,13 @@ from messages.channels import OUT, WORK
 from scheduler.core.admission import Limits
 from scheduler.core.metrics import metrics_text
 from scheduler.dp import Policy
-from scheduler.engine.pending import Forgotten, Item, Pending, PendingTable
+from scheduler.engine.handles import RequestState
 from scheduler.engine.stopping import SEND_AT_LEAST, stop_processes, stop_thread
 from scheduler.errors import (
     EngineClosed,
     EngineError,
     EngineForked,
     InvalidRequest,
-    Overloaded,
     RequestFailed,
     SchedulerGone,
 )
@@ -80,23 +76,33 @@ from scheduler.models.loading import (
 )
 from scheduler.models.protocol import Model
 
-__all__ = ["SEND_TIMEOUT", "SchedulerClient", "Item", "Pending"]
+__all__ = ["SEND_TIMEOUT", "SchedulerClient"]
 
 R = TypeVar("R", bound=Request)
-P = TypeVar("P", bound="Pending")
 
 log = logging.getLogger("scheduler.engine")
 
 #: Seconds a submit waits for room on a full work channel before ``Overloaded``.
 SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000
 
+#: This process's id, updated in a child that ``os.fork`` makes: the fork check every
+#: call passes (``_check_process``, three a request) reads it instead of asking the
+#: kernel (``os.getpid`` is a system call each time).
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
 
 class SchedulerClient:
     """The client side of a scheduler it starts in one of two modes (not the scheduler's
-    loop, which is :class:`~scheduler.Scheduler`); see the faces for the arguments.
-
-    Does not read outputs by itself: a face calls :meth:`_read_outputs` when
-    :attr:`_outputs_fd` is readable.
+    loop, which is :class:`~scheduler.Scheduler`); see :class:`~scheduler.AsyncEngine`
+    for the arguments. It reads no outputs itself: the ``AsyncEngine`` does, on its loop.
     """
 
     #: ``"ring"`` (scheduler embedded in this process) or ``"zmq"`` (in its own).
@@ -151,14 +157,11 @@ class SchedulerClient:
         # leaves the engine to the collector, or at exit for an engine never closed.
         self._remove_dir = weakref.finalize(self, remove_run_dir, self._dir)
         self.endpoints = Endpoints.in_dir(self._dir)
-        self._table = PendingTable()
+        self._requests: dict[str, RequestState] = {}  # rid -> its state, on the loop
         self._owner = os.getpid()  # a forked child may not use it (_check_process)
         # Unique per engine (random prefix) and cheap per request (a counter).
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_seq = itertools.count()
-        # Sends on the work socket: the loop's, and the blocking face's submits from
-        # its callers' threads.
-        self._send_lock = threading.Lock()
         self._closed = False
         self._gone: str | None = None
         self._load_error: ModelLoadError | None = None  # why a scheduler process did not start
@@ -194,7 +197,7 @@ class SchedulerClient:
     @property
     def pending(self) -> int:
         """Requests sent and not yet answered (their handles wait)."""
-        return len(self._table)
+        return len(self._requests)
 
     @property
     def closed(self) -> bool:
@@ -234,12 +237,10 @@ class SchedulerClient:
             raise RequestFailed(reply.rid, "metrics", reply.message)
         return text
 
-    def _shutdown(self, timeout: float, stop_reading: Callable[[], None]) -> None:
-        """Finish every accepted request with a terminal answer, then stop (once);
-        ``timeout`` as :func:`~scheduler.engine.stopping.close_timeout` gives it."""
-        if self._closed:
-            return
-        self._closed = True
+    def _stop_scheduler(self, timeout: float) -> None:
+        """Shut the scheduler down and wait for it to stop, within ``timeout`` (from
+        :func:`~scheduler.engine.stopping.close_timeout`): blocks. Its last answers
+        are still read meanwhile by whoever reads the outputs."""
         deadline = time.monotonic() + timeout  # one for all of it (scheduler.engine.stopping)
         supervisor = self._started.supervisor
         if supervisor is not None:  # restart nothing that is being shut down
@@ -256,9 +257,14 @@ class SchedulerClient:
                                 kill_now=self._gone is not None)
         if killed:  # a killed process left its shared-memory segments: unlink them now
             sweep_shm()
-        stop_reading()
-        self._release_processes()
-        self._fail_all(EngineClosed("the engine closed before the request finished"))
+        for proc in self._started.all():  # their pipes (two each) now, not at GC
+            if proc.exitcode is not None:  # joined (or killed and joined) just before
+                proc.close()
+        self._started = SchedulerProcesses()
+        self._procs = []
+
+    def _release(self) -> None:
+        """Close the channels and remove the run directory (once the outputs are read)."""
         self._rpc.close()
         self._out_inbox.close()
         if self._work_out is not None:
@@ -269,14 +275,6 @@ class SchedulerClient:
         self._remove_dir()
 
     # -- internals --------------------------------------------------------------
-
-    def _release_processes(self) -> None:
-        """Release the exited processes' pipes (two per process) now, not at GC."""
-        for proc in self._started.all():
-            if proc.exitcode is not None:  # joined (or killed and joined) just before
-                proc.close()
-        self._started = SchedulerProcesses()
-        self._procs = []
 
     def _new_rid(self) -> str:
         return f"{self._rid_prefix}-{next(self._rid_seq)}"
@@ -308,12 +306,13 @@ class SchedulerClient:
             if self._gone is None:
                 self._load_error = load_failure(dead)
                 if self._load_error is not None:  # raised by the start: no log line
-                    self._gone = f"scheduler process {dead.name} did not start: " \
-                                 f"{self._load_error}"
+                    self._gone = (f"scheduler process {dead.name} did not start: "
+                                  f"{self._load_error}")
                     return False
                 self._gone = f"scheduler process {dead.name} exited (exit code {dead.exitcode})"
-                if not self.closed:  # said once, and not at this engine's own close (exit
-                    # 0: it was told to stop, as by an operator's rpc shutdown)
+                # Said once, and not at this engine's own close. Exit code 0: it was
+                # told to stop, as by an operator's rpc shutdown.
+                if not self.closed:
                     log.log(logging.WARNING if dead.exitcode == 0 else logging.ERROR,
                             "%s: requests in flight fail, new ones are refused", self._gone)
             return False
@@ -366,26 +365,6 @@ class SchedulerClient:
         return [tuple(p.pid for p in ranks if p.pid is not None)
                 for ranks in self._started.replicas]
 
-    def _abort_req(self, rid: str) -> AbortReq:
-        self._check_process()
-        return self._validated(AbortReq(rid=rid))
-
-    def _submit(self, req: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput,
-                make: Callable[[str], P]) -> P:
-        """Validate ``req``, register the handle ``make(rid)`` builds, send; return it."""
-        req = self._validated(req)
-        handle = make(req.rid)
-        self._register([req], [handle])
-        try:
-            self._send(req)
-        except BaseException:
-            self._table.unregister([handle])
-            raise
-        return handle
-
-    def _register(self, reqs: Sequence[Request], handles: Sequence[Pending]) -> None:
-        self._table.register([r.rid for r in reqs], handles, self._check_open)
-
     def _check_process(self) -> None:
         """Refuse a call from a child made by ``os.fork`` (:class:`EngineForked`).
 
@@ -396,9 +375,8 @@ class SchedulerClient:
         rings and rid counter are the parent's (a request sent from the child
         would take a rid the parent is about to use).
         """
-        pid = os.getpid()
-        if pid != self._owner:
-            raise EngineForked(self._owner, pid)
+        if _pid != self._owner:
+            raise EngineForked(self._owner, _pid)
 
     def _check_open(self) -> None:
         self._check_process()
@@ -406,18 +384,6 @@ class SchedulerClient:
             raise EngineClosed("the engine is closed")
         if self._gone is not None:
             raise SchedulerGone(self._gone)
-
-    def _send(self, req: Request) -> None:
-        """Send ``req`` to the scheduler now, never waiting for room.
-
-        Raises:
-            Overloaded: the scheduler's work channel is full.
-            EngineClosed, SchedulerGone: as the public calls.
-        """
-        self._check_open()
-        if not self._send_nowait([req]):
-            raise Overloaded(req.rid, "overloaded", "the scheduler is not taking requests "
-                                                    "(its work channel is full)")
 
     def _send_nowait(self, reqs: Sequence[Request]) -> int:
         """Send what of ``reqs`` the work channel takes now, in order (over zmq as
@@ -431,41 +397,9 @@ class SchedulerClient:
             if self._ingress is not None:
                 return self._ingress.put_many_nowait(reqs)
             assert self._work_out is not None
-            with self._send_lock:  # a zmq socket is not thread-safe
-                return self._work_out.send_many_nowait(reqs)
+            return self._work_out.send_many_nowait(reqs)
         except ChannelClosed as exc:
             raise EngineClosed("the engine is closed") from exc
-
-    def _forget(self, handle: Pending) -> Forgotten | None:
-        """The caller left: see :meth:`PendingTable.forget` (by identity, never by rid)."""
-        return self._table.forget(handle)
-
-    @property
-    def _outputs_fd(self) -> int:
-        """An fd that is readable while outputs wait (for an event loop's reader)."""
-        pollable = self._out_inbox.pollable()
-        return pollable if isinstance(pollable, int) else int(pollable.get(zmq.FD))
-
-    def _read_outputs(self) -> None:
-        """Deliver every output waiting now to its request (the last read, at close)."""
-        while True:
-            got = self._outputs.poll()
-            self._table.deliver_all(got)
-            if len(got) < self._outputs.budget:
-                return
-
-    def _check_alive(self) -> None:
-        """Fail every pending request if the scheduler is gone."""
-        if not self._alive():
-            why = self._gone or "the scheduler is gone"
-            self._fail_all(SchedulerGone(why))
-            self._rpc.fail_all(PeerGone(f"{self._rpc.name} ({self._rpc.endpoint})", why))
-
-    def _put(self, rid: str, item: Item, *, final: bool) -> None:
-        self._table.put(rid, item, final=final)
-
-    def _fail_all(self, error: EngineError) -> None:
-        self._table.fail_all(error)
 
 
 def _packed(rid: str, input_ids: npt.ArrayLike) -> TokenIds:

@@ -1,15 +1,21 @@
-"""What a caller holds for a submitted request: its handle, its chunks, its result.
+"""A request in flight: its state, the chunks and result its caller gets, the handles.
 
-Shared by every engine face: a handle is fed by whichever thread reads the
-scheduler's outputs, and read by the caller.
+:class:`RequestState` is what the engine's output reader fills, on the
+engine's event loop, and its caller reads. Each face hands its caller one
+thin handle over it: :class:`~scheduler.AsyncRequest` (awaitable, in
+``async_engine``) and :class:`RequestHandle` (readable from any thread, its
+outputs passed over a thread-safe queue), with :class:`Stream` for a blocking
+stream that aborts its request when left early.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, Self, TypeVar
+from typing import Generic, Self, TypeVar, cast
 
 import msgspec
 import numpy as np
@@ -18,7 +24,8 @@ import numpy.typing as npt
 from messages import FinishReason
 from scheduler.errors import EngineError
 
-__all__ = ["GenerateResult", "RequestHandle", "Stream", "StreamChunk"]
+__all__ = ["GenerateResult", "Item", "RequestHandle", "RequestState", "Stream", "StreamChunk",
+           "ends", "joined"]
 
 T = TypeVar("T")
 
@@ -58,35 +65,161 @@ class GenerateResult:
     cached_tokens: int | None = None
 
 
-_Item = StreamChunk | npt.NDArray[np.float32] | EngineError
+#: What a request receives: a chunk, an embedding, or the error that ends it.
+Item = StreamChunk | npt.NDArray[np.float32] | EngineError
 
 
-class RequestHandle:
-    """A submitted request: iterate its chunks, or wait for its result."""
+def ends(item: Item) -> bool:
+    """Whether ``item`` is a request's last: an error, an embedding, a final chunk."""
+    return not isinstance(item, StreamChunk) or item.finish_reason is not None
+
+
+def joined(rid: str, items: Sequence[Item]) -> GenerateResult:
+    """A generate request's chunks, the last one final, as its one answer."""
+    chunks = cast(Sequence[StreamChunk], items)
+    final = chunks[-1].finish_reason
+    assert final is not None
+    if len(chunks) == 1:  # a request not streamed: its one chunk
+        c = chunks[0]
+        return GenerateResult(rid, list(c.token_ids), final,
+                              None if c.logprobs is None else list(c.logprobs), c.cached_tokens)
+    has_lps = any(c.logprobs is not None for c in chunks)
+    cached = [c.cached_tokens for c in chunks if c.cached_tokens is not None]
+    return GenerateResult(rid, [t for c in chunks for t in c.token_ids], final,
+                          [lp for c in chunks for lp in c.logprobs or ()] if has_lps else None,
+                          cached[-1] if cached else None)
+
+
+class _Merged:
+    """Chunks merged past the buffer bound: lists extended in place (O(1) a token)."""
+
+    __slots__ = ("cached_tokens", "finish_reason", "logprobs", "token_ids")
+
+    def __init__(self, first: StreamChunk) -> None:
+        self.token_ids = list(first.token_ids)
+        self.logprobs = None if first.logprobs is None else list(first.logprobs)
+        self.finish_reason = first.finish_reason
+        self.cached_tokens = first.cached_tokens
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.token_ids.extend(chunk.token_ids)
+        if self.logprobs is not None and chunk.logprobs is not None:
+            self.logprobs.extend(chunk.logprobs)
+        self.finish_reason = chunk.finish_reason
+        if chunk.cached_tokens is not None:
+            self.cached_tokens = chunk.cached_tokens
+
+    def chunk(self, rid: str) -> StreamChunk:
+        lps = self.logprobs
+        return StreamChunk(rid, tuple(self.token_ids), self.finish_reason,
+                           None if lps is None else tuple(lps), self.cached_tokens)
+
+
+class RequestState:
+    """One request in flight: what the engine's output reader fills and its caller reads.
+
+    Lives on the engine's event loop: the reader hands it each output
+    (:meth:`put`); its caller takes what arrived (:meth:`take`), awaiting
+    :meth:`arrival` while nothing waits. Past :attr:`max_buffered` items a new
+    token chunk is merged into the last buffered one: a slow consumer holds a
+    bounded number of objects and loses no token, and delivery to the other
+    requests never waits for it.
+
+    ``left``: its caller left; its outputs are dropped. The engine keeps it
+    under its rid until the scheduler's last answer for it: a request
+    reusing the rid before then would receive the old one's outputs.
+    """
+
+    max_buffered = 64
+
+    __slots__ = ("items", "left", "rid", "waiter")
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
-        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self.items: deque[Item | _Merged] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.left = False
+
+    def put(self, item: Item) -> None:
+        """Hand over one output (on the loop)."""
+        if self.left:
+            return
+        items = self.items
+        last = items[-1] if items else None
+        if (len(items) >= self.max_buffered and isinstance(item, StreamChunk)
+                and isinstance(last, StreamChunk | _Merged) and last.finish_reason is None):
+            if isinstance(last, StreamChunk):  # copied once, then extended in place
+                last = items[-1] = _Merged(last)
+            last.add(item)
+        else:
+            items.append(item)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():  # (cancelled if its consumer left)
+                waiter.set_result(None)
+
+    def take(self, one: bool = False) -> list[Item]:
+        """The outputs waiting now (``one``: the oldest alone), oldest first; empty if none."""
+        items = self.items
+        if one and len(items) > 1:
+            item = items.popleft()
+            return [item.chunk(self.rid) if isinstance(item, _Merged) else item]
+        out = [i.chunk(self.rid) if isinstance(i, _Merged) else i for i in items]
+        items.clear()
+        return out
+
+    def arrival(self) -> asyncio.Future[None]:
+        """A future done when the next output arrives (await it only while empty)."""
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            waiter = self.waiter = asyncio.get_running_loop().create_future()
+        return waiter
+
+
+class RequestHandle(RequestState):
+    """A request submitted from the blocking face: iterate its chunks, or wait for its result.
+
+    Read from any thread: the engine's loop passes each output over a
+    thread-safe queue instead of buffering it.
+    """
+
+    __slots__ = ("_done", "_queue")
+
+    def __init__(self, rid: str) -> None:
+        super().__init__(rid)
+        self._queue: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self._done = False
 
-    def put(self, item: _Item) -> None:
-        """Hand this request an output (called by the engine's reader)."""
-        self._queue.put(item)
+    def put(self, item: Item) -> None:
+        if not self.left:
+            self._queue.put(item)
 
     @property
     def done(self) -> bool:
         """Whether the caller has taken the request's last answer (or its error)."""
         return self._done
 
-    def _next(self, timeout: float | None) -> _Item:
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            raise EngineError(f"request {self.rid!r}: no output within {timeout} s") from None
-        if isinstance(item, EngineError):
-            self._done = True
-            raise item
-        return item
+    def _items(self, timeout: float | None) -> Iterator[list[Item]]:
+        """What arrived, a list at a time (waiting up to ``timeout`` for each), until the
+        last; an error is raised after the items that came before it."""
+        while not self._done:
+            try:
+                items = [self._queue.get(timeout=timeout)]
+            except queue.Empty:
+                raise EngineError(f"request {self.rid!r}: no output within {timeout} s") from None
+            while not ends(items[-1]):
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._done = ends(items[-1])
+            last = items[-1]
+            if isinstance(last, EngineError):
+                if len(items) > 1:
+                    yield items[:-1]
+                raise last
+            yield items
 
     def __iter__(self) -> Iterator[StreamChunk]:
         """Yield chunks until the request finishes.
@@ -95,62 +228,22 @@ class RequestHandle:
             RequestFailed: the scheduler answered with an error.
             SchedulerGone: the scheduler died.
         """
-        while not self._done:
-            item = self._next(None)
-            assert isinstance(item, StreamChunk)
-            if item.finish_reason is not None:
-                self._done = True
-            yield item
+        for items in self._items(None):
+            yield from cast(list[StreamChunk], items)
 
     def steps(self) -> Iterator[list[StreamChunk]]:
         """As iterating, but every chunk that has arrived, oldest first, as one list.
 
         Raises: as iterating; chunks that arrived before an error are yielded first.
         """
-        while not self._done:
-            got: list[StreamChunk] = []
-            item: _Item | None = self._queue.get()
-            while item is not None:
-                if isinstance(item, EngineError):
-                    self._done = True
-                    if got:
-                        yield got
-                    raise item
-                assert isinstance(item, StreamChunk)
-                got.append(item)
-                if item.finish_reason is not None:
-                    self._done = True
-                    break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    item = None
-            yield got
+        return cast(Iterator[list[StreamChunk]], self._items(None))
 
     def result(self, timeout: float | None = None) -> GenerateResult:
-        """Wait for the whole answer (all chunks joined)."""
-        ids: list[int] = []
-        lps: list[float] | None = None
-        cached: int | None = None
-        while True:
-            item = self._next(timeout)
-            assert isinstance(item, StreamChunk)
-            ids.extend(item.token_ids)
-            if item.cached_tokens is not None:
-                cached = item.cached_tokens
-            if item.logprobs is not None:
-                lps = [] if lps is None else lps
-                lps.extend(item.logprobs)
-            if item.finish_reason is not None:
-                self._done = True
-                return GenerateResult(self.rid, ids, item.finish_reason, lps, cached)
+        """Wait for the whole answer (all chunks joined).
 
-    def embedding(self, timeout: float | None = None) -> npt.NDArray[np.float32]:
-        """Wait for an embedding request's vector."""
-        item = self._next(timeout)
-        assert isinstance(item, np.ndarray)
-        self._done = True
-        return item
+        Raises: as iterating; EngineError with no output within ``timeout`` seconds.
+        """
+        return joined(self.rid, [i for items in self._items(timeout) for i in items])
 
 
 class Stream(Generic[T]):
@@ -188,9 +281,7 @@ class Stream(Generic[T]):
             return
         if not self._handle.done:
             cancel(self._handle)
-        close = getattr(self._items, "close", None)
-        if close is not None:  # later calls end at once
-            close()
+        self._items = iter(())  # later calls end at once
 
     def __enter__(self) -> Self:
         return self

@@ -33,8 +33,9 @@ def close_timeout(timeout: float | None) -> float:
     takes; NaN or below 0, none. A timeout that is no number raises TypeError here,
     before anything is closed (raised once the engine is marked closed, every
     request would hang and the processes stay)."""
-    return _FOREVER if timeout is None or timeout > _FOREVER else \
-        timeout if timeout > 0 else 0.0
+    if timeout is None or timeout > _FOREVER:
+        return _FOREVER
+    return timeout if timeout > 0 else 0.0
 
 
 def stop_thread(thread: threading.Thread, deadline: float) -> None:

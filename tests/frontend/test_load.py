@@ -18,6 +18,7 @@ import httpx
 import msgspec
 import pytest
 
+import frontend.app
 from bus import RpcClient
 from frontend import ByteTokenizer, Settings
 from scheduler import Limits, ModelConfig
@@ -116,6 +117,22 @@ def test_disconnect_while_waiting_frees_the_slot(small: tuple[Server, RpcClient]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=ENDLESS, timeout=1.0)
     eventually(lambda: load(rpc) == (0, 0), 10.0, "the slot to be freed")
+
+
+def test_a_client_that_leaves_before_its_whole_answer_is_watched_is_seen(
+        small: tuple[Server, RpcClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A whole answer's connection is watched from WATCH_AFTER_S on (here 1 s): a client
+    # that left before then is seen then, and its request aborted. Without it (a
+    # watcher that never starts, or one that misses a disconnect told before it
+    # asked): the endless request holds the slot for ever.
+    monkeypatch.setattr(frontend.app, "WATCH_AFTER_S", 1.0)
+    server, rpc = small
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(raw_post("/v1/completions", ENDLESS))
+        eventually(lambda: load(rpc)[0] == 1, 30.0, "the request to run")
+        t0 = time.monotonic()
+    eventually(lambda: load(rpc) == (0, 0), 30.0, "the slot to be freed")
+    assert time.monotonic() - t0 > 0.5  # seen by the watcher once it started, not before
 
 
 def test_dead_scheduler_is_503(small: tuple[Server, RpcClient]) -> None:

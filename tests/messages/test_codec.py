@@ -184,18 +184,19 @@ def test_typed_codec_decodes_only_its_family() -> None:
 # -- golden bytes: the wire format is pinned; change it deliberately -----------
 
 GOLDEN = {
-    "generate": (  # sampling: 7 items (97), the last ignore_eos=false (c2)
+    "generate": (  # 9 items (99), the last prefill_only=false (c2); sampling: 8 items (98):
+        # ignore_eos=false (c2), guide=null (c0)
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
         "99b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c2c2c2c0c0c2",
+        "2c0100009808cb0000000000000000cb3ff000000000000000c0c0c2c0c2c2c0c0c2",
     ),
     "generate_ignore_eos": (
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0,
                                                           ignore_eos=True)),
         "99b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
-        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c3c2c2c0c0c2",
+        "2c0100009808cb0000000000000000cb3ff000000000000000c0c0c3c0c2c2c0c0c2",
     ),
     "rpc": (
         RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
@@ -293,9 +294,11 @@ def test_ignore_eos_is_one_item_appended_and_both_sides_read_each_other(
     before[4] = None if before[4] is None else bytes(before[4])
     msg = TokenizedGenerateReqInput(rid="r", input_ids=token_ids([1]), sampling=sampling)
     frame = bytes(memoryview(CODEC.encode(msg)[0]))
-    # What we write is the old encoding with one more item (a bool) in sampling.
+    # What we write is the old encoding with one more item (a bool) in sampling
+    # (then the items appended after it: no guide, null; and the request's
+    # prefill_only, false).
     head = ["TokenizedGenerateReqInput", "r", token_ids([1]).tobytes()]
-    assert frame == msgspec.msgpack.encode([*head, [*before, sampling.ignore_eos],
+    assert frame == msgspec.msgpack.encode([*head, [*before, sampling.ignore_eos, None],
                                             False, False, None, None, False])
     # A reader from before ignore_eos reads everything else (the extra item ignored).
     sampling_item = msgspec.msgpack.encode([*before, sampling.ignore_eos])

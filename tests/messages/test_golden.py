@@ -31,7 +31,8 @@ NO_DEFAULT = object()
 SAMPLING: list[tuple[str, str, object]] = [
     ("max_new_tokens", "int", 16), ("temperature", "float", 1.0), ("top_p", "float", 1.0),
     ("top_k", "int", 0), ("stop_token_ids", "packed_u32", None), ("seed", "int", None),
-    ("ignore_eos", "bool", False)]
+    ("ignore_eos", "bool", False), ("guide", "Guide", None)]
+GUIDE: list[tuple[str, str, object]] = [("kind", "str", NO_DEFAULT), ("spec", "str", "")]
 FIELDS: dict[str, list[tuple[str, str, object]]] = {
     "TokenizedGenerateReqInput": [
         ("rid", "str", NO_DEFAULT), ("input_ids", "packed_u32", NO_DEFAULT),
@@ -119,6 +120,9 @@ def _field(kind: str, value: object, frames: list[bytes], used: list[int]) -> ob
     if kind == "SamplingParams":
         assert isinstance(value, list)
         return _struct(SAMPLING, value, frames, used)
+    if kind == "Guide":
+        assert isinstance(value, list)
+        return _struct(GUIDE, value, frames, used)
     return value
 
 

@@ -101,12 +101,55 @@ def test_uneven_load_sends_to_the_least_loaded_and_a_dropped_tree_forgets() -> N
     prompt = token_ids(list(range(100)))
     affinity.record(0, prompt)
     assert affinity.prefer(prompt, [0, 0], [True, True]) == 0
-    assert affinity.prefer(prompt, [BALANCE_ABS + 1, 0], [True, True]) is None
+    assert affinity.prefer(prompt, [BALANCE_ABS, 0], [True, True]) == 0
+    assert affinity.prefer(prompt, [BALANCE_ABS + 1, 0], [True, True]) == 1  # spilled
     assert affinity.prefer(prompt, [0, 0], [False, True]) is None  # 0 is not live
     assert affinity.prefer(token_ids(list(range(40)) + [999] * 60), [0, 0],
                            [True, True]) is None  # a 40% match is not enough
     affinity.drop(0)
     assert affinity.prefer(prompt, [0, 0], [True, True]) is None
+
+
+def test_an_overloaded_holder_spills_to_the_least_loaded_which_then_shares_the_prefix(
+        ) -> None:
+    affinity = PrefixAffinity(3)
+    prompt = token_ids(list(range(100)))
+    affinity.record(0, prompt)
+    affinity.record(2, token_ids(list(range(60)) + [999] * 40))  # 60%: less than 0's
+    # 0 holds it all but is overloaded: 1 and 2 are least loaded, 2 holds more.
+    assert affinity.prefer(prompt, [BALANCE_ABS + 1, 0, 0], [True] * 3) == 2
+    assert affinity.spilled == 1
+    affinity.record(2, prompt)
+    # Both hold it now: the less loaded of the two takes it, without a spill.
+    assert affinity.prefer(prompt, [1, 0, 2], [True] * 3) == 0
+    assert affinity.prefer(prompt, [3, 0, 2], [True] * 3) == 2
+    assert affinity.spilled == 1
+
+
+def test_a_slow_replica_never_holds_more_than_the_threshold_beyond_the_least_loaded(
+        ) -> None:
+    """Closed loop, 3 * BALANCE_ABS in flight, 8 system prompts; replica 0 ends one
+    request a tick, replicas 1 and 2 three: the gap in flight stays within the
+    threshold, where routing by prefix alone piles the requests onto the slow one."""
+    rng = np.random.default_rng(2)
+    systems = [rng.integers(3, 384, size=128).tolist() for _ in range(8)]
+    ledger = Ledger(3, "cache_aware")
+    affinity = PrefixAffinity(3)
+    queues: list[list[str]] = [[], [], []]
+    worst, n = 0, 0
+    for _ in range(400):
+        while len(ledger) < 3 * BALANCE_ABS:
+            prompt = systems[int(rng.integers(8))] + rng.integers(3, 384, size=8).tolist()
+            i = _route(affinity, ledger, f"r{n}", prompt)
+            queues[i].append(f"r{n}")
+            n += 1
+            worst = max(worst, ledger.requests[i] - min(ledger.requests))
+        for i, rate in ((0, 1), (1, 3), (2, 3)):
+            for rid in queues[i][:rate]:
+                ledger.finish(rid)
+            del queues[i][:rate]
+    assert worst <= BALANCE_ABS + 1, worst
+    assert affinity.spilled and affinity.routed_by_prefix > n // 2  # mostly by prefix still
 
 
 def test_only_a_replica_whose_flush_succeeded_forgets_its_tree() -> None:

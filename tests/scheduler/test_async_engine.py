@@ -7,6 +7,7 @@ import gc
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -23,7 +24,8 @@ from scheduler import (
     SchedulerGone,
     StreamChunk,
 )
-from scheduler.engine.async_engine import AsyncHandle
+from scheduler.engine.async_engine import deliver_rows
+from scheduler.engine.handles import RequestState
 
 SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
 Mode = Literal["ring", "zmq"]
@@ -142,6 +144,8 @@ async def test_submit_then_await_each_and_a_timed_out_await_aborts(engine: Async
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(long, 0.2)  # cancels the await: the request is aborted
     await _until_idle(engine)
+    with pytest.raises(RuntimeError, match="awaited a second time"):  # not a wait for ever
+        await asyncio.wait_for(requests[0], 5)
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -205,7 +209,7 @@ async def test_a_slow_consumer_is_bounded_and_loses_nothing() -> None:
         # Do not read while the rest is produced: the handle merges chunks.
         await _produced(engine)
         rest = [c async for c in stream]
-        assert len(rest) <= AsyncHandle.max_buffered
+        assert len(rest) <= RequestState.max_buffered
         assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 400
         assert rest[-1].finish_reason == "length"
 
@@ -326,18 +330,14 @@ async def test_a_cancelled_rid_is_not_reused_before_its_request_ended(engine: As
 
 
 def test_chunks_are_merged_past_the_bound() -> None:
-    loop = asyncio.new_event_loop()
-    try:
-        h = AsyncHandle("r", loop)
-        for i in range(AsyncHandle.max_buffered + 10):
-            h.put(StreamChunk("r", (i,), None, None))
-        h.put(StreamChunk("r", (999,), "length", None))
-        assert h.buffered == AsyncHandle.max_buffered
-        items = [loop.run_until_complete(h.next()) for _ in range(h.buffered)]
-        tokens = [t for c in items if isinstance(c, StreamChunk) for t in c.token_ids]
-        assert tokens == [*range(AsyncHandle.max_buffered + 10), 999]
-    finally:
-        loop.close()
+    h = RequestState("r")
+    for i in range(RequestState.max_buffered + 10):
+        h.put(StreamChunk("r", (i,), None, None))
+    h.put(StreamChunk("r", (999,), "length", None))
+    assert len(h.items) == RequestState.max_buffered
+    items = h.take()
+    tokens = [t for c in items if isinstance(c, StreamChunk) for t in c.token_ids]
+    assert tokens == [*range(RequestState.max_buffered + 10), 999]
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -385,50 +385,32 @@ async def test_a_full_work_channel_never_blocks_the_loop(
 def test_a_poll_is_delivered_a_share_of_rows_at_a_time_in_order() -> None:
     """The event loop delivers a backlog of step outputs ~N requests per callback (one
     callback once delivered 1024 outputs of 256 requests: 100 ms of a held loop)."""
-    from collections import deque
-
     from bus import Envelope, Origin, Rejected
     from messages import BatchTokenIDOut, Output
-    from scheduler.engine.pending import Item, PendingTable
 
-    class Got:
-        def __init__(self, rid: str) -> None:
-            self.rid, self.items = rid, list[Item]()
-
-        def put(self, item: Item) -> None:
-            self.items.append(item)
-
-    table = PendingTable()
-    handles = [Got(f"r{i}") for i in range(256)]
-    table.register([h.rid for h in handles], handles, lambda: None)
+    handles = [RequestState(f"r{i}") for i in range(256)]
+    requests = {h.rid: h for h in handles}
     origin = Origin("out")
     backlog: deque[Envelope[Output] | Rejected] = deque(
         Envelope(BatchTokenIDOut.from_lists([h.rid for h in handles], [[step]] * 256,
                                             [None] * 256), origin) for step in range(4))
-    table.deliver_rows(backlog, 512)
+    deliver_rows(requests, backlog, 512)
     assert len(backlog) == 2  # two outputs of 256 rows: the share
     assert all([c.token_ids for c in h.items] == [(0,), (1,)]  # type: ignore[union-attr]
                for h in handles)
-    table.deliver_rows(backlog, 1)  # at least one output, never split
+    deliver_rows(requests, backlog, 1)  # at least one output, never split
     assert len(backlog) == 1 and all(len(h.items) == 3 for h in handles)
 
 
 def test_a_delivered_chunk_is_not_tracked_by_the_collector() -> None:
     """A stream's buffered chunks never make a full collection longer (256 streams'
     tracked chunks and id lists made one hold the loop 43 ms)."""
+    from bus import Envelope, Origin
     from messages import BatchTokenIDOut
-    from scheduler.engine.pending import Item, PendingTable
 
-    class Got:
-        def __init__(self) -> None:
-            self.rid, self.items = "r", list[Item]()
-
-        def put(self, item: Item) -> None:
-            self.items.append(item)
-
-    table, got = PendingTable(), Got()
-    table.register(["r"], [got], lambda: None)
-    table.deliver(BatchTokenIDOut.from_lists(["r"], [[1, 2]], [None], [[-0.5, -0.25]]))
+    got = RequestState("r")
+    out = BatchTokenIDOut.from_lists(["r"], [[1, 2]], [None], [[-0.5, -0.25]])
+    deliver_rows({"r": got}, deque([Envelope(out, Origin("out"))]), 1)
     chunk = got.items[0]
     assert isinstance(chunk, StreamChunk) and chunk.token_ids == (1, 2)
     gc.collect()  # a tuple of numbers is untracked by the first collection that sees it

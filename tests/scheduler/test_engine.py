@@ -21,9 +21,11 @@ from scheduler import (
     EngineClosed,
     InvalidRequest,
     ModelConfig,
+    Overloaded,
     RequestFailed,
     SchedulerGone,
 )
+from scheduler.engine import async_engine
 
 SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
 MODES: list[Literal["ring", "zmq"]] = ["ring", "zmq"]
@@ -247,3 +249,28 @@ def test_leaving_a_stream_early_aborts_its_request(engine: Engine) -> None:
 def test_a_size_below_1_is_refused_saying_so(size: str, value: int) -> None:
     with pytest.raises(ValueError, match=f"^{size} must be at least 1, not {value}$"):
         Engine("zmq", SMALL, **{size: value})  # type: ignore[arg-type]
+
+
+def test_a_blocking_submit_waits_for_room_then_fails_with_overloaded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(async_engine, "SEND_TIMEOUT", 0.5)
+    with Engine("ring", SMALL) as engine:
+        ring = engine._core._ingress
+        assert ring is not None
+        real, refused = ring.put_many_nowait, [0]
+
+        def full_for_five_tries(items: object) -> int:
+            if refused[0] < 5:
+                refused[0] += 1
+                return 0
+            return real(items)  # type: ignore[arg-type]
+
+        ring.put_many_nowait = full_for_five_tries  # type: ignore[method-assign]
+        handle = engine.submit([1, 2], SamplingParams(max_new_tokens=2))  # waited for room
+        assert refused[0] == 5 and len(handle.result(30).token_ids) == 2
+        ring.put_many_nowait = lambda items: 0  # type: ignore[method-assign]
+        with pytest.raises(Overloaded, match=r"stayed full for 0.5 s\): 0 of 2 were sent"):
+            engine.submit_many([[1], [2]])
+        assert engine.pending == 0  # those not sent are forgotten
+        ring.put_many_nowait = real  # type: ignore[method-assign]
+        assert len(engine.generate([3], SamplingParams(max_new_tokens=2)).token_ids) == 2

@@ -11,7 +11,9 @@ processes.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +27,7 @@ pytest.importorskip("transformers")
 
 from messages import (
     BatchTokenIDOut,
+    Guide,
     KVHandoff,
     SamplingParams,
     TokenizedGenerateReqInput,
@@ -94,6 +97,30 @@ def test_an_adopted_state_decodes_as_the_one_it_came_from(model_dir: Path) -> No
     assert there.live_states == 0
 
 
+def test_an_adopted_request_freed_under_a_prefix_cache_caches_nothing_and_holds_nothing(
+        model_dir: Path) -> None:
+    """The decode side never read the prompt (and under pd reads none: every new
+    request goes to a prefill replica), so freeing an adopted request caches nothing;
+    the same model then reads and caches a prompt of its own as before."""
+    here, there = HFCausalLM(model_dir), HFCausalLM(model_dir)
+    here.set_prefix_cache(64 << 20)
+    there.set_prefix_cache(64 << 20)
+    prompt = _prompts()[3]
+    first = _read(here, 0, prompt)
+    state = here.export_state(0)
+    here.free(0)
+    there.adopt_state(7, state, len(prompt))
+    want = _decode(there, 7, first, 6)
+    there.free(7)
+    stats = there.prefix_cache_stats()
+    assert stats is not None and stats.size == 0 and stats.locked_nodes == 0
+    assert there.live_states == 0
+    assert _read(there, 8, prompt) == first and _decode(there, 8, first, 6) == want
+    there.free(8)
+    stats = there.prefix_cache_stats()
+    assert stats is not None and stats.size > 0 and stats.locked_nodes == 0
+
+
 def test_a_state_of_another_dtype_or_shape_is_refused_naming_both(model_dir: Path) -> None:
     here, f32 = HFCausalLM(model_dir), HFCausalLM(model_dir, dtype="float32")
     prompt = _prompts()[2]
@@ -137,6 +164,33 @@ def test_a_stream_under_pd_has_no_gap_and_no_duplicate(model_dir: Path,
     assert chunks[0].token_ids == (whole[0],)  # the prefill replica's first token, alone
     assert [c.finish_reason for c in chunks][-1] == "length"
     assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_a_guided_request_under_pd_obeys_its_guide_to_the_end(model_dir: Path,
+                                                             pd_engine: Engine) -> None:
+    """The decode replica compiles the hand-off's guide again and feeds it the tokens
+    already answered: the rest of the answer obeys the same grammar (greedy, so as
+    a colocated replica answers)."""
+    choices = ["alpha beta", "gamma", "the queue"]
+    specs = [Guide(kind="regex", spec="[a-z]{3}-[0-9]{2}"),
+             Guide(kind="choice", spec=json.dumps(choices))]
+    requests = [(p, SamplingParams(max_new_tokens=32, temperature=0.0, guide=g))
+                for p in ([5, 17, 90], [200, 3, 4, 8, 9]) for g in specs]
+    with Engine("ring", model_dir) as colocated:
+        want = [colocated.generate(p, s, timeout=120) for p, s in requests]
+    before = _load(pd_engine)
+    got = [pd_engine.submit(p, s) for p, s in requests]
+    results = [h.result(120) for h in got]
+    assert [r.token_ids for r in results] == [w.token_ids for w in want]
+    assert all(r.finish_reason == "stop" for r in results)
+    handed = _load(pd_engine)["dispatcher.handed_off"]
+    assert handed == before["dispatcher.handed_off"] + len(requests)  # type: ignore[operator]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    decoded = [tok.decode(r.token_ids, skip_special_tokens=True) for r in results]
+    texts = [t for t in decoded if isinstance(t, str)]
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", texts[0]) and texts[1] in choices, texts
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", texts[2]) and texts[3] in choices, texts
 
 
 def test_aborts_at_every_stage_free_both_sides(pd_engine: Engine) -> None:
@@ -274,14 +328,18 @@ def test_a_scheduler_hands_off_and_another_adopts_and_refuses_what_cannot_contin
     # What cannot continue is refused, naming why (and, for another model, both).
     bad = {"g": msgspec.structs.replace(h, rid="g", sent=2),
            "m": msgspec.structs.replace(h, rid="m", fingerprint="other-model:0:float32"),
-           "s": msgspec.structs.replace(h, rid="s", kv=h.kv[:0])}
+           "s": msgspec.structs.replace(h, rid="s", kv=h.kv[:0]),
+           "q": msgspec.structs.replace(h, rid="q", sampling=msgspec.structs.replace(
+               sp, guide=Guide(kind="json_object")))}
     for forged in bad.values():
         decode.send(forged)
-    decode.run_until(lambda: len(decode.errors()) == 3)
+    decode.run_until(lambda: len(decode.errors()) == 4)
     errors = decode.errors()
     assert all(e.code == "invalid_request" for e in errors.values())
     assert "2 tokens were sent of 1" in errors["g"].message
     assert "other-model:0:float32" in errors["m"].message
     assert h.fingerprint in errors["m"].message
     assert "shape" in errors["s"].message
+    assert "hand-off of request 'q' refused: structured output needs the model's tokenizer" \
+        in errors["q"].message  # (the tiny GRU has none: the guide cannot be resumed)
     assert decode.sched.model.live_states == 0 and not decode.sched.busy

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -170,3 +171,67 @@ def test_the_tiny_gru_caches_nothing_and_answers_as_before() -> None:
         a = [on.generate(prompt, GREEDY, timeout=60).token_ids for _ in range(2)]
         b = off.generate(prompt, GREEDY, timeout=60).token_ids
     assert a == [b, b]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_conversations_next_turn_reads_the_previous_answer_from_the_cache(
+        model_dir: Path, batched: bool) -> None:
+    """Decoded tokens join the cache when a request ends: a second turn (prompt, answer,
+    new user turn) starts from all of the first turn's keys and values; the last token
+    sampled (never read back) is the one it reads again. ``batched``: the first turns
+    decode side by side (their state in the resident batch when they end)."""
+    turns = _prompts(seed=3)[1:4]
+    long = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    with Engine("ring", model_dir) as engine, Engine("ring", model_dir, limits=OFF) as off:
+        if batched:
+            firsts = [h.result(timeout=120) for h in engine.submit_many(turns, long)]
+        else:
+            firsts = [engine.generate(p, long, timeout=120) for p in turns]
+        seconds = [p + list(a.token_ids) + [7, 8, 9] for p, a in zip(turns, firsts, strict=True)]
+        got = [engine.generate(p, GREEDY, timeout=120) for p in seconds]
+        want = [off.generate(p, GREEDY, timeout=120).token_ids for p in seconds]
+    assert [a.finish_reason for a in firsts] == ["length"] * 3
+    assert [r.token_ids for r in got] == want
+    assert [r.cached_tokens for r in got] == [len(p) + 12 - 1 for p in turns]
+
+
+def test_continued_prompts_read_as_one_batch_equal_those_read_one_by_one(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks after a cached prefix (of several lengths: some padded within the batch)
+    give the logits and the keys and values that reading each alone gives."""
+    from scheduler.models import hf
+    from scheduler.models.protocol import PromptChunk
+
+    prompts = [torch.tensor(p) for p in _prompts(seed=4)[1:7]]
+    calls: list[list[int]] = []  # the chunks' lengths, per batch read
+
+    def read() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model = HFCausalLM(model_dir)
+        model.set_prefix_cache(64 << 20)
+        for k, p in enumerate(prompts):  # each prompt cached less a few tokens, alone
+            model.prefill_chunks([PromptChunk(100 + k, p[:-(1 + 3 * k)], 0, True)])
+            model.free(100 + k)
+        batched = model._prefill_more
+
+        def counted(chunks: list[PromptChunk]) -> torch.Tensor:
+            calls.append([len(c.token_ids) for c in chunks])
+            return batched(chunks)
+
+        monkeypatch.setattr(model, "_prefill_more", counted)
+        chunks = []
+        for k, p in enumerate(prompts):
+            n = model.reuse_prefix(k, p)
+            assert n > 0
+            chunks.append(PromptChunk(k, p[n:], n, True))
+        logits = model.prefill_chunks(chunks)
+        return logits, [torch.cat([keys for keys, _ in model._kv[c.key]]) for c in chunks]
+
+    together = read()
+    # Rows of unequal lengths in one batch (the shorter padded), and every row batched.
+    assert any(len(set(sizes)) > 1 for sizes in calls), calls
+    assert sum(len(sizes) for sizes in calls) == len(prompts), calls
+    monkeypatch.setattr(hf, "_similar", lambda rows, sizes: [[r] for r in rows])
+    alone = read()
+    assert torch.allclose(together[0], alone[0], atol=1e-9)
+    for a, b in zip(together[1], alone[1], strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-9)

@@ -20,8 +20,8 @@ import pytest_asyncio
 from messages import SamplingParams
 from scheduler import AsyncEngine, ModelConfig, Overloaded
 from scheduler.core.admission import Limits
-from scheduler.engine.async_handles import AsyncRequest
-from scheduler.engine.pending import Forgotten, Item, PendingTable
+from scheduler.engine.async_engine import AsyncRequest
+from scheduler.engine.handles import Item
 
 SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
 SP = SamplingParams(max_new_tokens=8)
@@ -57,20 +57,24 @@ async def test_a_stream_left_after_its_final_answer_spares_the_rid_s_next_reques
 
 @pytest.mark.asyncio
 async def test_an_await_cancelled_after_its_answer_spares_the_rid_s_next_request(
-        engine: AsyncEngine) -> None:
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     first = engine.submit([1, 2, 3], SP, rid="twice")
     seconds: list[AsyncRequest] = []
 
     async def wait_first() -> object:
         return await first
 
-    # This callback is registered before the task awaits, so it runs between the
-    # answer and the task's wake-up: the rid is free, the task not yet resumed.
-    def on_answer(_: object) -> None:
-        seconds.append(engine.submit([1, 2, 3], SP, rid="twice"))
-        task.cancel()
+    # Run as the answer is handed over, before the task's wake-up: the rid is
+    # free, the task not yet resumed.
+    put = AsyncRequest.put
 
-    first.future.add_done_callback(on_answer)
+    def on_answer(request: AsyncRequest, item: Item) -> None:
+        put(request, item)
+        if request is first:
+            seconds.append(engine.submit([1, 2, 3], SP, rid="twice"))
+            task.cancel()
+
+    monkeypatch.setattr(AsyncRequest, "put", on_answer)
     task = asyncio.ensure_future(wait_first())
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -119,37 +123,6 @@ async def test_fire_and_forget_failures_are_counted_not_logged() -> None:
         loop.set_exception_handler(None)
     gc.collect()
     assert not [c for c in contexts if "never retrieved" in str(c.get("message"))]
-
-
-class _Handle:
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self.items: list[Item] = []
-
-    def put(self, item: Item) -> None:
-        self.items.append(item)
-
-
-def _ok() -> None:
-    pass
-
-
-def test_the_table_removes_an_entry_only_by_its_owner() -> None:
-    table = PendingTable()
-    old, new = _Handle("r"), _Handle("r")
-    table.register(["r"], [old], _ok)
-    table.put("r", Overloaded("r", "overloaded", "busy"), final=True)  # old ended
-    table.register(["r"], [new], _ok)
-    assert table.forget(old) is None  # ended: nothing to abort, the new one untouched
-    table.unregister([old])
-    assert len(table) == 1
-    token = table.forget(new)
-    assert isinstance(token, Forgotten) and table.owns(token)
-    assert table.forget(new) is None  # once
-    table.put("r", Overloaded("r", "overloaded", "busy"), final=True)
-    assert not table.owns(token) and len(table) == 0 and not new.items
-
-
 
 
 @pytest.mark.asyncio

@@ -27,6 +27,7 @@ from messages import (
     BatchTokenIDOut,
     Codec,
     ErrorOut,
+    Guide,
     KVHandoff,
     Message,
     RpcReqInput,
@@ -52,6 +53,9 @@ def samples() -> dict[str, Message]:
                                     ignore_eos=True),
             stream=True),
         "generate_defaults": TokenizedGenerateReqInput(rid="g-2", input_ids=token_ids([5])),
+        "generate_guided": TokenizedGenerateReqInput(
+            rid="g-5", input_ids=token_ids([3]),
+            sampling=SamplingParams(guide=Guide(kind="choice", spec='["yes","no"]'))),
         "generate_embeds_inline": TokenizedGenerateReqInput(
             rid="g-3", input_ids=token_ids([1, 2]),
             input_embeds=torch.tensor([[0.5, -1.0, 2.0], [3.0, 0.25, -0.125]]),

@@ -1,0 +1,101 @@
+"""Structured output in the scheduler: a guided request's answer obeys its guide, an
+unguided one beside it is unchanged token for token, and what cannot be guided is
+refused naming the request."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+pytest.importorskip("transformers")
+
+from messages import Guide, SamplingParams
+from scheduler import Engine, ModelConfig
+from scheduler.errors import EngineError
+from scheduler.models.guided import Guides
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
+
+#: Bounded so that the largest answer fits the token budget (one byte a token at worst).
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        "size": {"enum": ["small", "large"]},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"},
+        "inner": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                  "required": ["ok"], "additionalProperties": False},
+    },
+    "required": ["name", "tags", "size", "code", "inner"],
+    "additionalProperties": False,
+}
+BUDGET = 160
+PROMPTS = [[5, 17, 90], [200, 3, 4, 8, 9], [44], [7, 7, 7, 7, 120, 33]]
+
+
+def _tokenizer(model_dir: Path) -> object:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def test_json_schema_and_choice_answers_obey_and_unguided_ones_are_unchanged(
+        model_dir: Path) -> None:
+    tok = _tokenizer(model_dir)
+    schema = SamplingParams(max_new_tokens=BUDGET, temperature=1.0, seed=3,
+                            guide=Guide(kind="json_schema", spec=json.dumps(SCHEMA)))
+    choices = ["alpha beta", "gamma", "the queue"]
+    choice = SamplingParams(max_new_tokens=BUDGET, temperature=0.0,
+                            guide=Guide(kind="choice", spec=json.dumps(choices)))
+    free = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    with Engine("ring", model_dir) as engine:
+        alone = [engine.generate(p, free).token_ids for p in PROMPTS]
+        guided = [engine.submit(p, s) for p in PROMPTS for s in (schema, choice)]
+        beside = [engine.submit(p, free) for p in PROMPTS]  # in the same batches
+        answers = [h.result(120) for h in guided]
+        assert [h.result(120).token_ids for h in beside] == alone
+        greedy = engine.generate(PROMPTS[0], SamplingParams(
+            max_new_tokens=BUDGET, temperature=0.0,
+            guide=Guide(kind="json_schema", spec=json.dumps(SCHEMA))), timeout=120)
+    for a in [*answers[::2], greedy]:
+        text = tok.decode(a.token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        assert a.finish_reason == "stop", (a, text)
+        jsonschema.validate(json.loads(text), SCHEMA)
+    for a in answers[1::2]:
+        assert a.finish_reason == "stop"
+        assert tok.decode(a.token_ids, skip_special_tokens=True) in choices  # type: ignore[attr-defined]
+
+
+def test_a_spec_is_compiled_once_and_a_bad_one_is_refused_naming_the_request(
+        model_dir: Path) -> None:
+    class Dir:
+        tokenizer_dir = model_dir
+        name = "tiny"
+
+    guides = Guides(Dir(), 384, [2], cache_size=2)
+    spec = Guide(kind="regex", spec="[a-z]{3}-[0-9]{2}")
+    first, again = guides.start("r1", spec), guides.start("r2", spec)
+    assert guides.compiles == 1 and first is not again  # one compile, a matcher each
+    for i in range(3):  # past the bound: the oldest is compiled again
+        guides.start("r", Guide(kind="choice", spec=json.dumps([f"x{i}"])))
+    guides.start("r3", spec)
+    assert guides.compiles == 5
+    regex = SamplingParams(max_new_tokens=32, temperature=0.0, guide=spec)
+    with Engine("ring", model_dir) as engine:
+        text = _tokenizer(model_dir).decode(  # type: ignore[attr-defined]
+            engine.generate(PROMPTS[1], regex, timeout=120).token_ids)
+        assert re.fullmatch("[a-z]{3}-[0-9]{2}", text), text
+        with pytest.raises(EngineError, match=r"request 'bad-1'.*regex guide does not compile"):
+            engine.generate([5], SamplingParams(guide=Guide(kind="regex", spec="[a-")),
+                            rid="bad-1", timeout=60)
+
+
+def test_a_model_without_a_tokenizer_refuses_a_guided_request_by_name() -> None:
+    with Engine("ring", ModelConfig()) as engine, pytest.raises(
+            EngineError, match=r"request 'g-1'.*has none \(no tokenizer.json\)"):
+        engine.generate([1, 2], SamplingParams(guide=Guide(kind="json_object")), rid="g-1",
+                        timeout=60)
