@@ -181,6 +181,11 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     Raises:
         SystemExit: a bad combination of arguments, or an unreadable tokenizer.
     """
+    if args.pd is not None and args.mode != "zmq":
+        raise SystemExit("--pd needs --mode zmq (each replica is a process)")
+    if args.pd is not None and args.dp_size not in (1, sum(args.pd)):
+        raise SystemExit(f"--pd {args.pd[0]}:{args.pd[1]} runs {sum(args.pd)} replicas: "
+                         f"leave --dp-size out")
     if (args.tp_size > 1 or args.dp_size > 1) and args.mode != "zmq":
         raise SystemExit("--tp-size and --dp-size above 1 need --mode zmq (each rank and "
                          "replica is a process)")
@@ -230,7 +235,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
         default_max_tokens=args.default_max_tokens, rpc_endpoint=door,
         run_dir=os.path.dirname(door[len("ipc://"):]) if args.endpoint is None else None,
         rpc_options=SocketOptions(allow_remote=args.allow_remote, curve_keys=keys),
-        curve_clients=allowed)
+        curve_clients=allowed, pd=args.pd)
     try:
         return settings, Frontend(settings, tokenizer, template=template)
     except BaseException:

@@ -117,6 +117,7 @@ class Settings:
         dp_policy: how the dispatcher picks a replica when ``dp_size`` is above 1.
         model_name: the name answers report (``--served-model-name``'s first).
         model_aliases: other names a request may give (``/v1/models`` lists them all).
+        pd: ``(P, D)``: prefill and decode apart (``Engine(pd=...)``; ``zmq`` mode).
     """
 
     mode: Literal["ring", "zmq"] = "ring"
@@ -136,6 +137,7 @@ class Settings:
     rpc_options: SocketOptions = field(default_factory=SocketOptions)
     curve_clients: list[bytes] | None = None
     run_dir: str | None = None
+    pd: tuple[int, int] | None = None
 
 
 Handler = Callable[[Scope, Receive, Reply, float], Awaitable[int]]
@@ -145,7 +147,7 @@ def _engine(s: Settings) -> AsyncEngine:
     """The engine ``s`` describes (not started)."""
     return AsyncEngine(s.mode, s.model, max_batch=s.max_batch, tp_size=s.tp_size,
                        dp_size=s.dp_size, dp_policy=s.dp_policy, limits=s.limits,
-                       metrics=s.metrics)
+                       metrics=s.metrics, pd=s.pd)
 
 
 async def _max_model_len(engine: AsyncEngine) -> int:

@@ -47,6 +47,7 @@ __all__ = [
     "MAX_LOGIT_BIAS",
     "MAX_TOP_LOGPROBS",
     "AbortReq",
+    "KVHandoff",
     "RpcReqInput",
     "RpcReqOutput",
     "RpcResult",
@@ -185,6 +186,10 @@ class TokenizedGenerateReqInput(Request, metaclass=PackingMeta):
     return_logprob: bool = False
     input_embeds: torch.Tensor | None = None
     dp_rank: DpRank | None = None
+    #: Read the prompt, sample the first token, then hand the request's state
+    #: off (:class:`KVHandoff`) instead of decoding it here: set by a
+    #: dispatcher that runs prefill and decode apart (``--pd P:D``).
+    prefill_only: bool = False
 
     def _pack(self) -> None:  # on construction (PackingMeta)
         self.input_ids = packed_u32(self.input_ids, field="input_ids")
@@ -489,3 +494,51 @@ class ErrorOut(Output):
     rid: Rid
     code: ErrorCode
     message: Annotated[str, msgspec.Meta(max_length=1 << 16)] = ""
+
+
+#: A model's identity as a hand-off states it: its name, a digest of its
+#: configuration and its dtype (``HFCausalLM.fingerprint``).
+ModelFingerprint = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+
+
+class KVHandoff(Request, Output, metaclass=PackingMeta):
+    """A generate request's state once its prompt is read: from a prefill replica to a
+    decode replica (prefill and decode apart, ``--pd P:D``).
+
+    It is an :class:`Output` of the prefill replica (its router sends it on the
+    ``out`` channel; a dispatcher's router sends it on to the decode replica it
+    picks) and a :class:`Request` of the decode replica (on its ``work``
+    channel), which adopts the state and streams the rest.
+
+    ``kv`` is every layer's keys and values over the prompt's positions,
+    ``(layers, 2, kv_heads, len(input_ids), head_dim)`` in the model's dtype;
+    on one node it travels in a shared-memory slab (a view on receipt).
+    ``output_ids`` are the tokens sampled so far (the last one not yet read
+    by the model), the first ``sent`` of them already sent to the client.
+    ``rng_state`` is the sampler's generator state (``None``: greedy).
+    ``fingerprint`` names the model that made ``kv``: a replica whose
+    model differs refuses the hand-off, naming both.
+    """
+
+    input_ids: TokenIds
+    output_ids: TokenIds
+    sent: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    sampling: SamplingParams
+    kv: torch.Tensor
+    fingerprint: ModelFingerprint
+    stream: bool = False
+    return_logprob: bool = False
+    logprobs: npt.NDArray[np.float32] | None = None
+    rng_state: torch.Tensor | None = None
+    cached_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    def _pack(self) -> None:  # on construction (PackingMeta)
+        self.input_ids = packed_u32(self.input_ids, field="input_ids")
+        self.output_ids = packed_u32(self.output_ids, field="output_ids")
+
+    def _unpack(self) -> None:  # once per hand-off received (PackingMeta)
+        self.input_ids = cast_u32(self.input_ids, "input_ids")
+        self.output_ids = cast_u32(self.output_ids, "output_ids")
+        sampling = self.sampling
+        if sampling.stop_token_ids is not None:
+            sampling._unpack()

@@ -31,6 +31,7 @@ from messages.catalogue import (
     BatchEmbeddingOut,
     BatchTokenIDOut,
     ErrorOut,
+    KVHandoff,
     RpcReqInput,
     RpcReqOutput,
     TokenizedEmbeddingReqInput,
@@ -97,12 +98,12 @@ class Channel:
 
 
 #: Tokenized work in; nothing back on it (outputs leave on ``out``).
-WORK: Final = Channel("work", (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput, AbortReq),
-                      ())
+WORK: Final = Channel("work", (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput, AbortReq,
+                               KVHandoff), ())
 #: Control calls in, their replies back to the peer that asked.
 RPC: Final = Channel("rpc", (RpcReqInput,), (RpcReqOutput,))
 #: Every answer to work, to the one consumer that binds it.
-OUT: Final = Channel("out", (), (BatchTokenIDOut, BatchEmbeddingOut, ErrorOut))
+OUT: Final = Channel("out", (), (BatchTokenIDOut, BatchEmbeddingOut, ErrorOut, KVHandoff))
 #: Every channel, in the document's order.
 CHANNELS: Final = (WORK, RPC, OUT)
 

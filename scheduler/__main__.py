@@ -205,6 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             endpoints, specs, options=options, curve_clients=allowed, policy=args.dp_policy,
             heartbeat_timeout=args.heartbeat_timeout, rpc_timeout=args.rpc_timeout,
             max_backlog=args.max_backlog))
+    if args.pd is not None:
+        if args.dp_size not in (1, sum(args.pd)):
+            parser.error(f"--pd {args.pd[0]}:{args.pd[1]} runs {sum(args.pd)} replicas: "
+                         f"leave --dp-size out")
+        args.dp_size = sum(args.pd)
     for flag, value in (("--max-batch", args.max_batch), ("--dp-size", args.dp_size)):
         if value < 1:  # checked before anything starts: no replica could ever serve
             parser.error(f"{flag} must be at least 1, not {value}")
@@ -324,7 +329,8 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
             reached[0] = serve_dispatch(endpoints, specs, options=options,
                                         curve_clients=allowed, policy=args.dp_policy,
                                         max_backlog=limits.max_backlog,
-                                        heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT)
+                                        heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT,
+                                        pd=args.pd)
         except KeyboardInterrupt:
             if none_left:
                 raise NoReplicaLeft(none_left[0]) from None

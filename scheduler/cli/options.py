@@ -50,6 +50,18 @@ def add_backlog_option(p: argparse.ArgumentParser) -> None:
                         "requests are aborted")
 
 
+def pd_ratio(text: str) -> tuple[int, int]:
+    """``--pd P:D``: prefill and decode replica counts, each at least 1.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not ``P:D`` with both at least 1.
+    """
+    p, sep, d = text.partition(":")
+    if not sep or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not P:D with P, D >= 1 (e.g. 1:1)")
+    return int(p), int(d)
+
+
 def add_scheduler_options(p: argparse.ArgumentParser) -> None:
     """The scheduler's own options: its batch and queue bounds, its data-parallel
     replicas and their policy, and its model."""
@@ -66,6 +78,10 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
                    help="data-parallel replicas: that many local schedulers, each its own "
                         "process, behind one dispatcher" + _deprecated("--dp-size"))
     add_dp_policy_option(p)
+    p.add_argument("--pd", type=pd_ratio, default=None, metavar="P:D",
+                   help="prefill and decode apart: P replicas read prompts and D decode "
+                        "them, each its own process, behind one dispatcher (instead of "
+                        "--dp-size; the frontend needs --mode zmq)")
     p.add_argument("--model", metavar="DIR", default=None,
                    help="a Hugging Face causal LM in a local directory (config.json and "
                         "safetensors; needs the [hf] extra); default: the built-in tiny model")

@@ -47,7 +47,7 @@ from messages import (
 from scheduler.core.admission import Admission
 from scheduler.models import guided
 from scheduler.models.logits import note_top_logprobs, penalize, score_prompt
-from scheduler.models.protocol import Model, PromptChunk
+from scheduler.models.protocol import Model, PromptChunk, RequestState
 from scheduler.models.sampling import sample_next
 
 __all__ = ["Batch", "Seq", "StepFailed"]
@@ -168,6 +168,21 @@ class Batch:
             self.waiting.append(seq)
             self.admission.enter(seq.cost)
         return refused
+
+    def adopt(self, seq: Seq, state: RequestState, rng_state: torch.Tensor | None) -> None:
+        """Run ``seq``, whose prompt another replica read (prefill and decode apart):
+        its model state is ``state``, its sampler's generator ``rng_state``; it decodes
+        from the next step, in the running batch.
+
+        Raises:
+            StateMismatch: ``state`` is not this model's (nothing is kept).
+        """
+        seq.key = next(self._keys)
+        self._admit(seq)
+        if rng_state is not None and seq.generator is not None:
+            seq.generator.set_state(rng_state.clone())
+        self.model.adopt_state(seq.key, state, len(seq.req.input_ids))
+        self.running.append(seq)
 
     def remove(self, seq: Seq) -> None:
         """Take ``seq`` out of the queue or the batch, wherever it is, and free its state."""

@@ -23,6 +23,7 @@ from messages import (
     AbortReq,
     ErrorCode,
     ErrorOut,
+    KVHandoff,
     NotCarried,
     Output,
     Request,
@@ -41,11 +42,12 @@ from scheduler.core.admission import Admission, Limits
 from scheduler.core.backpressure import InboxThrottle, collapse
 from scheduler.core.batch import Batch, Seq, StepFailed
 from scheduler.core.control import ControlMethods
+from scheduler.core.handoff import handoff_of, resume_guide, seq_of, state_of
 from scheduler.core.metrics import SchedulerMetrics, registry_for
 from scheduler.core.outputs import embedding_outputs, stopped_by, token_outputs
 from scheduler.core.rpc_methods import RpcMethods
 from scheduler.models.guided import GuideError
-from scheduler.models.protocol import Model
+from scheduler.models.protocol import Empty, Model
 
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 
@@ -53,6 +55,19 @@ log = logging.getLogger("scheduler")
 _one_replica = functools.partial(dp_rank_problem, replicas=1)  # a dispatcher consumes pins
 
 Handler = Callable[[Request, Origin], None]
+
+
+def _handoff_problem(h: KVHandoff) -> str:
+    """What makes hand-off ``h`` impossible to continue, or ``""``."""
+    n = len(h.output_ids)
+    if not n:
+        return f"hand-off of request {h.rid!r} carries no sampled token"
+    if h.sent > n:
+        return f"hand-off of request {h.rid!r} says {h.sent} tokens were sent of {n}"
+    if h.logprobs is not None and h.logprobs.shape != (n,):
+        return (f"hand-off of request {h.rid!r} has {h.logprobs.shape} logprobs for {n} "
+                f"tokens")
+    return ""
 
 
 class RequestSource(Protocol):
@@ -120,6 +135,8 @@ class Scheduler(ControlMethods):
         tell_ranks: rank 0 of several: hands the other ranks a request
             this rank decided on alone (an abort of a request whose outputs
             are stuck), so every rank keeps the same batch.
+        empty: makes the tensor a hand-off's state is written into (the output
+            outbox's ``PushOutbox.empty``: a slab, so it crosses with no copy).
     """
 
     def __init__(self, receiver: RequestSource, router: Router[Output], model: Model, *,
@@ -127,8 +144,10 @@ class Scheduler(ControlMethods):
                  idle_timeout: float = 1.0, rank: int = 0, world_size: int = 1,
                  rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None,
                  limits: Limits | None = None, metrics: bool = True,
-                 tell_ranks: Callable[[Request], None] | None = None) -> None:
+                 tell_ranks: Callable[[Request], None] | None = None,
+                 empty: Empty | None = None) -> None:
         self.receiver = receiver
+        self._empty = empty
         self.router = router
         self.model = model
         self.admission = Admission(limits or Limits())
@@ -157,6 +176,7 @@ class Scheduler(ControlMethods):
         self._handlers.register(TokenizedEmbeddingReqInput, self._on_embed)  # type: ignore[arg-type]
         self._handlers.register(AbortReq, self._on_abort)  # type: ignore[arg-type]
         self._handlers.register(RpcReqInput, self._on_rpc)  # type: ignore[arg-type]
+        self._handlers.register(KVHandoff, self._on_handoff)  # type: ignore[arg-type]
         self._handlers.freeze()
         self._live: dict[str, Seq] = {}
         self._aborted: list[Seq] = []
@@ -315,6 +335,46 @@ class Scheduler(ControlMethods):
             return
         self._live[req.rid] = seq
 
+    def _on_handoff(self, h: KVHandoff, origin: Origin) -> None:
+        """Adopt a request another scheduler prefilled: it decodes here from the next step."""
+        problem = self._check_ids(h.input_ids, h.rid) or _handoff_problem(h)
+        if problem:
+            self._refuse(h.rid, origin, "invalid_request", problem)
+            return
+        seq = seq_of(h, origin, self._now)
+        try:
+            resume_guide(seq, self.batch.guides)
+        except GuideError as exc:
+            self._refuse(h.rid, origin, "invalid_request",
+                         f"hand-off of request {h.rid!r} refused: {exc.reason}")
+            return
+        try:
+            self.batch.adopt(seq, state_of(h), h.rng_state)
+        except ValueError as exc:  # StateMismatch: another model, dtype or shape
+            self._refuse(h.rid, origin, "invalid_request",
+                         f"hand-off of request {h.rid!r} refused: {exc}")
+            return
+        self._live[h.rid] = seq
+
+    def _hand_off(self, seqs: list[Seq]) -> None:
+        """Requests read here for another scheduler to decode leave, as hand-offs."""
+        for s in seqs:
+            req = s.req
+            if s.finished is not None or not isinstance(req, TokenizedGenerateReqInput) \
+                    or not req.prefill_only or self._live.get(req.rid) is not s:
+                continue
+            try:
+                h = handoff_of(s, self.model, self._empty)
+            except (KeyError, NotImplementedError) as exc:
+                self._live.pop(req.rid, None)
+                self.batch.remove(s)
+                self._error(req.rid, s.origin, "internal",
+                            f"request {req.rid!r} could not be handed off: {exc}")
+                continue
+            self._live.pop(req.rid, None)
+            self.batch.remove(s)  # its state here is freed: the hand-off holds a copy
+            self._route(h, s.origin)
+
     def _on_abort(self, req: AbortReq, origin: Origin) -> None:
         # Idempotent: the first abort takes the request out of _live, so a
         # second one (in the same poll or later) finds nothing to do.
@@ -382,6 +442,7 @@ class Scheduler(ControlMethods):
         self._tokens += n
         self._rate_tokens += n
         self._emit(active)
+        self._hand_off(active)
         return True
 
     def _emit_embeddings(self, seqs: list[Seq]) -> None:

@@ -21,6 +21,15 @@ all of them fairly and parks on one poll.
   ``ErrorOut(replica_lost)``, sends the ones it had not started to a live
   replica, and completes pending broadcasts without it.
 * Broadcasts run at most 4 at a time per caller (:class:`CallerQueue`).
+* Prefill and decode apart (``pd=(P, D)``): replicas ``0..P-1`` read prompts,
+  ``P..P+D-1`` decode. A generate request goes to a prefill replica marked
+  ``prefill_only``; it streams the first token and sends a
+  :class:`~messages.KVHandoff` on its output channel, which the reply
+  router's ``KVHandoff`` row hands to :meth:`Dispatcher._hand_over`: the
+  least loaded live decode replica gets it on its work channel, and the
+  ledger moves the request there (its outputs are accepted from there on; if
+  it is lost, the request ends ``replica_lost`` as any started one).
+  Embeddings go to prefill replicas, which answer them whole.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from bus.channels import Inbox
 from messages import (
     ErrorCode,
     ErrorOut,
+    KVHandoff,
     Message,
     Output,
     Request,
@@ -57,7 +67,7 @@ from messages import (
     TokenizedGenerateReqInput,
     fit_text,
 )
-from router import RpcReplySink, TransportSink, scheduler_router
+from router import CallbackSink, RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.backpressure import collapse
 from scheduler.core.outputs import stopped_by
 from scheduler.dp.affinity import PrefixAffinity
@@ -66,7 +76,15 @@ from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy, cost_of
 from scheduler.dp.liveness import AwakeClock
 from scheduler.dp.outputs import OutputGate, OutputThrottle
 from scheduler.dp.replica import Replica, ReplicaSpec
-from scheduler.dp.table import Balanced, Broadcast, Owner, Reducer, ReplicaReply, dispatch_table
+from scheduler.dp.table import (
+    Balanced,
+    Broadcast,
+    Owner,
+    Reducer,
+    Refused,
+    ReplicaReply,
+    dispatch_table,
+)
 from scheduler.dp.upstream import DispatcherLogs, answer_hello_here, answer_rejected, with_ledger
 from scheduler.handshake import HELLO_METHOD
 
@@ -104,6 +122,9 @@ class Dispatcher:
             once one replica is live (it serves then; others join when they answer).
         max_backlog: outputs kept for an upstream consumer not reading.
         clock: the real clock (a test passes a controlled one).
+        pd: ``(P, D)``: prefill and decode apart, the first ``P`` replicas reading
+            prompts and the other ``D`` decoding (see the module docstring);
+            ``None``: every replica does both.
     """
 
     TICK = 0.02  # seconds between liveness checks when idle
@@ -113,9 +134,17 @@ class Dispatcher:
                  policy: Policy = "least_loaded", rpc_timeout: float = 30.0,
                  heartbeat_interval: float = 0.2, heartbeat_timeout: float = 2.0,
                  join_timeout: float = 60.0, max_backlog: int = 1024,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 pd: tuple[int, int] | None = None) -> None:
         if not replicas:
             raise ValueError("a dispatcher needs at least one replica")
+        if pd is not None and (min(pd) < 1 or sum(pd) != len(replicas)):
+            raise ValueError(f"pd={pd}: needs P >= 1 prefill and D >= 1 decode replicas, "
+                             f"P + D = {len(replicas)} (the replicas given)")
+        #: Replicas that take no new request (they decode hand-offs), and those that
+        #: take no hand-off; both empty without ``pd``.
+        self.decode_only = frozenset(range(pd[0], sum(pd))) if pd is not None else frozenset()
+        self.prefill_only = frozenset(range(pd[0])) if pd is not None else frozenset()
         self.table = dispatch_table(merge_replies)  # the totality check: at start-up
         self.replicas = [Replica(i, spec) for i, spec in enumerate(replicas)]
         self.ledger = Ledger(len(replicas), policy)
@@ -131,7 +160,8 @@ class Dispatcher:
         self.max_backlog = max_backlog
         self.logs = DispatcherLogs()
         self.router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
-                                       max_backlog=max_backlog)
+                                       max_backlog=max_backlog,
+                                       handoff=CallbackSink(self._hand_over))
         self.router.on_overflow = functools.partial(collapse, abort=self._abort_stuck,
                                                     dropped_rpc=self.logs.dropped_reply)
         self.clock = clock
@@ -143,7 +173,7 @@ class Dispatcher:
         for rep in self.replicas:
             self._watch(rep)
         self.stats: DispatcherStats = dict(
-            dispatched=0, redispatched=0, lost=0, joined=0, stale_outputs=0,
+            dispatched=0, handed_off=0, redispatched=0, lost=0, joined=0, stale_outputs=0,
             duplicate_rid=0, abort_unknown=0, rejected=0, replica_lost_errors=0,
             rpc_calls_not_run=0)
         self.gate = OutputGate(self.ledger, self.stats)
@@ -241,6 +271,8 @@ class Dispatcher:
             self._balanced(msg, origin)
         elif type(route) is Owner:
             self._to_owner(msg)
+        elif type(route) is Refused:
+            self._error(msg.rid, origin, "invalid_request", f"request {msg.rid!r}: {route.why}")
         else:
             assert isinstance(route, Broadcast) and isinstance(msg, RpcReqInput)
             turn = self.callers.admit(msg, origin)
@@ -268,6 +300,8 @@ class Dispatcher:
         rid = msg.rid
         # A replica still running an orphan of this rid would drop it as a duplicate.
         busy = [r.index for r in self.replicas if r.orphans and rid in r.orphans]
+        # Prefill and decode apart: new requests go to the replicas that read prompts.
+        closed = [*busy, *self.decode_only] if pin is None else busy
         # Only generation leaves a prefix in a replica's cache: embeddings go by load.
         affinity = self.affinity if isinstance(msg, TokenizedGenerateReqInput) else None
         try:
@@ -275,23 +309,27 @@ class Dispatcher:
             if pin is None and affinity is not None:
                 prefer = affinity.prefer(msg.input_ids, self.ledger.requests,
                                               self.ledger.live, busy)
-            i = self.ledger.pick(pin, busy, prefer)
+            i = self.ledger.pick(pin, closed, prefer)
         except NoLiveReplica as exc:
             code: ErrorCode = "replica_lost"
             why = str(exc)
             if pin is not None and not 0 <= pin < len(self.replicas):
                 code = "invalid_request"
             elif (pin in busy and self.replicas[pin].live) if pin is not None else \
-                    any(r.live for r in self.replicas):  # every live one is busy with it
+                    any(r.live and r.index not in self.decode_only  # every live one that
+                        for r in self.replicas):  # takes new requests is busy with it
                 code = "overloaded"  # the orphan ends soon: a retry will go through
                 why = f"replica {busy[0]} is still ending an earlier request with this id"
             self._error(rid, origin, code, f"request {rid!r}: {why}{lost}")
             return
         rep = self.replicas[i]
+        sent: Request = msg
+        if pin is not None:  # consumed here: a replica is a lone scheduler, where only
+            sent = msgspec.structs.replace(msg, dp_rank=None)  # 0 or null is valid
+        if i in self.prefill_only and isinstance(msg, TokenizedGenerateReqInput):
+            sent = msgspec.structs.replace(sent, prefill_only=True)
         try:
-            # The pin is consumed here: a replica is a lone scheduler, where only
-            # dp_rank 0 or null is valid (messages.checks.dp_rank_problem).
-            rep.work.send_nowait(msg if pin is None else msgspec.structs.replace(msg, dp_rank=None))
+            rep.work.send_nowait(sent)
         except WouldBlock:
             self._error(msg.rid, origin, "overloaded",
                         f"request {msg.rid!r}: {rep.name} is not taking requests "
@@ -306,6 +344,35 @@ class Dispatcher:
         if affinity is not None:
             affinity.record(i, msg.input_ids)
         self.stats["dispatched"] += 1
+
+    def _hand_over(self, h: KVHandoff, origin: Origin) -> None:
+        """A prefill replica's hand-off (the router's ``KVHandoff`` row): on to the least
+        loaded live decode replica, which owns the request from now on."""
+        entry = self.ledger.get(h.rid)
+        if entry is None:  # ended meanwhile (the gate let it through while it was ours)
+            return
+        prefilled_by = self.replicas[entry.replica].name
+        busy = [r.index for r in self.replicas if r.orphans and h.rid in r.orphans]
+        try:
+            i = self.ledger.pick(None, [*busy, *self.prefill_only])
+        except NoLiveReplica as exc:
+            self.ledger.finish(h.rid)
+            self._error(h.rid, _WORK, "replica_lost", f"request {h.rid!r}, prefilled by "
+                        f"{prefilled_by}: no decode replica to hand it to ({exc})")
+            return
+        rep = self.replicas[i]
+        try:
+            rep.work.send_nowait(h)
+        except (WouldBlock, ChannelError) as exc:
+            self.ledger.finish(h.rid)
+            self._error(h.rid, _WORK, "overloaded" if isinstance(exc, WouldBlock) else
+                        "replica_lost", f"request {h.rid!r}, prefilled by {prefilled_by}: "
+                        f"its hand-off to {rep.name} failed: {exc}")
+            return
+        self.ledger.move(entry, i, rep.generation)
+        self.stats["handed_off"] += 1
+        if entry.aborted:  # aborted while in hand-off: end it where it is now
+            rep.abort(h.rid)
 
     def _to_owner(self, msg: Request) -> None:
         entry = self.ledger.get(msg.rid)

@@ -203,6 +203,21 @@ class Ledger:
                 self.work[entry.replica] -= entry.prefill_us
             entry.prefill_us = 0
 
+    def move(self, entry: Entry, replica: int, generation: int) -> None:
+        """``entry`` now runs on ``replica`` (its state was handed off there): its load
+        moves with it, and it counts as started (it cannot run elsewhere any more)."""
+        self.start(entry)
+        if self._entries.get(entry.rid) is not entry:
+            return
+        old = entry.replica
+        self.requests[old] -= 1
+        self.tokens[old] -= entry.cost
+        self.work[old] -= entry.decode_us
+        entry.replica, entry.generation = replica, generation
+        self.requests[replica] += 1
+        self.tokens[replica] += entry.cost
+        self.work[replica] += entry.decode_us
+
     def finish(self, rid: str) -> Entry | None:
         """``rid`` got its terminal output: forget it and release its load."""
         entry = self._entries.pop(rid, None)

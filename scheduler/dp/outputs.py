@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 
 from bus import Receiver
-from messages import BatchEmbeddingOut, BatchTokenIDOut, ErrorOut, Message, Output
+from messages import BatchEmbeddingOut, BatchTokenIDOut, ErrorOut, KVHandoff, Message, Output
 from scheduler.dp.ledger import Ledger
 from scheduler.dp.replica import Replica
 
@@ -60,6 +60,11 @@ class OutputGate:
                 out = out.select(keep)
             for rid in out.rids:
                 ledger.finish(rid)
+            return out
+        if isinstance(out, KVHandoff):  # goes on to a decode replica (Dispatcher._hand_over)
+            if not self._owned(rep, out.rid):
+                self._stale(rep, [out.rid], [None], [False])
+                return None
             return out
         if isinstance(out, ErrorOut):
             if not self._owned(rep, out.rid):

@@ -37,7 +37,8 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
                    curve_clients: Sequence[bytes] | None = None,
                    policy: Policy = "least_loaded", rpc_timeout: float = 30.0,
                    heartbeat_interval: float = 0.2, heartbeat_timeout: float = 2.0,
-                   join_timeout: float = 60.0, max_backlog: int = 1024) -> bool:
+                   join_timeout: float = 60.0, max_backlog: int = 1024,
+                   pd: tuple[int, int] | None = None) -> bool:
     """Serve ``endpoints`` like one scheduler, dispatching over ``replicas``, until a
     ``shutdown`` rpc (which reaches every replica) has been answered.
 
@@ -62,7 +63,8 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
                                     rpc_timeout=rpc_timeout,
                                     heartbeat_interval=heartbeat_interval,
                                     heartbeat_timeout=heartbeat_timeout,
-                                    join_timeout=join_timeout, max_backlog=max_backlog)
+                                    join_timeout=join_timeout, max_backlog=max_backlog,
+                                    pd=pd)
             try:
                 return dispatcher.run()
             finally:

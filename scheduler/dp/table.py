@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from messages import (
     AbortReq,
+    KVHandoff,
     Request,
     RpcReqInput,
     RpcReqOutput,
@@ -27,7 +28,8 @@ from messages import (
 )
 from router import NoRouteError, NoSinkError, TypeTable
 
-__all__ = ["Balanced", "Broadcast", "Owner", "Reducer", "ReplicaReply", "Route", "dispatch_table"]
+__all__ = ["Balanced", "Broadcast", "Owner", "Reducer", "Refused", "ReplicaReply", "Route",
+           "dispatch_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +62,14 @@ class Broadcast:
     reduce: Reducer
 
 
-Route = Balanced | Owner | Broadcast
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Never taken from upstream: answered ``invalid_request`` saying ``why``."""
+
+    why: str
+
+
+Route = Balanced | Owner | Broadcast | Refused
 
 
 def dispatch_table(reduce: Reducer, types: Iterable[type[Request]] | None = None
@@ -82,10 +91,14 @@ def dispatch_table(reduce: Reducer, types: Iterable[type[Request]] | None = None
     table.register(TokenizedEmbeddingReqInput, Balanced())
     table.register(AbortReq, Owner())
     table.register(RpcReqInput, Broadcast(reduce))
+    # A hand-off comes from a prefill replica's outputs, and goes on by the reply
+    # router's KVHandoff row; a client has no state of ours to hand over.
+    table.register(KVHandoff, Refused("a KVHandoff is accepted from a prefill replica only, "
+                                      "not from upstream"))
     try:
         table.freeze()
     except NoSinkError as exc:
-        raise NoRouteError(exc.output_types, "checked at start-up: give every request type "
-                           "a route (Balanced, Owner or Broadcast) in scheduler.dp.table") \
+        raise NoRouteError(exc.output_types, "checked at start-up: give every request type a "
+                           "route (Balanced, Owner, Broadcast or Refused) in scheduler.dp.table") \
             from None
     return table

@@ -162,6 +162,11 @@ class AsyncEngine(SchedulerClient):
             (:class:`~scheduler.Limits`): past them a request fails with
             :class:`~scheduler.Overloaded`.
         metrics: record the scheduler's Prometheus metrics (:meth:`metrics`).
+        pd: ``(P, D)``: prefill and decode apart (``zmq`` mode), ``P + D``
+            replicas behind the dispatcher: a generate request is read on one
+            of the first ``P``, which streams its first token and hands its KV
+            cache (:class:`~messages.KVHandoff`) to one of the other ``D``,
+            which streams the rest. ``None``: every replica does both.
 
     Every request is validated as the wire would validate it before it is
     sent (:class:`~scheduler.InvalidRequest` at submit), in both modes: a
@@ -175,9 +180,10 @@ class AsyncEngine(SchedulerClient):
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0, tp_size: int = 1,
                  dp_size: int = 1, dp_policy: Policy = "least_loaded",
-                 limits: Limits | None = None, metrics: bool = True) -> None:
+                 limits: Limits | None = None, metrics: bool = True,
+                 pd: tuple[int, int] | None = None) -> None:
         super().__init__(mode, model, max_batch=max_batch, tp_size=tp_size, dp_size=dp_size,
-                         dp_policy=dp_policy, limits=limits, metrics=metrics)
+                         dp_policy=dp_policy, limits=limits, metrics=metrics, pd=pd)
         self._start_timeout = start_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the loop's thread, once started

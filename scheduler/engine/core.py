@@ -120,9 +120,13 @@ class SchedulerClient:
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, tp_size: int = 1, dp_size: int = 1,
                  dp_policy: Policy = "least_loaded", limits: Limits | None = None,
-                 metrics: bool = True) -> None:
+                 metrics: bool = True, pd: tuple[int, int] | None = None) -> None:
         if mode not in ("ring", "zmq"):
             raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
+        if pd is not None:  # prefill and decode apart: P + D replicas behind a dispatcher
+            if min(pd) < 1 or dp_size not in (1, sum(pd)):
+                raise ValueError(f"pd={pd!r} needs P >= 1 and D >= 1 (and no other dp_size)")
+            dp_size = sum(pd)
         if max_batch < 1:  # here, not in a scheduler process that would die at start
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")
         for name, size in (("tp_size", tp_size), ("dp_size", dp_size)):
@@ -184,7 +188,7 @@ class SchedulerClient:
             self._started = start_processes(self.endpoints, self._dir, self.model,
                                             max_batch=max_batch, tp_size=tp_size,
                                             dp_size=dp_size, limits=self.limits,
-                                            metrics=metrics, dp_policy=dp_policy)
+                                            metrics=metrics, dp_policy=dp_policy, pd=pd)
             self._procs = self._started.essential
         self._out_inbox = out_inbox
         self._rpc = RpcClient(self.endpoints.rpc, name="rpc")

@@ -75,10 +75,11 @@ class Engine:
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0, tp_size: int = 1,
                  dp_size: int = 1, dp_policy: Policy = "least_loaded",
-                 limits: Limits | None = None, metrics: bool = True) -> None:
+                 limits: Limits | None = None, metrics: bool = True,
+                 pd: tuple[int, int] | None = None) -> None:
         self._core = AsyncEngine(mode, model, max_batch=max_batch, start_timeout=start_timeout,
                                  tp_size=tp_size, dp_size=dp_size, dp_policy=dp_policy,
-                                 limits=limits, metrics=metrics)
+                                 limits=limits, metrics=metrics, pd=pd)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever,
                                              name="engine-loop", daemon=True)

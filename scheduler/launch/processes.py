@@ -307,12 +307,14 @@ def start_processes(endpoints: Endpoints, directory: str, model: ModelSpec, *,
                     max_batch: int, tp_size: int = 1, dp_size: int = 1,
                     limits: Limits | None = None, metrics: bool = True,
                     dp_policy: Policy = "least_loaded",
-                    dispatch: bool | None = None) -> SchedulerProcesses:
+                    dispatch: bool | None = None,
+                    pd: tuple[int, int] | None = None) -> SchedulerProcesses:
     """Start what serves ``endpoints``: a scheduler, or ``dp_size`` replicas and a dispatcher.
 
     Replica ``i`` serves ``ipc://`` endpoints in ``directory/r<i>`` (0700).
     ``dispatch``: put a dispatcher in front even of one replica (default:
     only when ``dp_size > 1``); what ``benchmarks/dp`` measures the hop with.
+    ``pd``: prefill and decode apart over the ``dp_size`` replicas (the dispatcher's).
     """
     limits = limits or Limits()
     started = SchedulerProcesses()
@@ -326,6 +328,7 @@ def start_processes(endpoints: Endpoints, directory: str, model: ModelSpec, *,
     ctx = multiprocessing.get_context("spawn")
     dispatcher = ctx.Process(target=_child, args=(os.getpid(), serve_dispatch, endpoints, specs),
                              kwargs={"policy": dp_policy, "max_backlog": limits.max_backlog,
+                                     "pd": pd,
                                      "heartbeat_timeout": LOCAL_HEARTBEAT_TIMEOUT},
                              name="dispatcher", daemon=True)
     dispatcher.start()

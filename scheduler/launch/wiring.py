@@ -192,6 +192,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
                 tell = broadcast.inject
             sched = Scheduler(receiver, router, load_model(model), max_batch=max_batch,
                               world_size=world, limits=limits, tell_ranks=tell,
+                              empty=lambda shape, dtype: out.empty(shape, dtype=dtype),
                               metrics=metrics or metrics_port is not None,
                               rpc_reduce=rpc_reducer(0, world) if tp is not None else None)
             _settled()

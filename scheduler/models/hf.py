@@ -40,6 +40,7 @@ How a step runs (measured on CPU, ``benchmarks/hf.py``):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -62,7 +63,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from scheduler.models.files import ModelLoadError, check_model_dir
-from scheduler.models.protocol import PromptChunk
+from scheduler.models.protocol import Empty, PromptChunk, RequestState, check_state
 from scheduler.models.radix import Hit, RadixTree, TreeStats
 
 __all__ = ["HFCausalLM", "held_log", "load_config"]
@@ -389,6 +390,49 @@ class HFCausalLM:
     def prefix_cache_stats(self) -> TreeStats | None:
         """The tree's counters (``size`` in bytes), ``None`` with no prefix cache."""
         return self._prefixes.stats() if self._prefixes is not None else None
+
+    # -- prefill and decode apart (Model.export_state / adopt_state) -----------
+
+    @property
+    def fingerprint(self) -> str:
+        """The directory's name, a digest of its configuration, and the dtype."""
+        digest = hashlib.blake2b(self.config.to_json_string(use_diff=False).encode(),
+                                 digest_size=8).hexdigest()
+        return f"{self._name}:{digest}:{str(self.hf.dtype).removeprefix('torch.')}"
+
+    def _kv_shape(self) -> tuple[int | None, ...]:
+        """``(layers, 2, kv_heads, *, head_dim)``: one hand-off's keys and values."""
+        text = self.config.get_text_config(decoder=True)
+        heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return (int(text.num_hidden_layers), 2, heads, None, int(dim))
+
+    def export_state(self, key: int, empty: Empty | None = None) -> RequestState:
+        """Every layer's keys and values of ``key``, stacked into one tensor that ``empty``
+        makes (a slab of the outbox it will leave by: the only copy on its way)."""
+        if key not in self._kv:
+            self._evict(list(self._batch.keys) if self._batch is not None else [])
+        kv = self._kv[key]
+        shape = (len(kv), 2, *kv[0][0].shape[1:])
+        dtype = kv[0][0].dtype
+        out = empty(shape, dtype) if empty is not None else torch.empty(shape, dtype=dtype)
+        for i, (k, v) in enumerate(kv):
+            out[i, 0].copy_(k[0])
+            out[i, 1].copy_(v[0])
+        return RequestState(out, self.fingerprint)
+
+    def adopt_state(self, key: int, state: RequestState, positions: int) -> None:
+        """Views of ``state.kv`` become ``key``'s cache (no copy here: the step that
+        takes it into the resident batch copies it there, as for any request). It
+        holds no cached prefix, and :meth:`free` caches nothing of it: its prompt was
+        read elsewhere (under pd every prompt is read on a prefill replica, whose
+        cache keeps it)."""
+        shape = list(self._kv_shape())
+        shape[3] = positions
+        check_state(state, self.fingerprint, self.hf.dtype, shape)
+        kv = state.kv.to(self.device)
+        self._kv[key] = [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0))
+                         for i in range(kv.shape[0])]
 
     # -- internals ---------------------------------------------------------------
 

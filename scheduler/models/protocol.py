@@ -13,6 +13,13 @@ bounded in bytes; :meth:`Model.reuse_prefix` gives a new request its
 longest cached prefix (the batch then reads only the rest, chunked as
 always), and the prefix stays held until :meth:`Model.free`.
 
+Prefill and decode apart (``--pd P:D``): :meth:`Model.export_state` gives a
+request's state once its prompt is read (a :class:`RequestState`: its keys
+and values as one tensor, and the fingerprint of the model that made them),
+and :meth:`Model.adopt_state` makes it the state of a request on another
+replica, which decodes from there; a state from a different model, dtype or
+shape is refused (:class:`StateMismatch`, naming both).
+
 Implementations: :class:`~scheduler.models.tiny.TinyLM` (and its stub) and
 :class:`~scheduler.models.hf.HFCausalLM` (any Hugging Face causal LM from a
 local directory).
@@ -20,7 +27,7 @@ local directory).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -28,7 +35,61 @@ import torch
 
 from scheduler.models.radix import TreeStats
 
-__all__ = ["Model", "PromptChunk"]
+__all__ = ["Empty", "Model", "PromptChunk", "RequestState", "StateMismatch", "check_state"]
+
+#: Makes an uninitialized tensor (shape, dtype) for a state to be written into: a
+#: sender's shared-memory slab (``PushOutbox.empty``), so the state crosses to the
+#: next process with no copy on the way.
+Empty = Callable[[Sequence[int], torch.dtype], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestState:
+    """What a request's model state is once its prompt is read, to hand to another replica.
+
+    Attributes:
+        kv: the state as one tensor: a transformer's keys and values over the
+            prompt, ``(layers, 2, kv_heads, positions, head_dim)``; the tiny
+            GRU's hidden state, ``(layers, hidden)``.
+        fingerprint: the model that made it (:attr:`Model.fingerprint`).
+    """
+
+    kv: torch.Tensor
+    fingerprint: str
+
+
+class StateMismatch(ValueError):
+    """A handed-off state does not fit this model (another model, dtype or shape).
+
+    Attributes:
+        theirs: what the state says (its fingerprint, dtype and shape).
+        ours: what this model expects.
+    """
+
+    def __init__(self, what: str, theirs: str, ours: str) -> None:
+        self.theirs = theirs
+        self.ours = ours
+        super().__init__(f"the handed-off state's {what} is {theirs}, this replica's model "
+                         f"expects {ours}")
+
+
+def check_state(state: RequestState, fingerprint: str, dtype: torch.dtype,
+                shape: Sequence[int | None]) -> None:
+    """Refuse ``state`` unless it was made by ``fingerprint`` with ``dtype`` and ``shape``
+    (``None`` in ``shape``: any size there, such as the number of positions).
+
+    Raises:
+        StateMismatch: naming what the state says and what this model expects.
+    """
+    if state.fingerprint != fingerprint:
+        raise StateMismatch("model", repr(state.fingerprint), repr(fingerprint))
+    if state.kv.dtype != dtype:
+        raise StateMismatch("dtype", str(state.kv.dtype), str(dtype))
+    got = tuple(state.kv.shape)
+    if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape,
+                                                                           strict=False)):
+        want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+        raise StateMismatch("shape", str(got), want)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +204,30 @@ class Model(Protocol):
 
     def prefix_cache_stats(self) -> TreeStats | None:
         """The prefix cache's sizes and counters (``None``: this model caches nothing)."""
+        ...
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's identity in a hand-off: its name, a digest of its configuration,
+        its dtype. Two replicas adopt each other's states only when these agree."""
+        ...
+
+    def export_state(self, key: int, empty: Empty | None = None) -> RequestState:
+        """``key``'s state once its prompt is read (the request itself is not freed),
+        written into a tensor ``empty`` makes (default: ``torch.empty``).
+
+        Raises:
+            KeyError: ``key`` holds no generate state.
+        """
+        ...
+
+    def adopt_state(self, key: int, state: RequestState, positions: int) -> None:
+        """Make ``state`` (another replica's :meth:`export_state`, over ``positions``
+        prompt tokens) the state of request ``key``, which decodes from there.
+
+        Raises:
+            StateMismatch: the state's fingerprint, dtype or shape is not this model's.
+        """
         ...
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

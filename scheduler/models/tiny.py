@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from scheduler.models.protocol import PromptChunk
+from scheduler.models.protocol import Empty, PromptChunk, RequestState, check_state
 from scheduler.models.radix import TreeStats
 
 __all__ = ["ModelConfig", "StubLM", "TinyLM", "build_model"]
@@ -119,6 +119,24 @@ class TinyLM(nn.Module):
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """``load_state_dict`` (strict)."""
         self.load_state_dict(weights)
+
+    @property
+    def fingerprint(self) -> str:
+        """Its kind, shape and seed (the seed makes the weights), and ``float32``."""
+        c = self.config
+        return f"{self.name}:v{c.vocab_size}h{c.hidden}l{c.layers}s{c.seed}:float32"
+
+    def export_state(self, key: int, empty: Empty | None = None) -> RequestState:
+        """The GRU's hidden state after the prompt, ``(layers, hidden)``."""
+        state = self._states[key]
+        out = empty(state.shape, state.dtype) if empty is not None else torch.empty_like(state)
+        return RequestState(out.copy_(state), self.fingerprint)
+
+    def adopt_state(self, key: int, state: RequestState, positions: int) -> None:
+        """Continue from another replica's hidden state (the same model's)."""
+        check_state(state, self.fingerprint, torch.float32,
+                    (self.config.layers, self.config.hidden))
+        self._states[key] = state.kv.clone()
 
     # A GRU caches no prefix: its state exists only where it stopped reading, and
     # a radix tree cuts spans at any token, where a GRU has no state to resume

@@ -184,22 +184,22 @@ def test_typed_codec_decodes_only_its_family() -> None:
 # -- golden bytes: the wire format is pinned; change it deliberately -----------
 
 GOLDEN = {
-    "generate": (  # sampling: 15 items (9f): ignore_eos=false (c2), guide=null (c0), then
+    "generate": (  # 9 items (99), the last prefill_only=false (c2); sampling: 15 items (9f): ignore_eos=false (c2), guide=null (c0), then
         # the penalties, min_tokens, logit_bias, top_logprobs and prompt_logprobs at their
         # defaults (0.0, 0.0, 1.0, 0, nil, 0, nil)
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
-        "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
+        "99b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
         "2c0100009f08cb0000000000000000cb3ff000000000000000c0c0c2c0cb0000000000000000cb00"
-        "00000000000000cb3ff000000000000000c000c0c2c2c0c0",
+        "00000000000000cb3ff000000000000000c000c0c2c2c0c0c2",
     ),
     "generate_ignore_eos": (
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
                                   sampling=SamplingParams(max_new_tokens=8, temperature=0.0,
                                                           ignore_eos=True)),
-        "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
+        "99b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
         "2c0100009f08cb0000000000000000cb3ff000000000000000c0c0c3c0cb0000000000000000cb00"
-        "00000000000000cb3ff000000000000000c000c0c2c2c0c0",
+        "00000000000000cb3ff000000000000000c000c0c2c2c0c0c2",
     ),
     "rpc": (
         RpcReqInput(rid="c-1", method="save_checkpoint", parameters={"path": "/tmp/ck"}),
@@ -235,6 +235,16 @@ def test_batch_cached_tokens_round_trip_and_follow_select() -> None:
     assert kept is not None and list(kept) == [32, 5]
     with pytest.raises(ValueError, match="cached_tokens has 1 entries for 2 rids"):
         BatchTokenIDOut.from_lists(["a", "b"], [[1], [2]], [None, None], cached_tokens=[3])
+
+
+def test_generate_from_before_prefill_only_decodes_as_not_prefill_only() -> None:
+    # A sender that predates prefill_only writes 8 items (98); the field takes its default.
+    old = bytes.fromhex(
+        "98b9546f6b656e697a656447656e6572617465526571496e707574a27231c40c0100000002000000"
+        "2c0100009708cb0000000000000000cb3ff000000000000000c0c0c2c2c2c0c0")
+    msg = CODEC.decode([old])
+    assert isinstance(msg, TokenizedGenerateReqInput) and msg.prefill_only is False
+    assert list(msg.input_ids) == [1, 2, 300]
 
 
 @pytest.mark.parametrize("name", GOLDEN)
@@ -291,10 +301,11 @@ def test_ignore_eos_is_one_item_appended_and_both_sides_read_each_other(
     msg = TokenizedGenerateReqInput(rid="r", input_ids=token_ids([1]), sampling=sampling)
     frame = bytes(memoryview(CODEC.encode(msg)[0]))
     # What we write is the old encoding with one more item (a bool) in sampling
-    # (then the items appended after it, at their defaults: _LATER).
+    # (then the items appended after it, at their defaults: _LATER; and the
+    # request's prefill_only, false).
     head = ["TokenizedGenerateReqInput", "r", token_ids([1]).tobytes()]
     assert frame == msgspec.msgpack.encode([*head, [*before, sampling.ignore_eos, *_LATER],
-                                            False, False, None, None])
+                                            False, False, None, None, False])
     # A reader from before ignore_eos reads everything else (the extra item ignored).
     sampling_item = msgspec.msgpack.encode([*before, sampling.ignore_eos])
     assert msgspec.msgpack.decode(sampling_item, type=SamplingBefore) == SamplingBefore(

@@ -41,7 +41,7 @@ FIELDS: dict[str, list[tuple[str, str, object]]] = {
         ("rid", "str", NO_DEFAULT), ("input_ids", "packed_u32", NO_DEFAULT),
         ("sampling", "SamplingParams", []), ("stream", "bool", False),
         ("return_logprob", "bool", False), ("input_embeds", "tensor", None),
-        ("dp_rank", "int", None)],
+        ("dp_rank", "int", None), ("prefill_only", "bool", False)],
     "TokenizedEmbeddingReqInput": [
         ("rid", "str", NO_DEFAULT), ("input_ids", "packed_u32", NO_DEFAULT),
         ("dp_rank", "int", None)],
@@ -61,6 +61,13 @@ FIELDS: dict[str, list[tuple[str, str, object]]] = {
     "BatchEmbeddingOut": [("rids", "list", NO_DEFAULT), ("embeddings", "tensor", NO_DEFAULT)],
     "ErrorOut": [("rid", "str", NO_DEFAULT), ("code", "str", NO_DEFAULT),
                  ("message", "str", "")],
+    "KVHandoff": [
+        ("rid", "str", NO_DEFAULT), ("input_ids", "packed_u32", NO_DEFAULT),
+        ("output_ids", "packed_u32", NO_DEFAULT), ("sent", "int", NO_DEFAULT),
+        ("sampling", "SamplingParams", NO_DEFAULT), ("kv", "tensor", NO_DEFAULT),
+        ("fingerprint", "str", NO_DEFAULT), ("stream", "bool", False),
+        ("return_logprob", "bool", False), ("logprobs", "ndarray", None),
+        ("rng_state", "tensor", None), ("cached_tokens", "int", 0)],
 }
 DTYPES = {1: "bool", 2: "uint8", 3: "int8", 4: "int16", 5: "int32", 6: "int64",
           7: "uint16", 8: "uint32", 9: "uint64", 10: "float16", 11: "bfloat16",

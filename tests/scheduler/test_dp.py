@@ -32,6 +32,7 @@ from scheduler.dp import (
     Ledger,
     NoLiveReplica,
     Owner,
+    Refused,
     ReplicaReply,
     dispatch_table,
     merge_replies,
@@ -44,7 +45,7 @@ def test_every_request_type_has_a_route() -> None:
     table = dispatch_table(merge_replies)
     kinds = {t.__name__: type(table.lookup(t)) for t in concrete_types(Request)}
     assert kinds == {"TokenizedGenerateReqInput": Balanced, "TokenizedEmbeddingReqInput": Balanced,
-                     "AbortReq": Owner, "RpcReqInput": Broadcast}
+                     "AbortReq": Owner, "RpcReqInput": Broadcast, "KVHandoff": Refused}
 
 
 def test_a_request_type_without_a_route_fails_start_up() -> None:

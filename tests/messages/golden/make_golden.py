@@ -28,6 +28,7 @@ from messages import (
     Codec,
     ErrorOut,
     Guide,
+    KVHandoff,
     Message,
     RpcReqInput,
     RpcReqOutput,
@@ -99,6 +100,11 @@ def samples() -> dict[str, Message]:
         "embedding_out": BatchEmbeddingOut(rids=["e-1", "e-2"],
                                            embeddings=torch.tensor([[1.0, 0.0], [0.0, -1.0]])),
         "error": ErrorOut(rid="g-9", code="overloaded", message="queue full"),
+        "handoff": KVHandoff(
+            rid="g-1", input_ids=token_ids([1, 2, 300]), output_ids=token_ids([17]), sent=1,
+            sampling=SamplingParams(max_new_tokens=8, temperature=0.0),
+            kv=(torch.arange(24, dtype=torch.float64) / 8).reshape(2, 2, 1, 3, 2),
+            fingerprint="tiny-llama:0123456789abcdef:float64", stream=True),
     }
 
 
