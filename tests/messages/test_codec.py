@@ -184,7 +184,8 @@ def test_typed_codec_decodes_only_its_family() -> None:
 # -- golden bytes: the wire format is pinned; change it deliberately -----------
 
 GOLDEN = {
-    "generate": (  # 9 items (99), the last prefill_only=false (c2); sampling: 15 items (9f): ignore_eos=false (c2), guide=null (c0), then
+    "generate": (  # 9 items (99), the last prefill_only=false (c2); sampling: 15
+        # items (9f): ignore_eos=false (c2), guide=null (c0), then
         # the penalties, min_tokens, logit_bias, top_logprobs and prompt_logprobs at their
         # defaults (0.0, 0.0, 1.0, 0, nil, 0, nil)
         TokenizedGenerateReqInput(rid="r1", input_ids=token_ids([1, 2, 300]),
