@@ -35,10 +35,17 @@ def hf(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+#: The engine's modes: ``dp2`` is zmq with two data-parallel replicas (the sampling
+#: fields, the top and prompt logprobs travel through the dispatcher too).
+MODES = {"ring": ["--mode", "ring"], "zmq": ["--mode", "zmq"],
+         "dp2": ["--mode", "zmq", "--dp-size", "2"]}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def server(request: pytest.FixtureRequest, model_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     settings, app = settings_from(parse(["--model", str(model_dir), "--served-model-name",
-                                         "tiny", "--endpoint",
+                                         "tiny", *MODES[request.param], "--endpoint",
                                          str(tmp_path_factory.mktemp("ep") / "ep")]))
     s = Server(settings, app.tokenizer)
     yield s
