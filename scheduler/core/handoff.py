@@ -57,6 +57,11 @@ def seq_of(h: KVHandoff, origin: Origin, now: float) -> Seq:
     seq.lps = h.logprobs.tolist() if h.logprobs is not None else [0.0] * len(out)
     seq.last = out[-1]
     seq.sent = h.sent
+    # Alternatives are kept per position from the first; the sent ones are never read
+    # again (a hand-off with unsent tokens and alternatives asked is refused before).
+    k = h.sampling.top_logprobs if h.return_logprob else 0
+    seq.top_ids = [0] * (h.sent * k)
+    seq.top_lps = [0.0] * (h.sent * k)
     seq.prefilled = len(req.input_ids)
     seq.cached = h.cached_tokens
     seq.t_admit = seq.t_last = now

@@ -67,6 +67,12 @@ def _handoff_problem(h: KVHandoff) -> str:
     if h.logprobs is not None and h.logprobs.shape != (n,):
         return (f"hand-off of request {h.rid!r} has {h.logprobs.shape} logprobs for {n} "
                 f"tokens")
+    sp = h.sampling
+    if h.sent < n and ((h.return_logprob and sp.top_logprobs) or sp.prompt_logprobs is not None):
+        # A prefill scheduler sends a leaving request's tokens, their alternatives and
+        # its prompt's logprobs before the hand-off; those never travel in it.
+        return (f"hand-off of request {h.rid!r} asks for top or prompt logprobs but "
+                f"{n - h.sent} of its {n} tokens were not sent before it")
     return ""
 
 

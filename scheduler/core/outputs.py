@@ -12,6 +12,7 @@ from messages import (
     BatchTokenIDOut,
     ErrorCode,
     FinishReason,
+    TokenizedGenerateReqInput,
     packed_u32,
     token_ids,
 )
@@ -47,7 +48,10 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
     """
     groups: dict[tuple[Origin, bool, int, int], list[Seq]] = {}
     for s in seqs:
-        if not s.silenced and (s.stream or s.finished is not None):
+        # A request read here for another scheduler to decode sends what it has before
+        # it leaves, streamed or not: the hand-off then carries nothing unsent, and the
+        # per-position extras (top alternatives, the prompt's logprobs) never travel in it.
+        if not s.silenced and (s.stream or s.finished is not None or _leaving(s)):
             pk = s.sampling.prompt_logprobs
             groups.setdefault((s.origin, s.logprobs, s.sampling.top_logprobs if s.logprobs
                                else 0, -1 if pk is None else pk), []).append(s)
@@ -102,6 +106,12 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
             prompt_top_logprobs=np.asarray(ptop_lps, np.float32)
             if any_scored and pk > 0 else None), origin))
     return out
+
+
+def _leaving(s: Seq) -> bool:
+    """Whether ``s`` is to be handed off after this step (prefill and decode apart)."""
+    req = s.req
+    return isinstance(req, TokenizedGenerateReqInput) and req.prefill_only
 
 
 def embedding_outputs(seqs: list[Seq]) -> list[tuple[BatchEmbeddingOut, Origin]]:

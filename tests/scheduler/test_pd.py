@@ -166,6 +166,26 @@ def test_a_stream_under_pd_has_no_gap_and_no_duplicate(model_dir: Path,
     assert all(c.finish_reason is None for c in chunks[:-1])
 
 
+def test_top_and_prompt_logprobs_under_pd_are_a_colocated_replicas(
+        model_dir: Path, pd_engine: Engine) -> None:
+    # The prefill side sends a leaving request's first token with its alternatives and
+    # its prompt's logprobs (whole answers too); the decode side sends the rest.
+    prompt = _prompts(2)[3]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, top_logprobs=3, prompt_logprobs=2)
+    with Engine("ring", model_dir) as colocated:
+        want = colocated.generate(prompt, sp, return_logprob=True, timeout=120)
+    got = pd_engine.generate(prompt, sp, return_logprob=True, timeout=120)
+    assert got.token_ids == want.token_ids
+    assert got.top_logprobs is not None and want.top_logprobs is not None
+    assert [[t for t, _ in p] for p in got.top_logprobs] == \
+        [[t for t, _ in p] for p in want.top_logprobs]
+    assert got.prompt_logprobs is not None and want.prompt_logprobs is not None
+    assert np.allclose(np.asarray(got.prompt_logprobs[1:]), want.prompt_logprobs[1:])
+    chunks = list(pd_engine.stream(prompt, sp, return_logprob=True))
+    assert [t for c in chunks for t in c.token_ids] == list(want.token_ids)
+    assert [len(c.top_logprobs or ()) for c in chunks] == [len(c.token_ids) for c in chunks]
+
+
 def test_a_guided_request_under_pd_obeys_its_guide_to_the_end(model_dir: Path,
                                                              pd_engine: Engine) -> None:
     """The decode replica compiles the hand-off's guide again and feeds it the tokens
