@@ -188,6 +188,20 @@ def test_an_async_engine_refuses_another_loop_at_once_naming_both() -> None:
         loop_a.close()
 
 
+def test_timeouts_generate_aborts_and_a_handles_result_keeps_the_request() -> None:
+    with Engine("ring", SMALL, max_batch=4) as engine:
+        with pytest.raises(TimeoutError):
+            engine.generate([1, 2], LONG, rid="gen-timeout", timeout=0.05)
+        _until(lambda: engine.pending == 0, "the timed-out generate was aborted")
+        handle = engine.submit([1, 2], LONG, stream=True, rid="kept")
+        with pytest.raises(TimeoutError, match=r"request 'kept': no whole answer within"):
+            handle.result(timeout=0.05)
+        assert engine.pending == 1  # still running: the caller's to keep
+        engine.abort("kept")
+        result = handle.result(WAIT)
+        assert result.finish_reason == "abort" and len(result.token_ids) > 0
+
+
 def test_an_abort_of_a_submit_waiting_for_room_is_answered_and_never_sent() -> None:
     with Engine("ring", SMALL) as engine:
         offered: list[Request] = []
