@@ -129,7 +129,8 @@ class AsyncEngine(SchedulerClient):
     """The engine for asyncio code: one scheduler, in one of two modes.
 
     Use it as ``async with AsyncEngine(...) as engine:`` (or ``await
-    engine.start()`` and ``await engine.close()``), from one event loop.
+    engine.start()`` and ``await engine.close()``), from one event loop: a
+    request or rpc from any other raises ``RuntimeError`` at once, naming both.
 
     Args:
         mode: ``"ring"`` (scheduler embedded in this process; requests and
@@ -199,6 +200,10 @@ class AsyncEngine(SchedulerClient):
         self._outq: list[Request | RequestState] = []
         # Aborts waiting for room on the work channel, in order, as their requests' states.
         self._unsent_aborts: deque[RequestState] = deque()
+        # Requests a blocking submit holds while it waits for room, by rid: an abort
+        # of one takes it out (it is never sent) and answers it at once.
+        self._unsent: dict[str, tuple[Request, RequestState]] = {}
+        self._shut: asyncio.Future[None] | None = None  # done once close() begins
         self.unawaited_failures = 0
         self._unseen_log = LogSummary(log, "requests failed with nobody awaiting them")
 
@@ -212,6 +217,7 @@ class AsyncEngine(SchedulerClient):
         self._check_process()
         loop = self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        self._shut = loop.create_future()
         loop.add_reader(self._fd, self._on_readable)
         loop.add_reader(self._rpc.fileno(), self._on_rpc_readable)
         self._reading = True
@@ -333,6 +339,24 @@ class AsyncEngine(SchedulerClient):
         assert isinstance(items[0], np.ndarray)
         return items[0]
 
+    def _check_loop(self) -> None:
+        """Refuse a call from any event loop but the engine's own (its state lives there:
+        a call from another would wait for ever, or for its timeout).
+
+        Raises:
+            RuntimeError: naming both loops.
+        """
+        self._check_process()  # (a forked child's loop is not the engine's either)
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            where = "outside any event loop" if running is None else f"event loop {running!r}"
+            raise RuntimeError(f"the engine was started on event loop {self._loop!r}; it was "
+                               f"called from {where} (an AsyncEngine serves the one loop it "
+                               "was started on)")
+
     def _request(self, rid: str) -> AsyncRequest:
         return AsyncRequest(rid, self)
 
@@ -347,6 +371,7 @@ class AsyncEngine(SchedulerClient):
         """
         if self._loop is None:
             raise EngineClosed("the engine is not started (use 'async with' or start())")
+        self._check_loop()
         checked, states = self._register(reqs, make)
         for req in checked:
             self._send(req)
@@ -363,28 +388,43 @@ class AsyncEngine(SchedulerClient):
                 many were sent; those not sent are forgotten).
             InvalidRequest, EngineClosed, SchedulerGone: as :meth:`_start`.
         """
+        self._check_loop()
         checked, states = self._register(reqs, make)
         self._flush_sends()  # what this turn queued goes first
+        order = list(zip(checked, states, strict=True))
+        unsent = self._unsent
+        unsent.update((req.rid, (req, state)) for req, state in order)
+        shut = self._shut
+        assert shut is not None
         sent, since = 0, time.monotonic()
         try:
             while True:
-                n = self._send_nowait(checked[sent:])
+                # (one aborted meanwhile was taken out of unsent and answered)
+                todo = [req for req, state in order if unsent.get(req.rid, (None, None))[1]
+                        is state]
+                if not todo:
+                    return states
+                n = self._send_nowait(todo)
+                for req in todo[:n]:
+                    del unsent[req.rid]
                 self._after_sends(n)
                 sent += n
-                if sent == len(checked):
+                if n == len(todo):
                     return states
                 if n:
                     since = time.monotonic()
                 elif time.monotonic() - since > SEND_TIMEOUT:
-                    raise Overloaded(checked[sent].rid, "overloaded", "the scheduler is not "
+                    raise Overloaded(todo[0].rid, "overloaded", "the scheduler is not "
                                      "taking requests (its work channel stayed full for "
                                      f"{SEND_TIMEOUT:g} s): {sent} of {len(checked)} were sent")
-                await asyncio.sleep(_RETRY_S)
+                await asyncio.wait([shut], timeout=_RETRY_S)  # a close wakes it at once
                 self._check_open()
         except BaseException:
-            for state in states[sent:]:
-                if self._requests.get(state.rid) is state:
-                    del self._requests[state.rid]
+            for req, state in order:  # those not sent are forgotten
+                if unsent.get(req.rid, (None, None))[1] is state:
+                    del unsent[req.rid]
+                    if self._requests.get(state.rid) is state:
+                        del self._requests[state.rid]
             raise
 
     def _register(self, reqs: Sequence[TokenizedGenerateReqInput | TokenizedEmbeddingReqInput],
@@ -408,6 +448,7 @@ class AsyncEngine(SchedulerClient):
         until its last; an error is raised after the outputs that came before it.
         ``start``: its state, or what sends it at the first iteration. Leaving before
         its end aborts it."""
+        self._check_loop()
         state = start if isinstance(start, RequestState) else start()
         finished = False
         try:
@@ -451,6 +492,7 @@ class AsyncEngine(SchedulerClient):
             EngineClosed, SchedulerGone: as :meth:`generate`.
         """
         self._check_open()
+        self._check_loop()
         self._validated(AbortReq(rid=rid))
         state = self._requests.get(rid)
         if state is not None:  # none: it ended (its answer is in): nothing to abort
@@ -465,7 +507,16 @@ class AsyncEngine(SchedulerClient):
 
     def _abort(self, state: RequestState) -> None:
         """Abort ``state``'s request at the end of this turn, or as soon as the work channel
-        has room, in order: only while it still holds its rid."""
+        has room, in order: only while it still holds its rid. One a blocking submit
+        still holds, waiting for room, is never sent: it ends here with ``abort``."""
+        held = self._unsent.get(state.rid)
+        if held is not None and held[1] is state:
+            req = held[0]
+            del self._unsent[state.rid]
+            logprobs = () if isinstance(req, TokenizedGenerateReqInput) and req.return_logprob \
+                else None
+            self._end(state.rid, StreamChunk(state.rid, (), "abort", logprobs))
+            return
         if self._unsent_aborts:  # keep order behind those already waiting
             self._unsent_aborts.append(state)
         else:
@@ -615,6 +666,7 @@ class AsyncEngine(SchedulerClient):
         if loop is None:
             raise EngineClosed("the engine is not started (use 'async with' or start())")
         self._check_open()
+        self._check_loop()
         rpc = self._rpc
         answer: asyncio.Future[RpcReqOutput | Exception] = loop.create_future()
         on_loop = self._loop_thread
@@ -672,6 +724,8 @@ class AsyncEngine(SchedulerClient):
         if self.closed:
             return
         self._closed = True
+        if self._shut is not None and not self._shut.done():
+            self._shut.set_result(None)  # wakes every submit waiting for room
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._flush_sends()  # what this turn submitted goes before the shutdown

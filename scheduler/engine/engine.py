@@ -21,6 +21,7 @@ first); a submit here waits for room on a full work channel.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import threading
@@ -81,28 +82,72 @@ class Engine:
                                  tp_size=tp_size, dp_size=dp_size, dp_policy=dp_policy,
                                  limits=limits, metrics=metrics, pd=pd)
         self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever,
-                                             name="engine-loop", daemon=True)
+        # _lock orders every call's scheduling against the close: once _closing is
+        # set (under it), no call reaches the loop, and each call scheduled before
+        # is in _calls until it has its answer.
+        self._lock = threading.Lock()
+        self._closing = False
+        self._calls: set[concurrent.futures.Future[Any]] = set()
+        self._closed_done = threading.Event()  # the owning close has finished
+        self._loop_thread = threading.Thread(target=self._serve, name="engine-loop",
+                                             daemon=True)
         self._loop_thread.start()
         try:
             self._run(self._core.start())
         except BaseException:
+            with self._lock:
+                self._closing = True
             self._stop_loop()
             raise
 
+    def _serve(self) -> None:
+        """The loop thread: run the loop until stopped, then (as ``asyncio.run`` does)
+        cancel every task still pending and run each to its end, and close the loop."""
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            try:
+                while tasks := asyncio.all_tasks(loop):
+                    for task in tasks:
+                        task.cancel()
+                    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+
     def _run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the engine's loop and wait for its outcome (from any thread
-        but the loop's own)."""
+        but the loop's own).
+
+        Raises:
+            EngineClosed: the engine is closing or closed (refused at once), or it
+                closed while ``work`` was running and ``work`` was cancelled.
+        """
         try:
             self._core._check_process()  # a forked child has no loop thread to answer
             if threading.get_ident() == self._loop_thread.ident:
                 raise RuntimeError("a blocking Engine call from its own event loop's thread")
-            if self._loop.is_closed():
-                raise EngineClosed("the engine is closed")
+            with self._lock:
+                if self._closing:
+                    raise EngineClosed("the engine is closed")
+                future = asyncio.run_coroutine_threadsafe(work, self._loop)
+                self._calls.add(future)
         except BaseException:
             work.close()
             raise
-        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            if self._closing:  # its task was cancelled as the loop stopped
+                raise EngineClosed("the engine closed before the call finished") from None
+            raise
+        finally:
+            with self._lock:
+                self._calls.discard(future)
 
     def submit(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                stream: bool = False, return_logprob: bool = False,
@@ -196,22 +241,54 @@ class Engine:
         return self._run(self._core.metrics(timeout))
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Finish every accepted request with a terminal answer, then stop. Idempotent.
-        ``timeout``: as :meth:`AsyncEngine.close <scheduler.AsyncEngine.close>`."""
+        """Finish every accepted request with a terminal answer, then stop. Idempotent,
+        from any thread: a call made while another thread's close runs waits for that
+        close to finish (for at most its own ``timeout``: ``TimeoutError`` past it).
+        Every call on other threads ends: one made once the close began raises
+        ``EngineClosed`` at once. ``timeout``: as :meth:`AsyncEngine.close
+        <scheduler.AsyncEngine.close>`."""
         self._core._check_process()  # a forked child's close would be the parent's
         close_timeout(timeout)  # (refused before anything is closed)
-        if not self._loop_thread.is_alive():
+        if threading.get_ident() == self._loop_thread.ident:
+            raise RuntimeError("a blocking Engine call from its own event loop's thread")
+        with self._lock:
+            owner = not self._closing
+            self._closing = True  # from here on _run refuses every call
+            if owner and self._loop_thread.is_alive():
+                closing = asyncio.run_coroutine_threadsafe(self._core.close(timeout),
+                                                           self._loop)
+                self._calls.add(closing)
+            else:
+                closing = None
+        if not owner:
+            if not self._closed_done.wait(timeout):
+                raise TimeoutError(f"the engine's close, begun on another thread, did not "
+                                   f"finish within {timeout} s")
             return
         try:
-            self._run(self._core.close(timeout))
+            if closing is not None:
+                closing.result()
         finally:
-            self._stop_loop()
+            try:
+                self._stop_loop()
+            finally:
+                self._closed_done.set()
 
     def _stop_loop(self) -> None:
+        """Stop the loop (its thread cancels what is pending and closes it), then fail
+        every call still waiting with EngineClosed. Only once ``_closing`` is set."""
         if self._loop_thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            with contextlib.suppress(RuntimeError):  # (closed already)
+                self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join()
-        self._loop.close()
+        if not self._loop.is_closed():  # the thread never ran
+            self._loop.close()
+        with self._lock:
+            left = list(self._calls)
+        for future in left:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(EngineClosed("the engine closed before the call "
+                                                  "finished"))
 
     def __enter__(self) -> Self:
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -212,12 +213,13 @@ class RequestHandle(RequestState):
     thread-safe queue instead of buffering it.
     """
 
-    __slots__ = ("_done", "_queue")
+    __slots__ = ("_done", "_got", "_queue")
 
     def __init__(self, rid: str) -> None:
         super().__init__(rid)
         self._queue: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self._done = False
+        self._got: list[Item] = []  # what result() took before its timeout
 
     def put(self, item: Item) -> None:
         if not self.left:
@@ -229,13 +231,17 @@ class RequestHandle(RequestState):
         return self._done
 
     def _items(self, timeout: float | None) -> Iterator[list[Item]]:
-        """What arrived, a list at a time (waiting up to ``timeout`` for each), until the
-        last; an error is raised after the items that came before it."""
+        """What arrived, a list at a time, until the last; an error is raised after the
+        items that came before it. ``timeout``: seconds for the whole, then
+        ``TimeoutError`` (the request goes on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self._done:
             try:
-                items = [self._queue.get(timeout=timeout)]
+                items = [self._queue.get(timeout=None if deadline is None
+                                         else max(0.0, deadline - time.monotonic()))]
             except queue.Empty:
-                raise EngineError(f"request {self.rid!r}: no output within {timeout} s") from None
+                raise TimeoutError(f"request {self.rid!r}: no whole answer within {timeout} s "
+                                   "(it is still running: wait again, or abort it)") from None
             while not ends(items[-1]):
                 try:
                     items.append(self._queue.get_nowait())
@@ -269,9 +275,13 @@ class RequestHandle(RequestState):
     def result(self, timeout: float | None = None) -> GenerateResult:
         """Wait for the whole answer (all chunks joined).
 
-        Raises: as iterating; EngineError with no output within ``timeout`` seconds.
+        Raises: as iterating; ``TimeoutError`` with no whole answer within ``timeout``
+        seconds. The request is the caller's to keep: it is not aborted (call
+        ``result`` again for the answer, what arrived so far kept, or abort it).
         """
-        return joined(self.rid, [i for items in self._items(timeout) for i in items])
+        for items in self._items(timeout):
+            self._got.extend(items)
+        return joined(self.rid, self._got)
 
 
 class Stream(Generic[T]):
