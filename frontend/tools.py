@@ -21,10 +21,15 @@ accepted):
 
 Streamed, ``auto`` sends the content as it comes, but for a tail that may begin
 ``<tool_call>`` (held until the next step tells); from a ``<tool_call>`` on, the
-rest waits for the answer's end. With ``required`` and ``auto`` the calls are sent
-once the answer is whole (a call is known only when its JSON is): one delta per
-call, with its name and all its arguments. An assistant message's ``tool_calls`` and ``tool``
-messages (a round trip) are rendered by the template.
+rest is read as calls. With ``required`` and ``auto`` each call streams as OpenAI's
+do: a first delta with its id and name once the name's JSON string is complete, then
+its arguments as the model writes them (a call whose ``arguments`` is not a JSON
+object or array, or whose name comes after them, waits: the rest at the end). A
+call's ``arguments`` are the model's own JSON text without the whitespace outside
+strings, streamed or not, so the deltas put together are the whole answer's. An
+``auto`` block that turns out not to be a call (its JSON broken) is content at the
+end, but what of it went out as a call stays sent. An assistant message's
+``tool_calls`` and ``tool`` messages (a round trip) are rendered by the template.
 """
 
 from __future__ import annotations
@@ -61,6 +66,113 @@ def _call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
+_CLOSE = "</tool_call>"
+
+
+@dataclass(slots=True)
+class _Call:
+    """A call as far as its JSON is read: its name (once its string is complete) and
+    its arguments' text (without whitespace outside strings) so far."""
+
+    name: str | None = None
+    args: list[str] = field(default_factory=list)
+    args_done: bool = False
+    args_begun: bool = False  # ``arguments`` began as an object or array
+
+
+class _CallReader:
+    """Reads calls out of JSON text fed a piece at a time: each object opened at depth
+    ``level - 1`` is a call (``required``'s array of calls: 2; an ``auto`` block's
+    object: 1), whose ``name`` string and ``arguments`` (or ``parameters``) value
+    are kept as they are read. Only a valid JSON prefix is read right; what it makes
+    of broken text is checked by the whole-answer parse at the end."""
+
+    __slots__ = ("_depth", "_esc", "_in_str", "_key", "_level", "_str", "_want", "calls")
+
+    def __init__(self, level: int) -> None:
+        self.calls: list[_Call] = []
+        self._level = level
+        self._depth = 0
+        self._in_str = self._esc = False
+        self._str: list[str] | None = None  # a string at the call's level, being read
+        self._key: str | None = None  # the key whose value comes next (after its colon)
+        self._want = False  # the next string at the call's level is a key
+
+    def reset(self) -> None:
+        """Forget any unfinished structure (a new ``auto`` block starts at depth 0)."""
+        self._depth, self._in_str, self._esc, self._str, self._key = 0, False, False, None, None
+
+    def feed(self, text: str) -> None:
+        level = self._level
+        for ch in text:
+            call = self.calls[-1] if self.calls else None
+            inside = call is not None and call.args_begun and not call.args_done
+            if self._in_str:
+                if inside:
+                    call.args.append(ch)  # type: ignore[union-attr]
+                if self._esc:
+                    self._esc = False
+                elif ch == "\\":
+                    self._esc = True
+                elif ch == '"':
+                    self._in_str = False
+                    if self._str is not None:
+                        self._string_read("".join(self._str))
+                        self._str = None
+                    continue
+                if self._str is not None:
+                    self._str.append(ch)
+                continue
+            if ch in " \t\r\n":
+                continue
+            if inside:
+                call.args.append(ch)  # type: ignore[union-attr]
+            if ch == '"':
+                self._in_str = True
+                if self._depth == level:
+                    self._str = []
+            elif ch in "{[":
+                if self._depth == level - 1 and ch == "{":
+                    self.calls.append(_Call())
+                    self._want, self._key = True, None
+                elif self._depth == level and call is not None and self._key in (
+                        "arguments", "parameters") and not call.args_begun:
+                    call.args_begun = True
+                    call.args.append(ch)
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if inside and self._depth == level:
+                    call.args_done = True  # type: ignore[union-attr]
+            elif self._depth == level:
+                if ch == ",":
+                    self._want, self._key = True, None
+                elif ch == ":":
+                    self._want = False
+
+    def _string_read(self, raw: str) -> None:
+        """A string at a call's level ended: a key, or the value of ``name``."""
+        if self._want:
+            try:
+                self._key = json.loads(f'"{raw}"')
+            except ValueError:
+                self._key = None
+        elif self._key == "name" and self.calls and self.calls[-1].name is None:
+            try:
+                self.calls[-1].name = json.loads(f'"{raw}"')
+            except ValueError:
+                pass
+
+
+def _arguments(reader: _CallReader, i: int, value: object) -> str:
+    """Call ``i``'s arguments as the model spelled them (``reader`` read them), or
+    ``value`` in compact JSON (a string as it is) where it did not."""
+    call = reader.calls[i] if i < len(reader.calls) else None
+    if call is not None and call.args_done:
+        return "".join(call.args)
+    return value if isinstance(value, str) else _compact(value)
+
+
 @dataclass(slots=True)
 class ToolPlan:
     """How one request's tools are served (see the module docstring).
@@ -81,6 +193,10 @@ class ToolPlan:
     _started: bool = False  # (named) the first delta went out
     _held: bool = False  # (auto) a <tool_call> began: the rest waits for the end
     _pending: str = ""  # (auto) a tail that may begin <tool_call>
+    _reader: _CallReader | None = None  # (required, auto) the calls read while streamed
+    _sent: list[tuple[str, int]] = field(default_factory=list)  # each call's id, args sent
+    _fed: int = 0  # (auto) how much of the held text the reader has seen
+    _in_block: bool = False  # (auto) the reader is inside a <tool_call> block
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The answer's content and its tool calls."""
@@ -92,8 +208,10 @@ class ToolPlan:
                 calls = json.loads(text)
             except ValueError:  # cut short (max_tokens): the text as it is
                 return text, []
-            return None, [ToolCall(_call_id(), FunctionOut(c["name"], _compact(c["arguments"])))
-                          for c in calls]
+            reader = _CallReader(2)
+            reader.feed(text)
+            return None, [ToolCall(_call_id(), FunctionOut(
+                c["name"], _arguments(reader, i, c["arguments"]))) for i, c in enumerate(calls)]
         found: list[ToolCall] = []
         for body in _HERMES.findall(text):
             try:
@@ -103,8 +221,9 @@ class ToolPlan:
                 return text, []  # not a call after all: all of it is content
             if not isinstance(name, str):
                 return text, []
-            found.append(ToolCall(_call_id(), FunctionOut(
-                name, args if isinstance(args, str) else _compact(args))))
+            reader = _CallReader(1)
+            reader.feed(body)
+            found.append(ToolCall(_call_id(), FunctionOut(name, _arguments(reader, 0, args))))
         if not found:
             return text, []
         content = _HERMES.sub("", text).strip()
@@ -133,11 +252,66 @@ class ToolPlan:
             shown, text = self._content(text)
         if self.mode == "required" or self._held:
             self._text.append(text)
+            self._read(text)
         if finish is None:
-            return shown or None, [], None
+            return shown or None, self._deltas(), None
         content, calls = self.parse("".join(self._text)) if self._text else (text, [])
-        deltas = [ToolCallDelta(i, c.function, c.id, "function") for i, c in enumerate(calls)]
+        deltas = self._deltas(calls)
         return (shown + (content or "")) or None, deltas, self.finish(finish, calls)
+
+    def _read(self, text: str) -> None:
+        """Feed a streamed step's held text to the call reader (``auto``: only what is
+        inside ``<tool_call>`` blocks)."""
+        if self._reader is None:
+            self._reader = _CallReader(2 if self.mode == "required" else 1)
+        reader = self._reader
+        if self.mode == "required":
+            reader.feed(text)
+            return
+        held = "".join(self._text)
+        while True:
+            if not self._in_block:
+                at = held.find(_OPEN, self._fed)
+                if at < 0:
+                    self._fed = max(self._fed, len(held) - len(_OPEN) + 1)
+                    return
+                self._in_block, self._fed = True, at + len(_OPEN)
+                reader.reset()
+            end = held.find(_CLOSE, max(self._fed - len(_CLOSE), 0))
+            stop = len(held) if end < 0 else end
+            reader.feed(held[self._fed:stop])
+            self._fed = max(self._fed, stop)
+            if end < 0:
+                return
+            self._in_block, self._fed = False, end + len(_CLOSE)
+
+    def _deltas(self, calls: list[ToolCall] | None = None) -> list[ToolCallDelta]:
+        """The tool-call deltas not sent yet: each call's first (id and name) once its
+        name is read, its arguments as they grow; with the answer's ``calls`` (at its
+        end), what of them is still to send."""
+        out: list[ToolCallDelta] = []
+        read = self._reader.calls if self._reader is not None else []
+        sent = self._sent
+        for i, c in enumerate(read):
+            if i > len(sent) or c.name is None or not c.args_begun:
+                break  # in order: a call waits for the one before
+            if i == len(sent):
+                sent.append((_call_id(), 0))
+                out.append(ToolCallDelta(i, FunctionOut(c.name, ""), sent[i][0], "function"))
+            args = "".join(c.args)
+            if len(args) > sent[i][1]:
+                out.append(ToolCallDelta(i, FunctionOut(None, args[sent[i][1]:])))
+                sent[i] = (sent[i][0], len(args))
+        if calls is None:
+            return out
+        for i, whole in enumerate(calls):
+            if i >= len(sent):
+                out.append(ToolCallDelta(i, whole.function, whole.id, "function"))
+                continue
+            whole.id, args = sent[i][0], whole.function.arguments
+            if len(args) > sent[i][1]:
+                out.append(ToolCallDelta(i, FunctionOut(None, args[sent[i][1]:])))
+        return out
 
     def _content(self, text: str) -> tuple[str, str]:
         """``auto``: the part of a step's text that is content for sure, and the rest:

@@ -284,11 +284,11 @@ class BatchTokenIDOut(Output):
     hidden_states: torch.Tensor | None = None
     cached_tokens: PackedU32 | None = None
     top_ids: PackedU32 | None = None
-    top_logprobs: npt.NDArray[np.float32] | None = None
+    top_logprobs: npt.NDArray[np.float64] | None = None
     prompt_lens: PackedU32 | None = None
-    prompt_logprobs: npt.NDArray[np.float32] | None = None
+    prompt_logprobs: npt.NDArray[np.float64] | None = None
     prompt_top_ids: PackedU32 | None = None
-    prompt_top_logprobs: npt.NDArray[np.float32] | None = None
+    prompt_top_logprobs: npt.NDArray[np.float64] | None = None
 
     def __post_init__(self) -> None:
         # Once per decode step of the whole batch: the checks stay cheap, and
@@ -335,17 +335,17 @@ class BatchTokenIDOut(Output):
                 raise ValueError("top_ids and top_logprobs come together, with logprobs")
             self.top_ids = tops = packed_u32(tops, field="top_ids")
             tlp = self.top_logprobs
-            if (tlp.dtype != np.float32 or tlp.shape != (len(tops),)
+            if (tlp.dtype != np.float64 or tlp.shape != (len(tops),)
                     or (total and len(tops) % total) or (not total and len(tops))):
-                raise ValueError("top_ids and top_logprobs must be float32 with k entries "
+                raise ValueError("top_ids and top_logprobs must be float64 with k entries "
                                  "each per output id")
         plens = self.prompt_lens
         if plens is not None:
             self.prompt_lens = plens = packed_u32(plens, field="prompt_lens")
             plp = self.prompt_logprobs
-            if len(plens) != n or plp is None or plp.dtype != np.float32 \
+            if len(plens) != n or plp is None or plp.dtype != np.float64 \
                     or plp.shape != (sum(plens),):
-                raise ValueError("prompt_lens (one per rid) and prompt_logprobs (float32, "
+                raise ValueError("prompt_lens (one per rid) and prompt_logprobs (float64, "
                                  "as many as they add up to) come together")
             ptops = self.prompt_top_ids
             if ptops is not None or self.prompt_top_logprobs is not None:
@@ -354,10 +354,10 @@ class BatchTokenIDOut(Output):
                     raise ValueError("prompt_top_ids and prompt_top_logprobs come together")
                 self.prompt_top_ids = ptops = packed_u32(ptops, field="prompt_top_ids")
                 entries = len(plp)
-                if ptlp.dtype != np.float32 or ptlp.shape != (len(ptops),) or (
+                if ptlp.dtype != np.float64 or ptlp.shape != (len(ptops),) or (
                         entries and len(ptops) % entries) or (not entries and len(ptops)):
                     raise ValueError("prompt_top_ids and prompt_top_logprobs must be "
-                                     "float32 with k entries each per prompt logprob")
+                                     "float64 with k entries each per prompt logprob")
         elif self.prompt_logprobs is not None or self.prompt_top_ids is not None:
             raise ValueError("prompt_logprobs come with prompt_lens")
 

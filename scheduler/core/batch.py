@@ -59,6 +59,10 @@ MIN_PREFILL_COST = 16
 #: bookkeeping however deep the queue).
 _SCAN = 256
 
+#: Leading tokens two prompts must share for one to wait for the other's prefill
+#: (:meth:`Batch._waits_for_prefix`).
+_SHARED_PREFIX = 32
+
 
 def as_tensor(ids: TokenIds) -> torch.Tensor:
     """Token ids as the int64 tensor an embedding lookup wants (one copy)."""
@@ -150,6 +154,8 @@ class Batch:
         #: Structured output: each distinct guide compiled once (scheduler.models.guided).
         self.guides = guided.Guides(model, model.vocab_size, model.stop_token_ids)
         model.set_prefix_cache(admission.limits.prefix_cache_bytes)
+        #: Whether a prompt read is kept for the next ones that begin as it does.
+        self._caches_prefixes = model.prefix_cache_stats() is not None
 
     def __bool__(self) -> bool:
         return bool(self.running or self.waiting or self.partial)
@@ -328,6 +334,10 @@ class Batch:
                 seq, kept = partial.popleft(), kept_partial
             else:
                 break
+            if fresh and seq.cached < 0 and self._caches_prefixes and \
+                    self._waits_for_prefix(seq, new, parts, kept_partial):
+                kept.append(seq)
+                continue
             if fresh and seq.cached < 0:
                 # A prompt to score is read whole: a cached prefix has no logits to give.
                 seq.cached = 0 if seq.sampling is _EMBED or \
@@ -367,6 +377,28 @@ class Batch:
             seq.ticket = next(self._tickets)
             partial.append(seq)
         return new, parts
+
+    def _waits_for_prefix(self, seq: Seq, new: list[Seq], parts: list[tuple[Seq, int]],
+                          kept_partial: list[Seq]) -> bool:
+        """Whether ``seq`` (the model caching prefixes) waits a step: another prompt
+        that begins with the same :data:`_SHARED_PREFIX` tokens, not found in the
+        cache, is being read (this step, or part-way).
+
+        Once that prompt is read it is in the prefix cache, and ``seq`` starts from it
+        (the ``n`` answers of one prompt, fanned out as ``n`` requests that arrive
+        together, read the prompt once). Bounded: only while the other is being read (it
+        is ahead in the queue, so a later arrival never holds ``seq`` back); one that
+        started from the cache holds no one back; ``seq`` keeps its place in the queue.
+        """
+        ids = seq.req.input_ids
+        if len(ids) <= _SHARED_PREFIX or seq.sampling is _EMBED or \
+                seq.sampling.prompt_logprobs is not None:
+            return False
+        head = ids[:_SHARED_PREFIX]
+        return any(s.cached < _SHARED_PREFIX and s.sampling is not _EMBED
+                   and s.req.input_ids[:_SHARED_PREFIX] == head
+                   for s in itertools.chain(new, (s for s, _ in parts), self.partial,
+                                            kept_partial))
 
     def _forward(self, new: list[Seq], parts: list[tuple[Seq, int]]) -> list[torch.Tensor]:
         """Decode the running batch, read the new prompts and chunks; next-token logits."""

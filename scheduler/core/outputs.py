@@ -98,12 +98,12 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
             cached_tokens=packed_u32([max(s.cached, 0) for s in group],
                                      field="cached_tokens") if telling else None,
             top_ids=packed_u32(top_ids, field="top_ids") if k else None,
-            top_logprobs=np.asarray(top_lps, np.float32) if k else None,
+            top_logprobs=np.asarray(top_lps, np.float64) if k else None,
             prompt_lens=packed_u32(plens, field="prompt_lens") if any_scored else None,
-            prompt_logprobs=np.asarray(plps, np.float32) if any_scored else None,
+            prompt_logprobs=np.asarray(plps, np.float64) if any_scored else None,
             prompt_top_ids=packed_u32(ptop_ids, field="prompt_top_ids")
             if any_scored and pk > 0 else None,
-            prompt_top_logprobs=np.asarray(ptop_lps, np.float32)
+            prompt_top_logprobs=np.asarray(ptop_lps, np.float64)
             if any_scored and pk > 0 else None), origin))
     return out
 

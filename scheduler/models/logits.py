@@ -157,6 +157,13 @@ class Noted(Protocol):
     def top_lps(self) -> list[float]: ...
 
 
+def _scoring(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in the dtype their logprobs are computed in: at least float32 (a
+    half-precision model's), float64 for a float64 model (its prompt and top logprobs
+    travel as float64, equal to its own forward pass's within 1e-9)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def note_top_logprobs(raw: torch.Tensor, seqs: Sequence[Noted]) -> None:
     """Append to each asking request's ``top_ids`` / ``top_lps`` its ``top_logprobs``
     most likely tokens at this position and their logprobs (of the model's own
@@ -166,7 +173,7 @@ def note_top_logprobs(raw: torch.Tensor, seqs: Sequence[Noted]) -> None:
     if not picked:
         return
     k = max(seqs[i].sampling.top_logprobs for i in picked)
-    rows = raw.index_select(0, torch.tensor(picked)).float()
+    rows = _scoring(raw.index_select(0, torch.tensor(picked)))
     lps, ids = torch.log_softmax(rows, dim=-1).topk(min(k, rows.shape[-1]), dim=-1)
     for r, i in enumerate(picked):
         s = seqs[i]
@@ -182,7 +189,7 @@ def score_prompt(scores: torch.Tensor, prompt: TokenIds, k: int
     the logprob of each token after the first, and ``k`` alternatives (ids, logprobs,
     most likely first) at each of those positions."""
     ids = torch.from_numpy(np.frombuffer(prompt, np.uint32).astype(np.int64))[1:]
-    rows = scores[:len(ids)].float()
+    rows = _scoring(scores[:len(ids)])
     if not len(ids):
         return [], [], []
     logp = torch.log_softmax(rows, dim=-1)

@@ -221,6 +221,10 @@ def test_required_tool_choice_answers_are_valid_calls_streamed_or_not(server: Se
         chunks = list(client.chat.completions.create(**ask, stream=True))
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         assert _reassembled(chunks) == calls
+        # The name first, then the arguments as the model writes them, as OpenAI's.
+        args = [c for c in chunks if c.choices and any(
+            d.function and d.function.arguments for d in c.choices[0].delta.tool_calls or [])]
+        assert len(args) > 1
     one = client.chat.completions.create(
         model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
         parallel_tool_calls=False, max_tokens=BUDGET, temperature=1.0, seed=3)
@@ -279,12 +283,20 @@ def test_auto_streams_content_and_holds_back_what_may_begin_a_call() -> None:
 
     plan = ToolPlan("auto", TOOLS)
     steps = [plan.stream(t, f) for t, f in (
-        ("Hello <to", None), ('ol_call>{"name": "add", "arguments": {"a": 1}}</tool', None),
-        ("_call> bye", "stop"))]
+        ("Hello <to", None), ('ol_call>{"name": "ad', None), ('d", "arguments": {"a": 1', None),
+        (', "b": 2}}</tool', None), ("_call> bye", "stop"))]
     assert [(c, len(d), f) for c, d, f in steps] == [
-        ("Hello ", 0, None), (None, 0, None), ("bye", 1, "tool_calls")]
-    assert steps[2][1][0].function.name == "add"
-    assert steps[2][1][0].function.arguments == '{"a":1}'
+        ("Hello ", 0, None), (None, 0, None), (None, 2, None), (None, 1, None),
+        ("bye", 0, "tool_calls")]
+    # Its id and name once the name is read, then the arguments as they grow.
+    first, *pieces = [d for _, ds, _ in steps for d in ds]
+    assert (first.index, first.function.name, first.type) == (0, "add", "function")
+    assert first.id and all(d.index == 0 and d.id is None for d in pieces)
+    assert [d.function.arguments for d in pieces] == ['{"a":1', ',"b":2}']
+    whole = ToolPlan("auto", TOOLS).parse('Hello <tool_call>{"name": "add", "arguments": '
+                                          '{"a": 1, "b": 2}}</tool_call> bye')[1]
+    assert [(c.function.name, c.function.arguments) for c in whole] == [
+        ("add", "".join(d.function.arguments for d in pieces))]
     plain = ToolPlan("auto", TOOLS)
     assert [plain.stream(t, f)[0] for t, f in (("a <b", None), ("c <", None), ("", "stop"))] \
         == ["a <b", "c ", "<"]  # ("<b" cannot begin a call; a last "<" can)

@@ -218,10 +218,10 @@ def test_select_carries_each_requests_top_and_prompt_logprobs() -> None:
         rids=["a", "b"], output_ids=packed_u32([1, 2, 3]), output_lens=packed_u32([1, 2]),
         finished_reasons=[None, "stop"], logprobs=np.asarray([-1, -2, -3], np.float32),
         top_ids=packed_u32([10, 11, 20, 21, 30, 31]),
-        top_logprobs=np.arange(6, dtype=np.float32),
-        prompt_lens=packed_u32([2, 1]), prompt_logprobs=np.asarray([-4, -5, -6], np.float32),
+        top_logprobs=np.arange(6, dtype=np.float64),
+        prompt_lens=packed_u32([2, 1]), prompt_logprobs=np.asarray([-4, -5, -6], np.float64),
         prompt_top_ids=packed_u32([7, 8, 9]),
-        prompt_top_logprobs=np.asarray([-0.5, -0.25, -0.125], np.float32))
+        prompt_top_logprobs=np.asarray([-0.5, -0.25, -0.125], np.float64))
     b = batch.select([False, True])
     assert b.top_ids is not None and list(b.top_ids) == [20, 21, 30, 31] and b.top_k() == 2
     assert b.top_logprobs is not None and b.top_logprobs.tolist() == [2, 3, 4, 5]
@@ -231,4 +231,4 @@ def test_select_carries_each_requests_top_and_prompt_logprobs() -> None:
     with pytest.raises(ValueError, match="k entries"):
         BatchTokenIDOut(rids=["a"], output_ids=packed_u32([1, 2]), output_lens=packed_u32([2]),
                         finished_reasons=[None], logprobs=np.zeros(2, np.float32),
-                        top_ids=packed_u32([1, 2, 3]), top_logprobs=np.zeros(3, np.float32))
+                        top_ids=packed_u32([1, 2, 3]), top_logprobs=np.zeros(3, np.float64))

@@ -86,14 +86,14 @@ def samples() -> dict[str, Message]:
             rids=["t"], output_ids=token_ids([4, 5]), output_lens=token_ids([2]),
             finished_reasons=[None], logprobs=np.asarray([-0.5, -1.0], np.float32),
             top_ids=token_ids([4, 9, 5, 4]),
-            top_logprobs=np.asarray([-0.5, -1.5, -1.0, -2.0], np.float32)),
+            top_logprobs=np.asarray([-0.5, -1.5, -1.0, -2.0], np.float64)),
         "batch_prompt_logprobs": BatchTokenIDOut(
             rids=["s", "u"], output_ids=token_ids([]), output_lens=token_ids([0, 0]),
             finished_reasons=["length", "length"],
             logprobs=np.asarray([], np.float32), prompt_lens=token_ids([2, 1]),
-            prompt_logprobs=np.asarray([-1.5, -0.5, -3.0], np.float32),
+            prompt_logprobs=np.asarray([-1.5, -0.5, -3.0], np.float64),
             prompt_top_ids=token_ids([8, 9, 7]),
-            prompt_top_logprobs=np.asarray([-1.0, -0.5, -0.25], np.float32)),
+            prompt_top_logprobs=np.asarray([-1.0, -0.5, -0.25], np.float64)),
         "batch_logprobs_out_of_band": BatchTokenIDOut.from_lists(
             ["long"], [list(range(1100))], ["length"],
             logprobs=[[-(i % 8) / 4 for i in range(1100)]]),
