@@ -124,8 +124,15 @@ class SchedulerClient:
         if mode not in ("ring", "zmq"):
             raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
         if pd is not None:  # prefill and decode apart: P + D replicas behind a dispatcher
-            if min(pd) < 1 or dp_size not in (1, sum(pd)):
-                raise ValueError(f"pd={pd!r} needs P >= 1 and D >= 1 (and no other dp_size)")
+            if not (isinstance(pd, tuple) and len(pd) == 2
+                    and all(type(n) is int and n >= 1 for n in pd)):
+                raise ValueError(f"pd must be a pair of ints (P, D), each at least 1, "
+                                 f"not {pd!r}")
+            if dp_size not in (1, sum(pd)):
+                raise ValueError(f"pd={pd!r} makes {sum(pd)} replicas: dp_size={dp_size} "
+                                 f"says otherwise (leave it out)")
+            if mode != "zmq":
+                raise ValueError(f"pd={pd!r} needs mode='zmq' (each replica is a process)")
             dp_size = sum(pd)
         if max_batch < 1:  # here, not in a scheduler process that would die at start
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")

@@ -363,3 +363,14 @@ def test_a_scheduler_hands_off_and_another_adopts_and_refuses_what_cannot_contin
     assert "hand-off of request 'q' refused: structured output needs the model's tokenizer" \
         in errors["q"].message  # (the tiny GRU has none: the guide cannot be resumed)
     assert decode.sched.model.live_states == 0 and not decode.sched.busy
+
+
+@pytest.mark.parametrize("pd", [(1.5, 1), (1, 1, 1), (True, 1), "1:1", (0, 1), (1, 0)])
+def test_an_engine_refuses_a_pd_that_is_not_two_counts(pd: object) -> None:
+    with pytest.raises(ValueError, match="pd must be a pair of ints"):
+        Engine("zmq", pd=pd)  # type: ignore[arg-type]
+
+
+def test_an_engine_says_pd_needs_zmq() -> None:
+    with pytest.raises(ValueError, match=r"pd=\(1, 1\) needs mode='zmq'"):
+        Engine("ring", pd=(1, 1))
