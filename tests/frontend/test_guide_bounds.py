@@ -1,7 +1,7 @@
 """What a client's guide may cost the door: a spec past llguidance's safe bounds, one
 that allows no answer, or a body nested past what a decoder recurses through is a 400
 naming its field (the door stays up); the check runs off the event loop; the door
-remembers verdicts by a hash of the spec."""
+remembers verdicts by a hash of the spec; tools are checked whatever ``tool_choice``."""
 
 from __future__ import annotations
 
@@ -125,3 +125,36 @@ def test_the_door_remembers_verdicts_by_a_hash_not_the_spec() -> None:
     held = sum(len(k[1]) + len(k[0]) + len(v) for k, v in guides._verdicts.items())
     assert held < 4096 * len(guides._verdicts)  # (a verdict is a bounded error message)
 
+
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}}}}
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", "required"])
+@pytest.mark.parametrize(("tools", "param"), [
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "tools[0].function.parameters"),
+    ([TOOL, {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}],
+     "tools[1].function.parameters"),
+    ([TOOL, TOOL], "tools[1].function.name"),
+])
+def test_tools_are_checked_whatever_the_tool_choice(
+        server: Server, choice: str, tools: list[object], param: str) -> None:
+    r = _post(server, {"tools": tools, "tool_choice": choice})
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == param, r.text[:300]
+
+
+def test_auto_leaves_a_call_of_no_tool_or_without_object_arguments_as_content() -> None:
+    from frontend.tools import ToolPlan
+
+    plan = ToolPlan("auto", [TOOL])
+    for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
+                 '<tool_call>{"name": "add", "arguments": "3"}</tool_call>'):
+        assert plan.parse(text) == (text, [])
+    content, calls = plan.parse('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}'
+                                "</tool_call>")
+    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("add", '{"a":1}')]
