@@ -9,7 +9,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -126,7 +125,7 @@ def test_the_door_remembers_verdicts_by_a_hash_not_the_spec() -> None:
     assert held < 4096 * len(guides._verdicts)  # (a verdict is a bounded error message)
 
 
-TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+TOOL: dict[str, object] = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}}}}
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from messages import Guide, SamplingParams
 from scheduler import Engine, ModelConfig
-from scheduler.errors import EngineError
+from scheduler.errors import EngineError, RequestFailed
 from scheduler.models.guided import Guides
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
@@ -125,7 +125,7 @@ def test_any_spec_that_cannot_be_served_is_refused_naming_the_request_and_the_sc
     }
     with Engine("zmq", model_dir) as engine:
         for rid, guide in specs.items():
-            with pytest.raises(EngineError) as failed:
+            with pytest.raises(RequestFailed) as failed:
                 engine.generate([5, 6], SamplingParams(max_new_tokens=4, guide=guide), rid=rid,
                                 timeout=60)
             assert failed.value.code == "invalid_request", (rid, failed.value)
