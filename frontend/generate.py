@@ -27,7 +27,7 @@ from frontend.asgi import SSE, Event, Send, send_bytes
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import ApiError, bad_request, from_engine
-from frontend.guides import guide_of
+from frontend.guides import guide_of, prepare
 from frontend.metrics import HttpMetrics
 from frontend.schemas import (
     ChatChoice,
@@ -474,6 +474,7 @@ class OpenAIServing:
         """
         check_supported(req)
         self.check_model(req.model)
+        await prepare(lambda: guide_of(req, self._unguided()))  # (off the event loop)
         prompts = await self._completion_prompts(req.prompt)
         copies = _copies(req, len(prompts))
         if len(prompts) == 1 and copies == 1:
@@ -678,6 +679,7 @@ class OpenAIServing:
         if asked == 0:  # (a completion's 0 is legitimate: it will score a prompt, with echo)
             raise bad_request(f"{field} must be at least 1 on a chat completion, not 0 (as "
                               "vLLM answers)", param=field, code="invalid_value")
+        await prepare(lambda: (guide_of(req, self._unguided()), plan_of(req)))  # (off the loop)
         tools = plan_of(req)
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)
@@ -694,6 +696,10 @@ class OpenAIServing:
         if len(states) == 1:
             return await self._answer(states[0])
         return await self._several(req, states, send, copies=req.n, keep=req.n)
+
+    def _unguided(self) -> str | None:
+        """The served model's name when it cannot be guided (no vocabulary), else ``None``."""
+        return None if self.settings.guided else self.settings.model_name
 
     def _budget(self, prompt: int, asked: int | None, default: int, where: str,
                 field: str = "max_tokens") -> int:
@@ -732,7 +738,7 @@ class OpenAIServing:
         if not req.ignore_eos:
             eos = self.tokenizer.eos_token_id
             stop_ids.extend(i for i in (eos, *extra_stop_ids) if i is not None)
-        guide = guide_of(req, None if self.settings.guided else self.settings.model_name)
+        guide = guide_of(req, self._unguided())
         if tools is not None and tools.guide is not None:
             if guide is not None:
                 raise bad_request("tool_choice: a forced tool call constrains the answer, and "

@@ -8,30 +8,121 @@ cannot compile is a 400 naming its field before anything reaches the scheduler:
 the door *validates* it with the scheduler's own translation
 (:func:`scheduler.models.guided.check_guide`: the grammar llguidance would
 build, checked without a vocabulary, which changes no verdict), and keeps the
-verdicts of recent specs (a client sends the same schema again and again). The
-scheduler compiles against the vocabulary (a compiled grammar is bound to it),
-once per distinct spec.
+verdicts of recent specs (a client sends the same schema again and again), keyed
+by a hash of the spec (not the spec: up to a MiB each). The scheduler compiles
+against the vocabulary (a compiled grammar is bound to it), once per distinct
+spec.
+
+The check runs llguidance's native code, which recurses: it runs on
+:data:`_CHECKERS` threads of their own with a :data:`STACK` stack, never on the
+event loop. A request handler first awaits :func:`prepare` (the request's specs
+checked there, their verdicts cached, the loop free meanwhile, at most
+:data:`CHECK_SECONDS`); the synchronous :func:`guide_of` and :func:`checked`
+then find the verdicts (one evicted meanwhile is checked again on a checker
+thread, the caller waiting).
 """
 
 from __future__ import annotations
 
-import functools
+import asyncio
+import hashlib
 import json
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 
 from frontend.errors import bad_request
 from frontend.schemas import ChatCompletionRequest, CompletionRequest
 from messages import Guide, GuideKind
 from scheduler.models.guided import check_guide
 
-__all__ = ["guide_of"]
+__all__ = ["CHECK_SECONDS", "STACK", "guide_of", "prepare"]
 
 #: Distinct specs whose verdict the door remembers.
 _CHECKED = 1024
+#: Checker threads, and each one's stack: llguidance recurses natively (the
+#: scheduler's bounds on a spec keep it under 2 MiB); 256 MiB of address space,
+#: touched only as deep as it goes.
+_CHECKERS = 2
+STACK = 256 << 20
+#: Longest a request waits for its specs' check before its answer is a 400.
+CHECK_SECONDS = 30.0
+
+_verdicts: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+_lock = threading.Lock()
+_jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
+_threads: list[threading.Thread] = []
 
 
-@functools.lru_cache(maxsize=_CHECKED)
+def _key(kind: GuideKind, spec: str) -> tuple[str, bytes]:
+    return kind, hashlib.blake2b(spec.encode(), digest_size=32).digest()
+
+
+def _serve() -> None:
+    while True:
+        job, done = _jobs.get()
+        if done.set_running_or_notify_cancel():
+            try:
+                done.set_result(job())
+            except BaseException as exc:  # handed to the waiter
+                done.set_exception(exc)
+
+
+def _off_loop(job: Callable[[], object]) -> Future[object]:
+    """``job`` run on a checker thread (started on first use, with a :data:`STACK`
+    stack; daemons: a check in native code cannot be interrupted)."""
+    with _lock:
+        if not _threads:
+            was = threading.stack_size(STACK)
+            try:
+                for i in range(_CHECKERS):
+                    t = threading.Thread(target=_serve, name=f"guide-check-{i}", daemon=True)
+                    t.start()
+                    _threads.append(t)
+            finally:
+                threading.stack_size(was)
+    done: Future[object] = Future()
+    _jobs.put((job, done))
+    return done
+
+
 def _problem(kind: GuideKind, spec: str) -> str:
-    return check_guide(Guide(kind=kind, spec=spec))
+    """Why ``(kind, spec)`` cannot compile (``""``: it can), remembered; checked on a
+    checker thread (the caller waits)."""
+    key = _key(kind, spec)
+    with _lock:
+        verdict = _verdicts.get(key)
+        if verdict is not None:
+            _verdicts.move_to_end(key)
+            return verdict
+    if threading.current_thread() in _threads:  # (already on one: no waiting on a peer)
+        verdict = check_guide(Guide(kind=kind, spec=spec))
+    else:
+        verdict = str(_off_loop(lambda: check_guide(Guide(kind=kind, spec=spec))).result())
+    with _lock:
+        _verdicts[key] = verdict
+        while len(_verdicts) > _CHECKED:
+            _verdicts.popitem(last=False)
+    return verdict
+
+
+async def prepare(job: Callable[[], object]) -> None:
+    """Run ``job`` (building a request's guides: :func:`guide_of`, the tools' plan) on
+    a checker thread, the event loop free meanwhile; the verdicts it finds are
+    remembered for the handler's own synchronous calls.
+
+    Raises:
+        ApiError: what ``job`` raises (a 400 naming a field), or a 400 naming
+            no field when the check takes longer than :data:`CHECK_SECONDS`.
+    """
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(_off_loop(job)), CHECK_SECONDS)
+    except TimeoutError:
+        raise bad_request(f"the request's guide (response_format, guided_*, tools) took "
+                          f"longer than {CHECK_SECONDS:g} s to check", code="invalid_guide"
+                          ) from None
 
 
 def checked(kind: GuideKind, spec: str, field: str) -> Guide:
@@ -53,6 +144,9 @@ def _json_text(value: object, field: str) -> str:
     if isinstance(value, str):
         try:
             value = json.loads(value)
+        except RecursionError:
+            raise bad_request(f"{field}: the JSON schema is nested too deeply", param=field,
+                              code="invalid_guide") from None
         except ValueError as exc:
             raise bad_request(f"{field}: not a JSON schema ({exc})", param=field,
                               code="invalid_guide") from None

@@ -527,11 +527,16 @@ def decode(body: bytes, kind: type[B]) -> B:
     if decoder is None:
         decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
     try:
-        value = decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        value = _without_nulls(body, kind, exc)
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        try:
+            value = decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            value = _without_nulls(body, kind, exc)
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"the body is not valid JSON: {exc}",
+                              code="invalid_json") from None
+    except RecursionError:  # msgspec decodes an untyped value (a schema) by recursion
+        raise bad_request("the body is nested too deeply to decode",
+                          code="invalid_json") from None
     assert isinstance(value, kind)
     return value
 

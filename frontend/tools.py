@@ -40,6 +40,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Literal
 
+from frontend.errors import bad_request
 from frontend.guides import checked
 from frontend.schemas import (
     ChatCompletionRequest,
@@ -219,15 +220,26 @@ class ToolPlan:
                 name, args = call["name"], call.get("arguments", call.get("parameters", {}))
             except (ValueError, KeyError, TypeError, AttributeError):
                 return text, []  # not a call after all: all of it is content
-            if not isinstance(name, str):
-                return text, []
+            as_text = isinstance(args, str)  # (some models write the arguments as JSON text)
+            if as_text:
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    return text, []
+            if name not in self._names() or not isinstance(args, dict):
+                return text, []  # not a call of one of the tools: all of it is content
             reader = _CallReader(1)
             reader.feed(body)
-            found.append(ToolCall(_call_id(), FunctionOut(name, _arguments(reader, 0, args))))
+            found.append(ToolCall(_call_id(), FunctionOut(
+                name, _compact(args) if as_text else _arguments(reader, 0, args))))
         if not found:
             return text, []
         content = _HERMES.sub("", text).strip()
         return content or None, found
+
+    def _names(self) -> set[str]:
+        return {str(f.get("name")) for t in self.tools
+                if isinstance(f := t.get("function"), dict)}
 
     def finish(self, reason: str, calls: list[ToolCall]) -> str:
         """The answer's ``finish_reason``: ``tool_calls`` when it made calls, but for a
@@ -331,8 +343,11 @@ def plan_of(req: ChatCompletionRequest) -> ToolPlan | None:
     """How ``req``'s tools are served; ``None``: no tools, or ``tool_choice`` ``none``.
 
     Raises:
-        ApiError: 400 naming the tool whose ``parameters`` cannot compile.
+        ApiError: 400 naming the tool at fault (whatever ``tool_choice``): a name
+            given twice, ``parameters`` that are not an object schema or cannot
+            compile.
     """
+    _check_tools(req)
     if not req.tools or req.tool_choice == "none":
         return None
     tools: list[dict[str, object]] = [
@@ -358,6 +373,29 @@ def plan_of(req: ChatCompletionRequest) -> ToolPlan | None:
             schema["maxItems"] = 1
         return ToolPlan("required", tools, checked("json_schema", _compact(schema), "tools"))
     return ToolPlan("auto", tools)
+
+
+def _check_tools(req: ChatCompletionRequest) -> None:
+    """Each tool's name is its own and its ``parameters`` an object schema that compiles.
+
+    Raises:
+        ApiError: 400 naming ``tools[i].function.name`` or ``.parameters``.
+    """
+    seen: set[str] = set()
+    for i, tool in enumerate(req.tools or ()):
+        name, params = tool.function.name, tool.function.parameters
+        if name in seen:
+            raise bad_request(f"tools[{i}].function.name: {name!r} names two tools",
+                              param=f"tools[{i}].function.name", code="invalid_value")
+        seen.add(name)
+        if params is None:
+            continue
+        where = f"tools[{i}].function.parameters"
+        if params.get("type", "object") != "object":
+            raise bad_request(f"{where}: a function's parameters are an object schema "
+                              f"(\"type\": \"object\"), not {_compact(params.get('type'))}",
+                              param=where, code="invalid_value")
+        checked("json_schema", _compact(params), where)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, object]]:

@@ -103,6 +103,7 @@ class Seq:
     cached: int = -1  # prompt tokens its state started with (the prefix cache); -1: not asked
     finished: FinishReason | None = None
     matcher: guided.Matcher | None = None  # its guide's parser state (structured output)
+    guide_error: str | None = None  # its guide failed: it ends with this error (not output)
     # On the scheduler's monotonic clock (seconds), for the latency metrics.
     t_arrival: float = 0.0
     t_admit: float = 0.0

@@ -470,6 +470,13 @@ class Scheduler(ControlMethods):
 
     def _emit(self, seqs: list[Seq]) -> None:
         """Route this step's token outputs; finished requests leave the live table."""
+        failed = [s for s in seqs if s.guide_error is not None and not s.silenced]
+        if failed:  # a guide failed while decoding: an error, never a finish_reason
+            for s in failed:
+                if self._live.pop(s.req.rid, None) is s:
+                    self._error(s.req.rid, s.origin, "invalid_request",
+                                f"request {s.req.rid!r}: {s.guide_error}")
+            seqs = [s for s in seqs if s.guide_error is None]
         for s in seqs:
             if s.finished is not None and not s.silenced:
                 self._finished += 1

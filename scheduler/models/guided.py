@@ -18,7 +18,9 @@ bound to the model's vocabulary:
   more.
 * :func:`advance`, just after sampling, feeds each guided request its token;
   a matcher that can take no more tokens (the answer is complete) ends its
-  request ``stop``.
+  request ``stop``; one in error (its guide failed while decoding: a limit of
+  llguidance's, an empty language) ends its request with an error answer that
+  names the request and the guide's error, never ``stop``.
 
 A model with no tokenizer (the built-in ones: their vocabulary is synthetic)
 cannot be guided: its requests are refused by name (:class:`GuideError`).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,12 +39,13 @@ from typing import Protocol
 import llguidance
 import numpy as np
 import torch
+from llguidance._tokenizer import TokenizerWrapper
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from messages import FinishReason, Guide
 
-__all__ = ["GuideError", "Guides", "Matcher", "advance", "check_guide", "grammar_of",
-           "mask_logits"]
+__all__ = ["LIMITS", "MAX_REFS", "MAX_RULES", "GuideError", "Guides", "Matcher", "advance",
+           "check_guide", "grammar_of", "mask_logits"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,32 @@ _JSON_OPTIONS: llguidance._lib.JsonCompileOptions = {"whitespace_flexible": Fals
 #: Distinct specs a scheduler keeps compiled (each a few KB to a few MB).
 CACHE_SIZE = 256
 
+#: Most ``$ref`` a guide may hold (a JSON schema's, or one embedded in a grammar).
+#: llguidance follows a chain of references by native recursion, and overflows its
+#: thread's stack (SIGSEGV: the whole process dies) past about 950 links on an 8 MiB
+#: stack (the default main and worker thread here); a quarter of that, any thread.
+MAX_REFS = 256
+#: Most rules (and terminals) a Lark or GBNF grammar may define: a chain of rules
+#: overflows the same way past about 2,500-3,000 on an 8 MiB stack; a sixth of that.
+MAX_RULES = 512
+
+#: llguidance's own bounds on a grammar's compile and on each mask step; it fails
+#: (``is_error``) a matcher that exceeds one, and the request ends with that error.
+#: ``initial_lexer_fuel`` is cut from 1,000,000 to 300,000: ``a{1000000}`` (ten
+#: bytes) cost 4-5 s of the scheduler's first mask step for the whole batch at the
+#: default, 0.2-0.5 s here before it fails; a 10,000-property schema or a
+#: 10,000-value enum still compiles (100,000 refused them). The rest are
+#: llguidance's defaults (step_lexer_fuel 200,000, step_max_items 50,000, 2,000
+#: alternatives a row). Its error messages leave out the grammar
+#: (``verbose_errors``): they go to logs and to clients.
+LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=300_000, verbose_errors=False)
+
+#: Most characters of llguidance's error kept in a log line or an answer.
+ERROR_CHARS = 500
+
+_REF = re.compile(r"(?:\$|\\u0024)ref", re.I)
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z_0-9]*(?:\.-?[0-9]+)?[ \t]*(?::|::=)", re.M)
+
 
 class GuideError(Exception):
     """A request's guide cannot be served: the model has no tokenizer, or the spec
@@ -67,12 +97,40 @@ class GuideError(Exception):
 
 
 def grammar_of(guide: Guide) -> str:
-    """The llguidance grammar of ``guide`` (not yet checked: :func:`check_guide`).
+    """The llguidance grammar of ``guide`` (not yet checked: :func:`check_guide`),
+    bounded: at most :data:`MAX_REFS` references and :data:`MAX_RULES` rules, what
+    llguidance's native code can follow without overflowing its stack. The front
+    door's check and the scheduler's compile both build it here, so no spec reaches
+    llguidance unbounded.
 
     Raises:
         ValueError: ``spec`` is not what its ``kind`` needs (a schema that is not
-            JSON, choices that are not a non-empty JSON array of strings).
+            JSON, choices that are not a non-empty JSON array of strings), it is
+            over a bound, or it could not be translated at all (any failure: a
+            client's spec is never an internal error).
     """
+    try:
+        grammar = _grammar_of(guide)
+    except ValueError:
+        raise
+    except RecursionError:
+        raise ValueError(f"the {guide.kind} is nested too deeply") from None
+    except Exception as exc:  # gbnf_to_lark's own parse errors, and any other
+        raise ValueError(f"{type(exc).__name__}: {str(exc)[:ERROR_CHARS]}") from None
+    refs = len(_REF.findall(grammar))
+    if refs > MAX_REFS:
+        raise ValueError(f"it holds {refs} $ref; at most {MAX_REFS} are served")
+    lark = grammar
+    if grammar.startswith("{"):  # a JSON grammar (llguidance's): its Lark parts
+        parts = json.loads(grammar).get("grammars", [])
+        lark = "\n".join(str(g.get("lark_grammar") or "") for g in parts)
+    rules = len(_RULE.findall(lark))
+    if rules > MAX_RULES:
+        raise ValueError(f"it defines {rules} rules; at most {MAX_RULES} are served")
+    return grammar
+
+
+def _grammar_of(guide: Guide) -> str:
     kind, spec = guide.kind, guide.spec
     make = llguidance.LLMatcher
     if kind == "json_schema":
@@ -99,15 +157,48 @@ def grammar_of(guide: Guide) -> str:
     return make.grammar_from_lark(gbnf_to_lark(spec) if "::=" in spec else spec)
 
 
+class _Bytes:
+    """A vocabulary of the 256 bytes and an end token: what :func:`check_guide`
+    compiles against (a matcher needs one; any vocabulary spells every answer)."""
+
+    def __init__(self) -> None:
+        self.eos_token_id = 256
+        self.bos_token_id = None
+        self.tokens = [bytes([i]) for i in range(256)] + [b"</s>"]
+        self.special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+_byte_vocab: llguidance.LLTokenizer | None = None
+
+
 def check_guide(guide: Guide) -> str:
-    """Why ``guide`` cannot compile (``""``: it can), without a vocabulary: what the
-    front door asks before sending a request (a vocabulary changes no verdict)."""
+    """Why ``guide`` cannot be served (``""``: it can), without the model's vocabulary:
+    what the front door asks before sending a request. The grammar is compiled
+    against a byte vocabulary and its first step taken, so a guide that fails
+    there (a language with no answer at all, a reference to itself) is refused
+    here, not midway through decoding.
+
+    Runs llguidance's native code: call it on a thread with a large stack (the
+    door's checker threads), never on an event loop.
+    """
+    global _byte_vocab
     try:
-        return llguidance.LLMatcher.validate_grammar(grammar_of(guide))
+        grammar = grammar_of(guide)
     except ValueError as exc:
         return str(exc)
-    except Exception as exc:  # gbnf_to_lark's own parse errors
-        return f"{type(exc).__name__}: {exc}"
+    if _byte_vocab is None:
+        _byte_vocab = llguidance.LLTokenizer(TokenizerWrapper(_Bytes()))
+    matcher = llguidance.LLMatcher(_byte_vocab, grammar, log_level=0, limits=LIMITS)
+    if matcher.is_error():
+        return matcher.get_error()[:ERROR_CHARS]
+    mask = np.zeros((257 + 31) // 32, np.int32)  # (the byte vocabulary's 257 tokens)
+    matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    if matcher.is_error():
+        return f"no answer can begin ({matcher.get_error()[:ERROR_CHARS]})"
+    return ""
 
 
 class _HasTokenizer(Protocol):
@@ -162,10 +253,10 @@ class Guides:
             grammar = grammar_of(guide)
         except ValueError as exc:
             raise GuideError(rid, f"its {guide.kind} guide does not compile: {exc}") from None
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise GuideError(rid, f"its {guide.kind} guide does not compile: "
-                                  f"{matcher.get_error()}")
+                                  f"{matcher.get_error()[:ERROR_CHARS]}")
         self.compiles += 1
         return matcher
 
@@ -190,11 +281,24 @@ class _Guided(Protocol):
     matcher: Matcher | None
     finished: FinishReason | None
     stop: frozenset[int]
+    guide_error: str | None
+
+
+def _failed(s: _Guided, matcher: Matcher) -> bool:
+    """Whether ``s``'s matcher is in error; if so the request ends (``abort``) with
+    :attr:`guide_error` set, which the scheduler answers as an error naming it."""
+    if not matcher.is_error():
+        return False
+    if s.guide_error is None:
+        s.guide_error = f"its guide failed while decoding: {matcher.get_error()[:ERROR_CHARS]}"
+        s.finished = "abort"
+    return True
 
 
 def mask_logits(seqs: Sequence[_Guided], logits: torch.Tensor) -> None:
     """Set to ``-inf``, in place, the logits (row ``i`` for ``seqs[i]``) of the tokens
-    each guided request's matcher does not allow; rows without a guide are untouched."""
+    each guided request's matcher does not allow; rows without a guide are untouched.
+    A matcher that fails computing its mask ends its request (:func:`_failed`)."""
     rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not rows:
         return
@@ -206,6 +310,8 @@ def mask_logits(seqs: Sequence[_Guided], logits: torch.Tensor) -> None:
         assert matcher is not None
         row = bits[j]
         matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if _failed(seqs[i], matcher):
+            row[:] = -1  # ending: nothing masked (a row all -inf is no distribution)
     refused = torch.from_numpy(
         np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0)
     # Row by row, each a view: indexing the rows with a tensor (a gather, then a
@@ -216,11 +322,13 @@ def mask_logits(seqs: Sequence[_Guided], logits: torch.Tensor) -> None:
 
 def advance(seqs: Sequence[_Guided], tokens: torch.Tensor) -> None:
     """Feed each guided request the token it sampled (``tokens[i]`` for ``seqs[i]``);
-    one whose answer is complete (or whose matcher failed) is marked ``stop``."""
+    one whose answer is complete is marked ``stop``; one whose matcher failed (an
+    error of its guide, or a token it refuses) ends with :attr:`guide_error` set,
+    never ``stop``: its output does not obey the guide."""
     picked: list[int] | None = None
     for i, s in enumerate(seqs):
         matcher = s.matcher
-        if matcher is None:
+        if matcher is None or _failed(s, matcher):
             continue
         if picked is None:
             picked = tokens.tolist()
@@ -228,8 +336,9 @@ def advance(seqs: Sequence[_Guided], tokens: torch.Tensor) -> None:
         if t in s.stop:
             continue  # the batch ends it at its stop token
         if not matcher.consume_token(t):
-            log.warning("a guided request sampled token %d its grammar refuses (%s): "
-                        "it ends here", t, matcher.get_error())
-            s.finished = "stop"
+            if not _failed(s, matcher):
+                s.guide_error = f"its guide refused the sampled token {t}"
+                s.finished = "abort"
+            log.warning("a guided request ends on a failed guide: %s", s.guide_error)
         elif matcher.is_stopped():
             s.finished = "stop"

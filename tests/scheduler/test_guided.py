@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from messages import Guide, SamplingParams
 from scheduler import Engine, ModelConfig
-from scheduler.errors import EngineError
+from scheduler.errors import EngineError, RequestFailed
 from scheduler.models.guided import Guides
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
@@ -99,3 +99,60 @@ def test_a_model_without_a_tokenizer_refuses_a_guided_request_by_name() -> None:
             EngineError, match=r"request 'g-1'.*has none \(no tokenizer.json\)"):
         engine.generate([1, 2], SamplingParams(guide=Guide(kind="json_object")), rid="g-1",
                         timeout=60)
+
+
+def _chain(n: int) -> str:
+    """A schema of ``n`` definitions, each referring to the next."""
+    defs: dict[str, object] = {
+        f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return json.dumps({"$ref": "#/$defs/d0", "$defs": defs})
+
+
+def test_any_spec_that_cannot_be_served_is_refused_naming_the_request_and_the_scheduler_lives(
+        model_dir: Path) -> None:
+    """Through the Engine API (a scheduler process): a spec past llguidance's bounds (1000
+    chained references overflowed its native stack: SIGSEGV), a GBNF grammar that
+    nests past Python's recursion, one its translator cannot read: each an
+    invalid_request naming the request; the scheduler answers on."""
+    specs = {
+        "chain": Guide(kind="json_schema", spec=_chain(1000)),
+        "rules": Guide(kind="grammar", spec="start: r0\n" + "\n".join(
+            f'r{i}: "x{i}" r{i + 1} | "y"' for i in range(3000)) + '\nr3000: "z"'),
+        "gbnf-deep": Guide(kind="grammar", spec='root ::= ' + "(" * 5000 + '"a"' + ")" * 5000),
+        "gbnf-bad": Guide(kind="grammar", spec='root ::= "a" | ::= ('),
+    }
+    with Engine("zmq", model_dir) as engine:
+        for rid, guide in specs.items():
+            with pytest.raises(RequestFailed) as failed:
+                engine.generate([5, 6], SamplingParams(max_new_tokens=4, guide=guide), rid=rid,
+                                timeout=60)
+            assert failed.value.code == "invalid_request", (rid, failed.value)
+            assert f"request {rid!r}" in str(failed.value), failed.value
+            assert "Traceback" not in str(failed.value)
+        assert engine.generate([5, 6], SamplingParams(max_new_tokens=2),
+                               timeout=60).finish_reason in ("stop", "length")
+
+
+def test_a_guide_that_fails_while_decoding_ends_with_an_error_not_stop(
+        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A matcher in error (here, a row of 2500 alternatives: llguidance's limit is 2000,
+    met after the first ``{``; a language with no answer) ends its request with an
+    error naming it and the guide's error, never ``stop`` with output that breaks
+    the guide; the log line is bounded. Another request in the batch is unharmed."""
+    many = json.dumps({"anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+         "required": [f"k{i}"], "additionalProperties": False} for i in range(2500)]})
+    free = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    with Engine("ring", model_dir) as engine:
+        alone = engine.generate(PROMPTS[0], free, timeout=60).token_ids
+        beside = engine.submit(PROMPTS[0], free)
+        for rid, guide in (("many", Guide(kind="json_schema", spec=many)),
+                           ("none", Guide(kind="regex", spec="[^\\x00-\\U0010FFFF]"))):
+            for t in (0.0, 1.0):
+                with pytest.raises(EngineError, match=rf"request {rid!r}: its guide fail"):
+                    engine.generate(PROMPTS[1], SamplingParams(
+                        max_new_tokens=50, temperature=t, guide=guide), rid=rid, timeout=120)
+        assert beside.result(60).token_ids == alone
+    assert all(len(r.getMessage()) < 2000 for r in caplog.records)
