@@ -349,10 +349,14 @@ class Scheduler(ControlMethods):
                          f"hand-off of request {h.rid!r} refused: {exc.reason}")
             return
         try:
-            self.batch.adopt(seq, state_of(h), h.rng_state)
+            refused = self.batch.adopt(seq, state_of(h), h.rng_state)
         except ValueError as exc:  # StateMismatch: another model, dtype or shape
             self._refuse(h.rid, origin, "invalid_request",
                          f"hand-off of request {h.rid!r} refused: {exc}")
+            return
+        if refused:
+            self._refuse(h.rid, origin, "overloaded", f"hand-off of request {h.rid!r} "
+                         f"refused: {refused}")
             return
         self._live[h.rid] = seq
 

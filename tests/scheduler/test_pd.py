@@ -343,3 +343,49 @@ def test_a_scheduler_hands_off_and_another_adopts_and_refuses_what_cannot_contin
     assert "hand-off of request 'q' refused: structured output needs the model's tokenizer" \
         in errors["q"].message  # (the tiny GRU has none: the guide cannot be resumed)
     assert decode.sched.model.live_states == 0 and not decode.sched.busy
+
+
+def _handoffs(prefill: Loop, n: int, sp: SamplingParams) -> list[KVHandoff]:
+    """``n`` hand-offs of distinct prompts, read by ``prefill`` (rids ``h0``...)."""
+    for i in range(n):
+        prefill.send(TokenizedGenerateReqInput(rid=f"h{i}", input_ids=token_ids([5 + i, 9, 2]),
+                                               sampling=sp, stream=True, prefill_only=True))
+    prefill.run_until(lambda: sum(isinstance(o, KVHandoff) for o, _ in prefill.got) == n)
+    hs = [o for o, _ in prefill.got if isinstance(o, KVHandoff)]
+    return sorted(hs, key=lambda h: h.rid)
+
+
+def test_a_decode_replica_adopts_within_max_batch_and_its_admission_bounds(
+        make_loop: Callable[..., Loop]) -> None:
+    """Adopted requests wait (their state held) for a batch slot, in arrival order, and
+    a hand-off past the queue's bounds is refused ``overloaded``, as a new request is."""
+    from scheduler import Limits
+    prefill = make_loop("zmq")
+    # A ring: the four are there before the first poll, which takes them together.
+    decode = make_loop("ring", max_batch=1, limits=Limits(max_queued_requests=3))
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0)
+    hs = _handoffs(prefill, 4, sp)
+    for h in hs:
+        decode.send(h)
+    running: list[int] = []
+
+    def stepped() -> bool:
+        running.append(len(decode.sched.batch.running))
+        return len(decode.finished()) + len(decode.errors()) == 4
+
+    decode.run_until(stepped)
+    assert max(running) == 1, running  # never past max_batch
+    errors = decode.errors()
+    assert list(errors) == ["h3"] and errors["h3"].code == "overloaded"
+    assert "max_queued_requests=3" in errors["h3"].message
+    # Each runs once the one before it ended: arrival order, one at a time.
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, (o, _) in enumerate(decode.got):
+        if isinstance(o, BatchTokenIDOut):
+            for rid, _ids, _fin in o.items():
+                first.setdefault(rid, i)
+                last[rid] = i
+    assert last["h0"] < first["h1"] and last["h1"] < first["h2"], (first, last)
+    assert decode.sched.model.live_states == 0 and not decode.sched.busy
+    assert decode.sched.admission.requests == decode.sched.admission.tokens == 0
