@@ -284,6 +284,25 @@ class FramePool:
                 return (slab, addr - base) if slab.free() else None
         return None
 
+    def reclaim(self, now: float | None = None) -> int:
+        """Take back and unlink every slab (not lent) whose send nobody claimed for
+        ``unclaimed_timeout`` seconds (its message lies in a peer's socket that is not
+        read, or was lost with it): nothing of it stays in ``/dev/shm``. A receiver that
+        reads the handle later has it refused as reclaimed. Returns the bytes freed.
+        """
+        now = time.monotonic() if now is None else now
+        freed = 0
+        for slabs in self._classes.values():
+            for slab in list(slabs):
+                if slab.free() or slab.words[_CLAIM_W] or \
+                        not slab.take_back(self.unclaimed_timeout, now):
+                    continue
+                slabs.remove(slab)
+                self._bytes -= slab.size
+                freed += slab.size
+                slab.close()
+        return freed
+
     def cancel(self, used: Sequence[_Slab]) -> None:
         """Free the slabs of a message that was not sent after all."""
         for slab in used:

@@ -4,11 +4,15 @@ order in which a hand-off and an abort reach it is the test's, not the machine's
 
 * an abort that reaches the dispatcher while the hand-off is between the prefill
   replica and the dispatcher (the prefill replica sent it before it read the abort)
-  ends the request at the decode replica the hand-off goes to.
+  ends the request at the decode replica the hand-off goes to;
+* a hand-off that no decode replica reads (one stopped, or alive but not reading its
+  work socket) is freed after the dispatcher's ``handoff_deadline``: its slab is
+  unlinked from ``/dev/shm``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,6 +22,7 @@ import pytest
 import torch
 
 from bus import Envelope, PullInbox, PushOutbox, RpcServer
+from bus.shm.segment import SHM_DIR
 from messages import (
     AbortReq,
     BatchTokenIDOut,
@@ -34,6 +39,7 @@ from scheduler.launch.wiring import Endpoints
 from tests.scheduler.test_dp_liveness import FakeClock, FakeReplica
 
 SP = SamplingParams(max_new_tokens=100, temperature=0.0)
+DEADLINE = 0.5  #: the dispatcher's handoff_deadline under test (real seconds)
 
 
 @dataclass
@@ -46,22 +52,25 @@ class PdRig:
     client_out: PullInbox[Output]
     got: dict[int, list[Request]] = field(default_factory=lambda: {0: [], 1: []})
 
-    def step(self) -> None:
-        """Let the dispatcher take what waits; each replica reads its work socket."""
+    def step(self, read_decode: bool = True) -> None:
+        """Let the dispatcher take what waits; each replica reads its work socket (the
+        decode one only if ``read_decode``: else its requests stay in its socket)."""
         self.clock.t += 0.05
         self.dispatcher.receiver.wait(0.01)
         self.dispatcher.step()
         for i, rep in ((0, self.prefill), (1, self.decode)):
-            rep.answer(0, 0, wait_ms=0)
+            rep.answer(i, 0, wait_ms=0)  # the decode one busy: never lost as idle
+            if i == 1 and not read_decode:
+                continue
             for env in rep.work.drain(64):
                 assert isinstance(env, Envelope)
                 self.got[i].append(env.message)
 
-    def until(self, what: str, cond: Callable[[], object]) -> None:
+    def until(self, what: str, cond: Callable[[], object], read_decode: bool = True) -> None:
         deadline = time.monotonic() + 20
         while not cond():
             assert time.monotonic() < deadline, f"the dispatcher did not get there: {what}"
-            self.step()
+            self.step(read_decode)
 
 
 def _replica(ep: Endpoints) -> FakeReplica:
@@ -84,7 +93,8 @@ def pd_rig(tmp_path: Path) -> Iterator[PdRig]:
     client_work: PushOutbox[Request] = PushOutbox(Codec(Request), front.work)
     clock = FakeClock()
     d = Dispatcher(work, rpc, out, [ReplicaSpec(eps[0]), ReplicaSpec(eps[1])],
-                   heartbeat_interval=0.2, heartbeat_timeout=60.0, clock=clock, pd=(1, 1))
+                   heartbeat_interval=0.2, heartbeat_timeout=60.0, clock=clock, pd=(1, 1),
+                   handoff_deadline=DEADLINE)
     r = PdRig(clock, d, prefill, decode, client_work, client_out)
     try:
         r.until("both replicas joined", lambda: all(rep.live for rep in d.replicas))
@@ -97,10 +107,10 @@ def pd_rig(tmp_path: Path) -> Iterator[PdRig]:
             c.close()
 
 
-def _handoff(rid: str) -> KVHandoff:
+def _handoff(rid: str, positions: int = 3) -> KVHandoff:
     return KVHandoff(rid=rid, input_ids=token_ids([5, 9, 2]), output_ids=token_ids([7]), sent=1,
-                     sampling=SP, kv=torch.zeros(1, 2, 1, 3, 4), fingerprint="fake:0:float32",
-                     stream=True)
+                     sampling=SP, kv=torch.zeros(1, 2, 1, positions, 4),
+                     fingerprint="fake:0:float32", stream=True)
 
 
 def test_an_abort_while_the_hand_off_is_on_its_way_to_the_dispatcher_ends_it_at_decode(
@@ -126,3 +136,30 @@ def test_an_abort_while_the_hand_off_is_on_its_way_to_the_dispatcher_ends_it_at_
     kinds = [type(m).__name__ for m in r.got[1]]
     assert kinds == ["KVHandoff", "AbortReq"], kinds
     assert all(m.rid == "x" for m in r.got[1])
+
+
+def test_a_hand_off_nobody_reads_is_freed_after_the_deadline(pd_rig: PdRig) -> None:
+    r = pd_rig
+    pool = r.dispatcher.replicas[1].work.shm_frames
+    assert pool is not None
+    r.client_work.send(TokenizedGenerateReqInput(rid="y", input_ids=token_ids([5, 9, 2]),
+                                                 sampling=SP, stream=True))
+    r.until("y read by the prefill replica", lambda: r.got[0])
+    r.prefill.out.send(_handoff("y", positions=1 << 15))  # 1 MiB: through shared memory
+    # The decode replica answers heartbeats but does not read its work socket (as a
+    # stopped one, or one whose socket the hand-off waits in): nobody claims the slab.
+    r.until("the hand-off sent on to the decode replica",
+            lambda: r.dispatcher.stats["handed_off"] == 1, read_decode=False)
+    slabs = [os.path.join(SHM_DIR, s.seg.name) for c in pool._classes.values() for s in c]
+    assert pool.bytes_held >= 1 << 20 and slabs and all(map(os.path.exists, slabs))
+    sent = time.monotonic()
+    r.until("the hand-off's slab freed", lambda: not pool.bytes_held, read_decode=False)
+    assert r.dispatcher.stats["lost"] == 0  # freed by its deadline, the replica still live
+    assert time.monotonic() - sent >= DEADLINE * 0.9  # not before its deadline
+    assert not any(map(os.path.exists, slabs)), slabs  # nothing left in /dev/shm
+    # Read now, it is refused as reclaimed (rejected: never adopted from freed memory).
+    deadline = time.monotonic() + 10
+    while not r.decode.work.socket.poll(50):
+        assert time.monotonic() < deadline
+    got = r.decode.work.drain(8)
+    assert got and not any(isinstance(e, Envelope) for e in got), got
