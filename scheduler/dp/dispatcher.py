@@ -501,8 +501,10 @@ class Dispatcher:
         self._reclaim_handoffs()
 
     def _reclaim_handoffs(self) -> None:
-        """Unlink the slabs of hand-offs no decode replica read within ``handoff_deadline``."""
-        for rep in self.replicas:
+        """Unlink the slabs of hand-offs no decode replica read within ``handoff_deadline``
+        (decode replicas only: a large request to any other keeps the pool's own rule)."""
+        for i in self.decode_only:
+            rep = self.replicas[i]
             pool = rep.work.shm_frames
             if pool is None or not pool.bytes_held:
                 continue
