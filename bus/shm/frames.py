@@ -181,6 +181,13 @@ class FramePool:
         """Bytes of shared memory held in slabs."""
         return self._bytes
 
+    @property
+    def bytes_unreleased(self) -> int:
+        """Bytes of slabs sent and not yet released by their receiver (lent slabs
+        included): what this pool's sends hold of shared memory right now."""
+        return sum(slab.size for slabs in self._classes.values() for slab in slabs
+                   if not slab.free())
+
     def _slab(self, n: int) -> _Slab | None:
         size = _size_class(n, self._floor)
         slabs = self._classes.setdefault(size, [])

@@ -389,3 +389,60 @@ def test_a_decode_replica_adopts_within_max_batch_and_its_admission_bounds(
     assert last["h0"] < first["h1"] and last["h1"] < first["h2"], (first, last)
     assert decode.sched.model.live_states == 0 and not decode.sched.busy
     assert decode.sched.admission.requests == decode.sched.admission.tokens == 0
+
+
+def test_a_prefill_replica_holds_read_prompts_while_hand_offs_in_flight_exceed_the_bound(
+        make_loop: Callable[..., Loop]) -> None:
+    """Past ``max_handoff_bytes`` unreleased, read prompts wait (first token streamed,
+    state held, not decoding), and leave in order as room appears; none is dropped."""
+    from scheduler import Limits
+    in_flight = [1 << 30]  # what the receivers hold of this replica's sends (the test's)
+    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=1),
+                        handoff_bytes=lambda: in_flight[0])
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    for i in range(3):
+        prefill.send(TokenizedGenerateReqInput(rid=f"w{i}", input_ids=token_ids([5 + i, 9]),
+                                               sampling=sp, stream=True, prefill_only=True))
+    firsts = lambda: {rid for o, _ in prefill.got if isinstance(o, BatchTokenIDOut)  # noqa: E731
+                      for rid, _ids, _fin in o.items()}
+    prefill.run_until(lambda: firsts() == {"w0", "w1", "w2"})
+    for _ in range(5):
+        prefill.sched.step()
+    assert not [o for o, _ in prefill.got if isinstance(o, KVHandoff)]
+    assert prefill.sched.model.live_states == 3 and not prefill.sched.batch.running
+    tokens: dict[str, int] = {}
+    for o, _ in prefill.got:
+        assert isinstance(o, BatchTokenIDOut)
+        for rid, ids, _fin in o.items():
+            tokens[rid] = tokens.get(rid, 0) + len(ids)
+    assert tokens == {"w0": 1, "w1": 1, "w2": 1}  # none decodes while it waits
+    assert prefill.sched.statistics().running == 3 and prefill.sched.busy
+    # Room for one: the oldest leaves (the bound is then reached by what it carries).
+    in_flight[0] = 0
+    prefill.run_until(lambda: any(isinstance(o, KVHandoff) for o, _ in prefill.got))
+    in_flight[0] = 1 << 30
+    for _ in range(5):
+        prefill.sched.step()
+    hs = [o.rid for o, _ in prefill.got if isinstance(o, KVHandoff)]
+    assert hs == ["w0"], hs
+    in_flight[0] = 0
+    prefill.run_until(lambda: sum(isinstance(o, KVHandoff) for o, _ in prefill.got) == 3)
+    assert [o.rid for o, _ in prefill.got if isinstance(o, KVHandoff)] == ["w0", "w1", "w2"]
+    assert prefill.sched.model.live_states == 0 and not prefill.sched.busy
+
+
+def test_an_abort_of_a_request_waiting_to_be_handed_off_frees_it(
+        make_loop: Callable[..., Loop]) -> None:
+    from messages import AbortReq
+    from scheduler import Limits
+    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=1),
+                        handoff_bytes=lambda: 1)
+    prefill.send(TokenizedGenerateReqInput(rid="a", input_ids=token_ids([5, 9]),
+                                           sampling=SamplingParams(max_new_tokens=6),
+                                           stream=True, prefill_only=True))
+    prefill.run_until(lambda: bool(prefill.got))
+    assert prefill.sched.model.live_states == 1
+    prefill.send(AbortReq(rid="a"))
+    prefill.run_until(lambda: "a" in prefill.finished())
+    assert prefill.finished()["a"][1] == "abort"
+    assert prefill.sched.model.live_states == 0 and not prefill.sched.busy

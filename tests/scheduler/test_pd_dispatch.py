@@ -152,11 +152,13 @@ def test_a_hand_off_nobody_reads_is_freed_after_the_deadline(pd_rig: PdRig) -> N
             lambda: r.dispatcher.stats["handed_off"] == 1, read_decode=False)
     slabs = [os.path.join(SHM_DIR, s.seg.name) for c in pool._classes.values() for s in c]
     assert pool.bytes_held >= 1 << 20 and slabs and all(map(os.path.exists, slabs))
+    assert pool.bytes_unreleased >= 1 << 20  # what a sender's max_handoff_bytes counts
     sent = time.monotonic()
     r.until("the hand-off's slab freed", lambda: not pool.bytes_held, read_decode=False)
     assert r.dispatcher.stats["lost"] == 0  # freed by its deadline, the replica still live
     assert time.monotonic() - sent >= DEADLINE * 0.9  # not before its deadline
     assert not any(map(os.path.exists, slabs)), slabs  # nothing left in /dev/shm
+    assert pool.bytes_unreleased == 0
     # Read now, it is refused as reclaimed (rejected: never adopted from freed memory).
     deadline = time.monotonic() + 10
     while not r.decode.work.socket.poll(50):
