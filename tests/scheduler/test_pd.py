@@ -403,8 +403,11 @@ def test_a_prefill_replica_holds_read_prompts_while_hand_offs_in_flight_exceed_t
     for i in range(3):
         prefill.send(TokenizedGenerateReqInput(rid=f"w{i}", input_ids=token_ids([5 + i, 9]),
                                                sampling=sp, stream=True, prefill_only=True))
-    firsts = lambda: {rid for o, _ in prefill.got if isinstance(o, BatchTokenIDOut)  # noqa: E731
-                      for rid, _ids, _fin in o.items()}
+
+    def firsts() -> set[str]:
+        return {rid for o, _ in prefill.got if isinstance(o, BatchTokenIDOut)
+                for rid, _ids, _fin in o.items()}
+
     prefill.run_until(lambda: firsts() == {"w0", "w1", "w2"})
     for _ in range(5):
         prefill.sched.step()
