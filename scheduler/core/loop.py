@@ -388,7 +388,8 @@ class Scheduler(ControlMethods):
                 continue
             self.batch.running.remove(s)  # decodes no further here; its state kept
             self._held.append(s)
-        self._send_held()
+        if self._held:
+            self._send_held()
 
     def _send_held(self) -> None:
         """Hand off the waiting requests, oldest first, while the bytes of hand-offs
