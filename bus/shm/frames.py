@@ -181,6 +181,13 @@ class FramePool:
         """Bytes of shared memory held in slabs."""
         return self._bytes
 
+    @property
+    def bytes_unreleased(self) -> int:
+        """Bytes of slabs sent and not yet released by their receiver (lent slabs
+        included): what this pool's sends hold of shared memory right now."""
+        return sum(slab.size for slabs in self._classes.values() for slab in slabs
+                   if not slab.free())
+
     def _slab(self, n: int) -> _Slab | None:
         size = _size_class(n, self._floor)
         slabs = self._classes.setdefault(size, [])
@@ -283,6 +290,25 @@ class FramePool:
                 # (one claimer per generation).
                 return (slab, addr - base) if slab.free() else None
         return None
+
+    def reclaim(self, now: float | None = None) -> int:
+        """Take back and unlink every slab (not lent) whose send nobody claimed for
+        ``unclaimed_timeout`` seconds (its message lies in a peer's socket that is not
+        read, or was lost with it): nothing of it stays in ``/dev/shm``. A receiver that
+        reads the handle later has it refused as reclaimed. Returns the bytes freed.
+        """
+        now = time.monotonic() if now is None else now
+        freed = 0
+        for slabs in self._classes.values():
+            for slab in list(slabs):
+                if slab.free() or slab.words[_CLAIM_W] or \
+                        not slab.take_back(self.unclaimed_timeout, now):
+                    continue
+                slabs.remove(slab)
+                self._bytes -= slab.size
+                freed += slab.size
+                slab.close()
+        return freed
 
     def cancel(self, used: Sequence[_Slab]) -> None:
         """Free the slabs of a message that was not sent after all."""

@@ -32,18 +32,27 @@ class Limits:
             holds about a million tokens of a small model (the float64 tiny
             Llama: 1 KiB a token) and ~8k of a 7B one in float16 (128 KiB
             a token); a model that caches no prefix ignores it.
+        max_handoff_bytes: most bytes of hand-offs (prefill and decode apart)
+            a prefill replica has sent that their receiver has not released
+            yet; a request whose prompt is read then waits (its state held
+            here, not decoding) until the hand-offs before it are taken. The
+            default, 512 MiB, is half the output pool's shared memory (1 GiB),
+            so a hand-off under it finds a slab rather than the socket.
     """
 
     max_queued_requests: int = 4096
     max_queued_tokens: int = 1 << 22
     max_backlog: int = 1024
     prefix_cache_bytes: int = 1 << 30
+    max_handoff_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if min(self.max_queued_requests, self.max_queued_tokens, self.max_backlog) < 1:
             raise ValueError("every limit must be >= 1")
         if self.prefix_cache_bytes < 0:
             raise ValueError("prefix_cache_bytes must be >= 0")
+        if self.max_handoff_bytes < 1:
+            raise ValueError("max_handoff_bytes must be >= 1")
 
 
 class Admission:

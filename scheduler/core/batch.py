@@ -145,6 +145,9 @@ class Batch:
         #: over both: ``Seq.ticket``.
         self.partial: deque[Seq] = deque()
         self.running: list[Seq] = []
+        #: Adopted from another replica (prefill and decode apart), their model state
+        #: held, waiting in arrival order for a batch slot (see :meth:`adopt`).
+        self.adopted: deque[Seq] = deque()
         self._keys = itertools.count()
         self._tickets = itertools.count()
         self._model_stops = frozenset(model.stop_token_ids)
@@ -159,12 +162,12 @@ class Batch:
         self._caches_prefixes = model.prefix_cache_stats() is not None
 
     def __bool__(self) -> bool:
-        return bool(self.running or self.waiting or self.partial)
+        return bool(self.running or self.waiting or self.partial or self.adopted)
 
     @property
     def queued(self) -> int:
-        """Requests whose prompt is not read whole yet (not started, or part-way)."""
-        return len(self.waiting) + len(self.partial)
+        """Requests waiting: prompt not read whole yet, or adopted and waiting for a slot."""
+        return len(self.waiting) + len(self.partial) + len(self.adopted)
 
     def queue(self, seq: Seq) -> str:
         """Queue ``seq``; returns why it was refused (``""``: queued)."""
@@ -176,20 +179,35 @@ class Batch:
             self.admission.enter(seq.cost)
         return refused
 
-    def adopt(self, seq: Seq, state: RequestState, rng_state: torch.Tensor | None) -> None:
-        """Run ``seq``, whose prompt another replica read (prefill and decode apart):
-        its model state is ``state``, its sampler's generator ``rng_state``; it decodes
-        from the next step, in the running batch.
+    def adopt(self, seq: Seq, state: RequestState, rng_state: torch.Tensor | None) -> str:
+        """Queue ``seq``, whose prompt another replica read (prefill and decode apart),
+        under the same bounds as a new request; returns why it was refused (``""``:
+        queued). Its model state ``state`` is adopted now (so a mismatch is refused at
+        once), its sampler's generator set from ``rng_state``; it joins the running
+        batch when a slot is free (``max_batch``), adopted requests in arrival order,
+        and decodes from that step.
 
         Raises:
             StateMismatch: ``state`` is not this model's (nothing is kept).
         """
+        refused = self.admission.refuse(seq.cost)
+        if refused:
+            return refused
         seq.key = next(self._keys)
         self._admit(seq)
         if rng_state is not None and seq.generator is not None:
             seq.generator.set_state(rng_state.clone())
         self.model.adopt_state(seq.key, state, len(seq.req.input_ids))
-        self.running.append(seq)
+        self.adopted.append(seq)
+        self.admission.enter(seq.cost)
+        return ""
+
+    def _run_adopted(self) -> None:
+        """Adopted requests join the running batch, in arrival order, while slots are free."""
+        while self.adopted and len(self.running) + len(self.partial) < self.max_batch:
+            seq = self.adopted.popleft()
+            self.admission.leave(seq.cost)
+            self.running.append(seq)
 
     def remove(self, seq: Seq) -> None:
         """Take ``seq`` out of the queue or the batch, wherever it is, and free its state."""
@@ -201,12 +219,16 @@ class Batch:
             self.admission.leave(seq.cost)
         elif seq in self.running:
             self.running.remove(seq)
+        elif seq in self.adopted:
+            self.adopted.remove(seq)
+            self.admission.leave(seq.cost)
         self.model.free(seq.key)
 
     def clear(self) -> list[Seq]:
         """Empty the batch and the queue; returns what they held (their states freed)."""
-        seqs = [*self.running, *self.partial, *self.waiting]
+        seqs = [*self.running, *self.adopted, *self.partial, *self.waiting]
         self.running.clear()
+        self.adopted.clear()
         self.partial.clear()
         self.waiting.clear()
         self.admission.clear()
@@ -224,6 +246,7 @@ class Batch:
         failing model step raises :class:`StepFailed` with every request it
         held, all of them out of the batch.
         """
+        self._run_adopted()
         new, parts = self._take_prefill(admit_failed)
         for s in new:
             s.t_admit = now

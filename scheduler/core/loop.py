@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -143,6 +144,11 @@ class Scheduler(ControlMethods):
             are stuck), so every rank keeps the same batch.
         empty: makes the tensor a hand-off's state is written into (the output
             outbox's ``PushOutbox.empty``: a slab, so it crosses with no copy).
+        handoff_bytes: the bytes this scheduler's sends hold unreleased by their
+            receivers now (the output pool's ``FramePool.bytes_unreleased``); a read
+            prompt is handed off only while they and this step's hand-offs are under
+            ``limits.max_handoff_bytes``, else it waits here, in order (``None``: not
+            bounded, as where nothing crosses through shared memory).
     """
 
     def __init__(self, receiver: RequestSource, router: Router[Output], model: Model, *,
@@ -151,9 +157,14 @@ class Scheduler(ControlMethods):
                  rpc_reduce: Callable[[RpcReqOutput], RpcReqOutput | None] | None = None,
                  limits: Limits | None = None, metrics: bool = True,
                  tell_ranks: Callable[[Request], None] | None = None,
-                 empty: Empty | None = None) -> None:
+                 empty: Empty | None = None,
+                 handoff_bytes: Callable[[], int] | None = None) -> None:
         self.receiver = receiver
         self._empty = empty
+        self._handoff_bytes = handoff_bytes
+        #: Read for another scheduler to decode, waiting for hand-off room (their
+        #: state held in the model, out of the running batch), in order.
+        self._held: deque[Seq] = deque()
         self.router = router
         self.model = model
         self.admission = Admission(limits or Limits())
@@ -208,7 +219,7 @@ class Scheduler(ControlMethods):
     @property
     def busy(self) -> bool:
         """Whether any request is queued or running."""
-        return bool(self.batch or self._aborted)
+        return bool(self.batch or self._aborted or self._held)
 
     def run(self) -> None:
         """Serve until :meth:`request_shutdown`; then answer everything left and return."""
@@ -220,6 +231,8 @@ class Scheduler(ControlMethods):
                     # Outputs waiting for a consumer are retried every few ms;
                     # otherwise park until any inbox wakes us.
                     self.receiver.wait(0.005 if self.router.backlog else self.idle_timeout)
+                elif not received and self._held and not self.batch and not self._aborted:
+                    self.receiver.wait(0.005)  # only hand-offs wait for room: look again soon
         except BaseException as exc:
             # Still answer everyone, saying why, before the error propagates.
             self.finish_all(*stopped_by(exc, "scheduler"))
@@ -254,6 +267,8 @@ class Scheduler(ControlMethods):
             except Exception as exc:  # costs this request alone
                 self._handler_failed(msg, env.origin, exc)
         self._emit_aborted()
+        if self._held:
+            self._send_held()
         worked = self._run_batch()
         if self._throttle.paused or self.router.backlog:
             self._throttle.update(self.router.backlog_by_origin())
@@ -270,7 +285,10 @@ class Scheduler(ControlMethods):
     def finish_all(self, code: ErrorCode = "shutdown",
                    message: str = "the scheduler shut down before the request finished") -> int:
         """Answer every queued and running request with a terminal :class:`ErrorOut`."""
-        seqs = [s for s in self.batch.clear() if not s.silenced]
+        held, self._held = list(self._held), deque()
+        for s in held:
+            self.batch.model.free(s.key)
+        seqs = [s for s in [*self.batch.clear(), *held] if not s.silenced]
         for seq in seqs:
             self._live.pop(seq.req.rid, None)
             self._error(seq.req.rid, seq.origin, code, message)
@@ -355,20 +373,39 @@ class Scheduler(ControlMethods):
                          f"hand-off of request {h.rid!r} refused: {exc.reason}")
             return
         try:
-            self.batch.adopt(seq, state_of(h), h.rng_state)
+            refused = self.batch.adopt(seq, state_of(h), h.rng_state)
         except ValueError as exc:  # StateMismatch: another model, dtype or shape
             self._refuse(h.rid, origin, "invalid_request",
                          f"hand-off of request {h.rid!r} refused: {exc}")
             return
+        if refused:
+            self._refuse(h.rid, origin, "overloaded", f"hand-off of request {h.rid!r} "
+                         f"refused: {refused}")
+            return
         self._live[h.rid] = seq
 
     def _hand_off(self, seqs: list[Seq]) -> None:
-        """Requests read here for another scheduler to decode leave, as hand-offs."""
+        """Requests read here for another scheduler to decode leave, as hand-offs, in
+        order, while the bytes in flight allow (:meth:`_send_held`); the rest wait."""
         for s in seqs:
             req = s.req
             if s.finished is not None or not isinstance(req, TokenizedGenerateReqInput) \
                     or not req.prefill_only or self._live.get(req.rid) is not s:
                 continue
+            self.batch.running.remove(s)  # decodes no further here; its state kept
+            self._held.append(s)
+        if self._held:
+            self._send_held()
+
+    def _send_held(self) -> None:
+        """Hand off the waiting requests, oldest first, while the bytes of hand-offs
+        not yet released (and of those sent this step) are under the bound."""
+        bound = self.admission.limits.max_handoff_bytes
+        in_flight = self._handoff_bytes() if self._handoff_bytes is not None else 0
+        while self._held and (in_flight < bound or self._handoff_bytes is None):
+            s = self._held.popleft()
+            req = s.req
+            assert isinstance(req, TokenizedGenerateReqInput)
             try:
                 h = handoff_of(s, self.model, self._empty)
             except (KeyError, NotImplementedError) as exc:
@@ -380,6 +417,7 @@ class Scheduler(ControlMethods):
             self._live.pop(req.rid, None)
             self.batch.remove(s)  # its state here is freed: the hand-off holds a copy
             self._route(h, s.origin)
+            in_flight += h.kv.nbytes  # (sent with the step's burst: not counted yet)
 
     def _on_abort(self, req: AbortReq, origin: Origin) -> None:
         # Idempotent: the first abort takes the request out of _live, so a
@@ -395,6 +433,8 @@ class Scheduler(ControlMethods):
         seq = self._live.pop(rid, None)
         if seq is not None:
             self.batch.remove(seq)
+            if seq in self._held:
+                self._held.remove(seq)
         return seq
 
     def _silence(self, rid: str) -> None:
@@ -514,7 +554,7 @@ class Scheduler(ControlMethods):
                                  self.batch.model.max_prompt_tokens)
 
     def _queue_sizes(self) -> tuple[int, int]:
-        return len(self.batch.running), self.batch.queued
+        return len(self.batch.running) + len(self._held), self.batch.queued
 
     def statistics(self) -> SchedulerStats:
         """A snapshot of the counters."""

@@ -125,6 +125,10 @@ class Dispatcher:
         pd: ``(P, D)``: prefill and decode apart, the first ``P`` replicas reading
             prompts and the other ``D`` decoding (see the module docstring);
             ``None``: every replica does both.
+        handoff_deadline: seconds a hand-off's shared-memory slab (this dispatcher's,
+            on its way to a decode replica) may stay unread; past it, the slab is
+            taken back and unlinked (a replica reading the hand-off later has it
+            refused, and answers the request ``decode_error``).
     """
 
     TICK = 0.02  # seconds between liveness checks when idle
@@ -135,7 +139,7 @@ class Dispatcher:
                  heartbeat_interval: float = 0.2, heartbeat_timeout: float = 2.0,
                  join_timeout: float = 60.0, max_backlog: int = 1024,
                  clock: Callable[[], float] = time.monotonic,
-                 pd: tuple[int, int] | None = None) -> None:
+                 pd: tuple[int, int] | None = None, handoff_deadline: float = 60.0) -> None:
         if not replicas:
             raise ValueError("a dispatcher needs at least one replica")
         if pd is not None and (min(pd) < 1 or sum(pd) != len(replicas)):
@@ -157,6 +161,7 @@ class Dispatcher:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.join_timeout = join_timeout
+        self.handoff_deadline = handoff_deadline
         self.max_backlog = max_backlog
         self.logs = DispatcherLogs()
         self.router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
@@ -493,6 +498,21 @@ class Dispatcher:
                     pass  # not connected yet, or not reading: its silence tells
         for done in self.fanout.expire(now):
             self._reply(*done)
+        self._reclaim_handoffs()
+
+    def _reclaim_handoffs(self) -> None:
+        """Unlink the slabs of hand-offs no decode replica read within ``handoff_deadline``
+        (decode replicas only: a large request to any other keeps the pool's own rule)."""
+        for i in self.decode_only:
+            rep = self.replicas[i]
+            pool = rep.work.shm_frames
+            if pool is None or not pool.bytes_held:
+                continue
+            pool.unclaimed_timeout = self.handoff_deadline
+            freed = pool.reclaim()
+            if freed:
+                log.warning("%s did not read a hand-off within %.1f s: its %d bytes of "
+                            "shared memory are freed", rep.name, self.handoff_deadline, freed)
 
     def _verdict(self, rep: Replica, awake: float) -> str | None:
         """Why ``rep`` is lost now, judged on what it showed us while we ran; a silence

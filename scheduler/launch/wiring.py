@@ -193,6 +193,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
             sched = Scheduler(receiver, router, load_model(model), max_batch=max_batch,
                               world_size=world, limits=limits, tell_ranks=tell,
                               empty=lambda shape, dtype: out.empty(shape, dtype=dtype),
+                              handoff_bytes=_unreleased(out),
                               metrics=metrics or metrics_port is not None,
                               rpc_reduce=rpc_reducer(0, world) if tp is not None else None)
             _settled()
@@ -227,6 +228,12 @@ def serve_follower(rank: int, tp: TPConfig, model: ModelSpec, *, max_batch: int 
         if broadcast is not None:
             broadcast.close()
         dist.destroy_process_group()
+
+
+def _unreleased(out: PushOutbox[Output]) -> Callable[[], int] | None:
+    """The bytes ``out``'s sends hold in shared memory now (``None``: it has no pool)."""
+    pool = out.shm_frames
+    return None if pool is None else lambda: pool.bytes_unreleased
 
 
 def _settled() -> None:

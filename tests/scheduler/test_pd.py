@@ -374,3 +374,109 @@ def test_an_engine_refuses_a_pd_that_is_not_two_counts(pd: object) -> None:
 def test_an_engine_says_pd_needs_zmq() -> None:
     with pytest.raises(ValueError, match=r"pd=\(1, 1\) needs mode='zmq'"):
         Engine("ring", pd=(1, 1))
+
+
+def _handoffs(prefill: Loop, n: int, sp: SamplingParams) -> list[KVHandoff]:
+    """``n`` hand-offs of distinct prompts, read by ``prefill`` (rids ``h0``...)."""
+    for i in range(n):
+        prefill.send(TokenizedGenerateReqInput(rid=f"h{i}", input_ids=token_ids([5 + i, 9, 2]),
+                                               sampling=sp, stream=True, prefill_only=True))
+    prefill.run_until(lambda: sum(isinstance(o, KVHandoff) for o, _ in prefill.got) == n)
+    hs = [o for o, _ in prefill.got if isinstance(o, KVHandoff)]
+    return sorted(hs, key=lambda h: h.rid)
+
+
+def test_a_decode_replica_adopts_within_max_batch_and_its_admission_bounds(
+        make_loop: Callable[..., Loop]) -> None:
+    """Adopted requests wait (their state held) for a batch slot, in arrival order, and
+    a hand-off past the queue's bounds is refused ``overloaded``, as a new request is."""
+    from scheduler import Limits
+    prefill = make_loop("zmq")
+    # A ring: the four are there before the first poll, which takes them together.
+    decode = make_loop("ring", max_batch=1, limits=Limits(max_queued_requests=3))
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0)
+    hs = _handoffs(prefill, 4, sp)
+    for h in hs:
+        decode.send(h)
+    running: list[int] = []
+
+    def stepped() -> bool:
+        running.append(len(decode.sched.batch.running))
+        return len(decode.finished()) + len(decode.errors()) == 4
+
+    decode.run_until(stepped)
+    assert max(running) == 1, running  # never past max_batch
+    errors = decode.errors()
+    assert list(errors) == ["h3"] and errors["h3"].code == "overloaded"
+    assert "max_queued_requests=3" in errors["h3"].message
+    # Each runs once the one before it ended: arrival order, one at a time.
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, (o, _) in enumerate(decode.got):
+        if isinstance(o, BatchTokenIDOut):
+            for rid, _ids, _fin in o.items():
+                first.setdefault(rid, i)
+                last[rid] = i
+    assert last["h0"] < first["h1"] and last["h1"] < first["h2"], (first, last)
+    assert decode.sched.model.live_states == 0 and not decode.sched.busy
+    assert decode.sched.admission.requests == decode.sched.admission.tokens == 0
+
+
+def test_a_prefill_replica_holds_read_prompts_while_hand_offs_in_flight_exceed_the_bound(
+        make_loop: Callable[..., Loop]) -> None:
+    """Past ``max_handoff_bytes`` unreleased, read prompts wait (first token streamed,
+    state held, not decoding), and leave in order as room appears; none is dropped."""
+    from scheduler import Limits
+    in_flight = [1 << 30]  # what the receivers hold of this replica's sends (the test's)
+    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=1),
+                        handoff_bytes=lambda: in_flight[0])
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    for i in range(3):
+        prefill.send(TokenizedGenerateReqInput(rid=f"w{i}", input_ids=token_ids([5 + i, 9]),
+                                               sampling=sp, stream=True, prefill_only=True))
+
+    def firsts() -> set[str]:
+        return {rid for o, _ in prefill.got if isinstance(o, BatchTokenIDOut)
+                for rid, _ids, _fin in o.items()}
+
+    prefill.run_until(lambda: firsts() == {"w0", "w1", "w2"})
+    for _ in range(5):
+        prefill.sched.step()
+    assert not [o for o, _ in prefill.got if isinstance(o, KVHandoff)]
+    assert prefill.sched.model.live_states == 3 and not prefill.sched.batch.running
+    tokens: dict[str, int] = {}
+    for o, _ in prefill.got:
+        assert isinstance(o, BatchTokenIDOut)
+        for rid, ids, _fin in o.items():
+            tokens[rid] = tokens.get(rid, 0) + len(ids)
+    assert tokens == {"w0": 1, "w1": 1, "w2": 1}  # none decodes while it waits
+    assert prefill.sched.statistics().running == 3 and prefill.sched.busy
+    # Room for one: the oldest leaves (the bound is then reached by what it carries).
+    in_flight[0] = 0
+    prefill.run_until(lambda: any(isinstance(o, KVHandoff) for o, _ in prefill.got))
+    in_flight[0] = 1 << 30
+    for _ in range(5):
+        prefill.sched.step()
+    hs = [o.rid for o, _ in prefill.got if isinstance(o, KVHandoff)]
+    assert hs == ["w0"], hs
+    in_flight[0] = 0
+    prefill.run_until(lambda: sum(isinstance(o, KVHandoff) for o, _ in prefill.got) == 3)
+    assert [o.rid for o, _ in prefill.got if isinstance(o, KVHandoff)] == ["w0", "w1", "w2"]
+    assert prefill.sched.model.live_states == 0 and not prefill.sched.busy
+
+
+def test_an_abort_of_a_request_waiting_to_be_handed_off_frees_it(
+        make_loop: Callable[..., Loop]) -> None:
+    from messages import AbortReq
+    from scheduler import Limits
+    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=1),
+                        handoff_bytes=lambda: 1)
+    prefill.send(TokenizedGenerateReqInput(rid="a", input_ids=token_ids([5, 9]),
+                                           sampling=SamplingParams(max_new_tokens=6),
+                                           stream=True, prefill_only=True))
+    prefill.run_until(lambda: bool(prefill.got))
+    assert prefill.sched.model.live_states == 1
+    prefill.send(AbortReq(rid="a"))
+    prefill.run_until(lambda: "a" in prefill.finished())
+    assert prefill.finished()["a"][1] == "abort"
+    assert prefill.sched.model.live_states == 0 and not prefill.sched.busy
