@@ -474,7 +474,7 @@ class OpenAIServing:
         """
         check_supported(req)
         self.check_model(req.model)
-        await prepare(lambda: guide_of(req, self._unguided()))  # (off the event loop)
+        await prepare(req, lambda: guide_of(req, self._unguided()))  # (off the event loop)
         prompts = await self._completion_prompts(req.prompt)
         copies = _copies(req, len(prompts))
         if len(prompts) == 1 and copies == 1:
@@ -679,7 +679,8 @@ class OpenAIServing:
         if asked == 0:  # (a completion's 0 is legitimate: it will score a prompt, with echo)
             raise bad_request(f"{field} must be at least 1 on a chat completion, not 0 (as "
                               "vLLM answers)", param=field, code="invalid_value")
-        await prepare(lambda: (guide_of(req, self._unguided()), plan_of(req)))  # (off the loop)
+        # (off the event loop)
+        await prepare(req, lambda: (guide_of(req, self._unguided()), plan_of(req)))
         tools = plan_of(req)
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)

@@ -33,12 +33,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from frontend.errors import bad_request
+from frontend.errors import RETRY_AFTER_S, ApiError, bad_request
 from frontend.schemas import ChatCompletionRequest, CompletionRequest
 from messages import Guide, GuideKind
 from scheduler.models.guided import check_guide
 
-__all__ = ["CHECK_SECONDS", "STACK", "guide_of", "prepare"]
+__all__ = ["CHECK_SECONDS", "STACK", "asks_for_guide", "guide_of", "prepare"]
 
 #: Distinct specs whose verdict the door remembers.
 _CHECKED = 1024
@@ -108,18 +108,42 @@ def _problem(kind: GuideKind, spec: str) -> str:
     return verdict
 
 
-async def prepare(job: Callable[[], object]) -> None:
-    """Run ``job`` (building a request's guides: :func:`guide_of`, the tools' plan) on
-    a checker thread, the event loop free meanwhile; the verdicts it finds are
-    remembered for the handler's own synchronous calls.
+def asks_for_guide(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether ``req`` asks for anything a checker thread must check: a ``guided_*``
+    field, a ``response_format`` other than ``text``, or tools."""
+    if (req.guided_json is not None or req.guided_regex is not None
+            or req.guided_choice is not None or req.guided_grammar is not None):
+        return True
+    if isinstance(req, ChatCompletionRequest):
+        fmt = req.response_format
+        return bool(req.tools) or (fmt is not None and fmt.type != "text")
+    return False
+
+
+async def prepare(req: CompletionRequest | ChatCompletionRequest,
+                  job: Callable[[], object]) -> None:
+    """Run ``job`` (building ``req``'s guides: :func:`guide_of`, the tools' plan) on a
+    checker thread, the event loop free meanwhile; the verdicts it finds are remembered
+    for the handler's own synchronous calls. A request that asks for no guide
+    (:func:`asks_for_guide`) runs nothing and never waits behind another's check.
 
     Raises:
-        ApiError: what ``job`` raises (a 400 naming a field), or a 400 naming
-            no field when the check takes longer than :data:`CHECK_SECONDS`.
+        ApiError: what ``job`` raises (a 400 naming a field); a 400 naming no field
+            when its check ran longer than :data:`CHECK_SECONDS`; a 503 with
+            Retry-After when the checkers were busy with others' that long and its
+            check never began.
     """
+    if not asks_for_guide(req):
+        return
+    done = _off_loop(job)
     try:
-        await asyncio.wait_for(asyncio.wrap_future(_off_loop(job)), CHECK_SECONDS)
+        await asyncio.wait_for(asyncio.wrap_future(done), CHECK_SECONDS)
     except TimeoutError:
+        if done.cancelled():  # (the wait's cancel reached it before a checker did)
+            raise ApiError(503, f"the guide checkers were busy for {CHECK_SECONDS:g} s "
+                                "with other requests' guides; retry later",
+                           type="server_overloaded", code="overloaded",
+                           retry_after=RETRY_AFTER_S) from None
         raise bad_request(f"the request's guide (response_format, guided_*, tools) took "
                           f"longer than {CHECK_SECONDS:g} s to check", code="invalid_guide"
                           ) from None

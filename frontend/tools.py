@@ -363,16 +363,48 @@ def plan_of(req: ChatCompletionRequest) -> ToolPlan | None:
             f"tools[{i}].function.parameters"),
             choice.function.name)
     if choice == "required":
+        defs: dict[str, object] = {}
         each = [{"type": "object", "properties": {
             "name": {"const": t.function.name},
-            "arguments": t.function.parameters or {"type": "object"}},
+            "arguments": _rooted(t.function.parameters or {"type": "object"}, i, defs)},
             "required": ["name", "arguments"], "additionalProperties": False}
-            for t in req.tools]
+            for i, t in enumerate(req.tools)]
         schema: dict[str, object] = {"type": "array", "minItems": 1, "items": {"anyOf": each}}
+        if defs:
+            schema["$defs"] = defs
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan("required", tools, checked("json_schema", _compact(schema), "tools"))
     return ToolPlan("auto", tools)
+
+
+def _rooted(params: dict[str, object], i: int, defs: dict[str, object]) -> object:
+    """Tool ``i``'s ``parameters`` as part of a larger schema: its ``$defs`` (or
+    ``definitions``) moved into ``defs``, the root's, named ``t{i}.{name}``, and its
+    local references (``#/$defs/...``) rewritten to them, since a ``$ref`` resolves
+    from the root of the schema it is in (pydantic's schemas use these)."""
+    prefixes = ("#/$defs/", "#/definitions/")
+
+    def moved(node: object) -> object:
+        if isinstance(node, dict):
+            out = {k: moved(v) for k, v in node.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str):
+                for prefix in prefixes:
+                    if ref.startswith(prefix):
+                        out["$ref"] = f"#/$defs/t{i}.{ref[len(prefix):]}"
+            return out
+        if isinstance(node, list):
+            return [moved(v) for v in node]
+        return node
+
+    body = dict(params)
+    for key in ("$defs", "definitions"):
+        local = body.pop(key, None)
+        if isinstance(local, dict):
+            for name, value in local.items():
+                defs[f"t{i}.{name}"] = moved(value)
+    return moved(body)
 
 
 def _check_tools(req: ChatCompletionRequest) -> None:

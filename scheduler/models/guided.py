@@ -82,8 +82,14 @@ LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=300_000, verbose_errors=Fa
 #: Most characters of llguidance's error kept in a log line or an answer.
 ERROR_CHARS = 500
 
-_REF = re.compile(r"(?:\$|\\u0024)ref", re.I)
+_REF = re.compile(r"\$ref")
+#: A JSON string's \uXXXX escape (any case), read back to its character before counting.
+_UNESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})")
 _RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z_0-9]*(?:\.-?[0-9]+)?[ \t]*(?::|::=)", re.M)
+
+
+def _char(m: re.Match[str]) -> str:
+    return chr(int(m.group(1), 16))
 
 
 class GuideError(Exception):
@@ -117,7 +123,9 @@ def grammar_of(guide: Guide) -> str:
         raise ValueError(f"the {guide.kind} is nested too deeply") from None
     except Exception as exc:  # gbnf_to_lark's own parse errors, and any other
         raise ValueError(f"{type(exc).__name__}: {str(exc)[:ERROR_CHARS]}") from None
-    refs = len(_REF.findall(grammar))
+    # Counted in the text with JSON's \uXXXX escapes read: a key of a Lark %json block
+    # reaches llguidance as the client spelled it, and "$r\u0065f" is a $ref there.
+    refs = len(_REF.findall(_UNESCAPE.sub(_char, grammar)))
     if refs > MAX_REFS:
         raise ValueError(f"it holds {refs} $ref; at most {MAX_REFS} are served")
     lark = grammar

@@ -67,6 +67,10 @@ def _nested(depth: int) -> str:
      "guided_grammar", "rules"),
     # No answer at all (an empty language, a reference to itself): refused here, not
     # failing midway through decoding.
+    # $ref spelled with a JSON escape in a Lark %json block (the text reaches llguidance
+    # as written): 300 is past the bound, and short of what overflows a stack.
+    ({"guided_grammar": "start: %json " + json.dumps(_chain(300)).replace(
+        '"$ref"', '"$r\\u0065f"')}, "guided_grammar", "$ref"),
     ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex", "no answer"),
     ({"guided_json": {"$ref": "#"}}, "guided_json", "no answer"),
     ({"guided_json": _nested(3000)},  # (a schema given as JSON text)
@@ -157,3 +161,42 @@ def test_auto_leaves_a_call_of_no_tool_or_without_object_arguments_as_content() 
                                 "</tool_call>")
     assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
         ("add", '{"a":1}')]
+
+
+def test_a_request_with_no_guide_never_waits_for_the_checkers(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both checker threads held by others' checks: a plain request is answered at
+    once, and a guided one whose check never began is a 503 to retry, not a 400."""
+    from frontend import guides
+    monkeypatch.setattr(guides, "CHECK_SECONDS", 0.5)
+    release = threading.Event()
+    held = [guides._off_loop(lambda: release.wait(120)) for _ in range(guides._CHECKERS)]
+    try:
+        assert _post(server, {}, "completions").status_code == 200
+        r = _post(server, {"guided_regex": "[ab]+"}, "completions")
+        assert r.status_code == 503, r.text[:300]
+        assert r.headers["retry-after"] and r.json()["error"]["code"] == "overloaded"
+    finally:
+        release.set()
+        for f in held:
+            f.result(60)
+    assert _post(server, {"guided_regex": "[ab]+"}, "completions").status_code == 200
+
+
+def test_required_serves_tools_whose_parameters_have_local_defs(server: Server) -> None:
+    """Pydantic writes ``$defs`` inside ``parameters``; under ``required`` each tool's
+    schema sits inside a larger one, where a ``$ref`` resolves from that one's root."""
+    def tool(name: str, kind: str) -> dict[str, object]:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"],
+            "$defs": {"A": {"type": kind}}}}}
+
+    r = _post(server, {"tools": [tool("s", "string"), tool("b", "boolean")],
+                       "tool_choice": "required", "max_tokens": 60})
+    assert r.status_code == 200, r.text[:300]
+    message = r.json()["choices"][0]["message"]
+    if r.json()["choices"][0]["finish_reason"] == "tool_calls":  # (not cut by max_tokens)
+        for call in message["tool_calls"]:
+            args = json.loads(call["function"]["arguments"])
+            kind = {"s": str, "b": bool}[call["function"]["name"]]
+            assert isinstance(args["a"], kind), call
