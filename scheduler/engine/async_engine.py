@@ -65,6 +65,7 @@ from scheduler.engine.handles import (
     RequestState,
     StreamChunk,
     Tops,
+    ends,
     joined,
 )
 from scheduler.engine.stopping import close_timeout
@@ -255,6 +256,8 @@ class AsyncEngine(SchedulerClient):
         """
         request = self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
                               dp_rank=dp_rank)
+        if timeout is None:  # no timer to make: the hot path of many short requests
+            return await request
         async with asyncio.timeout(timeout):
             return await request
 
@@ -460,7 +463,7 @@ class AsyncEngine(SchedulerClient):
                     await state.arrival()
                     continue
                 last = items[-1]  # (an error or a final output is the last one)
-                finished = not isinstance(last, StreamChunk) or last.finish_reason is not None
+                finished = ends(last)
                 if isinstance(last, EngineError):
                     if len(items) > 1:
                         yield items[:-1]
