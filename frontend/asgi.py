@@ -181,14 +181,12 @@ class Reply:
             self.events = (b"content-type", SSE_TYPE) in headers
             await self._send({**event, "headers": [*headers, self._rid]})
             return
+        if self._head and event.get("body"):
+            event = {**event, "body": b""}
         if event["type"] != "http.response.body" or event.get("more_body"):
-            if self._head and event.get("body"):
-                event = {**event, "body": b""}
             await self._send(event)
             return
         self.done = True  # the last message: uvicorn's disconnect after it is no leaving
-        if self._head and event.get("body"):
-            event = {**event, "body": b""}
         await self._send(event)
         self.sent = True
 

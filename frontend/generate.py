@@ -116,7 +116,8 @@ def _copies(req: CompletionRequest | ChatCompletionRequest, prompts: int) -> int
 
     Raises:
         ApiError: 400 naming ``best_of`` (below ``n``, or above it while streaming, as
-            vLLM refuses it) or ``n`` (more answers in all than :data:`MAX_PROMPTS`).
+            vLLM refuses it) or the field that asks for too many answers (more than
+            :data:`MAX_ANSWERS` of one prompt, or :data:`MAX_PROMPTS` in all).
     """
     best_of = req.best_of if isinstance(req, CompletionRequest) else None
     copies = req.n if best_of is None else best_of
@@ -126,10 +127,14 @@ def _copies(req: CompletionRequest | ChatCompletionRequest, prompts: int) -> int
     if copies > req.n and req.stream:
         raise bad_request("best_of above n cannot be streamed (the best answers are known "
                           "only at the end)", param="best_of", code="invalid_value")
-    if copies > MAX_ANSWERS or copies * prompts > MAX_PROMPTS:
-        raise bad_request(f"{copies} answers of {prompts} prompts: at most {MAX_PROMPTS} "
-                          f"answers in one request", param="best_of" if best_of else "n",
-                          code="invalid_value")
+    field = "best_of" if best_of else "n"
+    if copies > MAX_ANSWERS:
+        raise bad_request(f"{field} is {copies}: at most {MAX_ANSWERS} answers of one prompt",
+                          param=field, code="invalid_value")
+    if copies * prompts > MAX_PROMPTS:
+        raise bad_request(f"{copies} answers of each of {prompts} prompts make "
+                          f"{copies * prompts}: at most {MAX_PROMPTS} answers in one request",
+                          param=field, code="invalid_value")
     return copies
 
 

@@ -260,9 +260,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
-    #: Structured output (:mod:`frontend.guides`). Of the tool options, what asks for
-    #: nothing is served (``tools: []``, ``tool_choice: "none"``);
-    #: :func:`check_supported` refuses the rest.
+    #: Structured output (:mod:`frontend.guides`) and tool calls (:mod:`frontend.tools`).
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Tool], msgspec.Meta(max_length=1024)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
