@@ -205,13 +205,9 @@ def check_guide(guide: Guide) -> str:
     mask = np.zeros((257 + 31) // 32, np.int32)  # (the byte vocabulary's 257 tokens)
     matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
     if matcher.is_error():
-        return f"no answer can begin ({matcher.get_error()[:ERROR_CHARS]})"
+        return (f"no answer can begin: the grammar matches no text "
+                f"({matcher.get_error()[:ERROR_CHARS]})")
     return ""
-
-
-class _HasTokenizer(Protocol):
-    @property
-    def tokenizer_dir(self) -> Path | None: ...
 
 
 class Guides:
@@ -298,7 +294,8 @@ def _failed(s: _Guided, matcher: Matcher) -> bool:
     if not matcher.is_error():
         return False
     if s.guide_error is None:
-        s.guide_error = f"its guide failed while decoding: {matcher.get_error()[:ERROR_CHARS]}"
+        s.guide_error = (f"its structured output (response_format or guided_*) failed while "
+                         f"decoding: {matcher.get_error()[:ERROR_CHARS]}")
         s.finished = "abort"
     return True
 
@@ -345,7 +342,8 @@ def advance(seqs: Sequence[_Guided], tokens: torch.Tensor) -> None:
             continue  # the batch ends it at its stop token
         if not matcher.consume_token(t):
             if not _failed(s, matcher):
-                s.guide_error = f"its guide refused the sampled token {t}"
+                s.guide_error = (f"its structured output (response_format or guided_*) "
+                                 f"refused the sampled token id {t}")
                 s.finished = "abort"
             log.warning("a guided request ends on a failed guide: %s", s.guide_error)
         elif matcher.is_stopped():
