@@ -52,7 +52,8 @@ def token_outputs(seqs: list[Seq]) -> list[tuple[BatchTokenIDOut, Origin]]:
         # it leaves, streamed or not: the hand-off then carries nothing unsent, and the
         # per-position extras (top alternatives, the prompt's logprobs) never travel in it.
         if not s.silenced and (s.stream or s.finished is not None or _leaving(s)):
-            pk = s.sampling.prompt_logprobs
+            # (a prompt's logprobs go once: later outputs group with their peers)
+            pk = s.sampling.prompt_logprobs if s.prompt_lps is not None else None
             groups.setdefault((s.origin, s.logprobs, s.sampling.top_logprobs if s.logprobs
                                else 0, -1 if pk is None else pk), []).append(s)
     out: list[tuple[BatchTokenIDOut, Origin]] = []
