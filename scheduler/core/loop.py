@@ -48,7 +48,7 @@ from scheduler.core.metrics import SchedulerMetrics, registry_for
 from scheduler.core.outputs import embedding_outputs, stopped_by, token_outputs
 from scheduler.core.rpc_methods import RpcMethods
 from scheduler.models.guided import GuideError
-from scheduler.models.protocol import Empty, Model
+from scheduler.models.protocol import Empty, Model, StateMismatch
 
 __all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
 
@@ -374,7 +374,7 @@ class Scheduler(ControlMethods):
             return
         try:
             refused = self.batch.adopt(seq, state_of(h), h.rng_state)
-        except ValueError as exc:  # StateMismatch: another model, dtype or shape
+        except StateMismatch as exc:  # another model, dtype or shape
             self._refuse(h.rid, origin, "invalid_request",
                          f"hand-off of request {h.rid!r} refused: {exc}")
             return
