@@ -57,7 +57,7 @@ from frontend.token_text import TokenTexts
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolPlan, plan_of
 from frontend.turns import loop_turns
-from messages import SamplingParams, packed_u32
+from messages import Guide, SamplingParams, packed_u32
 from messages.checks import prompt_problem
 from scheduler import AsyncEngine, EngineError, StreamChunk
 from scheduler.engine.handles import Tops
@@ -479,13 +479,13 @@ class OpenAIServing:
         """
         check_supported(req)
         self.check_model(req.model)
-        await prepare(req, lambda: guide_of(req, self._unguided()))  # (off the event loop)
+        guide = await prepare(req, lambda: guide_of(req, self._unguided()))  # (off the loop)
         prompts = await self._completion_prompts(req.prompt)
         copies = _copies(req, len(prompts))
         if len(prompts) == 1 and copies == 1:
-            return await self._answer(self._completion_state(req, prompts[0], send, t0))
+            return await self._answer(self._completion_state(req, prompts[0], send, t0, guide))
         # Every answer is checked (its budget, its sampling) before any runs.
-        states = [self._completion_state(req, ids, send, t0, copy=i)
+        states = [self._completion_state(req, ids, send, t0, guide, copy=i)
                   for ids in prompts for i in range(copies)]
         hide = copies != req.n and req.logprobs is None
         if hide:  # best_of ranks by logprobs, asked or not
@@ -495,12 +495,12 @@ class OpenAIServing:
                                    hide_logprobs=hide)
 
     def _completion_state(self, req: CompletionRequest, ids: list[int], send: Send,
-                          t0: float, copy: int = 0) -> RequestState:
+                          t0: float, guide: Guide | None, copy: int = 0) -> RequestState:
         max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
         state = self._state(
             req, endpoint="completions", prompt_ids=ids, max_tokens=max_tokens,
             stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
-            send=send, t0=t0)
+            send=send, t0=t0, guide=guide)
         state.echo = req.echo
         return _nth(state, copy)
 
@@ -685,8 +685,8 @@ class OpenAIServing:
             raise bad_request(f"{field} must be at least 1 on a chat completion, not 0 (as "
                               "vLLM answers)", param=field, code="invalid_value")
         # (off the event loop)
-        await prepare(req, lambda: (guide_of(req, self._unguided()), plan_of(req)))
-        tools = plan_of(req)
+        guide, tools = await prepare(req, lambda: (guide_of(req, self._unguided()),
+                                                   plan_of(req)))
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)
         ids = await self.tokenize(text, special=False)
@@ -697,7 +697,8 @@ class OpenAIServing:
         states = [_nth(self._state(
             req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
             stops=[*req.stops(), *self.template.stops], extra_stop_ids=self.template.stop_ids,
-            logprobs=req.logprobs, send=send, t0=t0, tools=tools if not i else plan_of(req)),
+            logprobs=req.logprobs, send=send, t0=t0, guide=guide,
+            tools=tools if not i else plan_of(req)),
             i) for i in range(_copies(req, 1))]
         if len(states) == 1:
             return await self._answer(states[0])
@@ -731,8 +732,8 @@ class OpenAIServing:
                           code="context_length_exceeded")
 
     def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  extra_stop_ids: Sequence[int], tools: ToolPlan | None = None
-                  ) -> SamplingParams:
+                  extra_stop_ids: Sequence[int], guide: Guide | None,
+                  tools: ToolPlan | None = None) -> SamplingParams:
         # ignore_eos: no EOS added here (the tokenizer's, a chat template's), and the
         # scheduler leaves out the model's own stop ids (SamplingParams.ignore_eos).
         if req.min_tokens > max_tokens:
@@ -744,7 +745,6 @@ class OpenAIServing:
         if not req.ignore_eos:
             eos = self.tokenizer.eos_token_id
             stop_ids.extend(i for i in (eos, *extra_stop_ids) if i is not None)
-        guide = guide_of(req, self._unguided())
         if tools is not None and tools.guide is not None:
             if guide is not None:
                 raise bad_request("tool_choice: a forced tool call constrains the answer, and "
@@ -775,7 +775,7 @@ class OpenAIServing:
     def _state(self, req: CompletionRequest | ChatCompletionRequest, *, endpoint: str,
                prompt_ids: list[int], max_tokens: int, stops: list[str],
                extra_stop_ids: Sequence[int], logprobs: bool, send: Send, t0: float,
-               tools: ToolPlan | None = None) -> RequestState:
+               guide: Guide | None, tools: ToolPlan | None = None) -> RequestState:
         """The state of ``req`` about to be answered.
 
         Raises:
@@ -792,7 +792,8 @@ class OpenAIServing:
             response=_ResponseBuilder(chat, next(self._ids), self.settings.model_name,
                                       self.tokenizer),
             prompt_ids=prompt_ids,
-            sampling=self._sampling(req, max_tokens, extra_stop_ids, tools), tools=tools,
+            sampling=self._sampling(req, max_tokens, extra_stop_ids, guide, tools),
+            tools=tools,
             detok=Detokenizer(self.tokenizer, stops, prompt_ids), has_stops=bool(stops),
             logprobs=logprobs, stream=req.stream, include_usage=include_usage,
             # OpenAI's (and vLLM's) continuous_usage_stats: every event carries the usage

@@ -32,6 +32,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from frontend.errors import RETRY_AFTER_S, ApiError, bad_request
 from frontend.schemas import ChatCompletionRequest, CompletionRequest
@@ -42,6 +43,8 @@ __all__ = ["CHECK_SECONDS", "STACK", "asks_for_guide", "guide_of", "prepare"]
 
 #: Distinct specs whose verdict the door remembers.
 _CHECKED = 1024
+T = TypeVar("T")
+
 #: Checker threads, and each one's stack: llguidance recurses natively (the
 #: scheduler's bounds on a spec keep it under 2 MiB); 256 MiB of address space,
 #: touched only as deep as it goes.
@@ -52,7 +55,7 @@ CHECK_SECONDS = 30.0
 
 _verdicts: OrderedDict[tuple[str, bytes], str] = OrderedDict()
 _lock = threading.Lock()
-_jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
+_jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
 _threads: list[threading.Thread] = []
 
 
@@ -70,7 +73,7 @@ def _serve() -> None:
                 done.set_exception(exc)
 
 
-def _off_loop(job: Callable[[], object]) -> Future[object]:
+def _off_loop(job: Callable[[], T]) -> Future[T]:
     """``job`` run on a checker thread (started on first use, with a :data:`STACK`
     stack; daemons: a check in native code cannot be interrupted)."""
     with _lock:
@@ -83,7 +86,7 @@ def _off_loop(job: Callable[[], object]) -> Future[object]:
                     _threads.append(t)
             finally:
                 threading.stack_size(was)
-    done: Future[object] = Future()
+    done: Future[T] = Future()
     _jobs.put((job, done))
     return done
 
@@ -120,12 +123,12 @@ def asks_for_guide(req: CompletionRequest | ChatCompletionRequest) -> bool:
     return False
 
 
-async def prepare(req: CompletionRequest | ChatCompletionRequest,
-                  job: Callable[[], object]) -> None:
-    """Run ``job`` (building ``req``'s guides: :func:`guide_of`, the tools' plan) on a
-    checker thread, the event loop free meanwhile; the verdicts it finds are remembered
-    for the handler's own synchronous calls. A request that asks for no guide
-    (:func:`asks_for_guide`) runs nothing and never waits behind another's check.
+async def prepare(req: CompletionRequest | ChatCompletionRequest, job: Callable[[], T]) -> T:
+    """What ``job`` (building ``req``'s guide: :func:`guide_of`, the tools' plan)
+    returns, run on a checker thread, the event loop free meanwhile; the verdicts it
+    finds are remembered. A request that asks for no guide (:func:`asks_for_guide`)
+    runs it here at once (it finds nothing to check) and never waits behind another's
+    check.
 
     Raises:
         ApiError: what ``job`` raises (a 400 naming a field); a 400 naming no field
@@ -134,10 +137,10 @@ async def prepare(req: CompletionRequest | ChatCompletionRequest,
             check never began.
     """
     if not asks_for_guide(req):
-        return
+        return job()
     done = _off_loop(job)
     try:
-        await asyncio.wait_for(asyncio.wrap_future(done), CHECK_SECONDS)
+        return await asyncio.wait_for(asyncio.wrap_future(done), CHECK_SECONDS)
     except TimeoutError:
         if done.cancelled():  # (the wait's cancel reached it before a checker did)
             raise ApiError(503, f"the guide checkers were busy for {CHECK_SECONDS:g} s "
