@@ -35,6 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Sequence
+from itertools import pairwise, repeat
 from typing import Literal, Self, TypeVar, cast
 
 import numpy as np
@@ -772,20 +773,24 @@ def deliver_rows(requests: dict[str, RequestState],
         out = env.message
         if isinstance(out, BatchTokenIDOut):
             bounds = out.offsets()
+            spans = list(pairwise(bounds))  # each row's [a, b) in the id columns
             ids = tuple(out.output_ids)  # one conversion for the whole batch; sliced below
-            lps = tuple(out.logprobs.tolist()) if out.logprobs is not None else None
-            cached = out.cached_tokens
+            n = len(spans)
+            # Each optional column as one value a row (None for all when absent), so the
+            # row loop below builds each chunk without a test per column.
+            lps = None if out.logprobs is None else tuple(out.logprobs.tolist())
             tops = _tops(out)
             prompts = _prompts(out)
-            for i, (rid, fin) in enumerate(zip(out.rids, out.finished_reasons, strict=True)):
+            for rid, fin, (a, b), lp, cached, top, (plp, ptop) in zip(
+                    out.rids, out.finished_reasons, spans,
+                    repeat(None, n) if lps is None else [lps[a:b] for a, b in spans],
+                    repeat(None, n) if out.cached_tokens is None else out.cached_tokens,
+                    repeat(None, n) if tops is None else [tops[a:b] for a, b in spans],
+                    repeat((None, None), n) if prompts is None else prompts, strict=True):
                 state = requests.pop(rid, None) if fin is not None else requests.get(rid)
                 if state is not None:
-                    a, b = bounds[i], bounds[i + 1]
-                    state.put(StreamChunk(rid, ids[a:b], fin, None if lps is None else lps[a:b],
-                                          None if cached is None else cached[i],
-                                          None if tops is None else tops[a:b],
-                                          *(prompts[i] if prompts is not None else (None, None))))
-            done += len(out.rids)
+                    state.put(StreamChunk(rid, ids[a:b], fin, lp, cached, top, plp, ptop))
+            done += n
         elif isinstance(out, BatchEmbeddingOut):
             vectors = out.embeddings.float().numpy()
             for i, rid in enumerate(out.rids):

@@ -174,19 +174,28 @@ class RequestState:
         if self.left:
             return
         items = self.items
-        last = items[-1] if items else None
-        if (len(items) >= self.max_buffered and isinstance(item, StreamChunk)
-                and isinstance(last, StreamChunk | _Merged) and last.finish_reason is None):
-            if isinstance(last, StreamChunk):  # copied once, then extended in place
-                last = items[-1] = _Merged(last)
-            last.add(item)
-        else:
+        if len(items) < self.max_buffered or not self._merged(item):
             items.append(item)
         waiter = self.waiter
         if waiter is not None:
             self.waiter = None
             if not waiter.done():  # (cancelled if its consumer left)
                 waiter.set_result(None)
+
+    def _merged(self, item: Item) -> bool:
+        """Merge token chunk ``item`` into the last one buffered (the buffer is full);
+        ``False`` where either is not a token chunk or the last ends its request."""
+        last = self.items[-1]
+        if not isinstance(item, StreamChunk):
+            return False
+        if isinstance(last, StreamChunk):
+            if last.finish_reason is not None:
+                return False
+            last = self.items[-1] = _Merged(last)  # copied once, then extended in place
+        elif not isinstance(last, _Merged) or last.finish_reason is not None:
+            return False
+        last.add(item)
+        return True
 
     def take(self, one: bool = False) -> list[Item]:
         """The outputs waiting now (``one``: the oldest alone), oldest first; empty if none."""
