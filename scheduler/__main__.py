@@ -18,6 +18,7 @@ from scheduler.cli.options import (
     add_backlog_option,
     add_curve_options,
     add_dp_policy_option,
+    add_pd_option,
     add_scheduler_options,
     curve_options,
 )
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--replica-curve-keys", metavar="SECRET_FILE",
                    help="the key pair this dispatcher presents to CURVE replicas")
     add_dp_policy_option(x)
+    add_pd_option(x)
     x.add_argument("--heartbeat-timeout", type=float, default=2.0,
                    help="seconds of silence after which a replica is lost (a replica "
                         "answers between steps: keep it above the longest step)")
@@ -199,12 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     use_async=args.use_async)
     if args.command == "dispatch":
         specs = _replica_specs(parser, args)
+        if args.pd is not None and sum(args.pd) != len(specs):
+            parser.error(f"--pd {args.pd[0]}:{args.pd[1]} needs {sum(args.pd)} --replica "
+                         f"(the prefill ones first), not {len(specs)}")
         endpoints, options, allowed = _upstream(parser, args)
         raise_open_files_limit("scheduler dispatch")  # each client holds sockets
         return _until_stopped(lambda: serve_dispatch(
             endpoints, specs, options=options, curve_clients=allowed, policy=args.dp_policy,
             heartbeat_timeout=args.heartbeat_timeout, rpc_timeout=args.rpc_timeout,
-            max_backlog=args.max_backlog))
+            max_backlog=args.max_backlog, pd=args.pd))
     if args.pd is not None:
         if args.dp_size not in (1, sum(args.pd)):
             parser.error(f"--pd {args.pd[0]}:{args.pd[1]} runs {sum(args.pd)} replicas: "

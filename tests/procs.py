@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import re
+import socket
 import subprocess
 import tempfile
 import time
@@ -66,3 +68,23 @@ def stop(proc: subprocess.Popen[str] | subprocess.Popen[bytes], grace: float = 3
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(30)
+
+
+def free_tcp_base(ports: int = 3) -> int:
+    """A port on 127.0.0.1 with the ``ports - 1`` after it free too (a scheduler's
+    ``tcp://`` base binds three in a row)."""
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        socks: list[socket.socket] = []
+        try:
+            for i in range(ports):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")

@@ -14,7 +14,8 @@ from bus import CurveKeys
 from scheduler.core.admission import Limits
 
 __all__ = ["DEPRECATED_ALIASES", "add_backlog_option", "add_curve_options",
-           "add_dp_policy_option", "add_scheduler_options", "curve_options"]
+           "add_dp_policy_option", "add_pd_option", "add_scheduler_options", "curve_options",
+           "pd_ratio"]
 
 #: Old spelling -> the option it is an alias of (accepted for one release, then removed).
 DEPRECATED_ALIASES: dict[str, str] = {"--dp": "--dp-size", "--policy": "--dp-policy"}
@@ -62,6 +63,15 @@ def pd_ratio(text: str) -> tuple[int, int]:
     return int(p), int(d)
 
 
+def add_pd_option(p: argparse.ArgumentParser) -> None:
+    """``--pd P:D``: prefill and decode apart (``serve``, the frontend and ``dispatch``)."""
+    p.add_argument("--pd", type=pd_ratio, default=None, metavar="P:D",
+                   help="prefill and decode apart: P replicas read prompts and hand each "
+                        "request to one of D that decode it (serve, frontend: each its own "
+                        "process, in place of a replica count; the frontend needs --mode zmq; "
+                        "dispatch: the first P --replica read prompts)")
+
+
 def add_scheduler_options(p: argparse.ArgumentParser) -> None:
     """The scheduler's own options: its batch and queue bounds, its data-parallel
     replicas and their policy, and its model."""
@@ -78,10 +88,7 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
                    help="data-parallel replicas: that many local schedulers, each its own "
                         "process, behind one dispatcher" + _deprecated("--dp-size"))
     add_dp_policy_option(p)
-    p.add_argument("--pd", type=pd_ratio, default=None, metavar="P:D",
-                   help="prefill and decode apart: P replicas read prompts and D decode "
-                        "them, each its own process, behind one dispatcher (instead of "
-                        "--dp-size; the frontend needs --mode zmq)")
+    add_pd_option(p)
     p.add_argument("--model", metavar="DIR", default=None,
                    help="a Hugging Face causal LM in a local directory (config.json and "
                         "safetensors; needs the [hf] extra); default: the built-in tiny model")

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +14,7 @@ import zmq
 
 from bus import CurveKeys, RpcClient, RpcTimeout, SocketOptions
 from scheduler.__main__ import _until_stopped, main
+from tests import procs
 
 
 def test_demo_runs_and_prints_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
@@ -25,29 +24,11 @@ def test_demo_runs_and_prints_a_summary(capsys: pytest.CaptureFixture[str]) -> N
     assert "rpc save_checkpoint busy" in out
 
 
-def _free_base() -> int:
-    for _ in range(100):
-        base = random.randrange(20000, 60000)
-        socks = []
-        try:
-            for i in range(3):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
-
-
 @pytest.fixture
 def curve_server(tmp_path: Path) -> Iterator[tuple[str, CurveKeys, CurveKeys]]:
     _, server_secret = CurveKeys.create_files(tmp_path, "server")
     client_public, client_secret = CurveKeys.create_files(tmp_path, "client")
-    base = _free_base()
+    base = procs.free_tcp_base()
     proc = subprocess.Popen(
         [sys.executable, "-m", "scheduler", "serve", "--endpoint", f"tcp://127.0.0.1:{base}",
          "--curve-keys", server_secret, "--curve-allow", client_public],

@@ -548,3 +548,58 @@ def test_serve_dp_does_not_restart_a_replica_a_shutdown_stopped(tmp_path: Path) 
         rpc.close()
         serve.terminate()
         serve.wait(60)
+
+
+def test_dispatch_pd_hands_off_between_replicas_reached_over_tcp(tmp_path: Path) -> None:
+    """``dispatch --pd 1:1`` over two ``serve`` replicas that already run on ``tcp://``
+    bases: the first reads each prompt and hands its state over the wire (frames, no
+    shared memory) through the dispatcher to the second, which decodes; the greedy
+    answers are a colocated engine's, token for token."""
+    prompts = [[3 + (7 * k + n) % 200 for n in range(length)]
+               for k, length in enumerate((1, 5, 40, 300))]
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    with Engine("ring") as colocated:
+        want = [colocated.generate(p, greedy, timeout=60).token_ids for p in prompts]
+    bases = [procs.free_tcp_base() for _ in range(2)]
+    replicas = [subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--endpoint",
+                                  f"tcp://127.0.0.1:{base}"], stderr=subprocess.DEVNULL)
+                for base in bases]
+    front_dir = tmp_path / "front"
+    front_dir.mkdir(mode=0o700)
+    front = subprocess.Popen(
+        [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(front_dir), "--pd",
+         "1:1", *(a for base in bases for a in ("--replica", f"tcp://127.0.0.1:{base}"))],
+        stderr=subprocess.DEVNULL)
+    try:
+        out, work, rpc = _raw_client(front_dir)
+        with out, work, rpc:
+            _until_all_live(rpc)
+            for n, prompt in enumerate(prompts):
+                work.send(TokenizedGenerateReqInput(rid=f"p{n}", input_ids=token_ids(prompt),
+                                                    sampling=greedy))
+            seen: dict[str, list[Output]] = {}
+            _collect(out, lambda s: all(f"p{n}/end" in s for n in range(len(prompts))), seen,
+                     timeout=60)
+            got = []
+            for n in range(len(prompts)):
+                tokens: list[int] = []
+                for msg in seen[f"p{n}"]:
+                    assert isinstance(msg, BatchTokenIDOut), msg
+                    tokens += [t for rid, ids, _ in msg.items() if rid == f"p{n}" for t in ids]
+                got.append(tokens)
+            assert got == want
+            load = rpc.call("get_load", timeout=30).result or {}
+            assert load["dispatcher.handed_off"] == len(prompts), load
+    finally:
+        for proc in (*replicas, front):
+            proc.kill()
+            proc.wait(30)
+
+
+def test_dispatch_pd_needs_as_many_replicas_as_it_names(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from scheduler.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["dispatch", "--endpoint", "/tmp/unused", "--pd", "1:2", "--replica", "/tmp/a",
+              "--replica", "/tmp/b"])
+    assert "--pd 1:2 needs 3 --replica (the prefill ones first), not 2" in capsys.readouterr().err
