@@ -255,6 +255,31 @@ def test_the_tiny_gru_under_pd_answers_as_colocated() -> None:
         assert engine.generate(prompts[3], sampled, timeout=60).token_ids == want_sampled
 
 
+def test_two_prefill_and_two_decode_replicas_share_the_work_and_answer_as_colocated() -> None:
+    """``pd=(2, 2)``: prompts are read on both prefill replicas, handed to both decode
+    replicas by load, and answered as one colocated replica answers them."""
+    prompts = _prompts()
+    with Engine("ring") as colocated:
+        want = _answers(colocated, prompts)
+    long = SamplingParams(max_new_tokens=100_000, temperature=0.0)
+    with Engine("zmq", ModelConfig(), pd=(2, 2)) as engine:
+        assert _answers(engine, prompts) == want
+        streams = [engine.submit([3, 4, 5 + n], long, stream=True) for n in range(8)]
+        for h in streams:  # each past its hand-off: its second token came from decode
+            it = iter(h)
+            next(it), next(it)
+        load = _load(engine)
+        assert load["dispatcher.handed_off"] == len(prompts) + len(streams), load
+        assert load["replica2.in_flight"] == load["replica3.in_flight"] == 4, load
+        assert load["replica0.in_flight"] == load["replica1.in_flight"] == 0, load
+        read = [load["replica0.dispatched"], load["replica1.dispatched"]]
+        assert all(isinstance(n, int) and n > 0 for n in read), load  # both read prompts
+        assert sum(read) == len(prompts) + len(streams), load  # type: ignore[arg-type]
+        for h in streams:
+            engine.abort(h.rid)
+            assert h.result(30).finish_reason == "abort"
+
+
 def test_a_hand_off_is_never_taken_from_upstream() -> None:
     """A dispatcher refuses a client's hand-off (it holds no state of ours); its route
     is part of the table's totality check, like every request type."""
