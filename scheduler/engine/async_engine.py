@@ -552,15 +552,16 @@ class AsyncEngine(SchedulerClient):
         not take fails with Overloaded, an abort waits for room."""
         queued, self._outq = self._outq, []
         reqs: list[Request] = []
-        aborting: dict[int, RequestState] = {}  # id(abort) -> the state it is for
+        aborting: list[RequestState | None] = []  # beside each: the state an abort is for
         for item in queued:
             if isinstance(item, RequestState):
                 if self._requests.get(item.rid) is not item:
                     continue  # its request ended: nothing to abort
-                abort = AbortReq(rid=item.rid)
-                aborting[id(abort)] = item
-                item = abort
-            reqs.append(item)
+                reqs.append(AbortReq(rid=item.rid))
+                aborting.append(item)
+            else:
+                reqs.append(item)
+                aborting.append(None)
         error: EngineError | None = None
         sent = 0
         while sent < len(reqs):
@@ -574,8 +575,7 @@ class AsyncEngine(SchedulerClient):
             if n == 0:
                 break
             sent += n
-        for req in reqs[sent:]:
-            state = aborting.get(id(req))
+        for req, state in zip(reqs[sent:], aborting[sent:], strict=True):
             if state is None:
                 self._end(req.rid, error or Overloaded(
                     req.rid, "overloaded", "the scheduler is not taking requests (its work "
