@@ -21,27 +21,21 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-import msgspec
-
-from frontend.asgi import SSE, Event, Send, send_bytes
+from frontend.asgi import SSE, Send, send_bytes
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import ApiError, bad_request, from_engine
+from frontend.fanout import MAX_PROMPTS, answer_several, answers_per_prompt, nth_answer
 from frontend.guides import guide_of, prepare
 from frontend.metrics import HttpMetrics
+from frontend.request_state import RequestState
 from frontend.responses import DONE, ResponseShaper
 from frontend.schemas import (
-    ChatChoice,
-    ChatCompletion,
     ChatCompletionRequest,
-    Completion,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     PromptTokensDetails,
     Usage,
     check_supported,
-    encode,
     logit_bias,
     sampler_seed,
     sse_safe,
@@ -52,7 +46,6 @@ from frontend.turns import loop_turns
 from messages import Guide, SamplingParams, packed_u32
 from messages.checks import prompt_problem
 from scheduler import AsyncEngine, EngineError, StreamChunk
-from scheduler.engine.handles import Tops
 
 __all__ = ["GenerateSettings", "OpenAIServing", "RequestState"]
 
@@ -60,78 +53,6 @@ __all__ = ["GenerateSettings", "OpenAIServing", "RequestState"]
 _TOKENIZE_INLINE = 16384
 #: Chunks a stream turns into events per turn on the loop (frontend.turns).
 _CHUNKS_A_TURN = 16
-#: The most prompts one completion request may hold (each is a request to the engine).
-MAX_PROMPTS = 256
-#: Read back one answer of several (:meth:`OpenAIServing._several`).
-_COMPLETION = msgspec.json.Decoder(Completion)
-_CHAT = msgspec.json.Decoder(ChatCompletion)
-
-#: The most answers of one prompt a request may ask for (``n``, ``best_of``).
-MAX_ANSWERS = 128
-
-
-def _cumulative_logprob(part: Completion | ChatCompletion) -> float:
-    """The sum of an answer's token logprobs (``best_of``'s ranking)."""
-    lp = part.choices[0].logprobs
-    if isinstance(lp, CompletionLogprobs):
-        return sum(v for v in lp.token_logprobs if v is not None)
-    return sum(e.logprob for e in lp.content) if lp is not None else 0.0
-
-
-async def _cancel_all(tasks: Sequence[asyncio.Future[int]]) -> None:
-    """Cancel ``tasks`` (a finished one: nothing; the others abort their request) and
-    wait for them to end."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _into(body: bytearray) -> Send:
-    """A ``send`` that keeps an answer's body in ``body`` (one prompt's of several)."""
-    async def keep(event: Event) -> None:
-        if event["type"] == "http.response.body":
-            chunk = event.get("body", b"")
-            assert isinstance(chunk, bytes)
-            body.extend(chunk)
-    return keep
-
-
-def _copies(req: CompletionRequest | ChatCompletionRequest, prompts: int) -> int:
-    """How many answers of each prompt to generate: ``best_of`` (completions), else ``n``.
-
-    Raises:
-        ApiError: 400 naming ``best_of`` (below ``n``, or above it while streaming, as
-            vLLM refuses it) or the field that asks for too many answers (more than
-            :data:`MAX_ANSWERS` of one prompt, or :data:`MAX_PROMPTS` in all).
-    """
-    best_of = req.best_of if isinstance(req, CompletionRequest) else None
-    copies = req.n if best_of is None else best_of
-    if copies < req.n:
-        raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})",
-                          param="best_of", code="invalid_value")
-    if copies > req.n and req.stream:
-        raise bad_request("best_of above n cannot be streamed (the best answers are known "
-                          "only at the end)", param="best_of", code="invalid_value")
-    field = "best_of" if best_of else "n"
-    if copies > MAX_ANSWERS:
-        raise bad_request(f"{field} is {copies}: at most {MAX_ANSWERS} answers of one prompt",
-                          param=field, code="invalid_value")
-    if copies * prompts > MAX_PROMPTS:
-        raise bad_request(f"{copies} answers of each of {prompts} prompts make "
-                          f"{copies * prompts}: at most {MAX_PROMPTS} answers in one request",
-                          param=field, code="invalid_value")
-    return copies
-
-
-def _nth(state: RequestState, copy: int) -> RequestState:
-    """``state`` as the ``copy``-th answer of its prompt: a seeded request's answers each
-    get their own seed (the seed + ``copy``), so they differ and each reproduces; an
-    unseeded one's differ by their rids."""
-    seed = state.sampling.seed
-    if copy and seed is not None:
-        state.sampling = msgspec.structs.replace(state.sampling,
-                                                 seed=(seed + copy) % (1 << 63))
-    return state
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,60 +79,6 @@ class GenerateSettings:
     max_model_len: int | None = None
     model_aliases: tuple[str, ...] = ()
     guided: bool = True
-
-
-@dataclass(slots=True, kw_only=True)
-class RequestState:
-    """One completion or chat completion being answered: what its answer is made from.
-
-    Attributes:
-        endpoint: ``"completions"`` or ``"chat"`` (the metrics' label).
-        response: builds its bodies and events, as its endpoint spells them.
-        prompt_ids: the tokenized prompt.
-        sampling: what the scheduler is asked for.
-        detok: its text so far (incremental, UTF-8 safe) and its stop strings.
-        has_stops: whether stop strings were given (the answer is then read as a
-            stream, step by step, even when it is sent whole).
-        logprobs: whether each token's log-probability is asked for.
-        stream: answered as Server-Sent Events (else as one body).
-        include_usage: a last event carries the usage (``stream_options``).
-        continuous_usage: every event carries the usage so far.
-        send: the ASGI send of its connection.
-        tools: its tool calls' plan (:mod:`frontend.tools`); ``None``: none.
-        t0: when the request arrived (``time.perf_counter``), for time to first token.
-    """
-
-    endpoint: str
-    response: ResponseShaper
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    detok: Detokenizer
-    has_stops: bool
-    logprobs: bool
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    send: Send
-    t0: float
-
-    cached_tokens: int = 0
-    tools: ToolPlan | None = None  # how its tool calls are made and read (chat)
-    #: ``echo`` (completions): the answer begins with the prompt (its logprobs too, when
-    #: ``logprobs`` is given: ``sampling.prompt_logprobs`` asks the scheduler for them).
-    echo: bool = False
-
-    def echo_prompt(self, lps: Sequence[float] | None, tops: Tops | None) -> None:
-        """Have the answer begin with the prompt, once its logprobs (if asked) are in."""
-        if self.echo:
-            self.echo = False
-            self.response.echo(self.prompt_ids, lps, tops, self.logprobs)
-
-    def usage(self) -> Usage:
-        """The usage so far: the prompt's tokens (and how many of them the prefix cache
-        held, known once the request finishes) and the answer's."""
-        prompt, answer = len(self.prompt_ids), self.detok.tokens
-        return Usage(prompt, answer, prompt + answer,
-                     PromptTokensDetails(self.cached_tokens))
 
 
 def _push(detok: Detokenizer, ids: Sequence[int], offsets: bool
@@ -274,18 +141,16 @@ class OpenAIServing:
         self.check_model(req.model)
         guide = await prepare(req, lambda: guide_of(req, self._unguided()))  # (off the loop)
         prompts = await self._completion_prompts(req.prompt)
-        copies = _copies(req, len(prompts))
+        copies = answers_per_prompt(req, len(prompts))
         if len(prompts) == 1 and copies == 1:
             return await self._answer(self._completion_state(req, prompts[0], send, t0, guide))
         # Every answer is checked (its budget, its sampling) before any runs.
         states = [self._completion_state(req, ids, send, t0, guide, copy=i)
                   for ids in prompts for i in range(copies)]
+        # best_of without logprobs: they are asked for only to rank the answers.
         hide = copies != req.n and req.logprobs is None
-        if hide:  # best_of ranks by logprobs, asked or not
-            for state in states:
-                state.logprobs = True
-        return await self._several(req, states, send, copies=copies, keep=req.n,
-                                   hide_logprobs=hide)
+        return await answer_several(req, states, send, self._answer, copies=copies,
+                                    keep=req.n, hide_logprobs=hide)
 
     def _completion_state(self, req: CompletionRequest, ids: list[int], send: Send,
                           t0: float, guide: Guide | None, copy: int = 0) -> RequestState:
@@ -295,7 +160,7 @@ class OpenAIServing:
             stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
             send=send, t0=t0, guide=guide)
         state.echo = req.echo
-        return _nth(state, copy)
+        return nth_answer(state, copy)
 
     async def _completion_prompts(self, prompt: str | list[int | str | list[int]]
                                   ) -> list[list[int]]:
@@ -342,127 +207,6 @@ class OpenAIServing:
             raise bad_request(f"{where}: {problem}", param="prompt")
         return ids
 
-    async def _several(self, req: CompletionRequest | ChatCompletionRequest,
-                       states: list[RequestState], send: Send, *, copies: int = 1,
-                       keep: int = 1, hide_logprobs: bool = False) -> int:
-        """Answer several requests to the engine as one answer: several prompts, or
-        ``copies`` answers of each prompt (``n``, ``best_of``), all at once; their
-        answers become the choices, ``index`` = prompt's index * ``keep`` + answer's
-        (vLLM's order), and the usage is their sum (each prompt counted once). With
-        ``copies > keep`` (``best_of``) each prompt keeps its ``keep`` answers of highest
-        cumulative logprob (``hide_logprobs``: asked only to rank them, left out of the
-        answer). One refused (before anything was sent) aborts the others.
-
-        Raises:
-            ApiError: what one answer raises.
-        """
-        if req.stream:
-            return await self._several_streamed(req, states, send)
-        chat = states[0].response.chat
-        bodies = [bytearray() for _ in states]
-        for state, body in zip(states, bodies, strict=True):
-            state.send = _into(body)
-        tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            await _cancel_all(tasks)
-        parts = [(_CHAT if chat else _COMPLETION).decode(body) for body in bodies]
-        choices: list[CompletionChoice | ChatChoice] = []
-        prompt_tokens = answer_tokens = cached = 0
-        for at in range(0, len(parts), copies):
-            group = parts[at:at + copies]
-            first_usage = group[0].usage
-            assert first_usage is not None
-            prompt_tokens += first_usage.prompt_tokens
-            cached += first_usage.prompt_tokens_details.cached_tokens
-            picked = group if copies == keep else sorted(
-                group, key=_cumulative_logprob, reverse=True)[:keep]
-            for part in picked:
-                choice = part.choices[0]
-                choice.index = len(choices)
-                if hide_logprobs:
-                    choice.logprobs = None
-                choices.append(choice)
-                assert part.usage is not None
-            answer_tokens += sum(p.usage.completion_tokens for p in group if p.usage)
-        first = parts[0]
-        usage = Usage(prompt_tokens, answer_tokens, prompt_tokens + answer_tokens,
-                      PromptTokensDetails(cached))
-        answer: bytes
-        if chat:
-            answer = encode(ChatCompletion(first.id, first.created, first.model, [
-                c for c in choices if isinstance(c, ChatChoice)], usage))
-        else:
-            answer = encode(Completion(first.id, first.created, first.model, [
-                c for c in choices if isinstance(c, CompletionChoice)], usage=usage))
-        await send_bytes(send, 200, answer)
-        return 200
-
-    async def _several_streamed(self, req: CompletionRequest | ChatCompletionRequest,
-                                states: list[RequestState], send: Send) -> int:
-        """Stream several answers as one: each one's events carry its choice ``index``
-        and the one answer id, interleaved as they come; one ``[DONE]`` ends them all,
-        after the summed usage (``include_usage``). The response starts with the first
-        answer's first event: a refusal of any before that is an HTTP error, after it an
-        error event (the others are aborted either way).
-
-        Raises:
-            ApiError: before anything was sent.
-        """
-        started = False
-
-        def into(i: int) -> Send:
-            async def forward(event: Event) -> None:
-                nonlocal started
-                if event["type"] == "http.response.start":
-                    if not started:
-                        started = True
-                        await send(event)
-                    return
-                body = event.get("body", b"")
-                assert isinstance(body, bytes)
-                if body.endswith(DONE):  # one [DONE], after every answer
-                    body = body[:-len(DONE)]
-                if body:
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-            return forward
-
-        # Each answer its choice index, under the first one's answer id.
-        first = states[0].response
-        for i, state in enumerate(states):
-            state.send = into(i)
-            state.response = first.for_choice(i)
-            state.include_usage = False  # the summed usage goes last, once
-        tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
-        try:
-            await asyncio.gather(*tasks)
-        except ApiError as exc:
-            if not started:
-                raise
-            await _cancel_all(tasks)  # (none of theirs may follow the last message)
-            await send({"type": "http.response.body", "more_body": False,
-                        "body": b"data: " + sse_safe(exc.body()) + b"\n\n" + DONE})
-            return 200
-        finally:
-            await _cancel_all(tasks)
-        tail = [DONE]
-        opts = req.stream_options
-        if opts is not None and opts.include_usage:
-            seen: set[int] = set()
-            prompt = answer = cached = 0
-            for state in states:
-                u = state.usage()
-                if id(state.prompt_ids) not in seen:  # each prompt once (n answers of one)
-                    seen.add(id(state.prompt_ids))
-                    prompt += u.prompt_tokens
-                    cached += u.prompt_tokens_details.cached_tokens
-                answer += u.completion_tokens
-            tail.insert(0, states[0].response.usage_event(Usage(
-                prompt, answer, prompt + answer, PromptTokensDetails(cached))))
-        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
-        return 200
-
     async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:
         """Answer a chat completion; returns the HTTP status sent.
 
@@ -486,15 +230,17 @@ class OpenAIServing:
                                   field)
         # Each answer its own state, guide and tool plan (a plan holds its answer's
         # streaming state and call id): n answers are n requests, each constrained.
-        states = [_nth(self._state(
-            req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
-            stops=[*req.stops(), *self.template.stops], extra_stop_ids=self.template.stop_ids,
-            logprobs=req.logprobs, send=send, t0=t0, guide=guide,
-            tools=tools if not i else plan_of(req)),
-            i) for i in range(_copies(req, 1))]
+        states: list[RequestState] = []
+        for i in range(answers_per_prompt(req, 1)):
+            state = self._state(
+                req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
+                stops=[*req.stops(), *self.template.stops],
+                extra_stop_ids=self.template.stop_ids, logprobs=req.logprobs, send=send,
+                t0=t0, guide=guide, tools=tools if not i else plan_of(req))
+            states.append(nth_answer(state, i))
         if len(states) == 1:
             return await self._answer(states[0])
-        return await self._several(req, states, send, copies=req.n, keep=req.n)
+        return await answer_several(req, states, send, self._answer, copies=req.n, keep=req.n)
 
     def _unguided(self) -> str | None:
         """The served model's name when it cannot be guided (no vocabulary), else ``None``."""
