@@ -89,8 +89,9 @@ def nth_answer(state: RequestState, copy: int) -> RequestState:
     return state
 
 
-async def answer_several(req: CompletionRequest | ChatCompletionRequest, states: list[RequestState],
-                         send: Send, answer: Callable[[RequestState], Awaitable[int]], *,
+async def answer_several(req: CompletionRequest | ChatCompletionRequest,
+                         states: list[RequestState], send: Send,
+                         answer: Callable[[RequestState], Awaitable[int]], *,
                          copies: int = 1, keep: int = 1, hide_logprobs: bool = False) -> int:
     """Answer several requests to the engine as one answer: several prompts, or
     ``copies`` answers of each prompt (``n``, ``best_of``), all at once, each by

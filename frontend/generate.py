@@ -1,14 +1,35 @@
-"""Completions and chat completions: tokens in through the engine, text out to the client.
+"""Completions and chat completions: the request path, from the HTTP handler to the
+engine and back.
 
-One request at a time per handler call, on the event loop: the prompt is
-tokenized (off the loop when long), the answer is read from the
-:class:`~scheduler.AsyncEngine` and detokenized per step
-(:class:`~frontend.detokenizer.Detokenizer`), and sent whole or as
-Server-Sent Events, one per scheduler step (``data: {...}``, ending
-``data: [DONE]``). The first step is awaited before the response starts,
-so a refusal (``Overloaded``: 503 with ``Retry-After``) is still an HTTP
-error, not an event inside a 200. Leaving the engine's stream early (a stop
-string, a client gone) aborts the request, so the scheduler frees its slot.
+Follow one request (each step names the module that does it):
+
+1. :mod:`frontend.app` routes ``POST /v1/completions`` or
+   ``/v1/chat/completions``, decodes the body (:mod:`frontend.schemas`: a bad
+   one is a 400 naming its field) and calls :meth:`OpenAIServing.completion` or
+   :meth:`OpenAIServing.chat` with the connection's ASGI ``send``.
+2. The handler checks the model, has the request's guide (and a chat's tool
+   plan) built and checked off the event loop, and tokenizes the prompt (a
+   chat's rendered by its template, :mod:`frontend.chat`; a long one off the
+   loop). :class:`~frontend.sampling.SamplingTranslator` turns the request into
+   its answer's token budget and :class:`~messages.SamplingParams`.
+3. Each answer gets one :class:`~frontend.request_state.RequestState`: its
+   prompt ids, sampling, detokenizer and stop strings, the
+   :class:`~frontend.responses.ResponseShaper` that spells its bytes, and the
+   ``send`` they go to. Several answers of one request (a prompt list, ``n``,
+   ``best_of``) go to :func:`frontend.fanout.answer_several`, which answers
+   each through the same ``_answer`` and joins them into one response.
+4. ``_answer`` asks the :class:`~scheduler.AsyncEngine`: ``_whole`` awaits its
+   one answer (not streamed and no stop strings to watch: the cheap path);
+   ``_stream`` reads its steps (every step that arrived while the task waited,
+   in one write).
+5. Each step's token ids are detokenized (:class:`~frontend.detokenizer.Detokenizer`:
+   UTF-8 safe, stop strings held back) and shaped into a body or Server-Sent
+   Events (``data: {...}``, ending ``data: [DONE]``), written to ``send``.
+
+The first step is awaited before the response starts, so a refusal
+(``Overloaded``: 503 with ``Retry-After``) is still an HTTP error, not an event
+inside a 200. Leaving the engine's stream early (a stop string, a client gone)
+aborts the request, so the scheduler frees its slot.
 """
 
 from __future__ import annotations
@@ -26,24 +47,22 @@ from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import ApiError, bad_request, from_engine
 from frontend.fanout import MAX_PROMPTS, answer_several, answers_per_prompt, nth_answer
-from frontend.guides import guide_of, prepare
 from frontend.metrics import HttpMetrics
 from frontend.request_state import RequestState
 from frontend.responses import DONE, ResponseShaper
+from frontend.sampling import SamplingTranslator
 from frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     PromptTokensDetails,
     Usage,
     check_supported,
-    logit_bias,
-    sampler_seed,
     sse_safe,
 )
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolPlan, plan_of
 from frontend.turns import loop_turns
-from messages import Guide, SamplingParams, packed_u32
+from messages import Guide
 from messages.checks import prompt_problem
 from scheduler import AsyncEngine, EngineError, StreamChunk
 
@@ -103,6 +122,10 @@ class OpenAIServing:
         # or replicas, as cmpl-0, cmpl-1, ... did).
         self._ids = map(f"{secrets.token_hex(4)}-{{}}".format, itertools.count())
         self._vocab = tokenizer.vocab_size
+        # How a request becomes its guide, token budget and SamplingParams.
+        self.translator = SamplingTranslator(tokenizer, model_name=settings.model_name,
+                                             max_model_len=settings.max_model_len,
+                                             guided=settings.guided)
         self.turns = loop_turns()  # the protocol, each request and each stream take turns
 
     def check_model(self, model: str) -> None:
@@ -139,7 +162,7 @@ class OpenAIServing:
         """
         check_supported(req)
         self.check_model(req.model)
-        guide = await prepare(req, lambda: guide_of(req, self._unguided()))  # (off the loop)
+        guide = await self.translator.guide(req)
         prompts = await self._completion_prompts(req.prompt)
         copies = answers_per_prompt(req, len(prompts))
         if len(prompts) == 1 and copies == 1:
@@ -154,7 +177,8 @@ class OpenAIServing:
 
     def _completion_state(self, req: CompletionRequest, ids: list[int], send: Send,
                           t0: float, guide: Guide | None, copy: int = 0) -> RequestState:
-        max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
+        """The state of the ``copy``-th answer of the completion of prompt ``ids``."""
+        max_tokens = self.translator.budget(len(ids), req.max_tokens, 16, "prompt")
         state = self._state(
             req, endpoint="completions", prompt_ids=ids, max_tokens=max_tokens,
             stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
@@ -220,14 +244,12 @@ class OpenAIServing:
         if asked == 0:  # (a completion's 0 is legitimate: it will score a prompt, with echo)
             raise bad_request(f"{field} must be at least 1 on a chat completion, not 0 (as "
                               "vLLM answers)", param=field, code="invalid_value")
-        # (off the event loop)
-        guide, tools = await prepare(req, lambda: (guide_of(req, self._unguided()),
-                                                   plan_of(req)))
+        guide, tools = await self.translator.guide_and_tools(req)
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)
         ids = await self.tokenize(text, special=False)
-        max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
-                                  field)
+        max_tokens = self.translator.budget(len(ids), asked, self.settings.default_max_tokens,
+                                            "messages", field)
         # Each answer its own state, guide and tool plan (a plan holds its answer's
         # streaming state and call id): n answers are n requests, each constrained.
         states: list[RequestState] = []
@@ -241,74 +263,6 @@ class OpenAIServing:
         if len(states) == 1:
             return await self._answer(states[0])
         return await answer_several(req, states, send, self._answer, copies=req.n, keep=req.n)
-
-    def _unguided(self) -> str | None:
-        """The served model's name when it cannot be guided (no vocabulary), else ``None``."""
-        return None if self.settings.guided else self.settings.model_name
-
-    def _budget(self, prompt: int, asked: int | None, default: int, where: str,
-                field: str = "max_tokens") -> int:
-        """The answer's ``max_tokens``: what was asked, else ``default`` cut to the room
-        the prompt leaves in the model's context.
-
-        Raises:
-            ApiError: 400 ``context_length_exceeded`` (OpenAI's code) when the prompt
-                leaves no room, or fewer tokens than were asked for.
-        """
-        limit = self.settings.max_model_len
-        if limit is None:
-            return default if asked is None else asked
-        room = limit - prompt
-        if room > 0 and (asked is None or asked <= room):
-            return min(default, room) if asked is None else asked
-        wanted = f"{prompt} in the {where}" + ("" if asked is None else
-                                              f", {asked} in the completion")
-        raise bad_request(f"this model's maximum context length is {limit} tokens; this "
-                          f"request asks for {prompt + (asked or 0)} ({wanted}): shorten the "
-                          f"{where}" + ("" if asked is None else f" or {field}"),
-                          param=where if asked is None or prompt >= limit else field,
-                          code="context_length_exceeded")
-
-    def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  extra_stop_ids: Sequence[int], guide: Guide | None,
-                  tools: ToolPlan | None = None) -> SamplingParams:
-        # ignore_eos: no EOS added here (the tokenizer's, a chat template's), and the
-        # scheduler leaves out the model's own stop ids (SamplingParams.ignore_eos).
-        if req.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens ({req.min_tokens}) is more than the answer's "
-                              f"max_tokens ({max_tokens})", param="min_tokens",
-                              code="invalid_value")
-        bias = logit_bias(req.logit_bias, self._vocab)
-        stop_ids = list(req.stop_token_ids or ())
-        if not req.ignore_eos:
-            eos = self.tokenizer.eos_token_id
-            stop_ids.extend(i for i in (eos, *extra_stop_ids) if i is not None)
-        if tools is not None and tools.guide is not None:
-            if guide is not None:
-                raise bad_request("tool_choice: a forced tool call constrains the answer, and "
-                                  "so does a guided_* field: give one", param="tool_choice",
-                                  code="conflicting_values")
-            if not self.settings.guided:
-                raise bad_request(f"tool_choice: a forced tool call needs the model's "
-                                  f"tokenizer vocabulary, and model {self.settings.model_name!r}"
-                                  " has none", param="tool_choice", code="unsupported_value")
-            guide = tools.guide
-        try:
-            return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
-                                  top_p=req.top_p, top_k=max(req.top_k, 0),
-                                  stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
-                                  if stop_ids else None, seed=sampler_seed(req.seed),
-                                  ignore_eos=req.ignore_eos, guide=guide,
-                                  presence_penalty=req.presence_penalty,
-                                  frequency_penalty=req.frequency_penalty,
-                                  repetition_penalty=req.repetition_penalty,
-                                  min_tokens=req.min_tokens, logit_bias=bias,
-                                  top_logprobs=(req.logprobs or 0) if isinstance(
-                                      req, CompletionRequest) else req.top_logprobs or 0,
-                                  prompt_logprobs=req.logprobs if isinstance(
-                                      req, CompletionRequest) and req.echo else None)
-        except (ValueError, TypeError) as exc:
-            raise bad_request(f"sampling: {exc}") from None
 
     def _state(self, req: CompletionRequest | ChatCompletionRequest, *, endpoint: str,
                prompt_ids: list[int], max_tokens: int, stops: list[str],
@@ -330,7 +284,7 @@ class OpenAIServing:
             response=ResponseShaper(chat, next(self._ids), self.settings.model_name,
                                     self.tokenizer),
             prompt_ids=prompt_ids,
-            sampling=self._sampling(req, max_tokens, extra_stop_ids, guide, tools),
+            sampling=self.translator.params(req, max_tokens, extra_stop_ids, guide, tools),
             tools=tools,
             detok=Detokenizer(self.tokenizer, stops, prompt_ids), has_stops=bool(stops),
             logprobs=logprobs, stream=req.stream, include_usage=include_usage,
@@ -340,6 +294,13 @@ class OpenAIServing:
             send=send, t0=t0)
 
     async def _answer(self, state: RequestState) -> int:
+        """Answer one request to the engine, as ``state`` says; returns the HTTP status
+        sent.
+
+        Raises:
+            ApiError: the engine's refusal (:func:`frontend.errors.from_engine`), before
+                anything was sent.
+        """
         try:
             if not state.stream and not state.has_stops:
                 return await self._whole(state)  # one awaitable, no stream: the cheap path
@@ -357,15 +318,16 @@ class OpenAIServing:
         text += detok.finish()
         prompt, answer = len(state.prompt_ids), len(result.token_ids)
         tops = None if result.top_logprobs is None else tuple(result.top_logprobs)
+        usage = Usage(prompt, answer, prompt + answer,
+                      PromptTokensDetails(result.cached_tokens or 0))
         body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
-                              Usage(prompt, answer, prompt + answer,
-                                    PromptTokensDetails(result.cached_tokens or 0)), offsets,
-                              tops, state.tools)
+                              usage, offsets, tops, state.tools)
         self._first_token(state)
         await send_bytes(state.send, 200, body)
         return 200
 
     def _first_token(self, state: RequestState) -> None:
+        """Count the time to ``state``'s first token (the metrics, when served)."""
         if self.metrics is not None:
             self.metrics.first_token(state.endpoint, time.perf_counter() - state.t0)
 
@@ -414,13 +376,13 @@ class OpenAIServing:
                         if offsets is not None:
                             out_offsets.extend(offsets)
                     elif state.tools is not None:
-                        events.extend(response.tool_event(state.tools, text, finish, state.usage()
-                                                          if state.continuous_usage else None))
+                        usage = state.usage() if state.continuous_usage else None
+                        events.extend(response.tool_event(state.tools, text, finish, usage))
                     elif text or finish is not None or chunk.logprobs or state.continuous_usage:
-                        events.append(response.event(
-                            text, finish, chunk.token_ids, chunk.logprobs,
-                            state.usage() if state.continuous_usage else None, offsets,
-                            chunk.top_logprobs))
+                        usage = state.usage() if state.continuous_usage else None
+                        events.append(response.event(text, finish, chunk.token_ids,
+                                                     chunk.logprobs, usage, offsets,
+                                                     chunk.top_logprobs))
                     if finish is not None:
                         break
                 if events:
