@@ -1,14 +1,35 @@
-"""Completions and chat completions: tokens in through the engine, text out to the client.
+"""Completions and chat completions: the request path, from the HTTP handler to the
+engine and back.
 
-One request at a time per handler call, on the event loop: the prompt is
-tokenized (off the loop when long), the answer is read from the
-:class:`~scheduler.AsyncEngine` and detokenized per step
-(:class:`~frontend.detokenizer.Detokenizer`), and sent whole or as
-Server-Sent Events, one per scheduler step (``data: {...}``, ending
-``data: [DONE]``). The first step is awaited before the response starts,
-so a refusal (``Overloaded``: 503 with ``Retry-After``) is still an HTTP
-error, not an event inside a 200. Leaving the engine's stream early (a stop
-string, a client gone) aborts the request, so the scheduler frees its slot.
+Follow one request (each step names the module that does it):
+
+1. :mod:`frontend.app` routes ``POST /v1/completions`` or
+   ``/v1/chat/completions``, decodes the body (:mod:`frontend.schemas`: a bad
+   one is a 400 naming its field) and calls :meth:`OpenAIServing.completion` or
+   :meth:`OpenAIServing.chat` with the connection's ASGI ``send``.
+2. The handler checks the model, has the request's guide (and a chat's tool
+   plan) built and checked off the event loop, and tokenizes the prompt (a
+   chat's rendered by its template, :mod:`frontend.chat`; a long one off the
+   loop). :class:`~frontend.sampling.SamplingTranslator` turns the request into
+   its answer's token budget and :class:`~messages.SamplingParams`.
+3. Each answer gets one :class:`~frontend.request_state.RequestState`: its
+   prompt ids, sampling, detokenizer and stop strings, the
+   :class:`~frontend.responses.ResponseShaper` that spells its bytes, and the
+   ``send`` they go to. Several answers of one request (a prompt list, ``n``,
+   ``best_of``) go to :func:`frontend.fanout.answer_several`, which answers
+   each through the same ``_answer`` and joins them into one response.
+4. ``_answer`` asks the :class:`~scheduler.AsyncEngine`: ``_whole`` awaits its
+   one answer (not streamed and no stop strings to watch: the cheap path);
+   ``_stream`` reads its steps (every step that arrived while the task waited,
+   in one write).
+5. Each step's token ids are detokenized (:class:`~frontend.detokenizer.Detokenizer`:
+   UTF-8 safe, stop strings held back) and shaped into a body or Server-Sent
+   Events (``data: {...}``, ending ``data: [DONE]``), written to ``send``.
+
+The first step is awaited before the response starts, so a refusal
+(``Overloaded``: 503 with ``Retry-After``) is still an HTTP error, not an event
+inside a 200. Leaving the engine's stream early (a stop string, a client gone)
+aborts the request, so the scheduler frees its slot.
 """
 
 from __future__ import annotations
@@ -21,132 +42,36 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-import msgspec
-
-from frontend.asgi import SSE, Event, Send, send_bytes
+from frontend.asgi import SSE, Send, send_bytes
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import ApiError, bad_request, from_engine
-from frontend.guides import guide_of, prepare
+from frontend.fanout import MAX_PROMPTS, answer_several, answers_per_prompt, nth_answer
 from frontend.metrics import HttpMetrics
+from frontend.request_state import RequestState
+from frontend.responses import DONE, ResponseShaper
+from frontend.sampling import SamplingTranslator
 from frontend.schemas import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatDelta,
-    ChatLogprobs,
-    ChatMessageOut,
-    Completion,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     PromptTokensDetails,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     check_supported,
-    encode,
-    encode_str,
-    logit_bias,
-    sampler_seed,
     sse_safe,
 )
-from frontend.token_text import TokenTexts
 from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolPlan, plan_of
 from frontend.turns import loop_turns
-from messages import Guide, SamplingParams, packed_u32
+from messages import Guide
 from messages.checks import prompt_problem
 from scheduler import AsyncEngine, EngineError, StreamChunk
-from scheduler.engine.handles import Tops
 
 __all__ = ["GenerateSettings", "OpenAIServing", "RequestState"]
 
 #: Prompts longer than this (characters) are tokenized off the event loop.
 _TOKENIZE_INLINE = 16384
-_DONE = b"data: [DONE]\n\n"
 #: Chunks a stream turns into events per turn on the loop (frontend.turns).
 _CHUNKS_A_TURN = 16
-#: Stands for an event's text while the bytes around it are encoded.
-_MARK = "\x00text\x00"
-_MARK_JSON = msgspec.json.encode(_MARK)
-#: The most prompts one completion request may hold (each is a request to the engine).
-MAX_PROMPTS = 256
-#: Read back one answer of several (:meth:`OpenAIServing._several`).
-_COMPLETION = msgspec.json.Decoder(Completion)
-_CHAT = msgspec.json.Decoder(ChatCompletion)
-#: The least logprob an answer reports (vLLM's): a top alternative a guide forbids is
-#: -inf, which JSON cannot carry.
-LOGPROB_FLOOR = -9999.0
-
-#: The most answers of one prompt a request may ask for (``n``, ``best_of``).
-MAX_ANSWERS = 128
-
-
-def _cumulative_logprob(part: Completion | ChatCompletion) -> float:
-    """The sum of an answer's token logprobs (``best_of``'s ranking)."""
-    lp = part.choices[0].logprobs
-    if isinstance(lp, CompletionLogprobs):
-        return sum(v for v in lp.token_logprobs if v is not None)
-    return sum(e.logprob for e in lp.content) if lp is not None else 0.0
-
-
-async def _cancel_all(tasks: Sequence[asyncio.Future[int]]) -> None:
-    """Cancel ``tasks`` (a finished one: nothing; the others abort their request) and
-    wait for them to end."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _into(body: bytearray) -> Send:
-    """A ``send`` that keeps an answer's body in ``body`` (one prompt's of several)."""
-    async def keep(event: Event) -> None:
-        if event["type"] == "http.response.body":
-            chunk = event.get("body", b"")
-            assert isinstance(chunk, bytes)
-            body.extend(chunk)
-    return keep
-
-
-def _copies(req: CompletionRequest | ChatCompletionRequest, prompts: int) -> int:
-    """How many answers of each prompt to generate: ``best_of`` (completions), else ``n``.
-
-    Raises:
-        ApiError: 400 naming ``best_of`` (below ``n``, or above it while streaming, as
-            vLLM refuses it) or the field that asks for too many answers (more than
-            :data:`MAX_ANSWERS` of one prompt, or :data:`MAX_PROMPTS` in all).
-    """
-    best_of = req.best_of if isinstance(req, CompletionRequest) else None
-    copies = req.n if best_of is None else best_of
-    if copies < req.n:
-        raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})",
-                          param="best_of", code="invalid_value")
-    if copies > req.n and req.stream:
-        raise bad_request("best_of above n cannot be streamed (the best answers are known "
-                          "only at the end)", param="best_of", code="invalid_value")
-    field = "best_of" if best_of else "n"
-    if copies > MAX_ANSWERS:
-        raise bad_request(f"{field} is {copies}: at most {MAX_ANSWERS} answers of one prompt",
-                          param=field, code="invalid_value")
-    if copies * prompts > MAX_PROMPTS:
-        raise bad_request(f"{copies} answers of each of {prompts} prompts make "
-                          f"{copies * prompts}: at most {MAX_PROMPTS} answers in one request",
-                          param=field, code="invalid_value")
-    return copies
-
-
-def _nth(state: RequestState, copy: int) -> RequestState:
-    """``state`` as the ``copy``-th answer of its prompt: a seeded request's answers each
-    get their own seed (the seed + ``copy``), so they differ and each reproduces; an
-    unseeded one's differ by their rids."""
-    seed = state.sampling.seed
-    if copy and seed is not None:
-        state.sampling = msgspec.structs.replace(state.sampling,
-                                                 seed=(seed + copy) % (1 << 63))
-    return state
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,252 +100,6 @@ class GenerateSettings:
     guided: bool = True
 
 
-class _ResponseBuilder:
-    """Builds one request's answer as its endpoint spells it (a completion or a chat
-    completion): the whole body, or its Server-Sent Events one by one."""
-
-    def __init__(self, chat: bool, rid: str, model: str, tok: Tokenizer,
-                 index: int = 0) -> None:
-        self.chat = chat
-        self.index = index  # its choice's (one prompt's of several)
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
-        self.created = int(time.time())
-        self.model = model
-        self._tok = tok
-        self._texts: TokenTexts | None = None  # made when logprobs are first reported
-        #: ``echo``: the prompt's text (and logprobs) the answer's first event or body
-        #: begins with (:meth:`echo`); ``_shift``: where the answer's text begins.
-        self._prefix: tuple[str, CompletionLogprobs | None] | None = None
-        self._shift = 0
-        self._first = True
-        self._around: tuple[bytes, bytes] | None = None
-
-    def echo(self, prompt_ids: Sequence[int], lps: Sequence[float] | None,
-             tops: Tops | None, with_logprobs: bool) -> None:
-        """Begin the answer with its prompt (a completion's ``echo``): its text (decoded,
-        special tokens left out, as vLLM echoes ids), and with ``with_logprobs`` each
-        prompt token's text and logprob (the first's null, as OpenAI and vLLM give it;
-        ``lps`` the others', ``tops`` their alternatives)."""
-        text = self._tok.decode(prompt_ids)
-        self._shift = len(text)
-        if not with_logprobs:
-            self._prefix = (text, None)
-            return
-        texts = TokenTexts(self._tok)
-        tokens: list[str] = []
-        values: list[float | None] = [None, *(lps or ())]
-        top: list[dict[str, float] | None] | None = [None] if tops is not None else None
-        offsets: list[int] = []
-        at = 0
-        for j, i in enumerate(prompt_ids):
-            if top is not None and tops is not None and j:
-                d: dict[str, float] = {}
-                for t, lp in tops[j - 1]:
-                    d.setdefault(texts.peek(t), lp)
-                top.append(d)
-            offsets.append(at)
-            piece = texts.take(i)
-            if top is not None and j and lps is not None:
-                d.setdefault(piece, lps[j - 1])
-            tokens.append(piece)
-            at += len(piece) if texts.in_text(i) else 0
-        self._prefix = (text, CompletionLogprobs(tokens, values[:len(tokens)], top,
-                                                 text_offset=offsets))
-
-    def _echoed(self, text: str, lp: CompletionLogprobs | None) -> tuple[
-            str, CompletionLogprobs | None]:
-        """``text`` and ``lp`` after the prompt, when it is still to be sent."""
-        prefix, self._prefix = self._prefix, None
-        if prefix is None:
-            return text, lp
-        head, head_lp = prefix
-        if head_lp is None or lp is None:
-            return head + text, lp
-        top = None if head_lp.top_logprobs is None or (
-            lp.top_logprobs is None and lp.tokens) else head_lp.top_logprobs + (
-                lp.top_logprobs or [])
-        return head + text, CompletionLogprobs(
-            head_lp.tokens + lp.tokens, head_lp.token_logprobs + lp.token_logprobs, top,
-            text_offset=None if lp.text_offset is None or head_lp.text_offset is None
-            else head_lp.text_offset + lp.text_offset)
-
-    def _logprobs(self, ids: Sequence[int], lps: Sequence[float] | None,
-                  offsets: Sequence[int] | None, tops: Tops | None = None
-                  ) -> CompletionLogprobs | ChatLogprobs | None:
-        if lps is None:
-            return None
-        if offsets is not None and self._shift:  # after an echoed prompt
-            offsets = [o + self._shift for o in offsets]
-        # Each token's decoded text (frontend.token_text): "".join(tokens) is the answer;
-        # an alternative's text is what it would have added at its position.
-        texts = self._texts
-        if texts is None:
-            texts = self._texts = TokenTexts(self._tok)
-        alts: list[list[tuple[str, int, float]]] | None = None
-        if tops is None:
-            pieces = texts.take_all(ids)
-        else:
-            pieces, alts = [], []
-            for i, here in zip(ids, tops, strict=True):
-                # (a guide's forbidden tokens are -inf: JSON has no -inf, vLLM's floor)
-                alts.append([(texts.peek(t), t, max(lp, LOGPROB_FLOOR)) for t, lp in here])
-                pieces.append(texts.take(i))
-        if self.chat:
-            # ``bytes`` is the token's own bytes where the tokenizer knows them (a
-            # token that ends inside a character has text "" but its bytes), as
-            # OpenAI's: the bytes of the tokens joined decode to the answer.
-            table = self._tok.token_bytes()
-
-            def own(i: int, text: str) -> list[int]:
-                return list(table[i]) if table is not None and i < len(table) and table[i] \
-                    else list(text.encode())
-
-            raw = [own(i, p) for i, p in zip(ids, pieces, strict=True)]
-            entries = [TokenLogprob(p, lp, b) for p, lp, b in zip(pieces, lps, raw, strict=True)]
-            if alts is not None:
-                for entry, alt in zip(entries, alts, strict=True):
-                    entry.top_logprobs = [TopLogprob(a, lp, own(t, a)) for a, t, lp in alt]
-            return ChatLogprobs(entries)
-        top: list[dict[str, float] | None] | None = None
-        if alts is not None:  # the top ones and the sampled one, as OpenAI and vLLM give;
-            # two ids of one text (both "": each ends inside a character) keep the likelier
-            top = []
-            for alt, p, lp in zip(alts, pieces, lps, strict=True):
-                d: dict[str, float] = {}
-                for a, _, alp in alt:
-                    d.setdefault(a, alp)
-                d.setdefault(p, lp)
-                top.append(d)
-        return CompletionLogprobs(pieces, list[float | None](lps), top,
-                                  text_offset=None if offsets is None else list(offsets))
-
-    def event(self, text: str, finish: str | None, ids: Sequence[int],
-              lps: Sequence[float] | None, usage: Usage | None,
-              offsets: Sequence[int] | None = None, tops: Tops | None = None) -> bytes:
-        first, self._first = self._first, False
-        role = "assistant" if first and self.chat else None
-        if finish is None and lps is None and usage is None and role is None \
-                and self._prefix is None:
-            # Most events differ only in their text: the bytes around it are
-            # encoded once per request (a tenth of building and encoding it all).
-            around = self._around
-            if around is None:
-                head, mark, tail = self._event(_MARK, None, None, None, None).partition(_MARK_JSON)
-                assert mark and _MARK_JSON not in tail  # (the id and model are ours)
-                around = self._around = (head, tail)
-            return around[0] + sse_safe(encode_str(text)) + around[1]
-        return self._event(text, finish, self._logprobs(ids, lps, offsets, tops), usage, role)
-
-    def _event(self, text: str, finish: str | None, lp: CompletionLogprobs | ChatLogprobs | None,
-               usage: Usage | None, role: str | None) -> bytes:
-        body: msgspec.Struct
-        if self.chat:
-            assert lp is None or isinstance(lp, ChatLogprobs)
-            body = ChatCompletionChunk(self.id, self.created, self.model, [ChatChunkChoice(
-                self.index, ChatDelta(role, text if text or role is None else ""), finish, lp)],
-                usage=usage)
-        else:
-            assert lp is None or isinstance(lp, CompletionLogprobs)
-            text, lp = self._echoed(text, lp)
-            body = Completion(self.id, self.created, self.model,
-                              [CompletionChoice(self.index, text, finish, lp)], usage=usage)
-        return b"data: " + sse_safe(encode(body)) + b"\n\n"
-
-    def tool_event(self, plan: ToolPlan, text: str, finish: str | None,
-                   usage: Usage | None) -> list[bytes]:
-        """A streamed step of an answer that may call tools (``plan.stream``)."""
-        content, calls, finish = plan.stream(text, finish)
-        first, self._first = self._first, False
-        if not (first or content or calls or finish is not None or usage is not None):
-            return []
-        delta = ChatDelta("assistant" if first else None, content, calls or None)
-        body = ChatCompletionChunk(self.id, self.created, self.model,
-                                   [ChatChunkChoice(self.index, delta, finish)], usage=usage)
-        return [b"data: " + sse_safe(encode(body)) + b"\n\n"]
-
-    def usage_event(self, usage: Usage) -> bytes:
-        body = ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage) \
-            if self.chat else Completion(self.id, self.created, self.model, [], usage=usage)
-        return b"data: " + sse_safe(encode(body)) + b"\n\n"
-
-    def whole(self, text: str, finish: str, ids: Sequence[int], lps: Sequence[float] | None,
-              usage: Usage, offsets: Sequence[int] | None = None,
-              tops: Tops | None = None, tools: ToolPlan | None = None) -> bytes:
-        if offsets is not None:  # (a stop string may have cut text an earlier step began)
-            offsets = [min(o, len(text)) for o in offsets]
-        lp = self._logprobs(ids, lps, offsets, tops)
-        if not self.chat:
-            assert lp is None or isinstance(lp, CompletionLogprobs)
-            text, lp = self._echoed(text, lp)
-        if self.chat:
-            assert lp is None or isinstance(lp, ChatLogprobs)
-            message = ChatMessageOut(text, "assistant")
-            if tools is not None:
-                content, calls = tools.parse(text)
-                message = ChatMessageOut(content, "assistant", calls or None)
-                finish = tools.finish(finish, calls)
-            return encode(ChatCompletion(self.id, self.created, self.model,
-                                         [ChatChoice(self.index, message, finish, lp)],
-                                         usage))
-        assert lp is None or isinstance(lp, CompletionLogprobs)
-        return encode(Completion(self.id, self.created, self.model,
-                                 [CompletionChoice(self.index, text, finish, lp)], usage=usage))
-
-
-@dataclass(slots=True, kw_only=True)
-class RequestState:
-    """One completion or chat completion being answered: what its answer is made from.
-
-    Attributes:
-        endpoint: ``"completions"`` or ``"chat"`` (the metrics' label).
-        response: builds its bodies and events, as its endpoint spells them.
-        prompt_ids: the tokenized prompt.
-        sampling: what the scheduler is asked for.
-        detok: its text so far (incremental, UTF-8 safe) and its stop strings.
-        has_stops: whether stop strings were given (the answer is then read as a
-            stream, step by step, even when it is sent whole).
-        logprobs: whether each token's log-probability is asked for.
-        stream: answered as Server-Sent Events (else as one body).
-        include_usage: a last event carries the usage (``stream_options``).
-        continuous_usage: every event carries the usage so far.
-        send: the ASGI send of its connection.
-        tools: its tool calls' plan (:mod:`frontend.tools`); ``None``: none.
-        t0: when the request arrived (``time.perf_counter``), for time to first token.
-    """
-
-    endpoint: str
-    response: _ResponseBuilder
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    detok: Detokenizer
-    has_stops: bool
-    logprobs: bool
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    send: Send
-    t0: float
-
-    cached_tokens: int = 0
-    tools: ToolPlan | None = None  # how its tool calls are made and read (chat)
-    #: ``echo`` (completions): the answer begins with the prompt (its logprobs too, when
-    #: ``logprobs`` is given: ``sampling.prompt_logprobs`` asks the scheduler for them).
-    echo: bool = False
-
-    def echo_prompt(self, lps: Sequence[float] | None, tops: Tops | None) -> None:
-        """Have the answer begin with the prompt, once its logprobs (if asked) are in."""
-        if self.echo:
-            self.echo = False
-            self.response.echo(self.prompt_ids, lps, tops, self.logprobs)
-
-    def usage(self) -> Usage:
-        """The usage so far: the prompt's tokens (and how many of them the prefix cache
-        held, known once the request finishes) and the answer's."""
-        prompt, answer = len(self.prompt_ids), self.detok.tokens
-        return Usage(prompt, answer, prompt + answer,
-                     PromptTokensDetails(self.cached_tokens))
-
-
 def _push(detok: Detokenizer, ids: Sequence[int], offsets: bool
           ) -> tuple[str, list[int] | None]:
     """``detok.push(ids)``, and each id's ``text_offset`` when ``offsets``."""
@@ -443,6 +122,10 @@ class OpenAIServing:
         # or replicas, as cmpl-0, cmpl-1, ... did).
         self._ids = map(f"{secrets.token_hex(4)}-{{}}".format, itertools.count())
         self._vocab = tokenizer.vocab_size
+        # How a request becomes its guide, token budget and SamplingParams.
+        self.translator = SamplingTranslator(tokenizer, model_name=settings.model_name,
+                                             max_model_len=settings.max_model_len,
+                                             guided=settings.guided)
         self.turns = loop_turns()  # the protocol, each request and each stream take turns
 
     def check_model(self, model: str) -> None:
@@ -479,30 +162,29 @@ class OpenAIServing:
         """
         check_supported(req)
         self.check_model(req.model)
-        guide = await prepare(req, lambda: guide_of(req, self._unguided()))  # (off the loop)
+        guide = await self.translator.guide(req)
         prompts = await self._completion_prompts(req.prompt)
-        copies = _copies(req, len(prompts))
+        copies = answers_per_prompt(req, len(prompts))
         if len(prompts) == 1 and copies == 1:
             return await self._answer(self._completion_state(req, prompts[0], send, t0, guide))
         # Every answer is checked (its budget, its sampling) before any runs.
         states = [self._completion_state(req, ids, send, t0, guide, copy=i)
                   for ids in prompts for i in range(copies)]
+        # best_of without logprobs: they are asked for only to rank the answers.
         hide = copies != req.n and req.logprobs is None
-        if hide:  # best_of ranks by logprobs, asked or not
-            for state in states:
-                state.logprobs = True
-        return await self._several(req, states, send, copies=copies, keep=req.n,
-                                   hide_logprobs=hide)
+        return await answer_several(req, states, send, self._answer, copies=copies,
+                                    keep=req.n, hide_logprobs=hide)
 
     def _completion_state(self, req: CompletionRequest, ids: list[int], send: Send,
                           t0: float, guide: Guide | None, copy: int = 0) -> RequestState:
-        max_tokens = self._budget(len(ids), req.max_tokens, 16, "prompt")
+        """The state of the ``copy``-th answer of the completion of prompt ``ids``."""
+        max_tokens = self.translator.budget(len(ids), req.max_tokens, 16, "prompt")
         state = self._state(
             req, endpoint="completions", prompt_ids=ids, max_tokens=max_tokens,
             stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
             send=send, t0=t0, guide=guide)
         state.echo = req.echo
-        return _nth(state, copy)
+        return nth_answer(state, copy)
 
     async def _completion_prompts(self, prompt: str | list[int | str | list[int]]
                                   ) -> list[list[int]]:
@@ -549,128 +231,6 @@ class OpenAIServing:
             raise bad_request(f"{where}: {problem}", param="prompt")
         return ids
 
-    async def _several(self, req: CompletionRequest | ChatCompletionRequest,
-                       states: list[RequestState], send: Send, *, copies: int = 1,
-                       keep: int = 1, hide_logprobs: bool = False) -> int:
-        """Answer several requests to the engine as one answer: several prompts, or
-        ``copies`` answers of each prompt (``n``, ``best_of``), all at once; their
-        answers become the choices, ``index`` = prompt's index * ``keep`` + answer's
-        (vLLM's order), and the usage is their sum (each prompt counted once). With
-        ``copies > keep`` (``best_of``) each prompt keeps its ``keep`` answers of highest
-        cumulative logprob (``hide_logprobs``: asked only to rank them, left out of the
-        answer). One refused (before anything was sent) aborts the others.
-
-        Raises:
-            ApiError: what one answer raises.
-        """
-        if req.stream:
-            return await self._several_streamed(req, states, send)
-        chat = states[0].response.chat
-        bodies = [bytearray() for _ in states]
-        for state, body in zip(states, bodies, strict=True):
-            state.send = _into(body)
-        tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            await _cancel_all(tasks)
-        parts = [(_CHAT if chat else _COMPLETION).decode(body) for body in bodies]
-        choices: list[CompletionChoice | ChatChoice] = []
-        prompt_tokens = answer_tokens = cached = 0
-        for at in range(0, len(parts), copies):
-            group = parts[at:at + copies]
-            first_usage = group[0].usage
-            assert first_usage is not None
-            prompt_tokens += first_usage.prompt_tokens
-            cached += first_usage.prompt_tokens_details.cached_tokens
-            picked = group if copies == keep else sorted(
-                group, key=_cumulative_logprob, reverse=True)[:keep]
-            for part in picked:
-                choice = part.choices[0]
-                choice.index = len(choices)
-                if hide_logprobs:
-                    choice.logprobs = None
-                choices.append(choice)
-                assert part.usage is not None
-            answer_tokens += sum(p.usage.completion_tokens for p in group if p.usage)
-        first = parts[0]
-        usage = Usage(prompt_tokens, answer_tokens, prompt_tokens + answer_tokens,
-                      PromptTokensDetails(cached))
-        answer: bytes
-        if chat:
-            answer = encode(ChatCompletion(first.id, first.created, first.model, [
-                c for c in choices if isinstance(c, ChatChoice)], usage))
-        else:
-            answer = encode(Completion(first.id, first.created, first.model, [
-                c for c in choices if isinstance(c, CompletionChoice)], usage=usage))
-        await send_bytes(send, 200, answer)
-        return 200
-
-    async def _several_streamed(self, req: CompletionRequest | ChatCompletionRequest,
-                                states: list[RequestState], send: Send) -> int:
-        """Stream several answers as one: each one's events carry its choice ``index``
-        and the one answer id, interleaved as they come; one ``[DONE]`` ends them all,
-        after the summed usage (``include_usage``). The response starts with the first
-        answer's first event: a refusal of any before that is an HTTP error, after it an
-        error event (the others are aborted either way).
-
-        Raises:
-            ApiError: before anything was sent.
-        """
-        started = False
-
-        def into(i: int) -> Send:
-            async def forward(event: Event) -> None:
-                nonlocal started
-                if event["type"] == "http.response.start":
-                    if not started:
-                        started = True
-                        await send(event)
-                    return
-                body = event.get("body", b"")
-                assert isinstance(body, bytes)
-                if body.endswith(_DONE):  # one [DONE], after every answer
-                    body = body[:-len(_DONE)]
-                if body:
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-            return forward
-
-        chat = states[0].response.chat
-        rid = states[0].response.id.split("-", 1)[1]
-        for i, state in enumerate(states):
-            state.send = into(i)
-            state.response = _ResponseBuilder(chat, rid, self.settings.model_name,
-                                              self.tokenizer, index=i)
-            state.include_usage = False  # the summed usage goes last, once
-        tasks = [asyncio.ensure_future(self._answer(state)) for state in states]
-        try:
-            await asyncio.gather(*tasks)
-        except ApiError as exc:
-            if not started:
-                raise
-            await _cancel_all(tasks)  # (none of theirs may follow the last message)
-            await send({"type": "http.response.body", "more_body": False,
-                        "body": b"data: " + sse_safe(exc.body()) + b"\n\n" + _DONE})
-            return 200
-        finally:
-            await _cancel_all(tasks)
-        tail = [_DONE]
-        opts = req.stream_options
-        if opts is not None and opts.include_usage:
-            seen: set[int] = set()
-            prompt = answer = cached = 0
-            for state in states:
-                u = state.usage()
-                if id(state.prompt_ids) not in seen:  # each prompt once (n answers of one)
-                    seen.add(id(state.prompt_ids))
-                    prompt += u.prompt_tokens
-                    cached += u.prompt_tokens_details.cached_tokens
-                answer += u.completion_tokens
-            tail.insert(0, states[0].response.usage_event(Usage(
-                prompt, answer, prompt + answer, PromptTokensDetails(cached))))
-        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
-        return 200
-
     async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:
         """Answer a chat completion; returns the HTTP status sent.
 
@@ -684,93 +244,25 @@ class OpenAIServing:
         if asked == 0:  # (a completion's 0 is legitimate: it will score a prompt, with echo)
             raise bad_request(f"{field} must be at least 1 on a chat completion, not 0 (as "
                               "vLLM answers)", param=field, code="invalid_value")
-        # (off the event loop)
-        guide, tools = await prepare(req, lambda: (guide_of(req, self._unguided()),
-                                                   plan_of(req)))
+        guide, tools = await self.translator.guide_and_tools(req)
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)
         ids = await self.tokenize(text, special=False)
-        max_tokens = self._budget(len(ids), asked, self.settings.default_max_tokens, "messages",
-                                  field)
+        max_tokens = self.translator.budget(len(ids), asked, self.settings.default_max_tokens,
+                                            "messages", field)
         # Each answer its own state, guide and tool plan (a plan holds its answer's
         # streaming state and call id): n answers are n requests, each constrained.
-        states = [_nth(self._state(
-            req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
-            stops=[*req.stops(), *self.template.stops], extra_stop_ids=self.template.stop_ids,
-            logprobs=req.logprobs, send=send, t0=t0, guide=guide,
-            tools=tools if not i else plan_of(req)),
-            i) for i in range(_copies(req, 1))]
+        states: list[RequestState] = []
+        for i in range(answers_per_prompt(req, 1)):
+            state = self._state(
+                req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
+                stops=[*req.stops(), *self.template.stops],
+                extra_stop_ids=self.template.stop_ids, logprobs=req.logprobs, send=send,
+                t0=t0, guide=guide, tools=tools if not i else plan_of(req))
+            states.append(nth_answer(state, i))
         if len(states) == 1:
             return await self._answer(states[0])
-        return await self._several(req, states, send, copies=req.n, keep=req.n)
-
-    def _unguided(self) -> str | None:
-        """The served model's name when it cannot be guided (no vocabulary), else ``None``."""
-        return None if self.settings.guided else self.settings.model_name
-
-    def _budget(self, prompt: int, asked: int | None, default: int, where: str,
-                field: str = "max_tokens") -> int:
-        """The answer's ``max_tokens``: what was asked, else ``default`` cut to the room
-        the prompt leaves in the model's context.
-
-        Raises:
-            ApiError: 400 ``context_length_exceeded`` (OpenAI's code) when the prompt
-                leaves no room, or fewer tokens than were asked for.
-        """
-        limit = self.settings.max_model_len
-        if limit is None:
-            return default if asked is None else asked
-        room = limit - prompt
-        if room > 0 and (asked is None or asked <= room):
-            return min(default, room) if asked is None else asked
-        wanted = f"{prompt} in the {where}" + ("" if asked is None else
-                                              f", {asked} in the completion")
-        raise bad_request(f"this model's maximum context length is {limit} tokens; this "
-                          f"request asks for {prompt + (asked or 0)} ({wanted}): shorten the "
-                          f"{where}" + ("" if asked is None else f" or {field}"),
-                          param=where if asked is None or prompt >= limit else field,
-                          code="context_length_exceeded")
-
-    def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  extra_stop_ids: Sequence[int], guide: Guide | None,
-                  tools: ToolPlan | None = None) -> SamplingParams:
-        # ignore_eos: no EOS added here (the tokenizer's, a chat template's), and the
-        # scheduler leaves out the model's own stop ids (SamplingParams.ignore_eos).
-        if req.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens ({req.min_tokens}) is more than the answer's "
-                              f"max_tokens ({max_tokens})", param="min_tokens",
-                              code="invalid_value")
-        bias = logit_bias(req.logit_bias, self._vocab)
-        stop_ids = list(req.stop_token_ids or ())
-        if not req.ignore_eos:
-            eos = self.tokenizer.eos_token_id
-            stop_ids.extend(i for i in (eos, *extra_stop_ids) if i is not None)
-        if tools is not None and tools.guide is not None:
-            if guide is not None:
-                raise bad_request("tool_choice: a forced tool call constrains the answer, and "
-                                  "so does a guided_* field: give one", param="tool_choice",
-                                  code="conflicting_values")
-            if not self.settings.guided:
-                raise bad_request(f"tool_choice: a forced tool call needs the model's "
-                                  f"tokenizer vocabulary, and model {self.settings.model_name!r}"
-                                  " has none", param="tool_choice", code="unsupported_value")
-            guide = tools.guide
-        try:
-            return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature,
-                                  top_p=req.top_p, top_k=max(req.top_k, 0),
-                                  stop_token_ids=packed_u32(stop_ids, field="stop_token_ids")
-                                  if stop_ids else None, seed=sampler_seed(req.seed),
-                                  ignore_eos=req.ignore_eos, guide=guide,
-                                  presence_penalty=req.presence_penalty,
-                                  frequency_penalty=req.frequency_penalty,
-                                  repetition_penalty=req.repetition_penalty,
-                                  min_tokens=req.min_tokens, logit_bias=bias,
-                                  top_logprobs=(req.logprobs or 0) if isinstance(
-                                      req, CompletionRequest) else req.top_logprobs or 0,
-                                  prompt_logprobs=req.logprobs if isinstance(
-                                      req, CompletionRequest) and req.echo else None)
-        except (ValueError, TypeError) as exc:
-            raise bad_request(f"sampling: {exc}") from None
+        return await answer_several(req, states, send, self._answer, copies=req.n, keep=req.n)
 
     def _state(self, req: CompletionRequest | ChatCompletionRequest, *, endpoint: str,
                prompt_ids: list[int], max_tokens: int, stops: list[str],
@@ -789,10 +281,10 @@ class OpenAIServing:
         include_usage = opts is not None and opts.include_usage
         return RequestState(
             endpoint=endpoint,
-            response=_ResponseBuilder(chat, next(self._ids), self.settings.model_name,
-                                      self.tokenizer),
+            response=ResponseShaper(chat, next(self._ids), self.settings.model_name,
+                                    self.tokenizer),
             prompt_ids=prompt_ids,
-            sampling=self._sampling(req, max_tokens, extra_stop_ids, guide, tools),
+            sampling=self.translator.params(req, max_tokens, extra_stop_ids, guide, tools),
             tools=tools,
             detok=Detokenizer(self.tokenizer, stops, prompt_ids), has_stops=bool(stops),
             logprobs=logprobs, stream=req.stream, include_usage=include_usage,
@@ -802,6 +294,13 @@ class OpenAIServing:
             send=send, t0=t0)
 
     async def _answer(self, state: RequestState) -> int:
+        """Answer one request to the engine, as ``state`` says; returns the HTTP status
+        sent.
+
+        Raises:
+            ApiError: the engine's refusal (:func:`frontend.errors.from_engine`), before
+                anything was sent.
+        """
         try:
             if not state.stream and not state.has_stops:
                 return await self._whole(state)  # one awaitable, no stream: the cheap path
@@ -819,15 +318,16 @@ class OpenAIServing:
         text += detok.finish()
         prompt, answer = len(state.prompt_ids), len(result.token_ids)
         tops = None if result.top_logprobs is None else tuple(result.top_logprobs)
+        usage = Usage(prompt, answer, prompt + answer,
+                      PromptTokensDetails(result.cached_tokens or 0))
         body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
-                              Usage(prompt, answer, prompt + answer,
-                                    PromptTokensDetails(result.cached_tokens or 0)), offsets,
-                              tops, state.tools)
+                              usage, offsets, tops, state.tools)
         self._first_token(state)
         await send_bytes(state.send, 200, body)
         return 200
 
     def _first_token(self, state: RequestState) -> None:
+        """Count the time to ``state``'s first token (the metrics, when served)."""
         if self.metrics is not None:
             self.metrics.first_token(state.endpoint, time.perf_counter() - state.t0)
 
@@ -876,20 +376,20 @@ class OpenAIServing:
                         if offsets is not None:
                             out_offsets.extend(offsets)
                     elif state.tools is not None:
-                        events.extend(response.tool_event(state.tools, text, finish, state.usage()
-                                                          if state.continuous_usage else None))
+                        usage = state.usage() if state.continuous_usage else None
+                        events.extend(response.tool_event(state.tools, text, finish, usage))
                     elif text or finish is not None or chunk.logprobs or state.continuous_usage:
-                        events.append(response.event(
-                            text, finish, chunk.token_ids, chunk.logprobs,
-                            state.usage() if state.continuous_usage else None, offsets,
-                            chunk.top_logprobs))
+                        usage = state.usage() if state.continuous_usage else None
+                        events.append(response.event(text, finish, chunk.token_ids,
+                                                     chunk.logprobs, usage, offsets,
+                                                     chunk.top_logprobs))
                     if finish is not None:
                         break
                 if events:
                     if finish is not None:
                         if state.include_usage:
                             events.append(response.usage_event(state.usage()))
-                        events.append(_DONE)
+                        events.append(DONE)
                     if not started:
                         started = True
                         self._first_token(state)
@@ -905,7 +405,7 @@ class OpenAIServing:
                 raise
             error = from_engine(exc)
             await send({"type": "http.response.body", "body": b"data: " + sse_safe(error.body())
-                        + b"\n\n" + _DONE})
+                        + b"\n\n" + DONE})
             return 200
         finally:
             await steps.aclose()  # not finished (a stop string, a client gone): abort

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from frontend import ByteTokenizer, ChatTemplate, Detokenizer, HFTokenizer, Settings, Tokenizer
-from frontend.generate import _ResponseBuilder
+from frontend.responses import ResponseShaper
 from frontend.schemas import ChatMessage
 from scheduler import AsyncEngine, ModelConfig
 from tests.frontend.bpe import TEXT, train_byte_level, train_metaspace
@@ -241,7 +241,7 @@ def test_with_metrics_off_there_is_no_metrics_path(
 @given(texts=st.lists(st.text(), min_size=1, max_size=5), chat=st.booleans())
 def test_an_event_spliced_around_its_text_is_the_event_encoded_whole(texts: list[str],
                                                                       chat: bool) -> None:
-    shape = _ResponseBuilder(chat, "7", 'tiny "model" \u00e9', ByteTokenizer())
+    shape = ResponseShaper(chat, "7", 'tiny "model" \u00e9', ByteTokenizer())
     for i, text in enumerate(texts):
         role = "assistant" if chat and i == 0 else None
         assert shape.event(text, None, [], None, None) == \
@@ -253,7 +253,7 @@ def test_an_event_spliced_around_its_text_is_the_event_encoded_whole(texts: list
 def test_an_event_is_one_line_whatever_its_text(text: str, chat: bool, whole: bool) -> None:
     # Without this: msgspec writes U+2028, U+2029 and U+0085 raw, and a reader that
     # splits lines as str.splitlines does (httpx's iter_lines) cut the event in two.
-    shape = _ResponseBuilder(chat, "7", "tiny", ByteTokenizer())
+    shape = ResponseShaper(chat, "7", "tiny", ByteTokenizer())
     shape.event("", None, [], None, None)  # (past the first event: the spliced one)
     event = shape.event(text, "stop" if whole else None, [], None, None)
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
