@@ -163,13 +163,16 @@ class Scheduler(ControlMethods):
         self._empty = empty
         self._handoff_bytes = handoff_bytes
         #: Read for another scheduler to decode, waiting for hand-off room (their
-        #: state held in the model, out of the running batch), in order.
+        #: state held in the model, out of the running batch), in order. Each keeps
+        #: its batch slot (``Batch.held``): new prompts wait for room, never pile up.
         self._held: deque[Seq] = deque()
         self.router = router
         self.model = model
         self.admission = Admission(limits or Limits())
         self.batch = Batch(model, self.admission, max_batch=max_batch,
                            max_prefill_tokens=max_prefill_tokens)
+        self.batch.held = self._held
+        self._worked = False  # whether the last step ran the model
         router.on_overflow = functools.partial(collapse, abort=self._silence,
                                                dropped_rpc=self._dropped_rpc)
         self._rejects = LogSummary(log, "rejected messages with no readable rid")
@@ -231,8 +234,10 @@ class Scheduler(ControlMethods):
                     # Outputs waiting for a consumer are retried every few ms;
                     # otherwise park until any inbox wakes us.
                     self.receiver.wait(0.005 if self.router.backlog else self.idle_timeout)
-                elif not received and self._held and not self.batch and not self._aborted:
-                    self.receiver.wait(0.005)  # only hand-offs wait for room: look again soon
+                elif not received and self._held and not self._worked and not self._aborted:
+                    # Nothing moved but hand-offs waiting for room (and the prompts
+                    # waiting for the slots they keep): look again soon, not at once.
+                    self.receiver.wait(0.005)
         except BaseException as exc:
             # Still answer everyone, saying why, before the error propagates.
             self.finish_all(*stopped_by(exc, "scheduler"))
@@ -269,7 +274,7 @@ class Scheduler(ControlMethods):
         self._emit_aborted()
         if self._held:
             self._send_held()
-        worked = self._run_batch()
+        self._worked = worked = self._run_batch()
         if self._throttle.paused or self.router.backlog:
             self._throttle.update(self.router.backlog_by_origin())
         if self.metrics is not None and (envelopes or worked):
@@ -285,7 +290,8 @@ class Scheduler(ControlMethods):
     def finish_all(self, code: ErrorCode = "shutdown",
                    message: str = "the scheduler shut down before the request finished") -> int:
         """Answer every queued and running request with a terminal :class:`ErrorOut`."""
-        held, self._held = list(self._held), deque()
+        held = list(self._held)
+        self._held.clear()  # (the deque Batch.held counts: cleared, not replaced)
         for s in held:
             self.batch.model.free(s.key)
         seqs = [s for s in [*self.batch.clear(), *held] if not s.silenced]

@@ -480,3 +480,35 @@ def test_an_abort_of_a_request_waiting_to_be_handed_off_frees_it(
     prefill.run_until(lambda: "a" in prefill.finished())
     assert prefill.finished()["a"][1] == "abort"
     assert prefill.sched.model.live_states == 0 and not prefill.sched.busy
+
+
+def test_read_prompts_waiting_to_be_handed_off_keep_their_batch_slots(
+        make_loop: Callable[..., Loop]) -> None:
+    """A prefill replica whose hand-offs are not taken holds at most ``max_batch``
+    read states: the prompts after them wait in the queue (not read, not refused),
+    and are read, in order, as the hand-offs before them leave."""
+    from scheduler import Limits
+    in_flight = [1 << 30]  # what the receivers hold of this replica's sends (the test's)
+    prefill = make_loop("zmq", max_batch=2, limits=Limits(max_handoff_bytes=1),
+                        handoff_bytes=lambda: in_flight[0])
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    for i in range(5):
+        prefill.send(TokenizedGenerateReqInput(rid=f"q{i}", input_ids=token_ids([5 + i, 9]),
+                                               sampling=sp, stream=True, prefill_only=True))
+
+    def firsts() -> list[str]:
+        return [rid for o, _ in prefill.got if isinstance(o, BatchTokenIDOut)
+                for rid, _ids, _fin in o.items()]
+
+    prefill.run_until(lambda: len(firsts()) == 2)
+    for _ in range(10):
+        prefill.sched.step()
+    assert firsts() == ["q0", "q1"]  # the other three not read: no slot
+    assert prefill.sched.model.live_states == 2 and prefill.sched.batch.queued == 3
+    assert not prefill.errors()
+    in_flight[0] = 0
+    prefill.run_until(lambda: sum(isinstance(o, KVHandoff) for o, _ in prefill.got) == 5)
+    assert firsts() == ["q0", "q1", "q2", "q3", "q4"] and not prefill.errors()
+    assert [o.rid for o, _ in prefill.got if isinstance(o, KVHandoff)] == \
+        ["q0", "q1", "q2", "q3", "q4"]
+    assert prefill.sched.model.live_states == 0 and not prefill.sched.busy
