@@ -127,8 +127,8 @@ class Dispatcher:
             ``None``: every replica does both.
         handoff_deadline: seconds a hand-off's shared-memory slab (this dispatcher's,
             on its way to a decode replica) may stay unread; past it, the slab is
-            taken back and unlinked (a replica reading the hand-off later has it
-            refused, and answers the request ``decode_error``).
+            taken back and unlinked, and the request answered ``replica_lost``,
+            naming it and the deadline (the replica reading it later has it refused).
     """
 
     TICK = 0.02  # seconds between liveness checks when idle
@@ -150,7 +150,9 @@ class Dispatcher:
         self.decode_only = frozenset(range(pd[0], sum(pd))) if pd is not None else frozenset()
         self.prefill_only = frozenset(range(pd[0])) if pd is not None else frozenset()
         self.table = dispatch_table(merge_replies)  # the totality check: at start-up
-        self.replicas = [Replica(i, spec) for i, spec in enumerate(replicas)]
+        self.replicas = [Replica(i, spec, unclaimed_timeout=handoff_deadline
+                                 if i in self.decode_only else None)
+                         for i, spec in enumerate(replicas)]
         self.ledger = Ledger(len(replicas), policy)
         #: Where prompts went, for the ``cache_aware`` policy (None under the others).
         self.affinity = PrefixAffinity(len(replicas)) if policy == "cache_aware" else None
@@ -375,6 +377,8 @@ class Dispatcher:
                         f"its hand-off to {rep.name} failed: {exc}")
             return
         self.ledger.move(entry, i, rep.generation)
+        pool = rep.work.shm_frames
+        entry.handoff = pool.last_sent if pool is not None else ()
         self.stats["handed_off"] += 1
         if entry.aborted:  # aborted while in hand-off: end it where it is now
             rep.abort(h.rid)
@@ -508,11 +512,22 @@ class Dispatcher:
             pool = rep.work.shm_frames
             if pool is None or not pool.bytes_held:
                 continue
-            pool.unclaimed_timeout = self.handoff_deadline
             freed = pool.reclaim()
             if freed:
-                log.warning("%s did not read a hand-off within %.1f s: its %d bytes of "
+                log.warning("%s did not read a hand-off within %g s: its %d bytes of "
                             "shared memory are freed", rep.name, self.handoff_deadline, freed)
+                self._expired(rep, pool.taken_back)
+
+    def _expired(self, rep: Replica, taken_back: frozenset[tuple[str, int]]) -> None:
+        """Answer the requests whose hand-off to ``rep`` was taken back unread: it can
+        never be adopted now (``rep`` reading it later has it refused, unanswered here)."""
+        for entry in list(self.ledger.entries(rep.index)):
+            if entry.handoff and not taken_back.isdisjoint(entry.handoff):
+                self.ledger.finish(entry.rid)
+                self._error(entry.rid, _WORK, "replica_lost",
+                            f"request {entry.rid!r}: its hand-off to {rep.name} expired "
+                            f"unadopted after {self.handoff_deadline:g} s (the replica did "
+                            "not read it; its shared memory is freed)")
 
     def _verdict(self, rep: Replica, awake: float) -> str | None:
         """Why ``rep`` is lost now, judged on what it showed us while we ran; a silence

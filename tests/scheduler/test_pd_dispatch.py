@@ -7,7 +7,8 @@ order in which a hand-off and an abort reach it is the test's, not the machine's
   ends the request at the decode replica the hand-off goes to;
 * a hand-off that no decode replica reads (one stopped, or alive but not reading its
   work socket) is freed after the dispatcher's ``handoff_deadline``: its slab is
-  unlinked from ``/dev/shm``.
+  unlinked from ``/dev/shm``, and the client told so (``replica_lost``, naming the rid
+  and the deadline).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from messages import (
     AbortReq,
     BatchTokenIDOut,
     Codec,
+    ErrorOut,
     KVHandoff,
     Output,
     Request,
@@ -159,6 +161,20 @@ def test_a_hand_off_nobody_reads_is_freed_after_the_deadline(pd_rig: PdRig) -> N
     assert time.monotonic() - sent >= DEADLINE * 0.9  # not before its deadline
     assert not any(map(os.path.exists, slabs)), slabs  # nothing left in /dev/shm
     assert pool.bytes_unreleased == 0
+    # The client hears why, once: the rid, that nobody adopted it, and the deadline.
+    errors: list[ErrorOut] = []
+
+    def answered() -> bool:
+        errors.extend(e.message for e in r.client_out.drain(8)
+                      if isinstance(e, Envelope) and isinstance(e.message, ErrorOut))
+        return bool(errors)
+
+    r.until("the client answered", answered, read_decode=False)
+    (err,) = errors
+    assert err.rid == "y" and err.code == "replica_lost", err
+    assert f"request 'y': its hand-off to replica1 expired unadopted after {DEADLINE:g} s" \
+        in err.message, err.message
+    assert r.dispatcher.ledger.get("y") is None
     # Read now, it is refused as reclaimed (rejected: never adopted from freed memory).
     deadline = time.monotonic() + 10
     while not r.decode.work.socket.poll(50):
