@@ -20,6 +20,7 @@ from scheduler.cli.options import (
     add_dp_policy_option,
     add_scheduler_options,
     curve_options,
+    limits_from,
 )
 from scheduler.cli.rpc import run_rpc
 from scheduler.cli.signals import ignore_stop_signals
@@ -225,8 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # After the checks above: a start that fails says one line, not this one too.
     raise_open_files_limit("scheduler serve")  # each client holds sockets
     try:
-        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog,
-                        args.prefix_cache_bytes)
+        limits = limits_from(args)
     except ValueError as exc:
         parser.error(str(exc))
     if args.dp_size > 1:
@@ -330,7 +330,8 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
                                         curve_clients=allowed, policy=args.dp_policy,
                                         max_backlog=limits.max_backlog,
                                         heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT,
-                                        pd=args.pd)
+                                        pd=args.pd, handoff_deadline=limits.handoff_deadline,
+                                        max_handoff_bytes=limits.max_handoff_bytes)
         except KeyboardInterrupt:
             if none_left:
                 raise NoReplicaLeft(none_left[0]) from None

@@ -148,7 +148,9 @@ class Scheduler(ControlMethods):
             receivers now (the output pool's ``FramePool.bytes_unreleased``); a read
             prompt is handed off only while they and this step's hand-offs are under
             ``limits.max_handoff_bytes``, else it waits here, in order (``None``: not
-            bounded, as where nothing crosses through shared memory).
+            bounded, as where nothing crosses through shared memory). A hand-off larger
+            than the bound alone is answered ``invalid_request`` (rid, size, bound),
+            whatever the transport.
     """
 
     def __init__(self, receiver: RequestSource, router: Router[Output], model: Model, *,
@@ -422,6 +424,11 @@ class Scheduler(ControlMethods):
                 continue
             self._live.pop(req.rid, None)
             self.batch.remove(s)  # its state here is freed: the hand-off holds a copy
+            if h.kv.nbytes > bound:  # it could never fit: the request ends here
+                self._error(req.rid, s.origin, "invalid_request",
+                            f"request {req.rid!r}: its hand-off of {h.kv.nbytes} bytes "
+                            f"exceeds max_handoff_bytes={bound}")
+                continue
             self._route(h, s.origin)
             in_flight += h.kv.nbytes  # (sent with the step's burst: not counted yet)
 

@@ -81,7 +81,8 @@ def _replica(ep: Endpoints) -> FakeReplica:
 
 
 @pytest.fixture
-def pd_rig(tmp_path: Path) -> Iterator[PdRig]:
+def pd_rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[PdRig]:
+    """The rig; ``request.param`` (indirect parametrization): more ``Dispatcher`` args."""
     dirs = [tmp_path / n for n in ("p", "d", "f")]
     for path in dirs:
         path.mkdir()
@@ -96,7 +97,7 @@ def pd_rig(tmp_path: Path) -> Iterator[PdRig]:
     clock = FakeClock()
     d = Dispatcher(work, rpc, out, [ReplicaSpec(eps[0]), ReplicaSpec(eps[1])],
                    heartbeat_interval=0.2, heartbeat_timeout=60.0, clock=clock, pd=(1, 1),
-                   handoff_deadline=DEADLINE)
+                   **{"handoff_deadline": DEADLINE, **getattr(request, "param", {})})
     r = PdRig(clock, d, prefill, decode, client_work, client_out)
     try:
         r.until("both replicas joined", lambda: all(rep.live for rep in d.replicas))
@@ -181,3 +182,50 @@ def test_a_hand_off_nobody_reads_is_freed_after_the_deadline(pd_rig: PdRig) -> N
         assert time.monotonic() < deadline
     got = r.decode.work.drain(8)
     assert got and not any(isinstance(e, Envelope) for e in got), got
+
+
+def _client_errors(r: PdRig, into: list[ErrorOut]) -> bool:
+    """Read the client's socket into ``into``; whether any error came."""
+    into.extend(e.message for e in r.client_out.drain(8)
+                if isinstance(e, Envelope) and isinstance(e.message, ErrorOut))
+    return bool(into)
+
+
+@pytest.mark.parametrize("pd_rig", [{"max_handoff_bytes": 3 << 19, "handoff_deadline": 60.0}],
+                         indirect=True)
+def test_the_hop_to_a_decode_replica_keeps_the_hand_off_byte_bound(pd_rig: PdRig) -> None:
+    """Past ``max_handoff_bytes`` unreleased by the decode replica, a hand-off waits at
+    the dispatcher (in order, never dropped) until the replica releases one; one larger
+    than the bound alone is answered with the rid, its size and the bound."""
+    r = pd_rig
+    pool = r.dispatcher.replicas[1].work.shm_frames
+    assert pool is not None
+    for rid in ("a", "b", "c"):
+        r.client_work.send(TokenizedGenerateReqInput(rid=rid, input_ids=token_ids([5, 9, 2]),
+                                                     sampling=SP, stream=True))
+    r.until("a, b and c read by the prefill replica", lambda: len(r.got[0]) == 3)
+    r.prefill.out.send(BatchTokenIDOut.from_lists(["a", "b", "c"], [[7], [7], [7]],
+                                                  [None, None, None]))  # first tokens
+    for rid in ("a", "b"):
+        r.prefill.out.send(_handoff(rid, positions=1 << 15))  # 1 MiB each: 2 > 1.5 MiB
+    r.until("a sent on to the decode replica",
+            lambda: r.dispatcher.stats["handed_off"] >= 1, read_decode=False)
+    for _ in range(10):
+        r.step(read_decode=False)
+    assert r.dispatcher.stats["handed_off"] == 1  # b waits: a is not released yet
+    assert pool.bytes_unreleased == 1 << 20
+    r.prefill.out.send(_handoff("c", positions=1 << 16))  # 2 MiB: never fits
+    errors: list[ErrorOut] = []
+    r.until("c answered", lambda: _client_errors(r, errors), read_decode=False)
+    (err,) = errors
+    assert err.rid == "c" and err.code == "invalid_request", err
+    assert err.message == (f"request 'c', prefilled by replica0: its hand-off of {2 << 20} "
+                           f"bytes exceeds max_handoff_bytes={3 << 19}"), err.message
+    # The decode replica reads a and lets it go: b follows, nothing dropped.
+    r.until("a read", lambda: r.got[1], read_decode=True)
+    assert [m.rid for m in r.got[1] if isinstance(m, KVHandoff)] == ["a"]
+    r.got[1].clear()  # (its views of a's slab: released as they go)
+    r.until("b sent on", lambda: r.dispatcher.stats["handed_off"] == 2)
+    r.until("b read", lambda: r.got[1])
+    assert [m.rid for m in r.got[1] if isinstance(m, KVHandoff)] == ["b"]
+    assert not _client_errors(r, errors[:0]) and r.dispatcher.stats["lost"] == 0
