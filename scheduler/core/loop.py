@@ -144,13 +144,13 @@ class Scheduler(ControlMethods):
             are stuck), so every rank keeps the same batch.
         empty: makes the tensor a hand-off's state is written into (the output
             outbox's ``PushOutbox.empty``: a slab, so it crosses with no copy).
-        handoff_bytes: the bytes this scheduler's sends hold unreleased by their
-            receivers now (the output pool's ``FramePool.bytes_unreleased``); a read
-            prompt is handed off only while they and this step's hand-offs are under
-            ``limits.max_handoff_bytes``, else it waits here, in order (``None``: not
-            bounded, as where nothing crosses through shared memory). A hand-off larger
-            than the bound alone is answered ``invalid_request`` (rid, size, bound),
-            whatever the transport.
+        handoff_bytes: the bytes this scheduler's sends hold now (the output pool's
+            ``FramePool.bytes_unreleased``, unreleased by their receivers, plus the
+            outbox's ``PushOutbox.bytes_unsent``, not yet written to a ``tcp://``
+            connection); a read prompt is handed off only while they and this step's
+            hand-offs are under ``limits.max_handoff_bytes``, else it waits here, in
+            order (``None``: not bounded). A hand-off larger than the bound alone is
+            answered ``invalid_request`` (rid, size, bound), whatever the transport.
     """
 
     def __init__(self, receiver: RequestSource, router: Router[Output], model: Model, *,

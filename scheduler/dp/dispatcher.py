@@ -136,8 +136,8 @@ class Dispatcher:
             under it; else it waits here, in order (holding the prefill replica's
             memory, so that replica waits too: nothing is dropped). One larger than
             the bound alone is answered ``invalid_request`` naming the rid, its size
-            and the bound. Over ``tcp://`` nothing says when a receiver is done
-            with a hand-off: only the size of each is bounded there.
+            and the bound. Over ``tcp://`` what counts is what zmq has not written
+            out to the replica's connection yet (``PushOutbox.bytes_unsent``).
     """
 
     TICK = 0.02  # seconds between liveness checks when idle
@@ -393,12 +393,12 @@ class Dispatcher:
 
     def _room(self, i: int, nbytes: int) -> bool:
         """Whether decode replica ``i`` may take a hand-off of ``nbytes`` now: nothing
-        of its hand-offs is unreleased, or they and this one fit ``max_handoff_bytes``
-        (over ``tcp://``, nothing tells: always)."""
-        pool = self.replicas[i].work.shm_frames
-        if pool is None:
-            return True
-        held = pool.bytes_unreleased
+        of what was sent to it is held (unreleased in shared memory, or not yet
+        written out to its ``tcp://`` connection), or that and this one fit
+        ``max_handoff_bytes``."""
+        work = self.replicas[i].work
+        pool = work.shm_frames
+        held = work.bytes_unsent + (pool.bytes_unreleased if pool is not None else 0)
         return not held or held + nbytes <= self.max_handoff_bytes
 
     def _try_hand_over(self, h: KVHandoff) -> bool:

@@ -229,3 +229,36 @@ def test_the_hop_to_a_decode_replica_keeps_the_hand_off_byte_bound(pd_rig: PdRig
     r.until("b read", lambda: r.got[1])
     assert [m.rid for m in r.got[1] if isinstance(m, KVHandoff)] == ["b"]
     assert not _client_errors(r, errors[:0]) and r.dispatcher.stats["lost"] == 0
+
+
+def test_over_tcp_a_senders_hand_off_bytes_are_those_zmq_has_not_written_out() -> None:
+    """With no shared memory (``tcp://``), what a prefill replica's bound (and the
+    dispatcher's hop) counts is what zmq still holds of its sends: all of it while the
+    peer is away, nothing once the peer has taken it."""
+    import socket
+
+    from scheduler.launch.wiring import _unreleased
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep = f"tcp://127.0.0.1:{port}"
+    out: PushOutbox[Output] = PushOutbox(Codec(Output), ep)  # no peer yet: zmq keeps them
+    inbox: PullInbox[Output] | None = None
+    try:
+        assert out.shm_frames is None
+        held = _unreleased(out)
+        for rid in ("t0", "t1"):
+            out.send_nowait(_handoff(rid, positions=1 << 15))  # 1 MiB each
+        assert held() == out.bytes_unsent == 2 << 20
+        inbox = PullInbox(Codec(Output), ep)
+        got: list[object] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 2 or held():
+            assert time.monotonic() < deadline, (len(got), held())
+            inbox.socket.poll(20)  # (returns as soon as a message waits)
+            got.extend(e.message for e in inbox.drain(8) if isinstance(e, Envelope))
+        assert [h.rid for h in got if isinstance(h, KVHandoff)] == ["t0", "t1"]
+    finally:
+        out.close()
+        if inbox is not None:
+            inbox.close()
