@@ -140,6 +140,9 @@ class _ZmqEnd:
         self.socket = sock
         self._name = name
         self._closed = False
+        #: Large frames handed to zmq without a copy, each with its tracker and size,
+        #: where the end counts what zmq has not written out yet (``None``: not counted).
+        self._unsent: list[tuple[zmq.MessageTracker, int]] | None = None
 
     @property
     def name(self) -> str:
@@ -177,9 +180,15 @@ class _ZmqEnd:
             # zmq Frame); hand large ones (tensor bytes) to zmq as views.
             # Only the first part can meet the high-water mark: once it is
             # queued, zmq takes the rest of the message whatever the flags.
+            unsent = self._unsent
             for i, f in enumerate(frames):
-                send(f, (_SNDMORE if i < last else 0) | flags,
-                     copy=len(f) < zmq.COPY_THRESHOLD)
+                small = len(f) < zmq.COPY_THRESHOLD
+                if small or unsent is None:
+                    send(f, (_SNDMORE if i < last else 0) | flags, copy=small)
+                else:  # tracked: zmq says when it has written the view out
+                    tracker = send(f, (_SNDMORE if i < last else 0) | flags, copy=False,
+                                   track=True)
+                    unsent.append((tracker, memoryview(f).nbytes))
         except zmq.Again as exc:
             raise WouldBlock(self._name, "the peer is not reading (high-water mark reached)"
                              if not block else "send timed out: the peer is not reading "
@@ -378,6 +387,20 @@ class PushOutbox(_ZmqEnd, Generic[M]):
         self.endpoint = endpoint
         #: The shared-memory slabs of large frames (None: every byte on the socket).
         self.shm_frames = FramePool(threshold=shm_threshold) if _local(endpoint, shm) else None
+        self._unsent = []
+
+    @property
+    def bytes_unsent(self) -> int:
+        """Bytes of large frames (``zmq.COPY_THRESHOLD`` and up) sent on the socket itself
+        (``tcp://``, or past a full shared-memory pool) that zmq has not written out to
+        the peer's connection yet: what this outbox's sends hold in its own memory
+        beyond :attr:`shm_frames` (bytes already in the kernel's or the peer's buffers
+        are not seen)."""
+        unsent = self._unsent
+        if not unsent:
+            return 0
+        unsent[:] = [(t, n) for t, n in unsent if not t.done]
+        return sum(n for _, n in unsent)
 
     def close(self) -> None:
         """Close the socket and unlink the shared-memory slabs. Idempotent."""

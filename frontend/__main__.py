@@ -23,12 +23,13 @@ from frontend.schemas import MAX_MODEL_NAME
 from frontend.serving import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, SEND_TIMEOUT_S, http_protocol
 from frontend.tokenizer import load_tokenizer
 from messages import MAX_TOKENS
-from scheduler import HFModelSpec, Limits, ModelConfig, ModelLoadError
+from scheduler import HFModelSpec, ModelConfig, ModelLoadError
 from scheduler.cli.options import (
     add_backlog_option,
     add_curve_options,
     add_scheduler_options,
     curve_options,
+    limits_from,
 )
 from scheduler.launch.leftovers import make_run_dir, remove_run_dir
 from scheduler.models.loading import check_model_loads
@@ -200,8 +201,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"CURVE keys: {exc}") from exc
     try:
-        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog,
-                        args.prefix_cache_bytes)
+        limits = limits_from(args)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     # Checked here, before anything starts: a bad bound is the operator's to fix, not

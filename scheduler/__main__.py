@@ -18,9 +18,11 @@ from scheduler.cli.options import (
     add_backlog_option,
     add_curve_options,
     add_dp_policy_option,
+    add_handoff_options,
     add_pd_option,
     add_scheduler_options,
     curve_options,
+    limits_from,
 )
 from scheduler.cli.rpc import run_rpc
 from scheduler.cli.signals import ignore_stop_signals
@@ -172,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the key pair this dispatcher presents to CURVE replicas")
     add_dp_policy_option(x)
     add_pd_option(x)
+    add_handoff_options(x)
     x.add_argument("--heartbeat-timeout", type=float, default=2.0,
                    help="seconds of silence after which a replica is lost (a replica "
                         "answers between steps: keep it above the longest step)")
@@ -204,12 +207,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.pd is not None and sum(args.pd) != len(specs):
             parser.error(f"--pd {args.pd[0]}:{args.pd[1]} needs {sum(args.pd)} --replica "
                          f"(the prefill ones first), not {len(specs)}")
+        try:  # (the hand-off bounds, checked as a scheduler's are)
+            Limits(max_handoff_bytes=args.max_handoff_bytes,
+                   handoff_deadline=args.handoff_deadline)
+        except ValueError as exc:
+            parser.error(str(exc))
         endpoints, options, allowed = _upstream(parser, args)
         raise_open_files_limit("scheduler dispatch")  # each client holds sockets
         return _until_stopped(lambda: serve_dispatch(
             endpoints, specs, options=options, curve_clients=allowed, policy=args.dp_policy,
             heartbeat_timeout=args.heartbeat_timeout, rpc_timeout=args.rpc_timeout,
-            max_backlog=args.max_backlog, pd=args.pd))
+            max_backlog=args.max_backlog, pd=args.pd,
+            max_handoff_bytes=args.max_handoff_bytes, handoff_deadline=args.handoff_deadline))
     if args.pd is not None:
         if args.dp_size not in (1, sum(args.pd)):
             parser.error(f"--pd {args.pd[0]}:{args.pd[1]} runs {sum(args.pd)} replicas: "
@@ -230,8 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # After the checks above: a start that fails says one line, not this one too.
     raise_open_files_limit("scheduler serve")  # each client holds sockets
     try:
-        limits = Limits(args.max_queued_requests, args.max_queued_tokens, args.max_backlog,
-                        args.prefix_cache_bytes)
+        limits = limits_from(args)
     except ValueError as exc:
         parser.error(str(exc))
     if args.dp_size > 1:
@@ -335,7 +343,8 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
                                         curve_clients=allowed, policy=args.dp_policy,
                                         max_backlog=limits.max_backlog,
                                         heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT,
-                                        pd=args.pd)
+                                        pd=args.pd, handoff_deadline=limits.handoff_deadline,
+                                        max_handoff_bytes=limits.max_handoff_bytes)
         except KeyboardInterrupt:
             if none_left:
                 raise NoReplicaLeft(none_left[0]) from None

@@ -175,6 +175,12 @@ class FramePool:
         self.lent_sends = 0  # frames sent by handle from a lent slab (no copy)
         self._lent: dict[int, _Slab] = {}  # data address -> slab lent by empty()
         self._closed = False
+        #: The sends the last :meth:`wrap` made through shared memory, each as
+        #: ``(slab name, generation)``: a sender that must know later whether a
+        #: message's bytes were taken back keeps these (see :attr:`taken_back`).
+        self.last_sent: tuple[tuple[str, int], ...] = ()
+        #: The sends the last :meth:`reclaim` took back, as ``(slab name, generation)``.
+        self.taken_back: frozenset[tuple[str, int]] = frozenset()
 
     @property
     def bytes_held(self) -> int:
@@ -219,6 +225,7 @@ class FramePool:
 
         When nothing is large, or the pool is full, ``frames`` come back as they were.
         """
+        self.last_sent = ()
         if self._closed:
             return frames, []
         handles: list[_Handle] = []
@@ -255,6 +262,7 @@ class FramePool:
             out[i] = b""
         if out is None:
             return frames, used
+        self.last_sent = tuple((h.slab, h.gen) for h in handles)
         return [MAGIC + _HANDLES_ENC.encode(handles), *out], used
 
     def empty(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
@@ -295,19 +303,24 @@ class FramePool:
         """Take back and unlink every slab (not lent) whose send nobody claimed for
         ``unclaimed_timeout`` seconds (its message lies in a peer's socket that is not
         read, or was lost with it): nothing of it stays in ``/dev/shm``. A receiver that
-        reads the handle later has it refused as reclaimed. Returns the bytes freed.
+        reads the handle later has it refused as reclaimed. Returns the bytes freed;
+        :attr:`taken_back` names the sends freed.
         """
         now = time.monotonic() if now is None else now
         freed = 0
+        taken: list[tuple[str, int]] = []
         for slabs in self._classes.values():
             for slab in list(slabs):
+                gen = slab.words[_SENT_W]
                 if slab.free() or slab.words[_CLAIM_W] or \
                         not slab.take_back(self.unclaimed_timeout, now):
                     continue
+                taken.append((slab.seg.name, gen))
                 slabs.remove(slab)
                 self._bytes -= slab.size
                 freed += slab.size
                 slab.close()
+        self.taken_back = frozenset(taken)
         return freed
 
     def cancel(self, used: Sequence[_Slab]) -> None:

@@ -14,8 +14,8 @@ from bus import CurveKeys
 from scheduler.core.admission import Limits
 
 __all__ = ["DEPRECATED_ALIASES", "add_backlog_option", "add_curve_options",
-           "add_dp_policy_option", "add_pd_option", "add_scheduler_options", "curve_options",
-           "pd_ratio"]
+           "add_dp_policy_option", "add_handoff_options", "add_pd_option",
+           "add_scheduler_options", "curve_options", "limits_from", "pd_ratio"]
 
 #: Old spelling -> the option it is an alias of (accepted for one release, then removed).
 DEPRECATED_ALIASES: dict[str, str] = {"--dp": "--dp-size", "--policy": "--dp-policy"}
@@ -72,6 +72,19 @@ def add_pd_option(p: argparse.ArgumentParser) -> None:
                         "dispatch: the first P --replica read prompts)")
 
 
+def add_handoff_options(p: argparse.ArgumentParser) -> None:
+    """``--pd``'s bounds on hand-offs (``serve``, the frontend and ``dispatch``)."""
+    p.add_argument("--max-handoff-bytes", type=int, default=Limits().max_handoff_bytes,
+                   help="with --pd: most bytes of hand-offs (KV caches) sent on a hop and "
+                        "not yet taken; past it a read prompt waits (default: 512 MiB; a "
+                        "larger hand-off alone is refused)")
+    p.add_argument("--handoff-deadline", type=float, default=Limits().handoff_deadline,
+                   metavar="SECONDS",
+                   help="with --pd: seconds a hand-off may wait unread by its decode "
+                        "replica before its memory is freed and its request fails "
+                        "(default: 60)")
+
+
 def add_scheduler_options(p: argparse.ArgumentParser) -> None:
     """The scheduler's own options: its batch and queue bounds, its data-parallel
     replicas and their policy, and its model."""
@@ -89,6 +102,7 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
                         "process, behind one dispatcher" + _deprecated("--dp-size"))
     add_dp_policy_option(p)
     add_pd_option(p)
+    add_handoff_options(p)
     p.add_argument("--model", metavar="DIR", default=None,
                    help="a Hugging Face causal LM in a local directory (config.json and "
                         "safetensors; needs the [hf] extra); default: the built-in tiny model")
@@ -120,3 +134,16 @@ def curve_options(args: argparse.Namespace) -> tuple[CurveKeys | None, list[byte
         raise ValueError("--curve-keys and --curve-allow go together")
     allowed = [CurveKeys.public_of(f) for f in args.curve_allow] if keys is not None else None
     return keys, allowed
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    """The :class:`Limits` the shared options (and ``--max-backlog``) give.
+
+    Raises:
+        ValueError: a bound out of range (naming it).
+    """
+    return Limits(max_queued_requests=args.max_queued_requests,
+                  max_queued_tokens=args.max_queued_tokens, max_backlog=args.max_backlog,
+                  prefix_cache_bytes=args.prefix_cache_bytes,
+                  max_handoff_bytes=args.max_handoff_bytes,
+                  handoff_deadline=args.handoff_deadline)

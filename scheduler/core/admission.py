@@ -37,7 +37,12 @@ class Limits:
             yet; a request whose prompt is read then waits (its state held
             here, not decoding) until the hand-offs before it are taken. The
             default, 512 MiB, is half the output pool's shared memory (1 GiB),
-            so a hand-off under it finds a slab rather than the socket.
+            so a hand-off under it finds a slab rather than the socket. The
+            dispatcher's hop to a decode replica keeps the same bound, and a
+            hand-off larger than it alone is refused (``invalid_request``).
+        handoff_deadline: seconds a hand-off may wait unread in the shared memory of
+            the dispatcher's hop to a decode replica; past it, its memory is freed and
+            its request answered ``replica_lost`` (the hand-off expired unadopted).
     """
 
     max_queued_requests: int = 4096
@@ -45,6 +50,7 @@ class Limits:
     max_backlog: int = 1024
     prefix_cache_bytes: int = 1 << 30
     max_handoff_bytes: int = 512 << 20
+    handoff_deadline: float = 60.0
 
     def __post_init__(self) -> None:
         if min(self.max_queued_requests, self.max_queued_tokens, self.max_backlog) < 1:
@@ -53,6 +59,8 @@ class Limits:
             raise ValueError("prefix_cache_bytes must be >= 0")
         if self.max_handoff_bytes < 1:
             raise ValueError("max_handoff_bytes must be >= 1")
+        if not self.handoff_deadline > 0:  # (NaN too)
+            raise ValueError("handoff_deadline must be above 0 seconds")
 
 
 class Admission:

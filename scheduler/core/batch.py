@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,7 +125,8 @@ class Batch:
     Args:
         model: the model to run.
         admission: the queue's bounds and totals.
-        max_batch: most requests decoding (or part-way through their prompt) at once.
+        max_batch: most requests decoding (or part-way through their prompt, or read and
+            waiting for their hand-off to leave: :attr:`held`) at once.
         max_prefill_tokens: most prompt tokens read per step (see the module docstring).
     """
 
@@ -148,6 +149,11 @@ class Batch:
         #: Adopted from another replica (prefill and decode apart), their model state
         #: held, waiting in arrival order for a batch slot (see :meth:`adopt`).
         self.adopted: deque[Seq] = deque()
+        #: Read here for another replica to decode and waiting for their hand-off to
+        #: leave (the scheduler's queue, out of the running batch): each keeps its slot,
+        #: since its state stays in the model until it leaves, so a prefill replica
+        #: whose hand-offs are not taken holds at most ``max_batch`` states, not more.
+        self.held: Sized = ()
         self._keys = itertools.count()
         self._tickets = itertools.count()
         self._model_stops = frozenset(model.stop_token_ids)
@@ -204,7 +210,8 @@ class Batch:
 
     def _run_adopted(self) -> None:
         """Adopted requests join the running batch, in arrival order, while slots are free."""
-        while self.adopted and len(self.running) + len(self.partial) < self.max_batch:
+        while self.adopted and len(self.running) + len(self.partial) + len(self.held) \
+                < self.max_batch:
             seq = self.adopted.popleft()
             self.admission.leave(seq.cost)
             self.running.append(seq)
@@ -340,7 +347,7 @@ class Batch:
         new: list[Seq] = []
         parts: list[tuple[Seq, int]] = []
         budget = self.max_prefill_tokens
-        slots = self.max_batch - len(self.running) - len(self.partial)
+        slots = self.max_batch - len(self.running) - len(self.partial) - len(self.held)
         waiting, partial = self.waiting, self.partial
         kept_new: list[Seq] = []  # looked at, left in place
         kept_partial: list[Seq] = []

@@ -144,11 +144,13 @@ class Scheduler(ControlMethods):
             are stuck), so every rank keeps the same batch.
         empty: makes the tensor a hand-off's state is written into (the output
             outbox's ``PushOutbox.empty``: a slab, so it crosses with no copy).
-        handoff_bytes: the bytes this scheduler's sends hold unreleased by their
-            receivers now (the output pool's ``FramePool.bytes_unreleased``); a read
-            prompt is handed off only while they and this step's hand-offs are under
-            ``limits.max_handoff_bytes``, else it waits here, in order (``None``: not
-            bounded, as where nothing crosses through shared memory).
+        handoff_bytes: the bytes this scheduler's sends hold now (the output pool's
+            ``FramePool.bytes_unreleased``, unreleased by their receivers, plus the
+            outbox's ``PushOutbox.bytes_unsent``, not yet written to a ``tcp://``
+            connection); a read prompt is handed off only while they and this step's
+            hand-offs are under ``limits.max_handoff_bytes``, else it waits here, in
+            order (``None``: not bounded). A hand-off larger than the bound alone is
+            answered ``invalid_request`` (rid, size, bound), whatever the transport.
     """
 
     def __init__(self, receiver: RequestSource, router: Router[Output], model: Model, *,
@@ -163,13 +165,16 @@ class Scheduler(ControlMethods):
         self._empty = empty
         self._handoff_bytes = handoff_bytes
         #: Read for another scheduler to decode, waiting for hand-off room (their
-        #: state held in the model, out of the running batch), in order.
+        #: state held in the model, out of the running batch), in order. Each keeps
+        #: its batch slot (``Batch.held``): new prompts wait for room, never pile up.
         self._held: deque[Seq] = deque()
         self.router = router
         self.model = model
         self.admission = Admission(limits or Limits())
         self.batch = Batch(model, self.admission, max_batch=max_batch,
                            max_prefill_tokens=max_prefill_tokens)
+        self.batch.held = self._held
+        self._worked = False  # whether the last step ran the model
         router.on_overflow = functools.partial(collapse, abort=self._silence,
                                                dropped_rpc=self._dropped_rpc)
         self._rejects = LogSummary(log, "rejected messages with no readable rid")
@@ -231,8 +236,10 @@ class Scheduler(ControlMethods):
                     # Outputs waiting for a consumer are retried every few ms;
                     # otherwise park until any inbox wakes us.
                     self.receiver.wait(0.005 if self.router.backlog else self.idle_timeout)
-                elif not received and self._held and not self.batch and not self._aborted:
-                    self.receiver.wait(0.005)  # only hand-offs wait for room: look again soon
+                elif not received and self._held and not self._worked and not self._aborted:
+                    # Nothing moved but hand-offs waiting for room (and the prompts
+                    # waiting for the slots they keep): look again soon, not at once.
+                    self.receiver.wait(0.005)
         except BaseException as exc:
             # Still answer everyone, saying why, before the error propagates.
             self.finish_all(*stopped_by(exc, "scheduler"))
@@ -269,7 +276,7 @@ class Scheduler(ControlMethods):
         self._emit_aborted()
         if self._held:
             self._send_held()
-        worked = self._run_batch()
+        self._worked = worked = self._run_batch()
         if self._throttle.paused or self.router.backlog:
             self._throttle.update(self.router.backlog_by_origin())
         if self.metrics is not None and (envelopes or worked):
@@ -285,7 +292,8 @@ class Scheduler(ControlMethods):
     def finish_all(self, code: ErrorCode = "shutdown",
                    message: str = "the scheduler shut down before the request finished") -> int:
         """Answer every queued and running request with a terminal :class:`ErrorOut`."""
-        held, self._held = list(self._held), deque()
+        held = list(self._held)
+        self._held.clear()  # (the deque Batch.held counts: cleared, not replaced)
         for s in held:
             self.batch.model.free(s.key)
         seqs = [s for s in [*self.batch.clear(), *held] if not s.silenced]
@@ -416,6 +424,11 @@ class Scheduler(ControlMethods):
                 continue
             self._live.pop(req.rid, None)
             self.batch.remove(s)  # its state here is freed: the hand-off holds a copy
+            if h.kv.nbytes > bound:  # it could never fit: the request ends here
+                self._error(req.rid, s.origin, "invalid_request",
+                            f"request {req.rid!r}: its hand-off of {h.kv.nbytes} bytes "
+                            f"exceeds max_handoff_bytes={bound}")
+                continue
             self._route(h, s.origin)
             in_flight += h.kv.nbytes  # (sent with the step's burst: not counted yet)
 

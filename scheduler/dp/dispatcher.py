@@ -38,6 +38,7 @@ import functools
 import logging
 import multiprocessing
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -127,8 +128,16 @@ class Dispatcher:
             ``None``: every replica does both.
         handoff_deadline: seconds a hand-off's shared-memory slab (this dispatcher's,
             on its way to a decode replica) may stay unread; past it, the slab is
-            taken back and unlinked (a replica reading the hand-off later has it
-            refused, and answers the request ``decode_error``).
+            taken back and unlinked, and the request answered ``replica_lost``,
+            naming it and the deadline (the replica reading it later has it refused).
+        max_handoff_bytes: the hop to a decode replica keeps the prefill side's bound
+            (``Limits.max_handoff_bytes``): a hand-off goes to a decode replica only
+            while its bytes and those of the hand-offs it has not released yet fit
+            under it; else it waits here, in order (holding the prefill replica's
+            memory, so that replica waits too: nothing is dropped). One larger than
+            the bound alone is answered ``invalid_request`` naming the rid, its size
+            and the bound. Over ``tcp://`` what counts is what zmq has not written
+            out to the replica's connection yet (``PushOutbox.bytes_unsent``).
     """
 
     TICK = 0.02  # seconds between liveness checks when idle
@@ -139,7 +148,8 @@ class Dispatcher:
                  heartbeat_interval: float = 0.2, heartbeat_timeout: float = 2.0,
                  join_timeout: float = 60.0, max_backlog: int = 1024,
                  clock: Callable[[], float] = time.monotonic,
-                 pd: tuple[int, int] | None = None, handoff_deadline: float = 60.0) -> None:
+                 pd: tuple[int, int] | None = None, handoff_deadline: float = 60.0,
+                 max_handoff_bytes: int = 512 << 20) -> None:
         if not replicas:
             raise ValueError("a dispatcher needs at least one replica")
         if pd is not None and (min(pd) < 1 or sum(pd) != len(replicas)):
@@ -150,7 +160,9 @@ class Dispatcher:
         self.decode_only = frozenset(range(pd[0], sum(pd))) if pd is not None else frozenset()
         self.prefill_only = frozenset(range(pd[0])) if pd is not None else frozenset()
         self.table = dispatch_table(merge_replies)  # the totality check: at start-up
-        self.replicas = [Replica(i, spec) for i, spec in enumerate(replicas)]
+        self.replicas = [Replica(i, spec, unclaimed_timeout=handoff_deadline
+                                 if i in self.decode_only else None)
+                         for i, spec in enumerate(replicas)]
         self.ledger = Ledger(len(replicas), policy)
         #: Where prompts went, for the ``cache_aware`` policy (None under the others).
         self.affinity = PrefixAffinity(len(replicas)) if policy == "cache_aware" else None
@@ -162,6 +174,14 @@ class Dispatcher:
         self.heartbeat_timeout = heartbeat_timeout
         self.join_timeout = join_timeout
         self.handoff_deadline = handoff_deadline
+        if max_handoff_bytes < 1:
+            raise ValueError("max_handoff_bytes must be >= 1")
+        self.max_handoff_bytes = max_handoff_bytes
+        #: What ``get_load`` reports of the settings this dispatcher runs under.
+        self.bounds: dict[str, int | float] = {} if pd is None else {
+            "handoff_deadline": handoff_deadline, "max_handoff_bytes": max_handoff_bytes}
+        #: Hand-offs waiting for a decode replica with room, in arrival order.
+        self._handoffs_waiting: deque[KVHandoff] = deque()
         self.max_backlog = max_backlog
         self.logs = DispatcherLogs()
         self.router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
@@ -352,19 +372,55 @@ class Dispatcher:
 
     def _hand_over(self, h: KVHandoff, origin: Origin) -> None:
         """A prefill replica's hand-off (the router's ``KVHandoff`` row): on to the least
-        loaded live decode replica, which owns the request from now on."""
+        loaded live decode replica with room (``max_handoff_bytes``), which owns the
+        request from now on; with none, it waits, behind those already waiting."""
+        if h.kv.nbytes > self.max_handoff_bytes:  # it could never fit: answered now
+            entry = self.ledger.finish(h.rid)
+            if entry is not None:
+                self._error(h.rid, _WORK, "invalid_request", f"request {h.rid!r}, prefilled "
+                            f"by {self.replicas[entry.replica].name}: its hand-off of "
+                            f"{h.kv.nbytes} bytes exceeds max_handoff_bytes="
+                            f"{self.max_handoff_bytes}")
+            return
+        if self._handoffs_waiting or not self._try_hand_over(h):
+            self._handoffs_waiting.append(h)
+
+    def _hand_over_waiting(self) -> None:
+        """The waiting hand-offs, oldest first, while decode replicas have room."""
+        waiting = self._handoffs_waiting
+        while waiting and self._try_hand_over(waiting[0]):
+            waiting.popleft()
+
+    def _room(self, i: int, nbytes: int) -> bool:
+        """Whether decode replica ``i`` may take a hand-off of ``nbytes`` now: nothing
+        of what was sent to it is held (unreleased in shared memory, or not yet
+        written out to its ``tcp://`` connection), or that and this one fit
+        ``max_handoff_bytes``."""
+        work = self.replicas[i].work
+        pool = work.shm_frames
+        held = work.bytes_unsent + (pool.bytes_unreleased if pool is not None else 0)
+        return not held or held + nbytes <= self.max_handoff_bytes
+
+    def _try_hand_over(self, h: KVHandoff) -> bool:
+        """Send ``h`` on, or answer its request; ``False``: every live decode replica is
+        short of room (it must wait; nothing was done)."""
         entry = self.ledger.get(h.rid)
         if entry is None:  # ended meanwhile (the gate let it through while it was ours)
-            return
+            return True
         prefilled_by = self.replicas[entry.replica].name
+        nbytes = h.kv.nbytes
         busy = [r.index for r in self.replicas if r.orphans and h.rid in r.orphans]
+        excluded = [*busy, *self.prefill_only]
+        full = [i for i in self.decode_only if i not in excluded and not self._room(i, nbytes)]
         try:
-            i = self.ledger.pick(None, [*busy, *self.prefill_only])
+            i = self.ledger.pick(None, [*excluded, *full])
         except NoLiveReplica as exc:
+            if any(self.replicas[j].live for j in full):
+                return False
             self.ledger.finish(h.rid)
             self._error(h.rid, _WORK, "replica_lost", f"request {h.rid!r}, prefilled by "
                         f"{prefilled_by}: no decode replica to hand it to ({exc})")
-            return
+            return True
         rep = self.replicas[i]
         try:
             rep.work.send_nowait(h)
@@ -373,11 +429,14 @@ class Dispatcher:
             self._error(h.rid, _WORK, "overloaded" if isinstance(exc, WouldBlock) else
                         "replica_lost", f"request {h.rid!r}, prefilled by {prefilled_by}: "
                         f"its hand-off to {rep.name} failed: {exc}")
-            return
+            return True
         self.ledger.move(entry, i, rep.generation)
+        pool = rep.work.shm_frames
+        entry.handoff = pool.last_sent if pool is not None else ()
         self.stats["handed_off"] += 1
         if entry.aborted:  # aborted while in hand-off: end it where it is now
             rep.abort(h.rid)
+        return True
 
     def _to_owner(self, msg: Request) -> None:
         entry = self.ledger.get(msg.rid)
@@ -412,7 +471,7 @@ class Dispatcher:
         live = [i for i, r in enumerate(self.replicas) if r.live]
         if call.method == "get_load":  # the dispatcher's own view of each replica, beside
             reduce = functools.partial(with_ledger, reduce, self.replicas, self.ledger,
-                                       self.stats, self.fanout)
+                                       self.stats, self.fanout, self.bounds)
         elif call.method == "flush_cache" and self.affinity is not None:
             reduce = functools.partial(self.affinity.forget_flushed,
                                        [r.name for r in self.replicas], reduce)
@@ -498,6 +557,8 @@ class Dispatcher:
                     pass  # not connected yet, or not reading: its silence tells
         for done in self.fanout.expire(now):
             self._reply(*done)
+        if self._handoffs_waiting:
+            self._hand_over_waiting()
         self._reclaim_handoffs()
 
     def _reclaim_handoffs(self) -> None:
@@ -508,11 +569,22 @@ class Dispatcher:
             pool = rep.work.shm_frames
             if pool is None or not pool.bytes_held:
                 continue
-            pool.unclaimed_timeout = self.handoff_deadline
             freed = pool.reclaim()
             if freed:
-                log.warning("%s did not read a hand-off within %.1f s: its %d bytes of "
+                log.warning("%s did not read a hand-off within %g s: its %d bytes of "
                             "shared memory are freed", rep.name, self.handoff_deadline, freed)
+                self._expired(rep, pool.taken_back)
+
+    def _expired(self, rep: Replica, taken_back: frozenset[tuple[str, int]]) -> None:
+        """Answer the requests whose hand-off to ``rep`` was taken back unread: it can
+        never be adopted now (``rep`` reading it later has it refused, unanswered here)."""
+        for entry in list(self.ledger.entries(rep.index)):
+            if entry.handoff and not taken_back.isdisjoint(entry.handoff):
+                self.ledger.finish(entry.rid)
+                self._error(entry.rid, _WORK, "replica_lost",
+                            f"request {entry.rid!r}: its hand-off to {rep.name} expired "
+                            f"unadopted after {self.handoff_deadline:g} s (the replica did "
+                            "not read it; its shared memory is freed)")
 
     def _verdict(self, rep: Replica, awake: float) -> str | None:
         """Why ``rep`` is lost now, judged on what it showed us while we ran; a silence

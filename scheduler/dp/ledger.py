@@ -87,6 +87,9 @@ class Entry:
     at: float = 0.0  # when it was dispatched (monotonic)
     prefill_us: int = 0  # work still owed: reading the prompt (0 once started)
     decode_us: int = 0  # and sampling its tokens
+    #: Its hand-off's sends through shared memory to the decode replica it went to
+    #: (``FramePool.last_sent``), until the deadline tells whether it was read.
+    handoff: tuple[tuple[str, int], ...] = ()
 
 
 class Ledger:

@@ -65,8 +65,12 @@ class ReplicaSpec:
 class Replica:
     """The dispatcher's handle on replica ``index``."""
 
-    def __init__(self, index: int, spec: ReplicaSpec) -> None:
+    def __init__(self, index: int, spec: ReplicaSpec, *,
+                 unclaimed_timeout: float | None = None) -> None:
         self.index = index
+        #: Seconds a large message to it may stay unread in shared memory before
+        #: its slab is taken back (``None``: the pool's own default).
+        self.unclaimed_timeout = unclaimed_timeout
         self.name = f"replica{index}"
         self.spec = spec
         self.generation = 0
@@ -95,6 +99,8 @@ class Replica:
         ep, opts = self.spec.endpoints, self.spec.options
         self.work = PushOutbox(WORK.inbound_codec(), ep.work, name=f"{self.name}.work",
                                options=opts)
+        if self.work.shm_frames is not None and self.unclaimed_timeout is not None:
+            self.work.shm_frames.unclaimed_timeout = self.unclaimed_timeout
         if out:
             self.out = PullInbox(OUT.outbound_codec(), ep.out, name=f"{self.name}.out",
                                  options=opts, bind=not ep.server_binds_out)

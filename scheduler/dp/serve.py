@@ -38,7 +38,8 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
                    policy: Policy = "least_loaded", rpc_timeout: float = 30.0,
                    heartbeat_interval: float = 0.2, heartbeat_timeout: float = 2.0,
                    join_timeout: float = 60.0, max_backlog: int = 1024,
-                   pd: tuple[int, int] | None = None) -> bool:
+                   pd: tuple[int, int] | None = None, handoff_deadline: float = 60.0,
+                   max_handoff_bytes: int = 512 << 20) -> bool:
     """Serve ``endpoints`` like one scheduler, dispatching over ``replicas``, until a
     ``shutdown`` rpc (which reaches every replica) has been answered.
 
@@ -64,7 +65,8 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
                                     heartbeat_interval=heartbeat_interval,
                                     heartbeat_timeout=heartbeat_timeout,
                                     join_timeout=join_timeout, max_backlog=max_backlog,
-                                    pd=pd)
+                                    pd=pd, handoff_deadline=handoff_deadline,
+                                    max_handoff_bytes=max_handoff_bytes)
             try:
                 return dispatcher.run()
             finally:

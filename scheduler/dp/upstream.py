@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -100,9 +100,10 @@ def answer_rejected(env: Rejected, upstream: bool, ledger: Ledger, stats: dict[s
 
 
 def with_ledger(reduce: Reducer, replicas: Sequence[Replica], ledger: Ledger,
-                stats: dict[str, int], fanout: Fanout, call: RpcReqInput,
-                replies: Sequence[ReplicaReply]) -> RpcReqOutput:
-    """``get_load`` merged, plus what the dispatcher knows per replica and of itself."""
+                stats: dict[str, int], fanout: Fanout, bounds: Mapping[str, int | float],
+                call: RpcReqInput, replies: Sequence[ReplicaReply]) -> RpcReqOutput:
+    """``get_load`` merged, plus what the dispatcher knows per replica and of itself
+    (its counters, and ``bounds``: the settings it runs under, as ``dispatcher.<name>``)."""
     merged = reduce(call, replies)
     result = dict(merged.result or {})
     for rep in replicas:
@@ -116,4 +117,6 @@ def with_ledger(reduce: Reducer, replicas: Sequence[Replica], ledger: Ledger,
     for key, n in stats.items():
         result[f"dispatcher.{key}"] = n
     result["dispatcher.late_rpc_replies"] = fanout.late
+    for key, value in bounds.items():
+        result[f"dispatcher.{key}"] = value
     return msgspec.structs.replace(merged, result=result)

@@ -328,7 +328,8 @@ def start_processes(endpoints: Endpoints, directory: str, model: ModelSpec, *,
     ctx = multiprocessing.get_context("spawn")
     dispatcher = ctx.Process(target=_child, args=(os.getpid(), serve_dispatch, endpoints, specs),
                              kwargs={"policy": dp_policy, "max_backlog": limits.max_backlog,
-                                     "pd": pd,
+                                     "pd": pd, "handoff_deadline": limits.handoff_deadline,
+                                     "max_handoff_bytes": limits.max_handoff_bytes,
                                      "heartbeat_timeout": LOCAL_HEARTBEAT_TIMEOUT},
                              name="dispatcher", daemon=True)
     dispatcher.start()

@@ -230,10 +230,13 @@ def serve_follower(rank: int, tp: TPConfig, model: ModelSpec, *, max_batch: int 
         dist.destroy_process_group()
 
 
-def _unreleased(out: PushOutbox[Output]) -> Callable[[], int] | None:
-    """The bytes ``out``'s sends hold in shared memory now (``None``: it has no pool)."""
+def _unreleased(out: PushOutbox[Output]) -> Callable[[], int]:
+    """The bytes ``out``'s sends hold now: in shared memory, unreleased by their
+    receiver, and on the socket itself (``tcp://``), not yet written out by zmq."""
     pool = out.shm_frames
-    return None if pool is None else lambda: pool.bytes_unreleased
+    if pool is None:
+        return lambda: out.bytes_unsent
+    return lambda: pool.bytes_unreleased + out.bytes_unsent
 
 
 def _settled() -> None:

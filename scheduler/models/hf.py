@@ -232,6 +232,10 @@ class HFCausalLM:
         #: Requests whose prompt is cached: its tokens, and each token decoded since
         #: (what the request's keys and values stand for), cached at free.
         self._said: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        #: What every export and adoption states and checks, computed once (hashing
+        #: the configuration's JSON took 0.44 ms, the shape 36 us, each time).
+        self._fingerprint = self._make_fingerprint()
+        self._state_shape = self._make_kv_shape()
 
     # -- what the scheduler reads ----------------------------------------------
 
@@ -396,11 +400,14 @@ class HFCausalLM:
     @property
     def fingerprint(self) -> str:
         """The directory's name, a digest of its configuration, and the dtype."""
+        return self._fingerprint
+
+    def _make_fingerprint(self) -> str:
         digest = hashlib.blake2b(self.config.to_json_string(use_diff=False).encode(),
                                  digest_size=8).hexdigest()
         return f"{self._name}:{digest}:{str(self.hf.dtype).removeprefix('torch.')}"
 
-    def _kv_shape(self) -> tuple[int | None, ...]:
+    def _make_kv_shape(self) -> tuple[int | None, ...]:
         """``(layers, 2, kv_heads, *, head_dim)``: one hand-off's keys and values."""
         text = self.config.get_text_config(decoder=True)
         heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
@@ -427,7 +434,7 @@ class HFCausalLM:
         holds no cached prefix, and :meth:`free` caches nothing of it: its prompt was
         read elsewhere (under pd every prompt is read on a prefill replica, whose
         cache keeps it)."""
-        shape = list(self._kv_shape())
+        shape = list(self._state_shape)
         shape[3] = positions
         check_state(state, self.fingerprint, self.hf.dtype, shape)
         kv = state.kv.to(self.device)

@@ -568,7 +568,8 @@ def test_dispatch_pd_hands_off_between_replicas_reached_over_tcp(tmp_path: Path)
     front_dir.mkdir(mode=0o700)
     front = subprocess.Popen(
         [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(front_dir), "--pd",
-         "1:1", *(a for base in bases for a in ("--replica", f"tcp://127.0.0.1:{base}"))],
+         "1:1", "--max-handoff-bytes", str(96 << 20), "--handoff-deadline", "30",
+         *(a for base in bases for a in ("--replica", f"tcp://127.0.0.1:{base}"))],
         stderr=subprocess.DEVNULL)
     try:
         out, work, rpc = _raw_client(front_dir)
@@ -590,6 +591,8 @@ def test_dispatch_pd_hands_off_between_replicas_reached_over_tcp(tmp_path: Path)
             assert got == want
             load = rpc.call("get_load", timeout=30).result or {}
             assert load["dispatcher.handed_off"] == len(prompts), load
+            assert load["dispatcher.max_handoff_bytes"] == 96 << 20, load
+            assert load["dispatcher.handoff_deadline"] == 30.0, load
     finally:
         for proc in (*replicas, front):
             proc.kill()
@@ -603,3 +606,7 @@ def test_dispatch_pd_needs_as_many_replicas_as_it_names(
         main(["dispatch", "--endpoint", "/tmp/unused", "--pd", "1:2", "--replica", "/tmp/a",
               "--replica", "/tmp/b"])
     assert "--pd 1:2 needs 3 --replica (the prefill ones first), not 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["dispatch", "--endpoint", "/tmp/unused", "--pd", "1:1", "--replica", "/tmp/a",
+              "--replica", "/tmp/b", "--handoff-deadline", "0"])
+    assert "handoff_deadline" in capsys.readouterr().err

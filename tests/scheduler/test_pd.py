@@ -43,6 +43,7 @@ from tests.scheduler.rig import Loop
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+BOUND = 1 << 20  #: a prefill replica's max_handoff_bytes under test (a tiny GRU's are KBs)
 LENGTHS = (1, 2, 7, 40, 129, 300)
 
 
@@ -95,6 +96,25 @@ def test_an_adopted_state_decodes_as_the_one_it_came_from(model_dir: Path) -> No
     assert _decode(there, 7, first, 6) == _decode(here, 0, first, 6)
     there.free(7)
     assert there.live_states == 0
+
+
+def test_export_and_adopt_state_the_fingerprint_computed_once(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fingerprint hashes the model's whole configuration (0.44 ms on the tiny
+    Llama): made at load, never again for a hand-off on either side."""
+    here, there = HFCausalLM(model_dir), HFCausalLM(model_dir)
+    want = here.fingerprint
+    for model in (here, there):
+        def hashed_again(*args: object, **kw: object) -> str:
+            raise AssertionError("the configuration was hashed again")
+        monkeypatch.setattr(model.config, "to_json_string", hashed_again)
+    prompt = _prompts()[2]
+    _read(here, 0, prompt)
+    state = here.export_state(0)
+    assert state.fingerprint == want == there.fingerprint
+    there.adopt_state(1, state, len(prompt))
+    there.free(1)
+    here.free(0)
 
 
 def test_an_adopted_request_freed_under_a_prefix_cache_caches_nothing_and_holds_nothing(
@@ -453,7 +473,7 @@ def test_a_prefill_replica_holds_read_prompts_while_hand_offs_in_flight_exceed_t
     state held, not decoding), and leave in order as room appears; none is dropped."""
     from scheduler import Limits
     in_flight = [1 << 30]  # what the receivers hold of this replica's sends (the test's)
-    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=1),
+    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=BOUND),
                         handoff_bytes=lambda: in_flight[0])
     sp = SamplingParams(max_new_tokens=6, temperature=0.0)
     for i in range(3):
@@ -477,7 +497,7 @@ def test_a_prefill_replica_holds_read_prompts_while_hand_offs_in_flight_exceed_t
     assert tokens == {"w0": 1, "w1": 1, "w2": 1}  # none decodes while it waits
     assert prefill.sched.statistics().running == 3 and prefill.sched.busy
     # Room for one: the oldest leaves (the bound is then reached by what it carries).
-    in_flight[0] = 0
+    in_flight[0] = BOUND - 1
     prefill.run_until(lambda: any(isinstance(o, KVHandoff) for o, _ in prefill.got))
     in_flight[0] = 1 << 30
     for _ in range(5):
@@ -494,8 +514,8 @@ def test_an_abort_of_a_request_waiting_to_be_handed_off_frees_it(
         make_loop: Callable[..., Loop]) -> None:
     from messages import AbortReq
     from scheduler import Limits
-    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=1),
-                        handoff_bytes=lambda: 1)
+    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=BOUND),
+                        handoff_bytes=lambda: BOUND)
     prefill.send(TokenizedGenerateReqInput(rid="a", input_ids=token_ids([5, 9]),
                                            sampling=SamplingParams(max_new_tokens=6),
                                            stream=True, prefill_only=True))
@@ -505,3 +525,103 @@ def test_an_abort_of_a_request_waiting_to_be_handed_off_frees_it(
     prefill.run_until(lambda: "a" in prefill.finished())
     assert prefill.finished()["a"][1] == "abort"
     assert prefill.sched.model.live_states == 0 and not prefill.sched.busy
+
+
+def test_read_prompts_waiting_to_be_handed_off_keep_their_batch_slots(
+        make_loop: Callable[..., Loop]) -> None:
+    """A prefill replica whose hand-offs are not taken holds at most ``max_batch``
+    read states: the prompts after them wait in the queue (not read, not refused),
+    and are read, in order, as the hand-offs before them leave."""
+    from scheduler import Limits
+    in_flight = [1 << 30]  # what the receivers hold of this replica's sends (the test's)
+    prefill = make_loop("zmq", max_batch=2, limits=Limits(max_handoff_bytes=BOUND),
+                        handoff_bytes=lambda: in_flight[0])
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    for i in range(5):
+        prefill.send(TokenizedGenerateReqInput(rid=f"q{i}", input_ids=token_ids([5 + i, 9]),
+                                               sampling=sp, stream=True, prefill_only=True))
+
+    def firsts() -> list[str]:
+        return [rid for o, _ in prefill.got if isinstance(o, BatchTokenIDOut)
+                for rid, _ids, _fin in o.items()]
+
+    prefill.run_until(lambda: len(firsts()) == 2)
+    for _ in range(10):
+        prefill.sched.step()
+    assert firsts() == ["q0", "q1"]  # the other three not read: no slot
+    assert prefill.sched.model.live_states == 2 and prefill.sched.batch.queued == 3
+    assert not prefill.errors()
+    in_flight[0] = 0
+    prefill.run_until(lambda: sum(isinstance(o, KVHandoff) for o, _ in prefill.got) == 5)
+    assert firsts() == ["q0", "q1", "q2", "q3", "q4"] and not prefill.errors()
+    assert [o.rid for o, _ in prefill.got if isinstance(o, KVHandoff)] == \
+        ["q0", "q1", "q2", "q3", "q4"]
+    assert prefill.sched.model.live_states == 0 and not prefill.sched.busy
+
+
+def test_a_hand_off_larger_than_the_bound_alone_is_refused_naming_rid_size_and_bound(
+        make_loop: Callable[..., Loop]) -> None:
+    from scheduler import Limits
+    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=16), handoff_bytes=lambda: 0)
+    prefill.send(TokenizedGenerateReqInput(rid="big", input_ids=token_ids([5, 9]),
+                                           sampling=SamplingParams(max_new_tokens=6),
+                                           stream=True, prefill_only=True))
+    prefill.run_until(lambda: "big" in prefill.errors())
+    err = prefill.errors()["big"]
+    assert err.code == "invalid_request"
+    assert re.fullmatch(r"request 'big': its hand-off of \d+ bytes exceeds "
+                        r"max_handoff_bytes=16", err.message), err.message
+    assert not [o for o, _ in prefill.got if isinstance(o, KVHandoff)]
+    assert prefill.sched.model.live_states == 0 and not prefill.sched.busy
+
+
+def test_the_hand_off_bounds_reach_every_hop_from_an_engine() -> None:
+    """``Engine(limits=Limits(max_handoff_bytes=..., handoff_deadline=...))``: the
+    replicas keep the byte bound (a larger hand-off is refused, naming it) and the
+    dispatcher runs under both (its ``get_load`` says so)."""
+    from scheduler import Limits
+    limits = Limits(max_handoff_bytes=64, handoff_deadline=7.5)
+    with Engine("zmq", ModelConfig(), pd=(1, 1), limits=limits) as engine:
+        load = _load(engine)
+        assert load["dispatcher.max_handoff_bytes"] == 64, load
+        assert load["dispatcher.handoff_deadline"] == 7.5, load
+        with pytest.raises(RequestFailed) as info:
+            engine.generate([5, 9, 2], GREEDY, timeout=60)
+    assert info.value.code == "invalid_request"
+    assert re.search(r"its hand-off of \d+ bytes exceeds max_handoff_bytes=64",
+                     str(info.value)), str(info.value)
+
+
+def test_serve_and_the_frontend_take_the_hand_off_bounds_and_the_dispatcher_runs_under_them(
+        tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from bus import RpcClient
+    from frontend.__main__ import build_parser as frontend_parser
+    from scheduler.__main__ import build_parser
+    from scheduler.cli.options import limits_from
+    from scheduler.launch.wiring import Endpoints
+    flags = ["--max-handoff-bytes", "4096", "--handoff-deadline", "7.5"]
+    for args in (build_parser().parse_args(["serve", "--endpoint", "/tmp/x", *flags]),
+                 frontend_parser().parse_args(flags)):
+        got = limits_from(args)
+        assert (got.max_handoff_bytes, got.handoff_deadline) == (4096, 7.5)
+    with pytest.raises(ValueError, match="handoff_deadline must be above 0"):
+        limits_from(build_parser().parse_args(["serve", "--endpoint", "/tmp/x",
+                                               "--handoff-deadline", "0"]))
+    ep = tmp_path / "ep"
+    proc = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--endpoint",
+                             str(ep), "--pd", "1:1", *flags],
+                            stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        with RpcClient(Endpoints.in_dir(str(ep)).rpc) as client:
+            load = client.call("get_load", timeout=120).result or {}
+            assert load["dispatcher.max_handoff_bytes"] == 4096, load
+            assert load["dispatcher.handoff_deadline"] == 7.5, load
+            assert client.call("shutdown", timeout=30).success
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
