@@ -40,6 +40,8 @@ M_co = TypeVar("M_co", bound=Message, covariant=True)
 _DEFAULT_OPTIONS = SocketOptions()
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: an enum member costs a conversion per call
 _SNDMORE = int(zmq.SNDMORE)
+#: Tracked large frames a tcp:// outbox keeps before it drops those zmq has written out.
+_PRUNE_UNSENT = 64
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _MAGIC_LEN = len(MAGIC)
@@ -143,6 +145,7 @@ class _ZmqEnd:
         #: Large frames handed to zmq without a copy, each with its tracker and size,
         #: where the end counts what zmq has not written out yet (``None``: not counted).
         self._unsent: list[tuple[zmq.MessageTracker, int]] | None = None
+        self._prune_at = _PRUNE_UNSENT  # prune _unsent when it is this long
 
     @property
     def name(self) -> str:
@@ -170,6 +173,16 @@ class _ZmqEnd:
                           stacklevel=2)
             self.close()
 
+    def _prune_unsent(self) -> list[tuple[zmq.MessageTracker, int]]:
+        """The tracked frames zmq has not written out yet (those done are dropped); it
+        next prunes at twice what is left (amortized: once per that many sends)."""
+        unsent = self._unsent
+        if not unsent:
+            return []
+        unsent[:] = [(t, n) for t, n in unsent if not t.done]
+        self._prune_at = max(_PRUNE_UNSENT, 2 * len(unsent))
+        return unsent
+
     def _send(self, frames: Sequence[Frame], *, block: bool = True) -> None:
         if self._closed:
             raise ChannelClosed(self._name, "send on a closed channel")
@@ -189,6 +202,8 @@ class _ZmqEnd:
                     tracker = send(f, (_SNDMORE if i < last else 0) | flags, copy=False,
                                    track=True)
                     unsent.append((tracker, memoryview(f).nbytes))
+                    if len(unsent) >= self._prune_at:  # (a sender nobody asks stays bounded)
+                        self._prune_unsent()
         except zmq.Again as exc:
             raise WouldBlock(self._name, "the peer is not reading (high-water mark reached)"
                              if not block else "send timed out: the peer is not reading "
@@ -396,11 +411,7 @@ class PushOutbox(_ZmqEnd, Generic[M]):
         the peer's connection yet: what this outbox's sends hold in its own memory
         beyond :attr:`shm_frames` (bytes already in the kernel's or the peer's buffers
         are not seen)."""
-        unsent = self._unsent
-        if not unsent:
-            return 0
-        unsent[:] = [(t, n) for t, n in unsent if not t.done]
-        return sum(n for _, n in unsent)
+        return sum(n for _, n in self._prune_unsent())
 
     def close(self) -> None:
         """Close the socket and unlink the shared-memory slabs. Idempotent."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+import zmq
 
 from bus import (
     EndOfChannel,
@@ -364,3 +365,19 @@ def test_a_dead_writer_wakes_its_reader_and_is_swept_at_the_next_start() -> None
         child.wait()
         if child.stdout is not None:
             child.stdout.close()
+
+
+def test_a_tcp_outbox_nobody_asks_what_it_holds_keeps_a_bounded_record() -> None:
+    """Large frames over ``tcp://`` are tracked until zmq has written them out
+    (``bytes_unsent``); a sender whose owner never asks (every tcp:// scheduler outside
+    prefill and decode apart) keeps a record bounded by what is still unsent, not one
+    entry for every frame it ever sent."""
+    codec: Codec[Output] = Codec(Output)
+    with PullInbox(codec, "tcp://127.0.0.1:*") as inbox, \
+            PushOutbox(codec, inbox.socket.getsockopt_string(zmq.LAST_ENDPOINT)) as out:
+        embeddings = torch.zeros(2, 1 << 15)  # 256 KiB: a tracked frame
+        for n in range(500):
+            out.send(BatchEmbeddingOut(rids=["a", "b"], embeddings=embeddings))
+            assert isinstance(_receive(inbox).message, BatchEmbeddingOut), n
+        assert len(out._unsent or ()) <= 2 * 64, len(out._unsent or ())
+        assert out.bytes_unsent == 0
