@@ -182,10 +182,9 @@ class SchedulerClient:
         if mode == "ring":
             self._ingress = Ring(1 << 16, name="work")
             self._egress = Ring(1 << 16, name="out")
-            ready = threading.Event()
             ingress, egress = self._ingress, self._egress
             self._thread = threading.Thread(
-                target=self._run_embedded, args=(ingress, egress, max_batch, ready),
+                target=self._run_embedded, args=(ingress, egress, max_batch),
                 name="scheduler", daemon=True)
             self._thread.start()
             out_inbox = RingInbox(egress, name="out")
@@ -286,15 +285,14 @@ class SchedulerClient:
     def _new_rid(self) -> str:
         return f"{self._rid_prefix}-{next(self._rid_seq)}"
 
-    def _run_embedded(self, ingress: Ring[Request], egress: Ring[Output], max_batch: int,
-                      ready: threading.Event) -> None:
+    def _run_embedded(self, ingress: Ring[Request], egress: Ring[Output], max_batch: int
+                      ) -> None:
         try:
             # Requests are validated at submit (_validated), so the ring need
             # not check them again.
             assert self._loaded is not None
             serve_ring(ingress, egress, self.endpoints.rpc, self._loaded, max_batch=max_batch,
-                       limits=self.limits, validate=False, metrics=self._metrics,
-                       ready=ready)
+                       limits=self.limits, validate=False, metrics=self._metrics)
         except BaseException as exc:
             self._gone = f"the embedded scheduler crashed: {exc!r}"
             log.exception("embedded scheduler crashed")
