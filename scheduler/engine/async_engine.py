@@ -344,13 +344,17 @@ class AsyncEngine(SchedulerClient):
         return items[0]
 
     def _check_loop(self) -> None:
-        """Refuse a call from any event loop but the engine's own (its state lives there:
-        a call from another would wait for ever, or for its timeout).
+        """Refuse a call before :meth:`start`, or from any event loop but the engine's own
+        (its state lives there: a call from another would wait for ever, or for its
+        timeout).
 
         Raises:
+            EngineClosed: the engine is not started.
             RuntimeError: naming both loops.
         """
         self._check_process()  # (a forked child's loop is not the engine's either)
+        if self._loop is None:
+            raise EngineClosed("the engine is not started (use 'async with' or start())")
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -373,8 +377,6 @@ class AsyncEngine(SchedulerClient):
             InvalidRequest: one is refused, or its rid is in flight (none was sent).
             EngineClosed, SchedulerGone: as :meth:`submit`.
         """
-        if self._loop is None:
-            raise EngineClosed("the engine is not started (use 'async with' or start())")
         self._check_loop()
         checked, states = self._register(reqs, make)
         for req in checked:
@@ -665,12 +667,10 @@ class AsyncEngine(SchedulerClient):
             EngineClosed: the engine is closed.
             DecodeError: the scheduler's reply could not be decoded.
         """
-        self._check_process()
-        loop = self._loop
-        if loop is None:
-            raise EngineClosed("the engine is not started (use 'async with' or start())")
         self._check_open()
         self._check_loop()
+        loop = self._loop
+        assert loop is not None
         rpc = self._rpc
         answer: asyncio.Future[RpcReqOutput | Exception] = loop.create_future()
         on_loop = self._loop_thread
