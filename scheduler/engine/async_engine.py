@@ -58,6 +58,7 @@ from messages import (
     TokenizedGenerateReqInput,
 )
 from scheduler.core.admission import Limits
+from scheduler.core.metrics import metrics_text
 from scheduler.dp import Policy
 from scheduler.engine.core import SEND_TIMEOUT, SchedulerClient
 from scheduler.engine.handles import (
@@ -712,7 +713,11 @@ class AsyncEngine(SchedulerClient):
             RequestFailed: the engine was built with ``metrics=False``.
             EngineClosed, SchedulerGone, RpcTimeout: as :meth:`collective_rpc`.
         """
-        return self._metrics_of(await self.collective_rpc("metrics", timeout=timeout))
+        reply = await self.collective_rpc("metrics", timeout=timeout)
+        text = metrics_text(reply.result or {}, self.dp_size)
+        if not reply.success or text is None:
+            raise RequestFailed(reply.rid, "metrics", reply.message)
+        return text
 
     # -- lifecycle --------------------------------------------------------------
 

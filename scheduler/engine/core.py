@@ -40,7 +40,6 @@ from messages import (
     DecodeError,
     Output,
     Request,
-    RpcReqOutput,
     SamplingParams,
     TokenIds,
     TokenizedEmbeddingReqInput,
@@ -49,7 +48,6 @@ from messages import (
 )
 from messages.channels import OUT, WORK
 from scheduler.core.admission import Limits
-from scheduler.core.metrics import metrics_text
 from scheduler.dp import Policy
 from scheduler.engine.handles import RequestState
 from scheduler.engine.stopping import SEND_AT_LEAST, stop_processes, stop_thread
@@ -58,7 +56,6 @@ from scheduler.errors import (
     EngineError,
     EngineForked,
     InvalidRequest,
-    RequestFailed,
     SchedulerGone,
 )
 from scheduler.launch.leftovers import make_run_dir, remove_run_dir
@@ -235,13 +232,6 @@ class SchedulerClient:
         if isinstance(exc, PeerGone):
             return SchedulerGone(f"rpc {method!r}: {self._gone or exc}")
         return EngineClosed(f"rpc {method!r}: the engine closed before the reply")
-
-    def _metrics_of(self, reply: RpcReqOutput) -> str:
-        """The text of a ``metrics`` rpc's reply (RequestFailed if it failed)."""
-        text = metrics_text(reply.result or {}, self.dp_size)
-        if not reply.success or text is None:
-            raise RequestFailed(reply.rid, "metrics", reply.message)
-        return text
 
     def _stop_scheduler(self, timeout: float) -> None:
         """Shut the scheduler down and wait for it to stop, within ``timeout`` (from
