@@ -733,7 +733,7 @@ class AsyncEngine(SchedulerClient):
         if self.closed:
             return
         self._closed = True
-        if self._shut is not None and not self._shut.done():
+        if self._shut is not None:  # (made by start)
             self._shut.set_result(None)  # wakes every submit waiting for room
         if self._watchdog is not None:
             self._watchdog.cancel()
