@@ -48,8 +48,6 @@ log = logging.getLogger("frontend.rpc")
 
 #: Calls forwarded and not yet answered, at most (past it a call fails at once).
 MAX_IN_FLIGHT = 1024
-
-
 #: Seconds between two looks at whether the scheduler is gone, while calls wait for it.
 GONE_CHECK_S = 0.2
 #: Seconds a reply the scheduler sent before it died gets to arrive, before the calls
@@ -77,8 +75,9 @@ class RpcDoor:
         self._gone = gone
         self._why_gone: str | None = None  # once seen, for good: a scheduler does not return
         self._gone_since = 0.0
-        self._auth = CurveAuthenticator(zmq.Context.instance(), curve_clients) \
-            if curve_clients is not None else None
+        self._auth: CurveAuthenticator | None = None
+        if curve_clients is not None:
+            self._auth = CurveAuthenticator(zmq.Context.instance(), curve_clients)
         self._server: RpcServer[Request] = RpcServer(Codec(Request, types=[RpcReqInput]),
                                                      endpoint, name="door",
                                                      options=options or SocketOptions())
@@ -109,9 +108,7 @@ class RpcDoor:
                         self._forward(env.message, env.origin)
                     elif isinstance(env.message, RpcReqOutput):
                         self._answer(env.message)
-                if self._waiting and self._scheduler_gone() is not None \
-                        and time.monotonic() - self._gone_since >= REPLY_GRACE_S:
-                    self._fail_waiting()
+                self._fail_waiting()
         finally:
             self._server.close()  # (its socket file too: bus.sockets.close_socket)
             self._caller.close()
@@ -128,7 +125,12 @@ class RpcDoor:
         return self._why_gone
 
     def _fail_waiting(self) -> None:
-        """Answer every call still waiting for a scheduler that is gone."""
+        """Answer every call still waiting, once the scheduler is gone and a reply it sent
+        before it died had ``REPLY_GRACE_S`` to arrive."""
+        if not self._waiting or self._scheduler_gone() is None:
+            return
+        if time.monotonic() - self._gone_since < REPLY_GRACE_S:
+            return
         waiting, self._waiting = self._waiting, {}
         for origin, rid in waiting.values():
             self._reply(RpcReqOutput(rid=rid, success=False, message=fit_text(
