@@ -520,8 +520,9 @@ class AsyncEngine(SchedulerClient):
         if held is not None and held[1] is state:
             req = held[0]
             del self._unsent[state.rid]
-            logprobs = () if isinstance(req, TokenizedGenerateReqInput) and req.return_logprob \
-                else None
+            logprobs: tuple[float, ...] | None = None
+            if isinstance(req, TokenizedGenerateReqInput) and req.return_logprob:
+                logprobs = ()
             self._end(state.rid, StreamChunk(state.rid, (), "abort", logprobs))
             return
         if self._unsent_aborts:  # keep order behind those already waiting
@@ -831,8 +832,9 @@ def _prompts(out: BatchTokenIDOut) -> list[tuple[tuple[float, ...] | None, Tops 
         return None
     k = out.prompt_top_k()
     values = plp.tolist()
-    pairs = list(zip(out.prompt_top_ids, out.prompt_top_logprobs.tolist(), strict=True)) \
-        if k and out.prompt_top_ids is not None and out.prompt_top_logprobs is not None else []
+    pairs: list[tuple[int, float]] = []
+    if k and out.prompt_top_ids is not None and out.prompt_top_logprobs is not None:
+        pairs = list(zip(out.prompt_top_ids, out.prompt_top_logprobs.tolist(), strict=True))
     got: list[tuple[tuple[float, ...] | None, Tops | None]] = []
     at = 0
     for n in plens:
