@@ -101,9 +101,7 @@ class RpcDoor:
                         self._rejected.add(env.origin.inbox, env.error.reason)
                         if env.error.rid is not None and env.origin.inbox == "door":
                             # answered, as the scheduler answers it (an invalid method name)
-                            self._reply(RpcReqOutput(rid=env.error.rid, success=False,
-                                                     message=fit_text(str(env.error))),
-                                        env.origin)
+                            self._fail(env.error.rid, env.origin, str(env.error))
                     elif isinstance(env.message, RpcReqInput):
                         self._forward(env.message, env.origin)
                     elif isinstance(env.message, RpcReqOutput):
@@ -133,29 +131,25 @@ class RpcDoor:
             return
         waiting, self._waiting = self._waiting, {}
         for origin, rid in waiting.values():
-            self._reply(RpcReqOutput(rid=rid, success=False, message=fit_text(
-                f"the scheduler is gone, so this call will not be answered: "
-                f"{self._why_gone}")), origin)
+            self._fail(rid, origin, f"the scheduler is gone, so this call will not be "
+                                    f"answered: {self._why_gone}")
 
     def _forward(self, call: RpcReqInput, origin: Origin) -> None:
         why = self._scheduler_gone()
         if why is not None:
-            self._reply(RpcReqOutput(rid=call.rid, success=False, message=fit_text(
-                f"the scheduler is gone, so rpc {call.method!r} was not forwarded: {why}")),
-                origin)
+            self._fail(call.rid, origin, f"the scheduler is gone, so rpc {call.method!r} was "
+                                         f"not forwarded: {why}")
             return
         if len(self._waiting) >= MAX_IN_FLIGHT:
-            self._reply(RpcReqOutput(rid=call.rid, success=False,
-                                     message=f"rpc door: {MAX_IN_FLIGHT} calls already wait "
-                                             "for the scheduler; retry later"), origin)
+            self._fail(call.rid, origin, f"rpc door: {MAX_IN_FLIGHT} calls already wait for "
+                                         "the scheduler; retry later")
             return
         rid = f"door-{next(self._ids)}"
         try:
             self._caller.send_nowait(RpcReqInput(rid=rid, method=call.method,
                                                  parameters=call.parameters))
         except ChannelError as exc:
-            self._reply(RpcReqOutput(rid=call.rid, success=False,
-                                     message=f"the scheduler is not reachable: {exc}"), origin)
+            self._fail(call.rid, origin, f"the scheduler is not reachable: {exc}")
             return
         self._waiting[rid] = (origin, call.rid)
 
@@ -166,6 +160,11 @@ class RpcDoor:
         origin, rid = waiting
         self._reply(RpcReqOutput(rid=rid, success=reply.success, message=reply.message,
                                  result=reply.result), origin)
+
+    def _fail(self, rid: str, origin: Origin, why: str) -> None:
+        """Answer call ``rid`` of ``origin`` with a failure saying ``why`` (bounded as a
+        message field must be)."""
+        self._reply(RpcReqOutput(rid=rid, success=False, message=fit_text(why)), origin)
 
     def _reply(self, reply: RpcReqOutput, origin: Origin) -> None:
         try:
