@@ -284,7 +284,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             cycle = self.cycle
             earlier_due = any(not c.response_complete for c in self.__dict__.get("_earlier", ()))
             if unbegun:  # the connection's last answer comes before it
-                in_order = cycle is None or cycle.response_complete
+                in_order = self._answered()
             else:  # ``cycle`` is the refused request's own
                 in_order = cycle is None or not cycle.response_started
             self._in_head = self._open = False
