@@ -338,7 +338,7 @@ class AsyncEngine(SchedulerClient):
 
         Raises: as :meth:`generate`.
         """
-        state = self._start([self._embed_req(input_ids, dp_rank, rid)], RequestState)[0]
+        state = self._start([self._embed_req(input_ids, rid, dp_rank)], RequestState)[0]
         async with asyncio.timeout(timeout):
             items = [item async for got in self._steps(state) for item in got]
         assert isinstance(items[0], np.ndarray)

@@ -332,7 +332,7 @@ class SchedulerClient:
 
     def _generate_req(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
                       stream: bool, return_logprob: bool, rid: str | None,
-                      dp_rank: int | None = None) -> TokenizedGenerateReqInput:
+                      dp_rank: int | None) -> TokenizedGenerateReqInput:
         self._check_process()
         rid = rid if rid is not None else self._new_rid()
         return TokenizedGenerateReqInput(
@@ -340,8 +340,8 @@ class SchedulerClient:
             sampling=sampling or SamplingParams(), stream=stream, return_logprob=return_logprob,
             dp_rank=self._check_dp_rank(rid, dp_rank))
 
-    def _embed_req(self, input_ids: npt.ArrayLike, dp_rank: int | None = None,
-                   rid: str | None = None) -> TokenizedEmbeddingReqInput:
+    def _embed_req(self, input_ids: npt.ArrayLike, rid: str | None, dp_rank: int | None
+                   ) -> TokenizedEmbeddingReqInput:
         self._check_process()
         rid = rid if rid is not None else self._new_rid()
         return TokenizedEmbeddingReqInput(rid=rid, input_ids=_packed(rid, input_ids),
