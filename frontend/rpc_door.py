@@ -48,8 +48,6 @@ log = logging.getLogger("frontend.rpc")
 
 #: Calls forwarded and not yet answered, at most (past it a call fails at once).
 MAX_IN_FLIGHT = 1024
-
-
 #: Seconds between two looks at whether the scheduler is gone, while calls wait for it.
 GONE_CHECK_S = 0.2
 #: Seconds a reply the scheduler sent before it died gets to arrive, before the calls
@@ -77,8 +75,9 @@ class RpcDoor:
         self._gone = gone
         self._why_gone: str | None = None  # once seen, for good: a scheduler does not return
         self._gone_since = 0.0
-        self._auth = CurveAuthenticator(zmq.Context.instance(), curve_clients) \
-            if curve_clients is not None else None
+        self._auth: CurveAuthenticator | None = None
+        if curve_clients is not None:
+            self._auth = CurveAuthenticator(zmq.Context.instance(), curve_clients)
         self._server: RpcServer[Request] = RpcServer(Codec(Request, types=[RpcReqInput]),
                                                      endpoint, name="door",
                                                      options=options or SocketOptions())
@@ -102,16 +101,12 @@ class RpcDoor:
                         self._rejected.add(env.origin.inbox, env.error.reason)
                         if env.error.rid is not None and env.origin.inbox == "door":
                             # answered, as the scheduler answers it (an invalid method name)
-                            self._reply(RpcReqOutput(rid=env.error.rid, success=False,
-                                                     message=fit_text(str(env.error))),
-                                        env.origin)
+                            self._fail(env.error.rid, env.origin, str(env.error))
                     elif isinstance(env.message, RpcReqInput):
                         self._forward(env.message, env.origin)
                     elif isinstance(env.message, RpcReqOutput):
                         self._answer(env.message)
-                if self._waiting and self._scheduler_gone() is not None \
-                        and time.monotonic() - self._gone_since >= REPLY_GRACE_S:
-                    self._fail_waiting()
+                self._fail_waiting()
         finally:
             self._server.close()  # (its socket file too: bus.sockets.close_socket)
             self._caller.close()
@@ -128,32 +123,33 @@ class RpcDoor:
         return self._why_gone
 
     def _fail_waiting(self) -> None:
-        """Answer every call still waiting for a scheduler that is gone."""
+        """Answer every call still waiting, once the scheduler is gone and a reply it sent
+        before it died had ``REPLY_GRACE_S`` to arrive."""
+        if not self._waiting or self._scheduler_gone() is None:
+            return
+        if time.monotonic() - self._gone_since < REPLY_GRACE_S:
+            return
         waiting, self._waiting = self._waiting, {}
         for origin, rid in waiting.values():
-            self._reply(RpcReqOutput(rid=rid, success=False, message=fit_text(
-                f"the scheduler is gone, so this call will not be answered: "
-                f"{self._why_gone}")), origin)
+            self._fail(rid, origin, f"the scheduler is gone, so this call will not be "
+                                    f"answered: {self._why_gone}")
 
     def _forward(self, call: RpcReqInput, origin: Origin) -> None:
         why = self._scheduler_gone()
         if why is not None:
-            self._reply(RpcReqOutput(rid=call.rid, success=False, message=fit_text(
-                f"the scheduler is gone, so rpc {call.method!r} was not forwarded: {why}")),
-                origin)
+            self._fail(call.rid, origin, f"the scheduler is gone, so rpc {call.method!r} was "
+                                         f"not forwarded: {why}")
             return
         if len(self._waiting) >= MAX_IN_FLIGHT:
-            self._reply(RpcReqOutput(rid=call.rid, success=False,
-                                     message=f"rpc door: {MAX_IN_FLIGHT} calls already wait "
-                                             "for the scheduler; retry later"), origin)
+            self._fail(call.rid, origin, f"rpc door: {MAX_IN_FLIGHT} calls already wait for "
+                                         "the scheduler; retry later")
             return
         rid = f"door-{next(self._ids)}"
         try:
             self._caller.send_nowait(RpcReqInput(rid=rid, method=call.method,
                                                  parameters=call.parameters))
         except ChannelError as exc:
-            self._reply(RpcReqOutput(rid=call.rid, success=False,
-                                     message=f"the scheduler is not reachable: {exc}"), origin)
+            self._fail(call.rid, origin, f"the scheduler is not reachable: {exc}")
             return
         self._waiting[rid] = (origin, call.rid)
 
@@ -164,6 +160,11 @@ class RpcDoor:
         origin, rid = waiting
         self._reply(RpcReqOutput(rid=rid, success=reply.success, message=reply.message,
                                  result=reply.result), origin)
+
+    def _fail(self, rid: str, origin: Origin, why: str) -> None:
+        """Answer call ``rid`` of ``origin`` with a failure saying ``why`` (bounded as a
+        message field must be)."""
+        self._reply(RpcReqOutput(rid=rid, success=False, message=fit_text(why)), origin)
 
     def _reply(self, reply: RpcReqOutput, origin: Origin) -> None:
         try:

@@ -173,6 +173,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         _chunks = 0  # chunks of the open request's body (chunked)
         _head_timer: asyncio.TimerHandle | None = None
         _stall_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
+        #: uvicorn's idle timer (its attribute: :meth:`_idle` arms it too).
+        timeout_keep_alive_task: asyncio.TimerHandle | None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
@@ -187,19 +189,18 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             """Arm uvicorn's idle timer for what is left of the connection's idle time:
             bytes that begin nothing (blank lines) do not buy a client a new period
             (else a CRLF every 3 s holds a connection for ever)."""
-            me: Any = self  # (uvicorn's attributes, untyped here)
-            now = me.loop.time()
+            now = self.loop.time()
             if self._idle_since is None:
                 self._idle_since = now
-            if me.timeout_keep_alive_task is None:
-                me.timeout_keep_alive_task = me.loop.call_later(
-                    max(0.0, me.timeout_keep_alive - (now - self._idle_since)),
-                    me.timeout_keep_alive_handler)
+            if self.timeout_keep_alive_task is None:
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    max(0.0, self.timeout_keep_alive - (now - self._idle_since)),
+                    self.timeout_keep_alive_handler)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            me: Any = self  # a new idle period, if uvicorn armed its timer
-            self._idle_since = me.loop.time() if me.timeout_keep_alive_task else None
+            # a new idle period, if uvicorn armed its timer
+            self._idle_since = self.loop.time() if self.timeout_keep_alive_task else None
 
         # A request pipelined behind one still answering becomes the
         # connection's ``cycle``, and uvicorn tells only that one when the
@@ -231,18 +232,16 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             self._seq += 1
             self._framing = self._chunks = 0
             if self._head_timer is None:
-                me: Any = self
-                self._head_timer = me.loop.call_later(head_timeout, self._head_late)
+                self._head_timer = self.loop.call_later(head_timeout, self._head_late)
 
         def on_headers_complete(self) -> None:
             self._in_head = False
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
-            me: Any = self
             # A head in a read that was not counted (it ended the request there, or held
             # earlier requests too) is measured here, by its parsed parts.
-            if len(me.url) + sum(len(n) + len(v) + 4 for n, v in me.headers) > max_head_bytes:
+            if len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > max_head_bytes:
                 self._refuse(too_large, unbegun=True)
                 raise _Refused  # stop the parser: nothing more of this connection is read
             super().on_headers_complete()
@@ -272,8 +271,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             if not self._in_head:
                 return
             if not self._answered():  # a head pipelined behind an answer: its time runs
-                me: Any = self  # once that is written (a 408 now would precede it)
-                self._head_timer = me.loop.call_later(head_timeout, self._head_late)
+                # once that is written (a 408 now would precede it)
+                self._head_timer = self.loop.call_later(head_timeout, self._head_late)
                 return
             self._refuse(late, unbegun=True)
 
@@ -285,11 +284,11 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             cycle = self.cycle
             earlier_due = any(not c.response_complete for c in self.__dict__.get("_earlier", ()))
             if unbegun:  # the connection's last answer comes before it
-                in_order = cycle is None or cycle.response_complete
+                in_order = self._answered()
             else:  # ``cycle`` is the refused request's own
                 in_order = cycle is None or not cycle.response_started
             self._in_head = self._open = False
-            transport: Any = self.transport
+            transport = self.transport
             if not transport.is_closing():
                 if in_order and not earlier_due:
                     transport.write(answer)
@@ -335,9 +334,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 self._arm_stall()
 
         def _arm_stall(self) -> None:
-            me: Any = self
             self._unread_then = _unread(self.transport)
-            self._stall_timer = me.loop.call_later(send_timeout, self._stalled)
+            self._stall_timer = self.loop.call_later(send_timeout, self._stalled)
 
         def resume_writing(self) -> None:
             super().resume_writing()
@@ -354,7 +352,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             to drain the buffer, for ever if it never reads (after ``connection:
             close``, a keep-alive expiry or a half-close)."""
             self._stall_timer = None
-            transport: Any = self.transport
+            transport = self.transport
             if _unread(transport) < self._unread_then:  # it read: a slow client, not a gone one
                 self._arm_stall()
             else:
@@ -384,7 +382,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 self._paced = True
 
         def _in_turn(self, data: bytes) -> None:
-            transport: Any = self.transport
+            transport = self.transport
             if transport.is_closing():
                 return
             if self._paced:  # first: parsing may pause it again (uvicorn's flow control)

@@ -58,6 +58,7 @@ from messages import (
     TokenizedGenerateReqInput,
 )
 from scheduler.core.admission import Limits
+from scheduler.core.metrics import metrics_text
 from scheduler.dp import Policy
 from scheduler.engine.core import SEND_TIMEOUT, SchedulerClient
 from scheduler.engine.handles import (
@@ -337,20 +338,24 @@ class AsyncEngine(SchedulerClient):
 
         Raises: as :meth:`generate`.
         """
-        state = self._start([self._embed_req(input_ids, dp_rank, rid)], RequestState)[0]
+        state = self._start([self._embed_req(input_ids, rid, dp_rank)], RequestState)[0]
         async with asyncio.timeout(timeout):
             items = [item async for got in self._steps(state) for item in got]
         assert isinstance(items[0], np.ndarray)
         return items[0]
 
     def _check_loop(self) -> None:
-        """Refuse a call from any event loop but the engine's own (its state lives there:
-        a call from another would wait for ever, or for its timeout).
+        """Refuse a call before :meth:`start`, or from any event loop but the engine's own
+        (its state lives there: a call from another would wait for ever, or for its
+        timeout).
 
         Raises:
+            EngineClosed: the engine is not started.
             RuntimeError: naming both loops.
         """
         self._check_process()  # (a forked child's loop is not the engine's either)
+        if self._loop is None:
+            raise EngineClosed("the engine is not started (use 'async with' or start())")
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -373,8 +378,6 @@ class AsyncEngine(SchedulerClient):
             InvalidRequest: one is refused, or its rid is in flight (none was sent).
             EngineClosed, SchedulerGone: as :meth:`submit`.
         """
-        if self._loop is None:
-            raise EngineClosed("the engine is not started (use 'async with' or start())")
         self._check_loop()
         checked, states = self._register(reqs, make)
         for req in checked:
@@ -517,8 +520,9 @@ class AsyncEngine(SchedulerClient):
         if held is not None and held[1] is state:
             req = held[0]
             del self._unsent[state.rid]
-            logprobs = () if isinstance(req, TokenizedGenerateReqInput) and req.return_logprob \
-                else None
+            logprobs: tuple[float, ...] | None = None
+            if isinstance(req, TokenizedGenerateReqInput) and req.return_logprob:
+                logprobs = ()
             self._end(state.rid, StreamChunk(state.rid, (), "abort", logprobs))
             return
         if self._unsent_aborts:  # keep order behind those already waiting
@@ -665,12 +669,10 @@ class AsyncEngine(SchedulerClient):
             EngineClosed: the engine is closed.
             DecodeError: the scheduler's reply could not be decoded.
         """
-        self._check_process()
-        loop = self._loop
-        if loop is None:
-            raise EngineClosed("the engine is not started (use 'async with' or start())")
         self._check_open()
         self._check_loop()
+        loop = self._loop
+        assert loop is not None
         rpc = self._rpc
         answer: asyncio.Future[RpcReqOutput | Exception] = loop.create_future()
         on_loop = self._loop_thread
@@ -712,7 +714,11 @@ class AsyncEngine(SchedulerClient):
             RequestFailed: the engine was built with ``metrics=False``.
             EngineClosed, SchedulerGone, RpcTimeout: as :meth:`collective_rpc`.
         """
-        return self._metrics_of(await self.collective_rpc("metrics", timeout=timeout))
+        reply = await self.collective_rpc("metrics", timeout=timeout)
+        text = metrics_text(reply.result or {}, self.dp_size)
+        if not reply.success or text is None:
+            raise RequestFailed(reply.rid, "metrics", reply.message)
+        return text
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -728,7 +734,7 @@ class AsyncEngine(SchedulerClient):
         if self.closed:
             return
         self._closed = True
-        if self._shut is not None and not self._shut.done():
+        if self._shut is not None:  # (made by start)
             self._shut.set_result(None)  # wakes every submit waiting for room
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -826,8 +832,9 @@ def _prompts(out: BatchTokenIDOut) -> list[tuple[tuple[float, ...] | None, Tops 
         return None
     k = out.prompt_top_k()
     values = plp.tolist()
-    pairs = list(zip(out.prompt_top_ids, out.prompt_top_logprobs.tolist(), strict=True)) \
-        if k and out.prompt_top_ids is not None and out.prompt_top_logprobs is not None else []
+    pairs: list[tuple[int, float]] = []
+    if k and out.prompt_top_ids is not None and out.prompt_top_logprobs is not None:
+        pairs = list(zip(out.prompt_top_ids, out.prompt_top_logprobs.tolist(), strict=True))
     got: list[tuple[tuple[float, ...] | None, Tops | None]] = []
     at = 0
     for n in plens:

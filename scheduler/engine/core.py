@@ -40,7 +40,6 @@ from messages import (
     DecodeError,
     Output,
     Request,
-    RpcReqOutput,
     SamplingParams,
     TokenIds,
     TokenizedEmbeddingReqInput,
@@ -49,7 +48,6 @@ from messages import (
 )
 from messages.channels import OUT, WORK
 from scheduler.core.admission import Limits
-from scheduler.core.metrics import metrics_text
 from scheduler.dp import Policy
 from scheduler.engine.handles import RequestState
 from scheduler.engine.stopping import SEND_AT_LEAST, stop_processes, stop_thread
@@ -58,7 +56,6 @@ from scheduler.errors import (
     EngineError,
     EngineForked,
     InvalidRequest,
-    RequestFailed,
     SchedulerGone,
 )
 from scheduler.launch.leftovers import make_run_dir, remove_run_dir
@@ -182,10 +179,9 @@ class SchedulerClient:
         if mode == "ring":
             self._ingress = Ring(1 << 16, name="work")
             self._egress = Ring(1 << 16, name="out")
-            ready = threading.Event()
             ingress, egress = self._ingress, self._egress
             self._thread = threading.Thread(
-                target=self._run_embedded, args=(ingress, egress, max_batch, ready),
+                target=self._run_embedded, args=(ingress, egress, max_batch),
                 name="scheduler", daemon=True)
             self._thread.start()
             out_inbox = RingInbox(egress, name="out")
@@ -237,13 +233,6 @@ class SchedulerClient:
             return SchedulerGone(f"rpc {method!r}: {self._gone or exc}")
         return EngineClosed(f"rpc {method!r}: the engine closed before the reply")
 
-    def _metrics_of(self, reply: RpcReqOutput) -> str:
-        """The text of a ``metrics`` rpc's reply (RequestFailed if it failed)."""
-        text = metrics_text(reply.result or {}, self.dp_size)
-        if not reply.success or text is None:
-            raise RequestFailed(reply.rid, "metrics", reply.message)
-        return text
-
     def _stop_scheduler(self, timeout: float) -> None:
         """Shut the scheduler down and wait for it to stop, within ``timeout`` (from
         :func:`~scheduler.engine.stopping.close_timeout`): blocks. Its last answers
@@ -286,15 +275,14 @@ class SchedulerClient:
     def _new_rid(self) -> str:
         return f"{self._rid_prefix}-{next(self._rid_seq)}"
 
-    def _run_embedded(self, ingress: Ring[Request], egress: Ring[Output], max_batch: int,
-                      ready: threading.Event) -> None:
+    def _run_embedded(self, ingress: Ring[Request], egress: Ring[Output], max_batch: int
+                      ) -> None:
         try:
             # Requests are validated at submit (_validated), so the ring need
             # not check them again.
             assert self._loaded is not None
             serve_ring(ingress, egress, self.endpoints.rpc, self._loaded, max_batch=max_batch,
-                       limits=self.limits, validate=False, metrics=self._metrics,
-                       ready=ready)
+                       limits=self.limits, validate=False, metrics=self._metrics)
         except BaseException as exc:
             self._gone = f"the embedded scheduler crashed: {exc!r}"
             log.exception("embedded scheduler crashed")
@@ -344,7 +332,7 @@ class SchedulerClient:
 
     def _generate_req(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
                       stream: bool, return_logprob: bool, rid: str | None,
-                      dp_rank: int | None = None) -> TokenizedGenerateReqInput:
+                      dp_rank: int | None) -> TokenizedGenerateReqInput:
         self._check_process()
         rid = rid if rid is not None else self._new_rid()
         return TokenizedGenerateReqInput(
@@ -352,8 +340,8 @@ class SchedulerClient:
             sampling=sampling or SamplingParams(), stream=stream, return_logprob=return_logprob,
             dp_rank=self._check_dp_rank(rid, dp_rank))
 
-    def _embed_req(self, input_ids: npt.ArrayLike, dp_rank: int | None = None,
-                   rid: str | None = None) -> TokenizedEmbeddingReqInput:
+    def _embed_req(self, input_ids: npt.ArrayLike, rid: str | None, dp_rank: int | None
+                   ) -> TokenizedEmbeddingReqInput:
         self._check_process()
         rid = rid if rid is not None else self._new_rid()
         return TokenizedEmbeddingReqInput(rid=rid, input_ids=_packed(rid, input_ids),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -116,7 +115,6 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
                rpc_kind: Literal["dealer", "router"] = "router",
                options: SocketOptions = _OPTIONS, limits: Limits | None = None,
                validate: bool = True, metrics: bool = True,
-               ready: threading.Event | None = None,
                started: Callable[[Scheduler], None] | None = None) -> Scheduler:
     """Run an embedded scheduler until shut down (call in its own thread).
 
@@ -138,8 +136,6 @@ def serve_ring(ingress: Ring[Request], egress: Ring[Output], rpc_endpoint: str,
                           limits=limits, metrics=metrics)
         if started is not None:
             started(sched)
-        if ready is not None:
-            ready.set()
         sched.run()
         return sched
 

@@ -457,3 +457,21 @@ async def test_a_close_timeout_that_is_no_number_stops_nothing() -> None:
         assert len(out.token_ids) == 2
     finally:
         await engine.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_every_call_before_start_is_refused_as_not_started() -> None:
+    engine = AsyncEngine("ring", SMALL)
+    try:
+        with pytest.raises(EngineClosed, match="not started"):
+            engine.submit([1])
+        with pytest.raises(EngineClosed, match="not started"):
+            await engine.embed([1])
+        with pytest.raises(EngineClosed, match="not started"):
+            await anext(engine.stream([1]))
+        with pytest.raises(EngineClosed, match="not started"):
+            await engine.abort("r")
+        with pytest.raises(EngineClosed, match="not started"):
+            await engine.collective_rpc("get_load")
+    finally:
+        await engine.close()
