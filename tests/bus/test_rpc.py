@@ -323,8 +323,8 @@ def test_a_bound_ipc_socket_s_file_is_removed_at_its_close(
 
 def test_a_closing_socket_leaves_a_newer_listener_s_file_alone(
         ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path) -> None:
-    # Probe of the removal: an operator moved a live server's directory away and started
-    # a new server there; the old one's clean exit removed the new one's socket file.
+    # A live server's directory is moved away and a new server starts there: the old
+    # one's clean exit must not remove the new one's socket file.
     live = tmp_path / "d"
     live.mkdir()
     old = RpcServer(Codec(RpcReqInput), f"ipc://{live}/rpc", ctx=ctx)

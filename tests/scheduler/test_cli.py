@@ -71,8 +71,8 @@ def test_serve_refuses_a_directory_too_deep_for_its_sockets_in_one_line(
 
 
 def test_a_second_signal_does_not_cut_the_clean_up() -> None:
-    # Probe: a second SIGTERM or SIGINT while serve unwound from the first raised in its
-    # clean-up (a traceback from the channels' close, or status -15).
+    # A second SIGTERM or SIGINT while serve unwinds from the first must not cut its
+    # clean-up short (no traceback from the channels' close, no status -15).
     cleaned: list[bool] = []
 
     def serve() -> bool:

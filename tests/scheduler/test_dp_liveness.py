@@ -394,8 +394,8 @@ def test_garbage_and_reused_rids_are_summarized_not_logged_each(
 
 
 def test_a_dispatcher_that_fails_answers_and_aborts_what_it_had(rig: Rig) -> None:
-    # Probe: a SIGTERMed dispatch answered nothing in flight and left its replicas
-    # generating; any exception that ends the loop is the same case.
+    # A dispatcher whose loop ends (an exception, as a SIGTERM's) answers what it had in
+    # flight and aborts it on its replicas, which would otherwise go on generating.
     rids = rig.send(2)
     rig.replica.take(2, wait_ms=5_000)
 

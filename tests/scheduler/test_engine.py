@@ -26,6 +26,7 @@ from scheduler import (
     SchedulerGone,
 )
 from scheduler.engine import async_engine
+from tests import procs
 
 SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
 MODES: list[Literal["ring", "zmq"]] = ["ring", "zmq"]
@@ -111,9 +112,10 @@ def test_abort_and_errors(engine: Engine) -> None:
     assert not reply.success and "unknown rpc method" in reply.message
 
 
-# Probe: close(None) and close(inf) raised once the engine was marked closed (every
-# request hung, its processes stayed); close(0) in ring mode sent no shutdown and
-# released the rings under the running thread (the process aborted at exit).
+# close(None), close(inf) and close(0) each answer every accepted request and stop
+# everything: none may raise once the engine is marked closed (every request would hang,
+# its processes stay), and close(0) in ring mode must send its shutdown before it
+# releases the rings under the scheduler's thread.
 @pytest.mark.parametrize(("mode", "timeout"), [("ring", 30.0), ("zmq", 30.0), ("ring", 0.0),
                                                ("ring", float("inf")), ("zmq", None)])
 def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"],
@@ -123,6 +125,7 @@ def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"],
     with pytest.raises(TypeError):  # no number: refused before anything is closed
         engine.close("5")  # type: ignore[arg-type]
     assert not engine.closed
+    pids = [p.pid for p in engine._core._procs]  # (close() forgets its processes)
     engine.close(timeout)
     engine.close()  # idempotent
     for h in handles:
@@ -134,7 +137,8 @@ def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"],
         engine.submit([1])
     assert not engine._loop_thread.is_alive()
     assert engine._core._thread is None or not engine._core._thread.is_alive()
-    assert not any(p.is_alive() for p in engine._core._procs)
+    assert not any(procs.alive(pid) for pid in pids if pid is not None)
+    assert (mode == "zmq") == bool(pids)
 
 
 def test_dead_scheduler_process_fails_pending_calls_promptly() -> None:

@@ -109,8 +109,8 @@ def test_serve_dp_stopped_with_sigterm_leaves_no_run_dir(tmp_path: Path) -> None
 
 
 def test_serve_stopped_with_sigterm_removes_its_socket_files(tmp_path: Path) -> None:
-    # Probe: plain serve (no --dp) had no SIGTERM handler, so DIR/rpc and DIR/work
-    # stayed; a second serve on its live directory, refused, printed a traceback.
+    # Plain serve (no --dp) stopped with SIGTERM removes DIR/rpc and DIR/work; a second
+    # serve on a live directory is refused in one line, with no traceback.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "scheduler", "serve", "--endpoint", str(tmp_path / "ep")]
     serve = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
