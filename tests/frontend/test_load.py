@@ -108,7 +108,7 @@ def test_disconnect_mid_stream_frees_the_slot(small: tuple[Server, RpcClient]) -
     eventually(lambda: load(rpc) == (0, 0), 10.0, "the slot to be freed")
     assert time.monotonic() - t0 < 10.0
     r = httpx.post(f"{server.url}/v1/completions",
-                   json={"model": "tiny", "prompt": "x", "max_tokens": 3})
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 

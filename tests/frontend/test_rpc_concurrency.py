@@ -8,7 +8,7 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from frontend import ByteTokenizer, Settings
 from messages import SamplingParams
@@ -55,16 +55,29 @@ def test_16_health_and_metrics_calls_while_256_streams_run_take_about_one_calls_
         tasks = s.on_loop(lambda: [loop.create_task(_stream_forever(engine, stop))
                                    for _ in range(STREAMS)])
         eventually(lambda: engine.pending >= STREAMS, 60.0, "every stream to run")
+        rpc = engine._rpc
+        start = rpc.start
+        most = [0]  # the most rpc calls in flight at once
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            call = start(*args, **kwargs)
+            most[0] = max(most[0], len(rpc._calls))
+            return call
+
+        rpc.start = counted  # type: ignore[method-assign]
         single, concurrent = asyncio.run(_measure(s.port))
         assert engine.pending >= STREAMS // 2, "the streams must run meanwhile"
         assert _CountingExecutor.submitted == 0, "an rpc call went through a thread"
+        # The 16 calls were in flight together (served one after another: one at a time).
+        assert most[0] >= 16, f"at most {most[0]} rpc calls were in flight at once"
         ratio = statistics.median(concurrent) / statistics.median(single)
         # Served one after another, 16 calls take about 16 times one (measured: 10-16x).
         # At once they take one rpc's wait plus the HTTP work of 16 requests, which the
         # loop does one after another and shares with the streams and this test's own
-        # client (one process): about 2x one call on 2 busy cores. The bound leaves
-        # room for a shared machine's noise and none for serialized calls.
-        assert ratio <= 4.0, (f"16 concurrent calls took {ratio:.2f}x one "
+        # client (one process): about 2x one call on 2 quiet cores, up to 7x on a box
+        # other work shares. The bound leaves room for that noise and little for
+        # serialized calls; the count above is the exact check.
+        assert ratio <= 8.0, (f"16 concurrent calls took {ratio:.2f}x one "
                               f"(one: {single}, 16: {concurrent})")
         s.on_loop(stop.set)
         for task in tasks:
