@@ -1,4 +1,5 @@
-"""Shared fixtures: temp-dir ipc endpoints, and a deadline poller instead of sleeps."""
+"""Shared fixtures: temp-dir ipc endpoints, one torch thread in the test process, and a
+deadline poller instead of sleeps."""
 
 from __future__ import annotations
 
@@ -8,9 +9,28 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 _n = itertools.count()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Torch runs one intra-op thread in the test process, for the whole session.
+
+    The schedulers of ``ring`` mode run in this process, on its thread pool
+    (a ``zmq`` scheduler sizes its own: the spawned process does not inherit
+    this), as do the tests' reference forward passes. Their operations are
+    far too small to split, and on a 2-core host an idle OpenMP worker
+    spin-waits after every parallel region on the core the test's client
+    needs: 1000 generates in ring mode took 13-17 s with torch's default of
+    two threads, 1.5-2 s with one. What a test checks does not depend on it.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

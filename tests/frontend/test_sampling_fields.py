@@ -4,9 +4,11 @@ from ``transformers``' own logits: penalties, ``logit_bias``, ``min_tokens``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import copy
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import httpx
 import openai
@@ -22,6 +24,7 @@ from tests.frontend.server import Server
 
 PROMPT = [1, 45, 120, 7, 300, 45, 9]
 N = 24
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +60,40 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
+#: Each model's references, by their arguments. A reference is a pure function of the
+#: model and its arguments and costs seconds (a full forward pass per token), and every
+#: mode's server is checked against the same ones: each is computed once per module.
+_MEMO: weakref.WeakKeyDictionary[Any, dict[tuple[object, ...], Any]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _memo(hf: Any, key: tuple[object, ...], compute: Callable[[], T]) -> T:
+    """``compute()``, run once per ``hf`` and ``key`` (a deep copy each time: no caller
+    can change what the next one is given)."""
+    memo = _MEMO.setdefault(hf, {})
+    if key not in memo:
+        memo[key] = compute()
+    return cast(T, copy.deepcopy(memo[key]))
+
+
 def reference(hf: Any, prompt: list[int], n: int, *, rep: float = 1.0, freq: float = 0.0,
               pres: float = 0.0, bias: dict[int, float] | None = None
               ) -> tuple[list[int], list[float]]:
     """Greedy tokens with vLLM's penalties, one step at a time from the model's full
     forward pass (written apart from scheduler.models.logits); and each token's logprob
     under the model's own distribution."""
+    key = ("reference", tuple(prompt), n, rep, freq, pres, tuple(sorted((bias or {}).items())))
+    return _memo(hf, key, lambda: _reference(hf, prompt, n, rep, freq, pres, bias or {}))
+
+
+def _reference(hf: Any, prompt: list[int], n: int, rep: float, freq: float, pres: float,
+               bias: dict[int, float]) -> tuple[list[int], list[float]]:
     ids, out, lps = list(prompt), list[int](), list[float]()
     with torch.no_grad():
         for _ in range(n):
             raw = hf(torch.tensor([ids])).logits[0, -1]
             logits = raw.clone()
-            for t, v in (bias or {}).items():
+            for t, v in bias.items():
                 logits[t] += v
             for t in set(ids):  # prompt and answer
                 logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
@@ -172,6 +197,10 @@ def test_chat_takes_the_penalties(server: Server) -> None:
 
 def top_reference(hf: Any, prompt: list[int], n: int, k: int) -> list[list[float]]:
     """Greedy: each position's ``k`` highest logprobs, from the model's own forward pass."""
+    return _memo(hf, ("top", tuple(prompt), n, k), lambda: _top_reference(hf, prompt, n, k))
+
+
+def _top_reference(hf: Any, prompt: list[int], n: int, k: int) -> list[list[float]]:
     ids = list(prompt)
     tops = []
     with torch.no_grad():
