@@ -75,7 +75,7 @@ from scheduler.dp.fanout import CallerQueue, Fanout, merge_replies
 from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy, cost_of
 from scheduler.dp.liveness import AwakeClock
 from scheduler.dp.outputs import OutputGate, OutputThrottle
-from scheduler.dp.replica import Replica, ReplicaSpec
+from scheduler.dp.replica import Replica, ReplicaSpec, check_distinct
 from scheduler.dp.table import (
     Balanced,
     Broadcast,
@@ -142,6 +142,7 @@ class Dispatcher:
                  pd: tuple[int, int] | None = None, handoff_deadline: float = 60.0) -> None:
         if not replicas:
             raise ValueError("a dispatcher needs at least one replica")
+        check_distinct(replicas)
         if pd is not None and (min(pd) < 1 or sum(pd) != len(replicas)):
             raise ValueError(f"pd={pd}: needs P >= 1 prefill and D >= 1 decode replicas, "
                              f"P + D = {len(replicas)} (the replicas given)")

@@ -29,6 +29,7 @@ from messages import (
     token_ids,
 )
 from scheduler import Engine, ModelConfig, RequestFailed
+from scheduler.launch.wiring import Endpoints
 from tests import procs
 from tests.conftest import eventually
 
@@ -603,3 +604,31 @@ def test_dispatch_pd_needs_as_many_replicas_as_it_names(
         main(["dispatch", "--endpoint", "/tmp/unused", "--pd", "1:2", "--replica", "/tmp/a",
               "--replica", "/tmp/b"])
     assert "--pd 1:2 needs 3 --replica (the prefill ones first), not 2" in capsys.readouterr().err
+
+
+def test_dispatch_refuses_one_scheduler_named_as_two_replicas(tmp_path: Path) -> None:
+    """A replica named twice (``localhost`` and ``127.0.0.1``; a link to its
+    directory) would get two consumers on its output endpoint, which its PUSH
+    feeds by turns: each request's tokens that reached the other replica's inbox
+    were dropped as stale, and its stream ended ``length`` with half its tokens.
+    ``dispatch`` refuses it at start, naming both."""
+    base = procs.free_tcp_base()
+    (tmp_path / "r").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "r")
+    for n, pair in enumerate(([f"tcp://127.0.0.1:{base}", f"tcp://localhost:{base}"],
+                              [str(tmp_path / "r"), str(tmp_path / "link")])):
+        front_dir = tmp_path / f"front{n}"
+        front_dir.mkdir(mode=0o700)
+        front = subprocess.Popen(
+            [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(front_dir),
+             "--pd", "1:1", *(a for r in pair for a in ("--replica", r))],
+            stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = front.communicate(timeout=60)
+        finally:
+            if front.poll() is None:
+                front.kill()
+                front.wait(30)
+        assert front.returncode == 2, err
+        assert f"replica0 ({Endpoints.parse(pair[0]).work}) and replica1 " \
+               f"({Endpoints.parse(pair[1]).work}) are the same scheduler" in err, err
