@@ -326,6 +326,8 @@ class Dispatcher:
                         for r in self.replicas):  # takes new requests is busy with it
                 code = "overloaded"  # the orphan ends soon: a retry will go through
                 why = f"replica {busy[0]} is still ending an earlier request with this id"
+            elif pin is None and self.decode_only:  # live decode replicas take no prompt
+                why = "no prefill replica is live (the decode replicas read no prompt)"
             self._error(rid, origin, code, f"request {rid!r}: {why}{lost}")
             return
         rep = self.replicas[i]

@@ -632,3 +632,35 @@ def test_dispatch_refuses_one_scheduler_named_as_two_replicas(tmp_path: Path) ->
         assert front.returncode == 2, err
         assert f"replica0 ({Endpoints.parse(pair[0]).work}) and replica1 " \
                f"({Endpoints.parse(pair[1]).work}) are the same scheduler" in err, err
+
+
+def test_dispatch_pd_without_a_live_prefill_replica_says_so(tmp_path: Path) -> None:
+    """``dispatch --pd 1:1`` whose prefill replica died: a new request is answered
+    ``replica_lost`` saying no prefill replica is live, not that no replica is (the
+    decode replica is live, and takes hand-offs only)."""
+    dirs = [tmp_path / "p", tmp_path / "d", tmp_path / "front"]
+    for d in dirs:
+        d.mkdir(mode=0o700)
+    replicas = [_serve(dirs[0]), _serve(dirs[1])]
+    front = subprocess.Popen(
+        [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(dirs[2]), "--pd",
+         "1:1", "--replica", str(dirs[0]), "--replica", str(dirs[1]),
+         "--heartbeat-timeout", "1.0"], stderr=subprocess.DEVNULL, text=True)
+    try:
+        out, work, rpc = _raw_client(dirs[2])
+        with out, work, rpc:
+            _until_all_live(rpc)
+            _stop(replicas[0])
+            eventually(lambda: (_load(rpc).result or {}).get("replica0.live") is False, 30.0,
+                       "the dispatcher to see the prefill replica gone")
+            work.send(TokenizedGenerateReqInput(rid="r0", input_ids=token_ids([1, 2]),
+                                                sampling=SamplingParams(max_new_tokens=2)))
+            seen: dict[str, list[Output]] = {}
+            _collect(out, lambda s: _ended_with(s, "r0") is not None, seen)
+            end = _ended_with(seen, "r0")
+            assert isinstance(end, ErrorOut) and end.code == "replica_lost", end
+            assert "no prefill replica is live" in end.message, end.message
+            assert (_load(rpc).result or {}).get("replica1.live") is True
+    finally:
+        for p in (*replicas, front):
+            _stop(p)
