@@ -142,8 +142,8 @@ class ResponseShaper:
         elif head_lp.top_logprobs is None:
             # A one-token prompt scores nothing, so no alternatives came for it (None
             # when no prompt in its batch had any): the answer's alternatives stay.
-            top = None if lp.top_logprobs is None else \
-                [None] * len(head_lp.tokens) + lp.top_logprobs
+            nulls: list[dict[str, float] | None] = [None] * len(head_lp.tokens)
+            top = None if lp.top_logprobs is None else nulls + lp.top_logprobs
         else:
             top = head_lp.top_logprobs + (lp.top_logprobs or [])
         offsets: list[int] | None
