@@ -468,6 +468,9 @@ class Dispatcher:
             load = reply.result or {}
             running, queued, pid = load.get("running"), load.get("queued"), load.get("pid")
             if not rep.live:
+                model = load.get("model")
+                if not self._same_model(rep, model if isinstance(model, str) else None):
+                    return
                 self._join(rep, pid if isinstance(pid, int) else None)
             if isinstance(running, int) and isinstance(queued, int):
                 self.ledger.reported[rep.index] = running + queued
@@ -528,6 +531,25 @@ class Dispatcher:
             if isinstance(env, Envelope):
                 self._on_replica_rpc(rep, env.message, env.origin)
         return rep.health.verdict(awake, self.heartbeat_timeout, sent_before, rep.cpu_wait)
+
+    def _same_model(self, rep: Replica, model: str | None) -> bool:
+        """Whether ``rep`` may join: with prefill and decode apart, only a replica of the
+        live ones' model (a hand-off between two models is refused, request by request,
+        after its first token). Logged once per model it is refused for, naming both."""
+        if not self.prefill_only or model is None:
+            return True  # (every model serves alone; a scheduler that does not say)
+        other = next((r for r in self.replicas
+                      if r.live and r.model is not None and r.model != model), None)
+        if other is not None:
+            if rep.refused_model != model:
+                rep.refused_model = model
+                log.error("%s (%s) serves model %r, %s (%s) serves %r: it is not joined "
+                          "(prefill and decode replicas hand requests to each other: one "
+                          "model for all)", rep.name, rep.spec.endpoints.work, model,
+                          other.name, other.spec.endpoints.work, other.model)
+            return False
+        rep.model, rep.refused_model = model, None
+        return True
 
     def _join(self, rep: Replica, pid: int | None) -> None:
         if pid is not None and pid != rep.pid:

@@ -110,6 +110,10 @@ class Replica:
         self.generation = 0
         self.live = False  # until its first heartbeat answers
         self.joined = False  # has been live at least once
+        #: The model it last reported (``get_load``'s ``model``), when it did.
+        self.model: str | None = None
+        #: The model for which it was last refused a join (logged once per model).
+        self.refused_model: str | None = None
         self.health = Health()  # what it showed us (see scheduler.dp.liveness)
         self.next_beat = 0.0
         self.pid: int | None = None  # the pid its heartbeat reports (which incarnation)

@@ -664,3 +664,40 @@ def test_dispatch_pd_without_a_live_prefill_replica_says_so(tmp_path: Path) -> N
     finally:
         for p in (*replicas, front):
             _stop(p)
+
+
+def test_dispatch_pd_joins_no_replica_of_another_model(tmp_path: Path) -> None:
+    """``dispatch --pd 1:1`` over a replica of the built-in model and one of a Hugging
+    Face model: a hand-off between them would be refused request by request, each
+    after its first token. The second to answer is not joined, and the log names
+    both replicas and both models."""
+    pytest.importorskip("transformers")
+    from scheduler.models.tiny_hf import build_tiny_hf
+    model = build_tiny_hf(tmp_path / "hf")
+    dirs = [tmp_path / "gru", tmp_path / "llama", tmp_path / "front"]
+    for d in dirs:
+        d.mkdir(mode=0o700)
+    replicas = [_serve(dirs[0]), subprocess.Popen(
+        [sys.executable, "-m", "scheduler", "serve", "--endpoint", str(dirs[1]), "--model",
+         str(model)], stderr=subprocess.DEVNULL, text=True)]
+    log = tmp_path / "dispatch.log"
+    with log.open("w") as err:
+        front = subprocess.Popen(
+            [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(dirs[2]),
+             "--pd", "1:1", "--replica", str(dirs[0]), "--replica", str(dirs[1])],
+            stderr=err, text=True)
+    try:
+        eventually(lambda: "serves model" in log.read_text(), 90.0,
+                   "the dispatcher to refuse one replica's model")
+        line = next(x for x in log.read_text().splitlines() if "serves model" in x)
+        assert "'tiny-gru:" in line and "'hf:" in line, line
+        assert all(f"{r} (ipc://{d}/work)" in line for r, d in
+                   (("replica0", dirs[0]), ("replica1", dirs[1]))), line
+        with RpcClient(f"ipc://{dirs[2]}/rpc") as rpc:
+            load = _load(rpc)
+            assert not load.success and load.result is not None, load
+            assert [load.result["replica0.live"], load.result["replica1.live"]].count(True) \
+                == 1, load.result
+    finally:
+        for p in (*replicas, front):
+            _stop(p)
