@@ -137,8 +137,13 @@ class ResponseShaper:
         if head_lp is None or lp is None:
             return head + text, lp
         top: list[dict[str, float] | None] | None
-        if head_lp.top_logprobs is None or (lp.top_logprobs is None and lp.tokens):
+        if lp.top_logprobs is None and lp.tokens:
             top = None
+        elif head_lp.top_logprobs is None:
+            # A one-token prompt scores nothing, so no alternatives came for it (None
+            # when no prompt in its batch had any): the answer's alternatives stay.
+            nulls: list[dict[str, float] | None] = [None] * len(head_lp.tokens)
+            top = None if lp.top_logprobs is None else nulls + lp.top_logprobs
         else:
             top = head_lp.top_logprobs + (lp.top_logprobs or [])
         offsets: list[int] | None

@@ -102,13 +102,16 @@ class FlushCacheResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class GetLoadResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Requests running and waiting, the recent token rate, steps run, the process id."""
+    """Requests running and waiting, the recent token rate, steps run, the process id,
+    and the model's fingerprint (``""`` from a scheduler that predates it): a
+    dispatcher with prefill and decode apart joins replicas of one model only."""
 
     running: int
     queued: int
     tokens_per_s: float
     steps: int
     pid: int
+    model: str = ""
 
 
 class TokenDigestResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -29,6 +29,7 @@ from scheduler.cli.signals import ignore_stop_signals
 from scheduler.cli.top import run_top
 from scheduler.core.admission import Limits
 from scheduler.dp import ReplicaSpec, serve_dispatch
+from scheduler.dp.replica import check_distinct
 from scheduler.launch.leftovers import make_run_dir
 from scheduler.launch.processes import LOCAL_HEARTBEAT_TIMEOUT, start_replicas, supervise
 from scheduler.launch.respawn import NoReplicaLeft
@@ -140,6 +141,10 @@ def _replica_specs(parser: argparse.ArgumentParser, args: argparse.Namespace
                              curve_keys=keys if public is not None else None,
                              curve_server_public=public)
         specs.append(ReplicaSpec(Endpoints.parse(spec), options=opts))
+    try:
+        check_distinct(specs)
+    except ValueError as exc:
+        parser.error(f"--replica: {exc}")
     return specs
 
 

@@ -41,6 +41,8 @@ class ControlMethods:
     registry: CollectorRegistry | None
     admission: Admission
     _facts: ModelInfoResult | None = None
+    #: The model's :attr:`~scheduler.models.protocol.Model.fingerprint`, read once.
+    _fingerprint: str | None = None
     #: (step, exposition) of the last ``metrics`` call: the calls one poll brought in
     #: share one snapshot, taken once.
     _exposed: tuple[int, list[Scalar]] | None = None
@@ -139,8 +141,9 @@ class ControlMethods:
         return {"text": list(exposed[1])}
 
     def get_load(self) -> RpcResult:
-        """Running and queued requests, the recent token rate, and this process's pid
-        (which incarnation answers: a dispatcher tells a restart from a return)."""
+        """Running and queued requests, the recent token rate, this process's pid
+        (which incarnation answers: a dispatcher tells a restart from a return) and its
+        model's fingerprint (a prefill/decode dispatcher joins replicas of one model)."""
         now = time.monotonic()
         if now - self._rate_t0 >= 1.0:
             self._rate = self._rate_tokens / (now - self._rate_t0)
@@ -148,4 +151,9 @@ class ControlMethods:
         running, queued = self._queue_sizes()
         return {"running": running, "queued": queued,
                 "tokens_per_s": round(self._rate, 1), "steps": self._steps,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "model": self._model_fingerprint()}
+
+    def _model_fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = self.model.fingerprint
+        return self._fingerprint

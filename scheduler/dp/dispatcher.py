@@ -76,7 +76,7 @@ from scheduler.dp.fanout import CallerQueue, Fanout, merge_replies
 from scheduler.dp.ledger import Ledger, NoLiveReplica, Policy, cost_of
 from scheduler.dp.liveness import AwakeClock
 from scheduler.dp.outputs import OutputGate, OutputThrottle
-from scheduler.dp.replica import Replica, ReplicaSpec
+from scheduler.dp.replica import Replica, ReplicaSpec, check_distinct
 from scheduler.dp.table import (
     Balanced,
     Broadcast,
@@ -152,6 +152,7 @@ class Dispatcher:
                  max_handoff_bytes: int = 512 << 20) -> None:
         if not replicas:
             raise ValueError("a dispatcher needs at least one replica")
+        check_distinct(replicas)
         if pd is not None and (min(pd) < 1 or sum(pd) != len(replicas)):
             raise ValueError(f"pd={pd}: needs P >= 1 prefill and D >= 1 decode replicas, "
                              f"P + D = {len(replicas)} (the replicas given)")
@@ -345,6 +346,8 @@ class Dispatcher:
                         for r in self.replicas):  # takes new requests is busy with it
                 code = "overloaded"  # the orphan ends soon: a retry will go through
                 why = f"replica {busy[0]} is still ending an earlier request with this id"
+            elif pin is None and self.decode_only:  # live decode replicas take no prompt
+                why = "no prefill replica is live (the decode replicas read no prompt)"
             self._error(rid, origin, code, f"request {rid!r}: {why}{lost}")
             return
         rep = self.replicas[i]
@@ -524,6 +527,9 @@ class Dispatcher:
             load = reply.result or {}
             running, queued, pid = load.get("running"), load.get("queued"), load.get("pid")
             if not rep.live:
+                model = load.get("model")
+                if not self._same_model(rep, model if isinstance(model, str) else None):
+                    return
                 self._join(rep, pid if isinstance(pid, int) else None)
             if isinstance(running, int) and isinstance(queued, int):
                 self.ledger.reported[rep.index] = running + queued
@@ -597,6 +603,25 @@ class Dispatcher:
             if isinstance(env, Envelope):
                 self._on_replica_rpc(rep, env.message, env.origin)
         return rep.health.verdict(awake, self.heartbeat_timeout, sent_before, rep.cpu_wait)
+
+    def _same_model(self, rep: Replica, model: str | None) -> bool:
+        """Whether ``rep`` may join: with prefill and decode apart, only a replica of the
+        live ones' model (a hand-off between two models is refused, request by request,
+        after its first token). Logged once per model it is refused for, naming both."""
+        if not self.prefill_only or model is None:
+            return True  # (every model serves alone; a scheduler that does not say)
+        other = next((r for r in self.replicas
+                      if r.live and r.model is not None and r.model != model), None)
+        if other is not None:
+            if rep.refused_model != model:
+                rep.refused_model = model
+                log.error("%s (%s) serves model %r, %s (%s) serves %r: it is not joined "
+                          "(prefill and decode replicas hand requests to each other: one "
+                          "model for all)", rep.name, rep.spec.endpoints.work, model,
+                          other.name, other.spec.endpoints.work, other.model)
+            return False
+        rep.model, rep.refused_model = model, None
+        return True
 
     def _join(self, rep: Replica, pid: int | None) -> None:
         if pid is not None and pid != rep.pid:

@@ -30,6 +30,8 @@ import contextlib
 import logging
 import os
 import signal
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -40,7 +42,7 @@ from messages import OUT, WORK, AbortReq, Output, Request
 from scheduler.dp.liveness import Health
 from scheduler.launch.wiring import Endpoints
 
-__all__ = ["Replica", "ReplicaSpec"]
+__all__ = ["Replica", "ReplicaSpec", "check_distinct"]
 
 log = logging.getLogger("scheduler.dp")
 
@@ -62,6 +64,42 @@ class ReplicaSpec:
     options: SocketOptions = field(default_factory=SocketOptions)
 
 
+def _scheduler_at(endpoints: Endpoints) -> tuple[str, frozenset[str]]:
+    """Where ``endpoints``' scheduler is, spelled one way: its ``ipc://`` directory
+    with links resolved, or its ``tcp://`` port with every address its host names."""
+    work = endpoints.work
+    if work.startswith("tcp://"):
+        host, port = work[len("tcp://"):].rsplit(":", 1)
+        host = host.strip("[]")
+        try:
+            found = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+        except (OSError, UnicodeError):  # not resolvable here: compared as written
+            found = set()
+        return f"tcp:{port}", frozenset(found | {host.lower()})
+    directory = os.path.dirname(work.removeprefix("ipc://"))
+    return "ipc", frozenset({os.path.realpath(directory)})
+
+
+def check_distinct(specs: Sequence[ReplicaSpec]) -> None:
+    """Refuse two replicas that are one scheduler (its endpoints named twice, as
+    written or spelled otherwise: ``localhost`` and ``127.0.0.1``, a link to its
+    directory). Its outputs would go to two consumers by turns, and each request's
+    tokens that reached the other would be dropped as another replica's.
+
+    Raises:
+        ValueError: naming both replicas and the endpoint they share.
+    """
+    seen: list[tuple[str, frozenset[str]]] = []
+    for i, spec in enumerate(specs):
+        kind, where = _scheduler_at(spec.endpoints)
+        for j, (other_kind, other) in enumerate(seen):
+            if kind == other_kind and where & other:
+                raise ValueError(
+                    f"replica{j} ({specs[j].endpoints.work}) and replica{i} "
+                    f"({spec.endpoints.work}) are the same scheduler: name each replica once")
+        seen.append((kind, where))
+
+
 class Replica:
     """The dispatcher's handle on replica ``index``."""
 
@@ -76,6 +114,10 @@ class Replica:
         self.generation = 0
         self.live = False  # until its first heartbeat answers
         self.joined = False  # has been live at least once
+        #: The model it last reported (``get_load``'s ``model``), when it did.
+        self.model: str | None = None
+        #: The model for which it was last refused a join (logged once per model).
+        self.refused_model: str | None = None
         self.health = Health()  # what it showed us (see scheduler.dp.liveness)
         self.next_beat = 0.0
         self.pid: int | None = None  # the pid its heartbeat reports (which incarnation)

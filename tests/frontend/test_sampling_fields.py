@@ -303,6 +303,36 @@ def test_echo_with_an_answer_begins_with_the_prompt(server: Server, hf: Any,
     assert offsets == sorted(offsets) and len(offsets) == len(PROMPT) + 3
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_of_a_one_token_prompt_keeps_the_answers_alternatives(server: Server,
+                                                                   stream: bool) -> None:
+    """A one-token prompt has no logprob to score, so no alternatives come for it; the
+    echoed answer still gives each answer token's, as without echo, after the prompt
+    token's null (a batch whose prompts scored nothing sent ``None`` for them, and the
+    echo dropped the answer's alternatives with the prompt's)."""
+    c = client(server)
+    plain = c.completions.create(model="tiny", prompt=[PROMPT[1]], max_tokens=3, logprobs=2,
+                                 temperature=0.0, extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs is not None
+    want = plain.choices[0].logprobs.top_logprobs
+    assert want is not None and len(want) == 3
+    r = c.completions.create(model="tiny", prompt=[PROMPT[1]], max_tokens=3, logprobs=2,
+                             temperature=0.0, echo=True, stream=stream,
+                             extra_body={"ignore_eos": True})
+    choices = [c.choices[0] for c in r] if stream else [r.choices[0]]  # type: ignore[union-attr]
+    tops: list[dict[str, float] | None] = []
+    for ch in choices:
+        if ch.logprobs is None or not ch.logprobs.tokens:
+            continue
+        assert ch.logprobs.top_logprobs is not None, ch.logprobs
+        assert len(ch.logprobs.top_logprobs) == len(ch.logprobs.tokens), ch.logprobs
+        tops += ch.logprobs.top_logprobs
+    assert tops[0] is None and len(tops) == 4
+    for got, w in zip(tops[1:], want, strict=True):
+        assert got is not None and w is not None and got.keys() == w.keys()
+        assert list(got.values()) == pytest.approx(list(w.values()), abs=1e-9)
+
+
 def test_echo_without_logprobs_and_max_tokens_0_is_the_prompt(server: Server,
                                                               model_dir: Path) -> None:
     r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=0,

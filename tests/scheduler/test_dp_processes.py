@@ -29,6 +29,7 @@ from messages import (
     token_ids,
 )
 from scheduler import Engine, ModelConfig, RequestFailed
+from scheduler.launch.wiring import Endpoints
 from tests import procs
 from tests.conftest import eventually
 
@@ -610,3 +611,100 @@ def test_dispatch_pd_needs_as_many_replicas_as_it_names(
         main(["dispatch", "--endpoint", "/tmp/unused", "--pd", "1:1", "--replica", "/tmp/a",
               "--replica", "/tmp/b", "--handoff-deadline", "0"])
     assert "handoff_deadline" in capsys.readouterr().err
+
+
+def test_dispatch_refuses_one_scheduler_named_as_two_replicas(tmp_path: Path) -> None:
+    """A replica named twice (``localhost`` and ``127.0.0.1``; a link to its
+    directory) would get two consumers on its output endpoint, which its PUSH
+    feeds by turns: each request's tokens that reached the other replica's inbox
+    were dropped as stale, and its stream ended ``length`` with half its tokens.
+    ``dispatch`` refuses it at start, naming both."""
+    base = procs.free_tcp_base()
+    (tmp_path / "r").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "r")
+    for n, pair in enumerate(([f"tcp://127.0.0.1:{base}", f"tcp://localhost:{base}"],
+                              [str(tmp_path / "r"), str(tmp_path / "link")])):
+        front_dir = tmp_path / f"front{n}"
+        front_dir.mkdir(mode=0o700)
+        front = subprocess.Popen(
+            [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(front_dir),
+             "--pd", "1:1", *(a for r in pair for a in ("--replica", r))],
+            stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = front.communicate(timeout=60)
+        finally:
+            if front.poll() is None:
+                front.kill()
+                front.wait(30)
+        assert front.returncode == 2, err
+        assert f"replica0 ({Endpoints.parse(pair[0]).work}) and replica1 " \
+               f"({Endpoints.parse(pair[1]).work}) are the same scheduler" in err, err
+
+
+def test_dispatch_pd_without_a_live_prefill_replica_says_so(tmp_path: Path) -> None:
+    """``dispatch --pd 1:1`` whose prefill replica died: a new request is answered
+    ``replica_lost`` saying no prefill replica is live, not that no replica is (the
+    decode replica is live, and takes hand-offs only)."""
+    dirs = [tmp_path / "p", tmp_path / "d", tmp_path / "front"]
+    for d in dirs:
+        d.mkdir(mode=0o700)
+    replicas = [_serve(dirs[0]), _serve(dirs[1])]
+    front = subprocess.Popen(
+        [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(dirs[2]), "--pd",
+         "1:1", "--replica", str(dirs[0]), "--replica", str(dirs[1]),
+         "--heartbeat-timeout", "1.0"], stderr=subprocess.DEVNULL, text=True)
+    try:
+        out, work, rpc = _raw_client(dirs[2])
+        with out, work, rpc:
+            _until_all_live(rpc)
+            _stop(replicas[0])
+            eventually(lambda: (_load(rpc).result or {}).get("replica0.live") is False, 30.0,
+                       "the dispatcher to see the prefill replica gone")
+            work.send(TokenizedGenerateReqInput(rid="r0", input_ids=token_ids([1, 2]),
+                                                sampling=SamplingParams(max_new_tokens=2)))
+            seen: dict[str, list[Output]] = {}
+            _collect(out, lambda s: _ended_with(s, "r0") is not None, seen)
+            end = _ended_with(seen, "r0")
+            assert isinstance(end, ErrorOut) and end.code == "replica_lost", end
+            assert "no prefill replica is live" in end.message, end.message
+            assert (_load(rpc).result or {}).get("replica1.live") is True
+    finally:
+        for p in (*replicas, front):
+            _stop(p)
+
+
+def test_dispatch_pd_joins_no_replica_of_another_model(tmp_path: Path) -> None:
+    """``dispatch --pd 1:1`` over a replica of the built-in model and one of a Hugging
+    Face model: a hand-off between them would be refused request by request, each
+    after its first token. The second to answer is not joined, and the log names
+    both replicas and both models."""
+    pytest.importorskip("transformers")
+    from scheduler.models.tiny_hf import build_tiny_hf
+    model = build_tiny_hf(tmp_path / "hf")
+    dirs = [tmp_path / "gru", tmp_path / "llama", tmp_path / "front"]
+    for d in dirs:
+        d.mkdir(mode=0o700)
+    replicas = [_serve(dirs[0]), subprocess.Popen(
+        [sys.executable, "-m", "scheduler", "serve", "--endpoint", str(dirs[1]), "--model",
+         str(model)], stderr=subprocess.DEVNULL, text=True)]
+    log = tmp_path / "dispatch.log"
+    with log.open("w") as err:
+        front = subprocess.Popen(
+            [sys.executable, "-m", "scheduler", "dispatch", "--endpoint", str(dirs[2]),
+             "--pd", "1:1", "--replica", str(dirs[0]), "--replica", str(dirs[1])],
+            stderr=err, text=True)
+    try:
+        eventually(lambda: "serves model" in log.read_text(), 90.0,
+                   "the dispatcher to refuse one replica's model")
+        line = next(x for x in log.read_text().splitlines() if "serves model" in x)
+        assert "'tiny-gru:" in line and "'hf:" in line, line
+        assert all(f"{r} (ipc://{d}/work)" in line for r, d in
+                   (("replica0", dirs[0]), ("replica1", dirs[1]))), line
+        with RpcClient(f"ipc://{dirs[2]}/rpc") as rpc:
+            load = _load(rpc)
+            assert not load.success and load.result is not None, load
+            assert [load.result["replica0.live"], load.result["replica1.live"]].count(True) \
+                == 1, load.result
+    finally:
+        for p in (*replicas, front):
+            _stop(p)
