@@ -35,7 +35,9 @@ machine (compare ratios, not absolute numbers: the box is small and shared).
   ``dp_size=2`` with chunked prefill (two replica processes either way), the
   long prompts' time to first token, and the CPU seconds each replica
   process used (on a 2-core box the two replicas, the dispatcher and this
-  client share two cores, which is what bounds the ratio).
+  client share two cores, which is what bounds the ratio). Each replica is
+  pinned to a core of its own where there are enough (the dispatcher and
+  the client float), in both configurations.
 * **Answers**: ``Engine(pd=(1, 1))`` against a colocated ``Engine("zmq")``,
   greedy, prompts of 1 to 2,000 tokens: ``match_ratio_pd_vs_colocated`` is
   the share of requests whose tokens are equal, token for token.
@@ -348,6 +350,27 @@ def _interference(engine: Any, seconds: float) -> tuple[list[float], list[float]
     return gaps, ttfts, cpu
 
 
+def _pin(replicas: list[tuple[int, ...]]) -> None:
+    """Each replica process (every thread of it) on a core of its own, where the box has
+    one for each: replica ``i`` on core ``i``; the dispatcher and this client float. On
+    2 cores, unpinned, the prefill replica (busy all the time under this load) and
+    the decode replica took turns on both, and the streams' gaps measured that."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < len(replicas):
+        return
+    for core, pids in zip(cores, replicas, strict=False):
+        for pid in pids:
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except OSError:
+                tids = [pid]
+            for tid in tids:
+                try:
+                    os.sched_setaffinity(tid, {core})
+                except OSError:
+                    pass  # (a thread that ended meanwhile)
+
+
 def interference(model_dir: Path) -> dict[str, object]:
     """ITL of decoding streams while long prompts arrive: pd 1:1 against dp_size=2."""
     from scheduler import Engine
@@ -355,6 +378,7 @@ def interference(model_dir: Path) -> dict[str, object]:
     res: dict[str, object] = {"interference_seconds": seconds}
     for name, kw in (("pd", {"pd": (1, 1)}), ("colocated", {"dp_size": 2})):
         with Engine("zmq", model_dir, **kw) as engine:
+            _pin(engine.replica_pids)
             gaps, ttfts, cpu = _interference(engine, seconds)
         p50, p99 = np.percentile(gaps, [50, 99])
         res[f"itl_p50_ms_{name}"] = round(float(p50), 2)
