@@ -18,6 +18,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -467,24 +468,34 @@ def test_a_decode_replica_adopts_within_max_batch_and_its_admission_bounds(
     assert decode.sched.admission.requests == decode.sched.admission.tokens == 0
 
 
+def _held_prefill(make_loop: Callable[..., Loop], prefix: str, n: int, **kw: Any
+                  ) -> tuple[Loop, list[int], Callable[[], list[str]]]:
+    """A prefill replica under ``max_handoff_bytes=BOUND`` whose receivers hold, for now,
+    more than that of its sends (``in_flight[0]``, the test's to change), sent ``n``
+    prompts ``{prefix}0..``; and the rids it has streamed a first token of, in order."""
+    from scheduler import Limits
+    in_flight = [1 << 30]
+    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=BOUND),
+                        handoff_bytes=lambda: in_flight[0], **kw)
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    for i in range(n):
+        prefill.send(TokenizedGenerateReqInput(rid=f"{prefix}{i}",
+                                               input_ids=token_ids([5 + i, 9]), sampling=sp,
+                                               stream=True, prefill_only=True))
+
+    def firsts() -> list[str]:
+        return [rid for o, _ in prefill.got if isinstance(o, BatchTokenIDOut)
+                for rid, _ids, _fin in o.items()]
+
+    return prefill, in_flight, firsts
+
+
 def test_a_prefill_replica_holds_read_prompts_while_hand_offs_in_flight_exceed_the_bound(
         make_loop: Callable[..., Loop]) -> None:
     """Past ``max_handoff_bytes`` unreleased, read prompts wait (first token streamed,
     state held, not decoding), and leave in order as room appears; none is dropped."""
-    from scheduler import Limits
-    in_flight = [1 << 30]  # what the receivers hold of this replica's sends (the test's)
-    prefill = make_loop("zmq", limits=Limits(max_handoff_bytes=BOUND),
-                        handoff_bytes=lambda: in_flight[0])
-    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
-    for i in range(3):
-        prefill.send(TokenizedGenerateReqInput(rid=f"w{i}", input_ids=token_ids([5 + i, 9]),
-                                               sampling=sp, stream=True, prefill_only=True))
-
-    def firsts() -> set[str]:
-        return {rid for o, _ in prefill.got if isinstance(o, BatchTokenIDOut)
-                for rid, _ids, _fin in o.items()}
-
-    prefill.run_until(lambda: firsts() == {"w0", "w1", "w2"})
+    prefill, in_flight, firsts = _held_prefill(make_loop, "w", 3)
+    prefill.run_until(lambda: set(firsts()) == {"w0", "w1", "w2"})
     for _ in range(5):
         prefill.sched.step()
     assert not [o for o, _ in prefill.got if isinstance(o, KVHandoff)]
@@ -532,19 +543,7 @@ def test_read_prompts_waiting_to_be_handed_off_keep_their_batch_slots(
     """A prefill replica whose hand-offs are not taken holds at most ``max_batch``
     read states: the prompts after them wait in the queue (not read, not refused),
     and are read, in order, as the hand-offs before them leave."""
-    from scheduler import Limits
-    in_flight = [1 << 30]  # what the receivers hold of this replica's sends (the test's)
-    prefill = make_loop("zmq", max_batch=2, limits=Limits(max_handoff_bytes=BOUND),
-                        handoff_bytes=lambda: in_flight[0])
-    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
-    for i in range(5):
-        prefill.send(TokenizedGenerateReqInput(rid=f"q{i}", input_ids=token_ids([5 + i, 9]),
-                                               sampling=sp, stream=True, prefill_only=True))
-
-    def firsts() -> list[str]:
-        return [rid for o, _ in prefill.got if isinstance(o, BatchTokenIDOut)
-                for rid, _ids, _fin in o.items()]
-
+    prefill, in_flight, firsts = _held_prefill(make_loop, "q", 5, max_batch=2)
     prefill.run_until(lambda: len(firsts()) == 2)
     for _ in range(10):
         prefill.sched.step()
