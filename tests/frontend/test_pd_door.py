@@ -53,12 +53,13 @@ def _client(server: Server) -> openai.OpenAI:
 def _streamed(server: Server, prompt: list[int]) -> list[str]:
     """Each streamed event's text (one token each: logprobs name them)."""
     texts: list[str] = []
-    for event in _client(server).completions.create(
-            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
-            logprobs=0):
-        for choice in event.choices:
-            assert choice.logprobs is not None and choice.logprobs.tokens is not None
-            texts += choice.logprobs.tokens
+    with _client(server) as client:
+        for event in client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                stream=True, logprobs=0):
+            for choice in event.choices:
+                assert choice.logprobs is not None and choice.logprobs.tokens is not None
+                texts += choice.logprobs.tokens
     return texts
 
 
@@ -87,11 +88,12 @@ def test_whole_completions_and_chat_under_pd_are_a_colocated_doors(
     pd, colocated = servers
     answers = []
     for server in (pd, colocated):
-        client = _client(server)
-        whole = [client.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS,
-                                           temperature=0.0).choices[0].text for p in PROMPTS]
-        chat = client.chat.completions.create(
-            model="tiny", max_tokens=MAX_TOKENS, temperature=0.0,
-            messages=[{"role": "user", "content": "hand it over " * 50}])
+        with _client(server) as client:
+            whole = [client.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS,
+                                               temperature=0.0).choices[0].text
+                     for p in PROMPTS]
+            chat = client.chat.completions.create(
+                model="tiny", max_tokens=MAX_TOKENS, temperature=0.0,
+                messages=[{"role": "user", "content": "hand it over " * 50}])
         answers.append((whole, chat.choices[0].message.content, chat.usage))
     assert answers[0] == answers[1]
