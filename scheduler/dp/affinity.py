@@ -54,8 +54,8 @@ from messages import RpcReqInput, RpcReqOutput, TokenIds
 from scheduler.dp.table import Reducer, ReplicaReply
 from scheduler.models.radix import RadixTree
 
-__all__ = ["BALANCE_ABS", "BALANCE_REL", "MATCH_SHARE", "TREE_NODES", "TREE_TOKENS",
-           "PrefixAffinity"]
+__all__ = ["BALANCE_ABS", "BALANCE_FREE", "BALANCE_REL", "MATCH_SHARE", "TREE_NODES",
+           "TREE_TOKENS", "PrefixAffinity"]
 
 #: Least share of a prompt a replica's tree must match to win the request.
 MATCH_SHARE = 0.5
@@ -65,6 +65,10 @@ MATCH_SHARE = 0.5
 BALANCE_ABS = 32
 #: ... and more than this many times the least loaded's.
 BALANCE_REL = 1.0001
+#: The holder spills *for free* to the least loaded live replica when it has at
+#: least this many requests in flight more than that one and that replica's tree
+#: (bounded by its reported cache) takes the prompt without evicting anything.
+BALANCE_FREE = 2
 #: Tokens each replica's tree keeps (4 bytes each: 4 MiB).
 TREE_TOKENS = 1 << 20
 #: Nodes each replica's tree keeps. A node costs ~1 KB (measured 700-950 bytes:
@@ -101,9 +105,14 @@ class PrefixAffinity:
         self.tree_nodes = tree_nodes
         self.trees: list[RadixTree[_Run]] = [RadixTree(tree_tokens, tree_nodes)
                                              for _ in range(n)]
+        #: Per replica, the tokens its prefix cache holds at most, as it reported
+        #: (``None``: not reported; its tree's room is then unknown, and no free
+        #: spill goes there).
+        self.cache_tokens: list[int | None] = [None] * n
         self.routed_by_prefix = 0  # requests sent where their prefix was
         self.routed_by_load = 0  # requests no tree matched enough: the ledger picks
         self.spilled = 0  # requests whose prefix's replica was overloaded: the least loaded
+        self.spilled_free = 0  # spilled to a less loaded replica with room for the prompt
 
     def prefer(self, prompt: TokenIds, load: Sequence[int], live: Sequence[bool],
                exclude: Container[int] = ()) -> int | None:
@@ -124,15 +133,45 @@ class PrefixAffinity:
             self.routed_by_load += 1
             return None
         least = min(load[i] for i in candidates)
+        lightest = [i for i in candidates if load[i] == least]
         if load[best] - least > BALANCE_ABS and load[best] > BALANCE_REL * least:
             # The holder is overloaded: spill to the least loaded (in flight, the
             # measure just compared; the longest match among them), which records
             # the prompt and so holds the prefix too: from then on the less
             # loaded of the two wins the tie.
             self.spilled += 1
-            return min((i for i in candidates if load[i] == least), key=lambda i: -held[i])
+            return min(lightest, key=lambda i: -held[i])
+        if load[best] - least >= BALANCE_FREE:
+            # Less uneven, but the least loaded has room for the prompt: its
+            # replica caches it without evicting another prefix, so balancing
+            # costs one read of the prefix there and no miss later.
+            roomy = [i for i in lightest if self._room(i, len(ids) - held[i])]
+            if roomy:
+                self.spilled_free += 1
+                return min(roomy, key=lambda i: -held[i])
         self.routed_by_prefix += 1
         return best
+
+    def counters(self) -> dict[str, int]:
+        """How requests were routed, by name (``get_load`` reports them)."""
+        return {"routed_by_prefix": self.routed_by_prefix,
+                "routed_by_load": self.routed_by_load, "spilled": self.spilled,
+                "spilled_free": self.spilled_free}
+
+    def _room(self, replica: int, tokens: int) -> bool:
+        """Whether ``replica``'s tree, bounded by the cache it reported, takes ``tokens``
+        more without evicting (``False`` while it has reported no cache)."""
+        tree = self.trees[replica]
+        return self.cache_tokens[replica] is not None and tree.size + tokens <= tree.capacity
+
+    def set_cache_tokens(self, replica: int, tokens: int) -> None:
+        """``replica`` reported that its prefix cache holds at most ``tokens`` tokens:
+        its tree keeps at most that many (and :data:`TREE_TOKENS`), evicting the least
+        recently used past it."""
+        if tokens == self.cache_tokens[replica]:
+            return
+        self.cache_tokens[replica] = tokens
+        self.trees[replica].set_capacity(min(self.tree_tokens, max(0, tokens)))
 
     def record(self, replica: int, prompt: TokenIds) -> None:
         """``prompt`` went to ``replica``: its prefix is likely cached there now."""
@@ -141,8 +180,9 @@ class PrefixAffinity:
             self.trees[replica].insert(ids, lambda a, b: _Run(b - a))
 
     def drop(self, replica: int) -> None:
-        """Forget what ``replica`` holds (lost, respawned or flushed)."""
-        self.trees[replica] = RadixTree(self.tree_tokens, self.tree_nodes)
+        """Forget what ``replica`` holds (lost, respawned or flushed); the bound its
+        cache reported stays (its next report replaces it)."""
+        self.trees[replica] = RadixTree(self.trees[replica].capacity, self.tree_nodes)
 
     def forget_flushed(self, names: Sequence[str], reduce: Reducer, call: RpcReqInput,
                        replies: Sequence[ReplicaReply]) -> RpcReqOutput:
