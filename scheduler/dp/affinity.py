@@ -8,6 +8,12 @@ it approximates what the replica's own prefix cache holds) and in nodes
 a token or two), evicted least recently used first. Only the chosen
 replica's tree counts as used: looking into the others does not refresh them.
 
+Each replica reports its prefix cache's capacity in tokens (``get_load``'s
+``prefix_cache_tokens``, read from every heartbeat); its tree is then bounded
+by that too (:meth:`PrefixAffinity.set_cache_tokens`), so it approximates
+what that cache can hold, and its room left is what the replica can still
+cache without evicting another prefix.
+
 A request goes to the replica whose tree matches the longest part of its
 prompt (of equal matches, the one with fewer requests in flight) when
 
@@ -18,7 +24,16 @@ prompt (of equal matches, the one with fewer requests in flight) when
   :data:`BALANCE_REL` times as many. An overloaded holder *spills*: the least
   loaded replica takes the request (of several, the one matching most) and
   records the prompt, so it holds the prefix too and from then on the two
-  share that prefix's requests by load.
+  share that prefix's requests by load;
+* and it is not ahead for nothing: with at least :data:`BALANCE_FREE`
+  requests in flight more than the least loaded live replica, it spills
+  there *for free* when that replica reported its cache and its tree takes
+  the prompt's unmatched tokens without evicting (``size + unmatched <=
+  bound``). The cost is one read of the prefix there, and no miss later:
+  nothing it held is pushed out. A replica whose cache is full (or that
+  caches nothing, or has not reported) gets no free spill: there, moving a
+  prefix evicts another, and keeping the prefixes apart is what a small
+  cache needs.
 
 Load is requests in flight as the dispatcher counts them (the ledger's): it
 knows them at once, where a replica's own report is a heartbeat old. Either
@@ -26,22 +41,25 @@ way, the prompt joins the chosen replica's tree. Embedding requests are not
 recorded (a replica caches no prefix for them). A replica that is lost, or
 that joins again (a respawn starts with an empty cache), has its tree
 dropped; so does each replica whose ``flush_cache`` succeeded (one that
-refused, with requests running, keeps its cache and its tree).
+refused, with requests running, keeps its cache and its tree). The counters
+(:meth:`PrefixAffinity.counters`) are in the dispatcher's ``get_load`` as
+``dispatcher.affinity_<name>``, and each tree's tokens and bound as
+``<replica>.affinity_tokens`` and ``<replica>.affinity_bound``.
 
 The thresholds, as measured (``docs/ARCHITECTURE.md``, "Choosing the
-thresholds", has the runs): on ``benchmarks.prefix`` (8 system prompts of
-1,024 tokens, 2 replicas, concurrency 16, the default cache) the replicas'
-in-flight counts differ by about 10 under ``cache_aware`` without spilling,
-and as much under ``round_robin``; a tight :data:`BALANCE_ABS` (0-4) closes
-the gap but made ``cache_aware``'s time to first token worse in both
-paired runs (each spill is a miss of a whole shared prefix), though
-``least_loaded`` was the fastest policy in three runs of four: on that
-shared box the noise hides whether balance pays. So the balance
-thresholds stay SGLang router's (32 requests and 1.0001): at concurrency 16
-they never fire; they bound the pile-up on a replica far slower than the
-others. The match share stays 0.5: that workload cannot tell its values
-apart (a prompt matches 97% or nothing), and below half a replica would
-read more of the prompt than it reuses.
+thresholds", has the runs) on ``benchmarks.prefix`` (8 system prompts of
+1,024 tokens, 2 replicas, concurrency 16): with the default 1 GiB cache
+(every prompt fits everywhere) the replicas' in-flight counts differ by
+about 10 under ``cache_aware`` without spilling, and a tight balance (2)
+took its time to first token from 0.86 to 0.51 of ``round_robin``'s with the
+cache; with a 6 MiB cache (5 of the 8 prompts) the same tight balance
+collapsed it to ``least_loaded`` (0.85), where the loose one gave 0.16:
+balancing pays exactly when the replica it spills to has room. Hence two
+thresholds: the free one, 2, only where there is room; the loose one,
+SGLang router's (32 requests and 1.0001), everywhere, bounding the pile-up
+on a replica far slower than the others. The match share stays 0.5: that
+workload cannot tell its values apart (a prompt matches 97% or nothing),
+and below half a replica would read more of the prompt than it reuses.
 """
 
 from __future__ import annotations
