@@ -168,6 +168,11 @@ def run(model_dir: Path, policy: str, cache_bytes: int, prompts: list[list[int]]
             t.join()
         wall = time.perf_counter() - t0
         hits = _metric(engine.metrics(), "tsb_prefix_cache_hit_tokens_total")
+        load = engine.collective_rpc("get_load").result or {}
+        routed = {k.removeprefix("dispatcher.affinity_"): v for k, v in load.items()
+                  if k.startswith("dispatcher.affinity_")}
+        if routed:  # how cache_aware routed (its spills), beside the figures
+            say(f"  {policy} routed: {json.dumps(routed)}")
     return answers, ttfts, len(prompts) / wall, hits, statistics.mean(gaps or [0])
 
 

@@ -103,8 +103,11 @@ class FlushCacheResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class GetLoadResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Requests running and waiting, the recent token rate, steps run, the process id,
-    and the model's fingerprint (``""`` from a scheduler that predates it): a
-    dispatcher with prefill and decode apart joins replicas of one model only."""
+    the model's fingerprint (``""`` from a scheduler that predates it): a
+    dispatcher with prefill and decode apart joins replicas of one model only; and
+    ``prefix_cache_tokens``, the most tokens the prefix cache holds (its byte bound
+    over one token's state; 0: no cache, or a scheduler that predates it): a
+    ``cache_aware`` dispatcher bounds its guess of that cache by it."""
 
     running: int
     queued: int
@@ -112,6 +115,7 @@ class GetLoadResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     steps: int
     pid: int
     model: str = ""
+    prefix_cache_tokens: int = 0
 
 
 class TokenDigestResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

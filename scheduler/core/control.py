@@ -142,8 +142,10 @@ class ControlMethods:
 
     def get_load(self) -> RpcResult:
         """Running and queued requests, the recent token rate, this process's pid
-        (which incarnation answers: a dispatcher tells a restart from a return) and its
-        model's fingerprint (a prefill/decode dispatcher joins replicas of one model)."""
+        (which incarnation answers: a dispatcher tells a restart from a return), its
+        model's fingerprint (a prefill/decode dispatcher joins replicas of one model)
+        and how many tokens its prefix cache holds at most (a ``cache_aware``
+        dispatcher bounds its guess of this replica's cache by it)."""
         now = time.monotonic()
         if now - self._rate_t0 >= 1.0:
             self._rate = self._rate_tokens / (now - self._rate_t0)
@@ -151,7 +153,8 @@ class ControlMethods:
         running, queued = self._queue_sizes()
         return {"running": running, "queued": queued,
                 "tokens_per_s": round(self._rate, 1), "steps": self._steps,
-                "pid": os.getpid(), "model": self._model_fingerprint()}
+                "pid": os.getpid(), "model": self._model_fingerprint(),
+                "prefix_cache_tokens": self.model.prefix_cache_tokens()}
 
     def _model_fingerprint(self) -> str:
         if self._fingerprint is None:

@@ -474,7 +474,7 @@ class Dispatcher:
         live = [i for i, r in enumerate(self.replicas) if r.live]
         if call.method == "get_load":  # the dispatcher's own view of each replica, beside
             reduce = functools.partial(with_ledger, reduce, self.replicas, self.ledger,
-                                       self.stats, self.fanout, self.bounds)
+                                       self.stats, self.fanout, self.bounds, self.affinity)
         elif call.method == "flush_cache" and self.affinity is not None:
             reduce = functools.partial(self.affinity.forget_flushed,
                                        [r.name for r in self.replicas], reduce)
@@ -531,6 +531,10 @@ class Dispatcher:
                 if not self._same_model(rep, model if isinstance(model, str) else None):
                     return
                 self._join(rep, pid if isinstance(pid, int) else None)
+            cached = load.get("prefix_cache_tokens")
+            if self.affinity is not None and isinstance(cached, int) \
+                    and not isinstance(cached, bool):
+                self.affinity.set_cache_tokens(rep.index, cached)  # bounds its tree
             if isinstance(running, int) and isinstance(queued, int):
                 self.ledger.reported[rep.index] = running + queued
                 idle = running + queued == 0  # then: ours sent before now, unanswered

@@ -21,6 +21,7 @@ import msgspec
 
 from bus import LogSummary, Rejected
 from messages import ErrorOut, NotCarried, Output, RpcReqInput, RpcReqOutput, fit_text
+from scheduler.dp.affinity import PrefixAffinity
 from scheduler.dp.fanout import Fanout
 from scheduler.dp.ledger import Ledger
 from scheduler.dp.replica import Replica
@@ -101,9 +102,13 @@ def answer_rejected(env: Rejected, upstream: bool, ledger: Ledger, stats: dict[s
 
 def with_ledger(reduce: Reducer, replicas: Sequence[Replica], ledger: Ledger,
                 stats: dict[str, int], fanout: Fanout, bounds: Mapping[str, int | float],
-                call: RpcReqInput, replies: Sequence[ReplicaReply]) -> RpcReqOutput:
+                affinity: PrefixAffinity | None, call: RpcReqInput,
+                replies: Sequence[ReplicaReply]) -> RpcReqOutput:
     """``get_load`` merged, plus what the dispatcher knows per replica and of itself
-    (its counters, and ``bounds``: the settings it runs under, as ``dispatcher.<name>``)."""
+    (its counters, and ``bounds``: the settings it runs under, as ``dispatcher.<name>``);
+    under ``cache_aware`` (``affinity``), per replica its tree's tokens and bound
+    (``<replica>.affinity_tokens``, ``.affinity_bound``) and how the policy routed
+    (``dispatcher.affinity_<counter>``)."""
     merged = reduce(call, replies)
     result = dict(merged.result or {})
     for rep in replicas:
@@ -114,6 +119,12 @@ def with_ledger(reduce: Reducer, replicas: Sequence[Replica], ledger: Ledger,
         result[f"{rep.name}.in_flight_tokens"] = ledger.tokens[i]
         result[f"{rep.name}.dispatched"] = ledger.dispatched[i]
         result[f"{rep.name}.dispatched_tokens"] = ledger.dispatched_tokens[i]
+        if affinity is not None:
+            result[f"{rep.name}.affinity_tokens"] = affinity.trees[i].size
+            result[f"{rep.name}.affinity_bound"] = affinity.trees[i].capacity
+    if affinity is not None:
+        for key, n in affinity.counters().items():
+            result[f"dispatcher.affinity_{key}"] = n
     for key, n in stats.items():
         result[f"dispatcher.{key}"] = n
     result["dispatcher.late_rpc_replies"] = fanout.late

@@ -410,6 +410,15 @@ class HFCausalLM:
         """The tree's counters (``size`` in bytes), ``None`` with no prefix cache."""
         return self._prefixes.stats() if self._prefixes is not None else None
 
+    def prefix_cache_tokens(self) -> int:
+        """The cache's byte bound over one token's keys and values (every layer's)."""
+        if self._prefixes is None:
+            return 0
+        layers, pair, heads, _, dim = self._state_shape
+        assert layers is not None and pair is not None and heads is not None and dim is not None
+        per_token = layers * pair * heads * dim * self.hf.dtype.itemsize
+        return self._prefixes.capacity // per_token
+
     # -- prefill and decode apart (Model.export_state / adopt_state) -----------
 
     @property

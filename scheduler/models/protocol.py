@@ -206,6 +206,12 @@ class Model(Protocol):
         """The prefix cache's sizes and counters (``None``: this model caches nothing)."""
         ...
 
+    def prefix_cache_tokens(self) -> int:
+        """How many tokens' state the prefix cache can hold: its byte bound over the
+        bytes one cached token costs (0: this model caches nothing). A dispatcher
+        bounds its guess of what the replica holds by it."""
+        ...
+
     @property
     def fingerprint(self) -> str:
         """The model's identity in a hand-off: its name, a digest of its configuration,

@@ -239,6 +239,18 @@ class RadixTree(Generic[S]):
                 self._push(parent)
         return freed
 
+    def set_capacity(self, capacity: int) -> int:
+        """Hold at most ``capacity`` from now on; past it, evict now (least recently used
+        first, as after an insert). Returns how much size was freed.
+
+        Raises:
+            ValueError: ``capacity`` is negative.
+        """
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, not {capacity}")
+        self.capacity = capacity
+        return self.evict(capacity) if self.size > capacity else 0
+
     def clear(self) -> int:
         """Evict every unlocked leaf, repeatedly (everything when nothing is locked)."""
         return self.evict(0)

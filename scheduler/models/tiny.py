@@ -158,6 +158,10 @@ class TinyLM(nn.Module):
         """``None``: this model caches no prefix."""
         return None
 
+    def prefix_cache_tokens(self) -> int:
+        """0: this model caches no prefix."""
+        return 0
+
     # -- the network ------------------------------------------------------------
 
     def initial_state(self) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from messages import RpcReqInput, RpcReqOutput, token_ids
-from scheduler.dp.affinity import BALANCE_ABS, PrefixAffinity
+from scheduler.dp.affinity import BALANCE_ABS, BALANCE_FREE, PrefixAffinity
 from scheduler.dp.fanout import merge_replies
 from scheduler.dp.ledger import Cost, Ledger
 from scheduler.dp.table import ReplicaReply
@@ -168,3 +168,59 @@ def test_only_a_replica_whose_flush_succeeded_forgets_its_tree() -> None:
     assert merged.result["failed"] == ["replica0", "replica2"]
     assert [t.nodes for t in affinity.trees] == [1, 0, 1]  # replica0 and 2 still hold it
     assert affinity.prefer(prompt, [0, 0, 0], [True, True, True]) in (0, 2)
+
+
+def test_a_holder_ahead_by_balance_free_spills_where_the_prompt_fits_without_evicting(
+        ) -> None:
+    affinity = PrefixAffinity(2)
+    prompt = token_ids(list(range(100)))
+    affinity.record(0, prompt)
+    ahead = [BALANCE_FREE, 0]
+    # No cache reported by replica 1: its room is unknown, the prefix stays.
+    assert affinity.prefer(prompt, ahead, [True, True]) == 0
+    affinity.set_cache_tokens(0, 1000)
+    affinity.set_cache_tokens(1, 1000)
+    assert affinity.prefer(prompt, [BALANCE_FREE - 1, 0], [True, True]) == 0  # even enough
+    assert affinity.prefer(prompt, ahead, [True, True]) == 1  # room: spilled for free
+    assert (affinity.spilled_free, affinity.spilled) == (1, 0)
+    affinity.record(1, prompt)
+    # Both hold it now: the less loaded takes it, by prefix.
+    assert affinity.prefer(prompt, [3, 1], [True, True]) == 1
+    assert affinity.spilled_free == 1
+
+
+def test_no_free_spill_to_a_replica_whose_cache_would_evict_but_overload_still_spills(
+        ) -> None:
+    affinity = PrefixAffinity(2)
+    prompt = token_ids(list(range(100)))
+    affinity.record(0, prompt)
+    affinity.set_cache_tokens(0, 1000)
+    affinity.set_cache_tokens(1, 150)
+    affinity.record(1, token_ids(list(range(500, 560))))  # 60 held: 100 more do not fit
+    assert affinity.trees[1].size == 60
+    assert affinity.prefer(prompt, [BALANCE_FREE + 5, 0], [True, True]) == 0  # no room
+    assert affinity.spilled_free == 0
+    assert affinity.prefer(prompt, [BALANCE_ABS + 1, 0], [True, True]) == 1  # overloaded
+    assert affinity.spilled == 1
+    # A replica that caches nothing has no room, whatever its tree's default bound.
+    affinity.set_cache_tokens(1, 0)
+    assert affinity.trees[1].size == 0 and affinity.trees[1].capacity == 0
+    assert affinity.prefer(prompt, [BALANCE_FREE + 5, 0], [True, True]) == 0
+
+
+def test_a_reported_cache_bounds_the_tree_evicting_the_oldest_and_a_drop_keeps_the_bound(
+        ) -> None:
+    affinity = PrefixAffinity(2, tree_tokens=1000)
+    for k in range(5):
+        affinity.record(0, token_ids(list(range(k * 100, k * 100 + 100))))
+    assert affinity.trees[0].size == 500
+    affinity.set_cache_tokens(0, 250)  # lowered: the three oldest prompts go
+    assert affinity.trees[0].size == 200 and affinity.trees[0].capacity == 250
+    assert affinity.trees[0].match(np.arange(400, 500, dtype=np.uint32),
+                                   lock=False).length == 100
+    assert affinity.trees[0].match(np.arange(0, 100, dtype=np.uint32), lock=False).length == 0
+    affinity.set_cache_tokens(0, 1 << 30)  # raised: never past the tree's own bound
+    assert affinity.trees[0].capacity == 1000
+    affinity.set_cache_tokens(0, 250)
+    affinity.drop(0)
+    assert affinity.trees[0].size == 0 and affinity.trees[0].capacity == 250

@@ -235,3 +235,23 @@ def test_continued_prompts_read_as_one_batch_equal_those_read_one_by_one(
     assert torch.allclose(together[0], alone[0], atol=1e-9)
     for a, b in zip(together[1], alone[1], strict=True):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-9)
+
+
+def test_each_replica_reports_its_cache_in_tokens_and_the_dispatcher_bounds_its_tree_by_it(
+        model_dir: Path) -> None:
+    tokens = 300
+    limits = Limits(prefix_cache_bytes=tokens * KV_BYTES_PER_TOKEN + KV_BYTES_PER_TOKEN // 2)
+    rng = np.random.default_rng(5)
+    with Engine("zmq", model_dir, dp_size=2, dp_policy="cache_aware",
+                limits=limits) as engine:
+        load = engine.collective_rpc("get_load").result or {}
+        # Each replica tells its cache's capacity; the dispatcher's tree of what each
+        # holds is bounded by it (a replica joins on a heartbeat, which carries it).
+        assert [load[f"replica{i}.prefix_cache_tokens"] for i in range(2)] == [tokens] * 2
+        assert [load[f"replica{i}.affinity_bound"] for i in range(2)] == [tokens] * 2, load
+        engine.generate(rng.integers(3, 384, size=500).tolist(), GREEDY, timeout=120)
+        engine.generate(rng.integers(3, 384, size=200).tolist(), GREEDY, timeout=120)
+        load = engine.collective_rpc("get_load").result or {}
+    # The 500-token prompt cannot fit a 300-token cache: its tree keeps only the other.
+    held = [load[f"replica{i}.affinity_tokens"] for i in range(2)]
+    assert held in ([0, 200], [200, 0]), load
