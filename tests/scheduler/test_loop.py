@@ -106,7 +106,8 @@ def test_seed_rpc_answered_while_work_floods(rig: Rig) -> None:
     # Answered at the first step's boundary, not after the flood: the reply says how many
     # steps had run when it was made (the steps until it was read here depend on how
     # fast the socket carried it back: 2 or 3 on a busy box).
-    assert got[0].result["steps"] <= 1, got[0].result
+    made_at = got[0].result["steps"]
+    assert isinstance(made_at, int) and made_at <= 1, got[0].result
     assert steps <= 10
     accepted = rig.sched.finish_all()  # every accepted request gets a terminal answer
     assert 0 < accepted < 1000  # the rpc did not wait behind the whole flood
