@@ -136,6 +136,10 @@ def _replica_specs(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("give one --replica-key for all replicas, or one per --replica")
     specs = []
     for i, spec in enumerate(args.replica):
+        if not spec.startswith("tcp://") and not os.path.isdir(spec):
+            # (the dispatcher binds a replica's out socket in its directory)
+            parser.error(f"--replica {spec}: no such directory (a replica's "
+                         f"'serve --endpoint DIR', or a tcp://host:port base)")
         public = CurveKeys.public_of(publics[min(i, len(publics) - 1)]) if publics else None
         opts = SocketOptions(hwm=args.hwm, allow_remote=args.allow_remote,
                              curve_keys=keys if public is not None else None,

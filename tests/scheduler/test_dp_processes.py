@@ -601,15 +601,21 @@ def test_dispatch_pd_hands_off_between_replicas_reached_over_tcp(tmp_path: Path)
 
 
 def test_dispatch_pd_needs_as_many_replicas_as_it_names(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from scheduler.__main__ import main
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a)
+    os.mkdir(b)
     with pytest.raises(SystemExit):
-        main(["dispatch", "--endpoint", "/tmp/unused", "--pd", "1:2", "--replica", "/tmp/a",
-              "--replica", "/tmp/b"])
+        main(["dispatch", "--endpoint", "/tmp/unused", "--pd", "1:2", "--replica", a,
+              "--replica", b])
     assert "--pd 1:2 needs 3 --replica (the prefill ones first), not 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (a zmq traceback before: its out socket's bind)
+        main(["dispatch", "--endpoint", "/tmp/unused", "--replica", "/nonexistent/replica"])
+    assert "--replica /nonexistent/replica: no such directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["dispatch", "--endpoint", "/tmp/unused", "--pd", "1:1", "--replica", "/tmp/a",
-              "--replica", "/tmp/b", "--handoff-deadline", "0"])
+        main(["dispatch", "--endpoint", "/tmp/unused", "--pd", "1:1", "--replica", a,
+              "--replica", b, "--handoff-deadline", "0"])
     assert "handoff_deadline" in capsys.readouterr().err
 
 
