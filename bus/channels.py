@@ -402,7 +402,6 @@ class PushOutbox(_ZmqEnd, Generic[M]):
         self.endpoint = endpoint
         #: The shared-memory slabs of large frames (None: every byte on the socket).
         self.shm_frames = FramePool(threshold=shm_threshold) if _local(endpoint, shm) else None
-        self._unsent = []
 
     @property
     def bytes_unsent(self) -> int:
@@ -410,7 +409,13 @@ class PushOutbox(_ZmqEnd, Generic[M]):
         (``tcp://``, or past a full shared-memory pool) that zmq has not written out to
         the peer's connection yet: what this outbox's sends hold in its own memory
         beyond :attr:`shm_frames` (bytes already in the kernel's or the peer's buffers
-        are not seen)."""
+        are not seen).
+
+        Counted from the first time it is read on (0 then): an outbox nobody asks
+        tracks nothing, and pays no tracker per large frame."""
+        if self._unsent is None:
+            self._unsent = []
+            return 0
         return sum(n for _, n in self._prune_unsent())
 
     def close(self) -> None:

@@ -367,17 +367,24 @@ def test_a_dead_writer_wakes_its_reader_and_is_swept_at_the_next_start() -> None
             child.stdout.close()
 
 
-def test_a_tcp_outbox_nobody_asks_what_it_holds_keeps_a_bounded_record() -> None:
+def test_a_tcp_outbox_tracks_its_unsent_frames_only_once_asked_and_keeps_a_bounded_record(
+        ) -> None:
     """Large frames over ``tcp://`` are tracked until zmq has written them out
-    (``bytes_unsent``); a sender whose owner never asks (every tcp:// scheduler outside
-    prefill and decode apart) keeps a record bounded by what is still unsent, not one
-    entry for every frame it ever sent."""
+    (``bytes_unsent``) from the first time someone asks: an outbox nobody asks (every
+    tcp:// scheduler outside prefill and decode apart) tracks nothing, and one asked
+    once, then seldom, keeps a record bounded by what is still unsent, not one entry
+    for every frame it ever sent."""
     codec: Codec[Output] = Codec(Output)
+    embeddings = torch.zeros(2, 1 << 15)  # 256 KiB: a frame it would track
     with PullInbox(codec, "tcp://127.0.0.1:*") as inbox, \
             PushOutbox(codec, inbox.socket.getsockopt_string(zmq.LAST_ENDPOINT)) as out:
-        embeddings = torch.zeros(2, 1 << 15)  # 256 KiB: a tracked frame
+        for n in range(20):
+            out.send(BatchEmbeddingOut(rids=["a", "b"], embeddings=embeddings))
+            assert isinstance(_receive(inbox).message, BatchEmbeddingOut), n
+        assert out._unsent is None  # never asked: no tracker was made
+        assert out.bytes_unsent == 0
         for n in range(500):
             out.send(BatchEmbeddingOut(rids=["a", "b"], embeddings=embeddings))
             assert isinstance(_receive(inbox).message, BatchEmbeddingOut), n
-        assert len(out._unsent or ()) <= 2 * 64, len(out._unsent or ())
+        assert out._unsent is not None and 0 < len(out._unsent) <= 2 * 64, out._unsent
         assert out.bytes_unsent == 0

@@ -247,6 +247,7 @@ def test_over_tcp_a_senders_hand_off_bytes_are_those_zmq_has_not_written_out() -
     try:
         assert out.shm_frames is None
         held = _unreleased(out)
+        assert held() == 0  # (read before the first hand-off, as a scheduler's loop does)
         for rid in ("t0", "t1"):
             out.send_nowait(_handoff(rid, positions=1 << 15))  # 1 MiB each
         assert held() == out.bytes_unsent == 2 << 20
