@@ -41,8 +41,6 @@ class ControlMethods:
     registry: CollectorRegistry | None
     admission: Admission
     _facts: ModelInfoResult | None = None
-    #: The model's :attr:`~scheduler.models.protocol.Model.fingerprint`, read once.
-    _fingerprint: str | None = None
     #: (step, exposition) of the last ``metrics`` call: the calls one poll brought in
     #: share one snapshot, taken once.
     _exposed: tuple[int, list[Scalar]] | None = None
@@ -153,10 +151,5 @@ class ControlMethods:
         running, queued = self._queue_sizes()
         return {"running": running, "queued": queued,
                 "tokens_per_s": round(self._rate, 1), "steps": self._steps,
-                "pid": os.getpid(), "model": self._model_fingerprint(),
+                "pid": os.getpid(), "model": self.model.fingerprint,
                 "prefix_cache_tokens": self.model.prefix_cache_tokens()}
-
-    def _model_fingerprint(self) -> str:
-        if self._fingerprint is None:
-            self._fingerprint = self.model.fingerprint
-        return self._fingerprint

@@ -215,7 +215,9 @@ class Model(Protocol):
     @property
     def fingerprint(self) -> str:
         """The model's identity in a hand-off: its name, a digest of its configuration,
-        its dtype. Two replicas adopt each other's states only when these agree."""
+        its dtype. Two replicas adopt each other's states only when these agree. Read on
+        every hand-off and every ``get_load`` (a dispatcher's heartbeat): keep it cheap
+        (computed once)."""
         ...
 
     def export_state(self, key: int, empty: Empty | None = None) -> RequestState:
