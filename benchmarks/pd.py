@@ -37,7 +37,8 @@ machine (compare ratios, not absolute numbers: the box is small and shared).
   process used (on a 2-core box the two replicas, the dispatcher and this
   client share two cores, which is what bounds the ratio). Each replica is
   pinned to a core of its own where there are enough (the dispatcher and
-  the client float), in both configurations.
+  the client float), in both configurations; ``replicas_pinned`` says
+  whether they were.
 * **Answers**: ``Engine(pd=(1, 1))`` against a colocated ``Engine("zmq")``,
   greedy, prompts of 1 to 2,000 tokens: ``match_ratio_pd_vs_colocated`` is
   the share of requests whose tokens are equal, token for token.
@@ -77,7 +78,7 @@ KEYS = frozenset([
     "match_ratio_pd_vs_colocated", "requests_compared", "interference_seconds",
     "itl_p50_ms_pd", "itl_p99_ms_pd", "itl_p50_ms_colocated", "itl_p99_ms_colocated",
     "itl_p99_ratio_pd_vs_colocated", "ttft_p50_ms_long_pd", "ttft_p50_ms_long_colocated",
-    "replica_cpu_s_pd", "replica_cpu_s_colocated"])
+    "replica_cpu_s_pd", "replica_cpu_s_colocated", "replicas_pinned"])
 
 
 def _handoff(kv: torch.Tensor, rid: str = "h") -> KVHandoff:
@@ -350,14 +351,15 @@ def _interference(engine: Any, seconds: float) -> tuple[list[float], list[float]
     return gaps, ttfts, cpu
 
 
-def _pin(replicas: list[tuple[int, ...]]) -> None:
+def _pin(replicas: list[tuple[int, ...]]) -> bool:
     """Each replica process (every thread of it) on a core of its own, where the box has
     one for each: replica ``i`` on core ``i``; the dispatcher and this client float. On
     2 cores, unpinned, the prefill replica (busy all the time under this load) and
-    the decode replica took turns on both, and the streams' gaps measured that."""
+    the decode replica took turns on both, and the streams' gaps measured that.
+    Returns whether it pinned (``replicas_pinned`` in the output)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < len(replicas):
-        return
+        return False
     for core, pids in zip(cores, replicas, strict=False):
         for pid in pids:
             try:
@@ -369,6 +371,7 @@ def _pin(replicas: list[tuple[int, ...]]) -> None:
                     os.sched_setaffinity(tid, {core})
                 except OSError:
                     pass  # (a thread that ended meanwhile)
+    return True
 
 
 def interference(model_dir: Path) -> dict[str, object]:
@@ -378,7 +381,7 @@ def interference(model_dir: Path) -> dict[str, object]:
     res: dict[str, object] = {"interference_seconds": seconds}
     for name, kw in (("pd", {"pd": (1, 1)}), ("colocated", {"dp_size": 2})):
         with Engine("zmq", model_dir, **kw) as engine:
-            _pin(engine.replica_pids)
+            res["replicas_pinned"] = _pin(engine.replica_pids)
             gaps, ttfts, cpu = _interference(engine, seconds)
         p50, p99 = np.percentile(gaps, [50, 99])
         res[f"itl_p50_ms_{name}"] = round(float(p50), 2)
