@@ -310,10 +310,10 @@ class ToolPlan:
             if i == len(sent):
                 sent.append((_call_id(), 0))
                 out.append(ToolCallDelta(i, FunctionOut(c.name, ""), sent[i][0], "function"))
-            args = "".join(c.args)
-            if len(args) > sent[i][1]:
-                out.append(ToolCallDelta(i, FunctionOut(None, args[sent[i][1]:])))
-                sent[i] = (sent[i][0], len(args))
+            done = sent[i][1]  # (``args`` holds one character an item)
+            if len(c.args) > done:
+                out.append(ToolCallDelta(i, FunctionOut(None, "".join(c.args[done:]))))
+                sent[i] = (sent[i][0], len(c.args))
         if calls is None:
             return out
         for i, whole in enumerate(calls):
