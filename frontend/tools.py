@@ -237,6 +237,11 @@ class ToolPlan:
         content = _HERMES.sub("", text).strip()
         return content or None, found
 
+    def another(self) -> ToolPlan:
+        """The same plan for another answer of the request (``n``): its own call id and
+        streaming state, the tools and guide already built and checked."""
+        return ToolPlan(self.mode, self.tools, self.guide, self.name)
+
     def _names(self) -> set[str]:
         return {str(f.get("name")) for t in self.tools
                 if isinstance(f := t.get("function"), dict)}
