@@ -169,26 +169,26 @@ async def _answer_several_streamed(req: CompletionRequest | ChatCompletionReques
     """
     started = False
 
-    def into(i: int) -> Send:
-        async def forward(event: Event) -> None:
-            nonlocal started
-            if event["type"] == "http.response.start":
-                if not started:
-                    started = True
-                    await send(event)
-                return
-            body = event.get("body", b"")
-            assert isinstance(body, bytes)
-            if body.endswith(DONE):  # one [DONE], after every answer
-                body = body[:-len(DONE)]
-            if body:
-                await send({"type": "http.response.body", "body": body, "more_body": True})
-        return forward
+    async def forward(event: Event) -> None:
+        """Every answer's send: the first response start, and each body but its
+        ``[DONE]``."""
+        nonlocal started
+        if event["type"] == "http.response.start":
+            if not started:
+                started = True
+                await send(event)
+            return
+        body = event.get("body", b"")
+        assert isinstance(body, bytes)
+        if body.endswith(DONE):  # one [DONE], after every answer
+            body = body[:-len(DONE)]
+        if body:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
 
     # Each answer its choice index, under the first one's answer id.
     first = states[0].response
     for i, state in enumerate(states):
-        state.send = into(i)
+        state.send = forward
         state.response = first.for_choice(i)
         state.include_usage = False  # the summed usage goes last, once
     tasks = [asyncio.ensure_future(answer(state)) for state in states]

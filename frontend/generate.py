@@ -60,7 +60,7 @@ from frontend.schemas import (
     sse_safe,
 )
 from frontend.tokenizer import Tokenizer
-from frontend.tools import ToolPlan, plan_of
+from frontend.tools import ToolPlan
 from frontend.turns import loop_turns
 from messages import Guide
 from messages.checks import prompt_problem
@@ -258,7 +258,7 @@ class OpenAIServing:
                 req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
                 stops=[*req.stops(), *self.template.stops],
                 extra_stop_ids=self.template.stop_ids, logprobs=req.logprobs, send=send,
-                t0=t0, guide=guide, tools=tools if not i else plan_of(req))
+                t0=t0, guide=guide, tools=tools if not i or tools is None else tools.another())
             states.append(nth_answer(state, i))
         if len(states) == 1:
             return await self._answer(states[0])

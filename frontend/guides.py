@@ -143,13 +143,14 @@ async def prepare(req: CompletionRequest | ChatCompletionRequest, job: Callable[
         return await asyncio.wait_for(asyncio.wrap_future(done), CHECK_SECONDS)
     except TimeoutError:
         if done.cancelled():  # (the wait's cancel reached it before a checker did)
-            raise ApiError(503, f"the guide checkers were busy for {CHECK_SECONDS:g} s "
-                                "with other requests' guides; retry later",
+            raise ApiError(503, f"the server was busy for {CHECK_SECONDS:g} s checking other "
+                                "requests' structured output (response_format, guided_*, "
+                                "tools); retry later",
                            type="server_overloaded", code="overloaded",
                            retry_after=RETRY_AFTER_S) from None
-        raise bad_request(f"the request's guide (response_format, guided_*, tools) took "
-                          f"longer than {CHECK_SECONDS:g} s to check", code="invalid_guide"
-                          ) from None
+        raise bad_request(f"the request's structured output (response_format, guided_*, "
+                          f"tools) took longer than {CHECK_SECONDS:g} s to check",
+                          code="invalid_guide") from None
 
 
 def checked(kind: GuideKind, spec: str, field: str) -> Guide:

@@ -237,6 +237,11 @@ class ToolPlan:
         content = _HERMES.sub("", text).strip()
         return content or None, found
 
+    def another(self) -> ToolPlan:
+        """The same plan for another answer of the request (``n``): its own call id and
+        streaming state, the tools and guide already built and checked."""
+        return ToolPlan(self.mode, self.tools, self.guide, self.name)
+
     def _names(self) -> set[str]:
         return {str(f.get("name")) for t in self.tools
                 if isinstance(f := t.get("function"), dict)}
@@ -310,10 +315,10 @@ class ToolPlan:
             if i == len(sent):
                 sent.append((_call_id(), 0))
                 out.append(ToolCallDelta(i, FunctionOut(c.name, ""), sent[i][0], "function"))
-            args = "".join(c.args)
-            if len(args) > sent[i][1]:
-                out.append(ToolCallDelta(i, FunctionOut(None, args[sent[i][1]:])))
-                sent[i] = (sent[i][0], len(args))
+            done = sent[i][1]  # (``args`` holds one character an item)
+            if len(c.args) > done:
+                out.append(ToolCallDelta(i, FunctionOut(None, "".join(c.args[done:]))))
+                sent[i] = (sent[i][0], len(c.args))
         if calls is None:
             return out
         for i, whole in enumerate(calls):

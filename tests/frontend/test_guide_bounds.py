@@ -6,6 +6,7 @@ remembers verdicts by a hash of the spec; tools are checked whatever ``tool_choi
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -176,6 +177,9 @@ def test_a_request_with_no_guide_never_waits_for_the_checkers(
         r = _post(server, {"guided_regex": "[ab]+"}, "completions")
         assert r.status_code == 503, r.text[:300]
         assert r.headers["retry-after"] and r.json()["error"]["code"] == "overloaded"
+        # (in the client's words: the fields it sent, not the server's "guide")
+        said = r.json()["error"]["message"]
+        assert "response_format" in said and not re.search(r"\bguides?\b", said), said
     finally:
         release.set()
         for f in held:
