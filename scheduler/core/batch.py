@@ -351,6 +351,10 @@ class Batch:
         waiting, partial = self.waiting, self.partial
         kept_new: list[Seq] = []  # looked at, left in place
         kept_partial: list[Seq] = []
+        # The heads of the prompts being read that did not start from the cache (the
+        # part-way ones, then each taken this step): built at the first fresh request
+        # that asks, so each asks in one set lookup (see _waits_for_prefix).
+        reading: set[bytes] | None = None
         for _ in range(_SCAN):
             if budget < MIN_PREFILL_COST and (new or parts):
                 break
@@ -365,10 +369,14 @@ class Batch:
                 seq, kept = partial.popleft(), kept_partial
             else:
                 break
-            if fresh and seq.cached < 0 and self._caches_prefixes and \
-                    self._waits_for_prefix(seq, new, parts, kept_partial):
-                kept.append(seq)
-                continue
+            if fresh and seq.cached < 0 and self._caches_prefixes:
+                if reading is None:
+                    reading = {h for s in itertools.chain(partial, kept_partial, new,
+                                                          (s for s, _ in parts))
+                               if (h := _reading_head(s)) is not None}
+                if _waits_for_prefix(seq, reading):
+                    kept.append(seq)
+                    continue
             if fresh and seq.cached < 0:
                 # A prompt to score is read whole: a cached prefix has no logits to give.
                 seq.cached = 0 if seq.sampling is _EMBED or \
@@ -402,34 +410,14 @@ class Batch:
             else:
                 budget -= size
                 parts.append((seq, size))
+            if fresh and reading is not None and (h := _reading_head(seq)) is not None:
+                reading.add(h)
         waiting.extendleft(reversed(kept_new))
         partial.extendleft(reversed(kept_partial))
         for seq, _ in parts:  # to the back: the others are read before its next chunk
             seq.ticket = next(self._tickets)
             partial.append(seq)
         return new, parts
-
-    def _waits_for_prefix(self, seq: Seq, new: list[Seq], parts: list[tuple[Seq, int]],
-                          kept_partial: list[Seq]) -> bool:
-        """Whether ``seq`` (the model caching prefixes) waits a step: another prompt
-        that begins with the same :data:`_SHARED_PREFIX` tokens, not found in the
-        cache, is being read (this step, or part-way).
-
-        Once that prompt is read it is in the prefix cache, and ``seq`` starts from it
-        (the ``n`` answers of one prompt, fanned out as ``n`` requests that arrive
-        together, read the prompt once). Bounded: only while the other is being read (it
-        is ahead in the queue, so a later arrival never holds ``seq`` back); one that
-        started from the cache holds no one back; ``seq`` keeps its place in the queue.
-        """
-        ids = seq.req.input_ids
-        if len(ids) <= _SHARED_PREFIX or seq.sampling is _EMBED or \
-                seq.sampling.prompt_logprobs is not None:
-            return False
-        head = ids[:_SHARED_PREFIX]
-        return any(s.cached < _SHARED_PREFIX and s.sampling is not _EMBED
-                   and s.req.input_ids[:_SHARED_PREFIX] == head
-                   for s in itertools.chain(new, (s for s, _ in parts), self.partial,
-                                            kept_partial))
 
     def _forward(self, new: list[Seq], parts: list[tuple[Seq, int]]) -> list[torch.Tensor]:
         """Decode the running batch, read the new prompts and chunks; next-token logits."""
@@ -454,3 +442,30 @@ class Batch:
             rows.extend(row for s, row in zip(new, logits, strict=False)
                         if s.sampling is not _EMBED)
         return rows
+
+
+def _reading_head(s: Seq) -> bytes | None:
+    """The first :data:`_SHARED_PREFIX` tokens of ``s``'s prompt while it is read and
+    did not start from the cache (what a later prompt that begins so waits for);
+    ``None`` otherwise."""
+    if s.cached >= _SHARED_PREFIX or s.sampling is _EMBED:
+        return None
+    return bytes(s.req.input_ids[:_SHARED_PREFIX])
+
+
+def _waits_for_prefix(seq: Seq, reading: set[bytes]) -> bool:
+    """Whether fresh ``seq`` (the model caching prefixes) waits a step: another prompt
+    that begins with the same :data:`_SHARED_PREFIX` tokens, not found in the cache,
+    is being read (this step, or part-way): ``reading`` holds their heads.
+
+    Once that prompt is read it is in the prefix cache, and ``seq`` starts from it
+    (the ``n`` answers of one prompt, fanned out as ``n`` requests that arrive
+    together, read the prompt once). Bounded: only while the other is being read (it
+    is ahead in the queue, so a later arrival never holds ``seq`` back); one that
+    started from the cache holds no one back; ``seq`` keeps its place in the queue.
+    """
+    ids = seq.req.input_ids
+    if len(ids) <= _SHARED_PREFIX or seq.sampling is _EMBED or \
+            seq.sampling.prompt_logprobs is not None:
+        return False
+    return bytes(ids[:_SHARED_PREFIX]) in reading

@@ -426,6 +426,40 @@ def test_a_poll_is_delivered_a_share_of_rows_at_a_time_in_order() -> None:
     assert len(backlog) == 1 and all(len(h.items) == 3 for h in handles)
 
 
+def test_each_delivered_row_gets_its_own_columns() -> None:
+    """Rows of different lengths in one output: each chunk gets its own slice of the ids,
+    logprobs and alternatives, and its own cached count (not another row's)."""
+    import msgspec
+    import numpy as np
+
+    from bus import Envelope, Origin
+    from messages import BatchTokenIDOut, packed_u32
+
+    out = BatchTokenIDOut.from_lists(["a", "b", "c"], [[1], [2, 3, 4], [5, 6]],
+                                     [None, "length", None],
+                                     [[-0.5], [-1.0, -1.5, -2.0], [-2.5, -3.0]], [7, 8, 9])
+    out = msgspec.structs.replace(
+        out, top_ids=packed_u32([10, 11, 20, 21, 30, 31, 40, 41, 50, 51, 60, 61],
+                                field="top_ids"),
+        top_logprobs=np.arange(12, dtype=np.float64) / -8)
+    states = {rid: RequestState(rid) for rid in ("a", "b", "c")}
+    got = dict(states)
+    deliver_rows(states, deque([Envelope(out, Origin("out"))]), 8)
+    assert list(states) == ["a", "c"]  # "b" ended: no longer tracked
+    chunks = {rid: h.items[0] for rid, h in got.items()}
+    assert all(isinstance(c, StreamChunk) for c in chunks.values())
+    b = chunks["b"]
+    assert isinstance(b, StreamChunk)
+    assert (b.token_ids, b.finish_reason, b.logprobs, b.cached_tokens) == \
+        ((2, 3, 4), "length", (-1.0, -1.5, -2.0), 8)
+    assert b.top_logprobs == (((20, -2 / 8), (21, -3 / 8)), ((30, -4 / 8), (31, -5 / 8)),
+                              ((40, -6 / 8), (41, -7 / 8)))
+    c = chunks["c"]
+    assert isinstance(c, StreamChunk)
+    assert (c.token_ids, c.logprobs, c.cached_tokens) == ((5, 6), (-2.5, -3.0), 9)
+    assert c.top_logprobs == (((50, -8 / 8), (51, -9 / 8)), ((60, -10 / 8), (61, -11 / 8)))
+
+
 def test_a_delivered_chunk_is_not_tracked_by_the_collector() -> None:
     """A stream's buffered chunks never make a full collection longer (256 streams'
     tracked chunks and id lists made one hold the loop 43 ms)."""
