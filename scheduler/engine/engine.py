@@ -61,7 +61,9 @@ class _Same(Generic[T]):
 class _Blocking(Generic[P, T]):
     """A method of the engine that is its ``AsyncEngine``'s namesake, run on the engine's
     loop and waited for: the same parameters by construction (``inspect.signature``
-    reads them through ``__wrapped__``), and ``summary`` for its docstring."""
+    reads them through ``__wrapped__``), and ``summary`` for its docstring. The method
+    is looked up on the engine's ``AsyncEngine`` at each call, so a subclass's (or an
+    instance's) own is the one run."""
 
     def __init__(self, method: Callable[Concatenate[AsyncEngine, P], Coroutine[Any, Any, T]],
                  summary: str) -> None:
@@ -69,7 +71,7 @@ class _Blocking(Generic[P, T]):
         self.__doc__ = (f"{summary}\n\nAs :meth:`AsyncEngine.{method.__name__} "
                         f"<scheduler.AsyncEngine.{method.__name__}>`, waited for; it raises "
                         f"as that does.")
-        self._method = method
+        self._name = method.__name__
 
     @overload
     def __get__(self, engine: None, owner: type | None = None) -> Self: ...
@@ -84,7 +86,8 @@ class _Blocking(Generic[P, T]):
         return functools.partial(self.__call__, engine)
 
     def __call__(self, engine: Engine, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return engine._run(self._method(engine._core, *args, **kwargs))
+        method: Callable[P, Coroutine[Any, Any, T]] = getattr(engine._core, self._name)
+        return engine._run(method(*args, **kwargs))
 
 
 class Engine:
