@@ -653,7 +653,7 @@ class AsyncEngine(SchedulerClient):
 
     # -- rpc --------------------------------------------------------------------
 
-    async def collective_rpc(self, /, method: str, *, timeout: float = 30.0,
+    async def collective_rpc(self, method: str, *, timeout: float = 30.0,
                              **params: Scalar) -> RpcReqOutput:
         """Call an rpc method on the scheduler without blocking the loop.
 

@@ -23,19 +23,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import os
 import threading
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Concatenate, Generic, Literal, ParamSpec, Self, TypeVar, overload
+from collections.abc import Coroutine, Sequence
+from typing import Any, Generic, Literal, Self, TypeVar
 
+import numpy as np
 import numpy.typing as npt
 
-from messages import SamplingParams
+from messages import RpcReqOutput, SamplingParams, Scalar
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
 from scheduler.engine.async_engine import AsyncEngine
-from scheduler.engine.handles import RequestHandle, Stream, StreamChunk
+from scheduler.engine.handles import GenerateResult, RequestHandle, Stream, StreamChunk
 from scheduler.engine.stopping import close_timeout
 from scheduler.errors import EngineClosed
 from scheduler.launch.wiring import Endpoints
@@ -44,7 +44,6 @@ from scheduler.models.loading import ModelArg, ModelSpec
 __all__ = ["Engine"]
 
 T = TypeVar("T")
-P = ParamSpec("P")
 
 
 class _Same(Generic[T]):
@@ -56,38 +55,6 @@ class _Same(Generic[T]):
     def __get__(self, engine: Engine, owner: type | None = None) -> T:
         value: T = getattr(engine._core, self.name)
         return value
-
-
-class _Blocking(Generic[P, T]):
-    """A method of the engine that is its ``AsyncEngine``'s namesake, run on the engine's
-    loop and waited for: the same parameters by construction (``inspect.signature``
-    reads them through ``__wrapped__``), and ``summary`` for its docstring. The method
-    is looked up on the engine's ``AsyncEngine`` at each call, so a subclass's (or an
-    instance's) own is the one run."""
-
-    def __init__(self, method: Callable[Concatenate[AsyncEngine, P], Coroutine[Any, Any, T]],
-                 summary: str) -> None:
-        functools.update_wrapper(self, method)
-        self.__doc__ = (f"{summary}\n\nAs :meth:`AsyncEngine.{method.__name__} "
-                        f"<scheduler.AsyncEngine.{method.__name__}>`, waited for; it raises "
-                        f"as that does.")
-        self._name = method.__name__
-
-    @overload
-    def __get__(self, engine: None, owner: type | None = None) -> Self: ...
-
-    @overload
-    def __get__(self, engine: Engine, owner: type | None = None) -> Callable[P, T]: ...
-
-    def __get__(self, engine: Engine | None, owner: type | None = None
-                ) -> Self | Callable[P, T]:
-        if engine is None:
-            return self
-        return functools.partial(self.__call__, engine)
-
-    def __call__(self, engine: Engine, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        method: Callable[P, Coroutine[Any, Any, T]] = getattr(engine._core, self._name)
-        return engine._run(method(*args, **kwargs))
 
 
 class Engine:
@@ -105,17 +72,6 @@ class Engine:
     closed: _Same[bool] = _Same()
     gone: _Same[str | None] = _Same()
     replica_pids: _Same[list[tuple[int, ...]]] = _Same()
-
-    generate = _Blocking(AsyncEngine.generate, "Generate and wait for the whole answer.")
-    embed = _Blocking(AsyncEngine.embed,
-                      "Embed a tokenized text; returns a unit-norm float32 vector.")
-    abort = _Blocking(AsyncEngine.abort, "Abort a queued or running request; it ends with "
-                                         "finish reason ``abort``. Idempotent.")
-    collective_rpc = _Blocking(AsyncEngine.collective_rpc,
-                               "Call an rpc method on the scheduler and return its reply "
-                               "(calls from several threads are in flight at once).")
-    metrics = _Blocking(AsyncEngine.metrics, "The scheduler's Prometheus metrics, in the "
-                                             "text exposition format.")
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0, tp_size: int = 1,
@@ -221,6 +177,14 @@ class Engine:
                 for ids in inputs]
         return self._run(self._core._start_waiting(reqs, RequestHandle))
 
+    def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
+                 return_logprob: bool = False, rid: str | None = None,
+                 dp_rank: int | None = None, timeout: float | None = None) -> GenerateResult:
+        """Generate and wait for the whole answer. Raises: as
+        :meth:`AsyncEngine.generate <scheduler.AsyncEngine.generate>`."""
+        return self._run(self._core.generate(input_ids, sampling, return_logprob=return_logprob,
+                                             rid=rid, dp_rank=dp_rank, timeout=timeout))
+
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                return_logprob: bool = False, rid: str | None = None,
                dp_rank: int | None = None) -> Stream[StreamChunk]:
@@ -251,6 +215,30 @@ class Engine:
         if os.getpid() == self._core._owner:
             with contextlib.suppress(RuntimeError):  # (raised once the loop is closed)
                 self._loop.call_soon_threadsafe(self._core._cancel, handle)
+
+    def embed(self, input_ids: npt.ArrayLike, *, rid: str | None = None,
+              dp_rank: int | None = None, timeout: float | None = None
+              ) -> npt.NDArray[np.float32]:
+        """Embed a tokenized text; returns a unit-norm float32 vector. Raises: as
+        :meth:`AsyncEngine.embed <scheduler.AsyncEngine.embed>`."""
+        return self._run(self._core.embed(input_ids, rid=rid, dp_rank=dp_rank, timeout=timeout))
+
+    def abort(self, rid: str) -> None:
+        """Abort a queued or running request; it ends with finish reason ``abort``.
+        Idempotent. Raises: as :meth:`AsyncEngine.abort <scheduler.AsyncEngine.abort>`."""
+        self._run(self._core.abort(rid))
+
+    def collective_rpc(self, method: str, *, timeout: float = 30.0,
+                       **params: Scalar) -> RpcReqOutput:
+        """Call an rpc method on the scheduler and return its reply (calls from several
+        threads are in flight at once). Raises: as :meth:`AsyncEngine.collective_rpc
+        <scheduler.AsyncEngine.collective_rpc>`."""
+        return self._run(self._core.collective_rpc(method, timeout=timeout, **params))
+
+    def metrics(self, timeout: float = 30.0) -> str:
+        """The scheduler's Prometheus metrics, in the text exposition format. Raises: as
+        :meth:`AsyncEngine.metrics <scheduler.AsyncEngine.metrics>`."""
+        return self._run(self._core.metrics(timeout))
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish every accepted request with a terminal answer, then stop. Idempotent,
