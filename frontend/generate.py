@@ -54,8 +54,6 @@ from frontend.sampling import SamplingTranslator
 from frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    PromptTokensDetails,
-    Usage,
     check_supported,
     sse_safe,
 )
@@ -316,12 +314,10 @@ class OpenAIServing:
         state.echo_prompt(result.prompt_logprobs, result.prompt_top_logprobs)
         text, offsets = _push(detok, result.token_ids, state.logprobs and not response.chat)
         text += detok.finish()
-        prompt, answer = len(state.prompt_ids), len(result.token_ids)
+        state.cached_tokens = result.cached_tokens or 0
         tops = None if result.top_logprobs is None else tuple(result.top_logprobs)
-        usage = Usage(prompt, answer, prompt + answer,
-                      PromptTokensDetails(result.cached_tokens or 0))
         body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
-                              usage, offsets, tops, state.tools)
+                              state.usage(), offsets, tops, state.tools)
         self._first_token(state)
         await send_bytes(state.send, 200, body)
         return 200

@@ -90,30 +90,23 @@ def ends(item: Item) -> bool:
 
 
 def joined(rid: str, items: Sequence[Item]) -> GenerateResult:
-    """A generate request's chunks, the last one final, as its one answer (the
-    prompt's logprobs are the first chunk's: they travel once, with it)."""
+    """A generate request's chunks, the last one final, as its one answer: merged as a
+    slow stream's buffer merges them (:class:`_Merged`), the prompt's logprobs the first
+    chunk's (they travel once, with it)."""
     chunks = cast(Sequence[StreamChunk], items)
-    final = chunks[-1].finish_reason
+    merged = _Merged(chunks[0])
+    for chunk in chunks[1:]:
+        merged.add(chunk)
+    final, first = merged.finish_reason, merged.first
     assert final is not None
-    first = chunks[0]
-    if len(chunks) == 1:  # a request not streamed: its one chunk
-        c = first
-        return GenerateResult(rid, list(c.token_ids), final,
-                              None if c.logprobs is None else list(c.logprobs), c.cached_tokens,
-                              None if c.top_logprobs is None else list(c.top_logprobs),
-                              c.prompt_logprobs, c.prompt_top_logprobs)
-    has_lps = any(c.logprobs is not None for c in chunks)
-    has_tops = any(c.top_logprobs is not None for c in chunks)
-    cached = [c.cached_tokens for c in chunks if c.cached_tokens is not None]
-    return GenerateResult(rid, [t for c in chunks for t in c.token_ids], final,
-                          [lp for c in chunks for lp in c.logprobs or ()] if has_lps else None,
-                          cached[-1] if cached else None,
-                          [t for c in chunks for t in c.top_logprobs or ()] if has_tops else None,
-                          first.prompt_logprobs, first.prompt_top_logprobs)
+    return GenerateResult(rid, merged.token_ids, final, merged.logprobs, merged.cached_tokens,
+                          merged.top_logprobs, first.prompt_logprobs, first.prompt_top_logprobs)
 
 
 class _Merged:
-    """Chunks merged past the buffer bound: lists extended in place (O(1) a token)."""
+    """Chunks of one request merged (past the buffer bound, or into its answer): lists
+    extended in place (O(1) a token). A request's chunks all carry logprobs (and top
+    alternatives), or none do: the scheduler groups its outputs by what they carry."""
 
     __slots__ = ("cached_tokens", "finish_reason", "first", "logprobs", "token_ids",
                  "top_logprobs")
