@@ -51,6 +51,13 @@ each of ``cache_aware``, ``round_robin`` and ``least_loaded``, load 6-10;
 
 The ``*_cache_large`` keys keep printing that regime beside the headline.
 
+On stderr, per configuration, where its time to first token went (its
+``timeline``): how many requests read their system prompt rather than from
+the cache, when the last of them was sent, the TTFT p50 of those reads, of
+the hits, and of the hits sent after the last read (the steady state), and
+each replica's finished requests (the warm-up request included); and, for
+``cache_aware``, how the dispatcher routed (its spills).
+
 Keys:
 
 * ``cached_token_ratio_cache_aware``: prompt tokens read from the replicas'
@@ -161,6 +168,8 @@ def run(model_dir: Path, policy: str, cache_bytes: int, prompts: list[list[int]]
     limits = Limits(prefix_cache_bytes=cache_bytes)
     answers: list[list[int]] = [[] for _ in prompts]
     ttfts: list[float] = [0.0] * len(prompts)
+    sent: list[float] = [0.0] * len(prompts)  # s after the clients started
+    cached: list[int] = [0] * len(prompts)  # prompt tokens read from the cache
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
     for i in range(len(prompts)):
         todo.put(i)
@@ -174,11 +183,14 @@ def run(model_dir: Path, policy: str, cache_bytes: int, prompts: list[list[int]]
                     i = todo.get_nowait()
                 except queue.Empty:
                     return
-                t0 = time.perf_counter()
+                t1 = time.perf_counter()
+                sent[i] = t1 - t0
                 tokens: list[int] = []
                 for chunk in engine.submit(prompts[i], GREEDY, stream=True):
                     if not ttfts[i]:
-                        ttfts[i] = (time.perf_counter() - t0) * 1e3
+                        ttfts[i] = (time.perf_counter() - t1) * 1e3
+                    if chunk.cached_tokens is not None:
+                        cached[i] = chunk.cached_tokens
                     tokens.extend(chunk.token_ids)
                 answers[i] = tokens
 
@@ -197,13 +209,36 @@ def run(model_dir: Path, policy: str, cache_bytes: int, prompts: list[list[int]]
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
-        hits = _metric(engine.metrics(), "tsb_prefix_cache_hit_tokens_total")
+        metrics = engine.metrics()
+        hits = _metric(metrics, "tsb_prefix_cache_hit_tokens_total")
+        say(f"  {policy} timeline: {json.dumps(_timeline(sent, ttfts, cached, metrics))}")
         load = engine.collective_rpc("get_load").result or {}
         routed = {k.removeprefix("dispatcher.affinity_"): v for k, v in load.items()
                   if k.startswith("dispatcher.affinity_")}
         if routed:  # how cache_aware routed (its spills), beside the figures
             say(f"  {policy} routed: {json.dumps(routed)}")
     return answers, ttfts, len(prompts) / wall, hits, statistics.mean(gaps or [0])
+
+
+def _timeline(sent: list[float], ttfts: list[float], cached: list[int], metrics: str
+              ) -> dict[str, object]:
+    """Where the time to first token went (see the module docstring's stderr lines)."""
+    reads = [i for i, c in enumerate(cached) if c < SYSTEM_TOKENS]
+    last = max((sent[i] for i in reads), default=0.0)
+    hits = [ttfts[i] for i, c in enumerate(cached) if c >= SYSTEM_TOKENS]
+    warm = [ttfts[i] for i, c in enumerate(cached) if c >= SYSTEM_TOKENS and sent[i] > last]
+
+    def p50(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 1) if xs else None
+
+    per_replica: dict[str, int] = {}
+    for line in metrics.splitlines():
+        if line.startswith("tsb_finished_requests_total{") and 'replica="' in line:
+            name = line.split('replica="', 1)[1].split('"', 1)[0]
+            per_replica[name] = per_replica.get(name, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return {"reads": len(reads), "last_read_sent_s": round(last, 2),
+            "ttft_p50_ms_reads": p50([ttfts[i] for i in reads]), "ttft_p50_ms_hits": p50(hits),
+            "ttft_p50_ms_hits_after_last_read": p50(warm), "requests_per_replica": per_replica}
 
 
 def dispatch_us(prompts: list[list[int]]) -> tuple[float, float]:
