@@ -12,7 +12,7 @@ Every torch runs one thread: two replicas, a dispatcher and the client
 share this machine's 2 cores.
 
 Scale: the issue's full workload runs here, not scaled down: the six
-configurations took 5.5-6 minutes at load 6-8.5 on this shared 2-core box
+configurations took 5.5-8 minutes at load 6-8.5 on this shared 2-core box
 (the four of them with one cache size, 2 minutes at load 2.5-3.7).
 ``--scale F`` sends ``F * 512`` requests (at least 32) for a quicker look;
 with few requests the first concurrent wave (16 prompts, each missing)
@@ -47,7 +47,7 @@ each of ``cache_aware``, ``round_robin`` and ``least_loaded``, load 6-10;
   either (each replica reads each prompt once: ``cache_aware``'s free
   spill copies them too, as it balances), so the TTFT ratio compares the
   two policies' balance of load on this shared box, not what routing
-  adds: from 0.69 to 1.91 over seven runs.
+  adds: from 0.69 to 1.91 over eight runs.
 
 The ``*_cache_large`` keys keep printing that regime beside the headline.
 
