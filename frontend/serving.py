@@ -301,8 +301,6 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             self._idle_since = None
             self._seq += 1
             self._framing = self._chunks = 0
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(head_timeout, self._head_late)
 
         def on_headers_complete(self) -> None:
             self._in_head = False
@@ -465,6 +463,11 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             seq, was_open, body = self._seq, self._open, self._body
             super().data_received(data)
             self._count(data, seq, was_open, body)
+            # A head begun in this read and not whole at its end has ``head_timeout``
+            # from here (microseconds after its first byte): a head that arrives in one
+            # read, nearly every one, costs no timer armed and cancelled.
+            if self._in_head and self._head_timer is None and not transport.is_closing():
+                self._head_timer = self.loop.call_later(head_timeout, self._head_late)
 
     Guarded.__name__ = f"Guarded{base.__name__}"
     return Guarded
