@@ -179,8 +179,8 @@ def serve_handler_only(port: int) -> None:
 
     class Instant(AsyncEngine):
         def submit(self, input_ids: object, sampling: SamplingParams | None = None, *,
-                   return_logprob: bool = False, rid: str | None = None,
-                   dp_rank: int | None = None) -> Any:
+                   stream: bool = False, return_logprob: bool = False,
+                   rid: str | None = None, dp_rank: int | None = None) -> Any:
             done = asyncio.get_running_loop().create_future()
             done.set_result(GenerateResult("instant", [104], "length", None))
             return done
