@@ -51,6 +51,13 @@ The last line is one JSON object, the stub model throughout:
 * ``disconnect_to_free_ms_p99``: a stream is closed by its client after its
   first event; the time until ``get_load`` (through the server's rpc door)
   shows the slot free.
+* ``door_pinned``: whether the door's process had a core of its own
+  (``HTTP_PIN=1 python -m benchmarks.http``, where the box has 2 cores or
+  more): every thread of ``python -m frontend`` on the first core, its
+  scheduler and each load client on the others (the benchmark's own
+  ``AsyncEngine`` reference and the floors float). Unpinned (the default),
+  the scheduler and the load client take the door's core in turns, and the
+  loop lag counts those preemptions.
 
 The load client is a raw asyncio HTTP/1.1 client (keep-alive, one
 connection per concurrent request, chunked SSE parsed by hand) in its own
@@ -71,6 +78,7 @@ stream paths (HTTP and the reference) one round of 32-token streams.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import json
@@ -110,7 +118,7 @@ KEYS = frozenset({
     "http_stream_tokens_per_s_32_tokens", "async_stream_tokens_per_s_32_tokens",
     "ttft_overhead_ms_p50", "http_ttft_ms_p50", "async_ttft_ms_p50", "loop_lag_ms_p99",
     "disconnect_to_free_ms_p99", "disconnect_to_free_ms_p50", "bars", "load_avg_1m",
-    "box_wake_cpu_us", "client", "server", "rpc_concurrent_16_vs_one",
+    "box_wake_cpu_us", "client", "server", "rpc_concurrent_16_vs_one", "door_pinned",
 })
 _FLOOR_BODY = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0,
                           "model": MODEL, "choices": [{"index": 0, "text": "\u0000",
@@ -171,8 +179,8 @@ def serve_handler_only(port: int) -> None:
 
     class Instant(AsyncEngine):
         def submit(self, input_ids: object, sampling: SamplingParams | None = None, *,
-                   return_logprob: bool = False, rid: str | None = None,
-                   dp_rank: int | None = None) -> Any:
+                   stream: bool = False, return_logprob: bool = False,
+                   rid: str | None = None, dp_rank: int | None = None) -> Any:
             done = asyncio.get_running_loop().create_future()
             done.set_result(GenerateResult("instant", [104], "length", None))
             return done
@@ -186,10 +194,56 @@ def serve_handler_only(port: int) -> None:
 
 
 
+#: The cores a load client runs on (all of them, unless the door is pinned: :func:`_pin_door`).
+_CLIENT_CORES: set[int] | None = None
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for tid in _threads(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
+
+
+def _pin_door(pid: int) -> bool:
+    """Every thread of the door's process ``pid`` on the first core; its descendants
+    (the scheduler) and the load clients on the others. Returns whether it pinned
+    (not on a box of one core). Threads the door starts later inherit its core."""
+    global _CLIENT_CORES
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return False
+    rest = set(cores[1:])
+    for proc, where in [(pid, {cores[0]}), *((child, rest) for child in _descendants(pid))]:
+        for tid in _threads(proc):
+            try:
+                os.sched_setaffinity(tid, where)
+            except OSError:
+                pass  # (a thread that ended meanwhile)
+    _CLIENT_CORES = rest
+    return True
+
+
 async def _run_client(*args: object) -> object:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "benchmarks.http", "client", *map(str, args),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    if _CLIENT_CORES is not None:
+        with contextlib.suppress(OSError):  # (one that has ended already)
+            os.sched_setaffinity(proc.pid, _CLIENT_CORES)
     out, err = await asyncio.wait_for(proc.communicate(), 300)
     if proc.returncode:
         raise RuntimeError(f"client {args}: {err.decode()[-2000:]}")
@@ -371,6 +425,7 @@ async def run() -> dict[str, object]:
         for k in names:
             procs.append(_start([sys.executable, *commands[k]], ports[k]))
         pids = {k: proc.pid for k, proc in zip(names, procs, strict=True)}
+        pinned = os.environ.get("HTTP_PIN") == "1" and _pin_door(pids["frontend"])
         # The reference: the same scheduler (zmq, stub, max_batch) with no HTTP, in this
         # process, its rounds alternating with the HTTP ones (the box's noise hits both).
         async with AsyncEngine("zmq", model, max_batch=STREAMS) as engine:
@@ -473,6 +528,7 @@ async def run() -> dict[str, object]:
         "disconnect_to_free_ms_p99": round(dis[min(len(dis) - 1, int(len(dis) * 0.99))], 3),
         "disconnect_to_free_ms_p50": round(med(dis), 3),
         "rpc_concurrent_16_vs_one": round(rpc_concurrent, 3),
+        "door_pinned": pinned,
         "bars": {"http_rps_ratio_vs_floor": ">= 0.5", "stream_tokens_ratio_vs_async": ">= 0.8",
                  "ttft_overhead_ms_p50": "<= 1.0", "loop_lag_ms_p99": "<= 10",
                  "disconnect_to_free_ms_p99": "<= 50", "frontend_cpu_ratio_vs_floor": "<= 2.0",

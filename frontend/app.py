@@ -41,6 +41,7 @@ from frontend.asgi import (
     JSON,
     TEXT,
     WATCH_AFTER_S,
+    WHOLE,
     Conn,
     Disconnected,
     Receive,
@@ -298,7 +299,9 @@ class Frontend:
         method, path = scope["method"], scope["path"]
         assert isinstance(method, str) and isinstance(path, str)
         route = self._routes.get((method, path))
-        reply = Reply(send, request_id(scope), head=method == "HEAD")
+        extensions = scope.get("extensions")
+        reply = Reply(send, request_id(scope), head=method == "HEAD",
+                      whole=extensions.get(WHOLE) if isinstance(extensions, dict) else None)
         endpoint = route[0] if route is not None else "other"
         metrics = self.metrics
         if metrics is not None:

@@ -16,14 +16,21 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 
 from frontend.errors import ApiError
 
-__all__ = ["WATCH_AFTER_S", "Conn", "Receive", "Reply", "Scope", "Send", "read_body",
-           "request_id", "send_bytes"]
+__all__ = ["WATCH_AFTER_S", "WHOLE", "Conn", "Receive", "Reply", "Scope", "Send", "Whole",
+           "read_body", "request_id", "send_bytes"]
 
 Scope = MutableMapping[str, object]
 Event = MutableMapping[str, object]
 Receive = Callable[[], Awaitable[Event]]
 Send = Callable[[Event], Awaitable[None]]
 Headers = Sequence[tuple[bytes, bytes]]
+#: A server's way to send a whole answer at once: ``await whole(status, headers, body)``
+#: is ``http.response.start`` then one ``http.response.body`` (``headers`` name its
+#: ``content-length``), in one write, with no ASGI messages built.
+Whole = Callable[[int, Headers, bytes], Awaitable[None]]
+#: The scope extension under which a server offers a :data:`Whole`
+#: (``scope["extensions"][WHOLE]``; :mod:`frontend.serving` does).
+WHOLE = "tsb.http.response.whole"
 
 JSON = [(b"content-type", b"application/json")]
 TEXT = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
@@ -111,7 +118,11 @@ def too_slow(timeout: float) -> ApiError:
 
 async def send_bytes(send: Send, status: int, body: bytes,
                      headers: Headers = JSON) -> None:
-    """A whole response in two ASGI events, its length told (so it is not chunked)."""
+    """A whole response, its length told (so it is not chunked): through a
+    :class:`Reply`, at once (:meth:`Reply.whole`), else in two ASGI events."""
+    if isinstance(send, Reply):
+        await send.whole(status, [*headers, (b"content-length", b"%d" % len(body))], body)
+        return
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", b"%d" % len(body))]})
     await send({"type": "http.response.body", "body": body})
@@ -163,15 +174,32 @@ class Reply:
     answer got, for :class:`Conn`: its start sent (:attr:`started`, as a stream of
     Server-Sent Events: :attr:`events`), its last message handed over
     (:attr:`done`) and sent (:attr:`sent`).
+
+    A whole answer goes through the server's :data:`Whole` where it offers one
+    (``whole``, from the scope's :data:`WHOLE` extension): one write, no ASGI
+    messages built on either side.
     """
 
-    __slots__ = ("_head", "_rid", "_send", "done", "events", "sent", "started")
+    __slots__ = ("_head", "_rid", "_send", "_whole", "done", "events", "sent", "started")
 
-    def __init__(self, send: Send, rid: bytes, *, head: bool = False) -> None:
+    def __init__(self, send: Send, rid: bytes, *, head: bool = False,
+                 whole: Whole | None = None) -> None:
         self._send = send
         self._rid = (b"x-request-id", rid)
         self._head = head
+        self._whole = whole
         self.started = self.events = self.done = self.sent = False
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        """Send a whole answer: ``headers`` name its ``content-length``."""
+        whole = self._whole
+        if whole is None:
+            await self({"type": "http.response.start", "status": status, "headers": headers})
+            await self({"type": "http.response.body", "body": body})
+            return
+        self.started = self.done = True  # (a whole answer is no stream of events)
+        await whole(status, [*headers, self._rid], b"" if self._head else body)
+        self.sent = True
 
     async def __call__(self, event: Event) -> None:
         if event["type"] == "http.response.start":

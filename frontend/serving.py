@@ -35,6 +35,13 @@ its tokens, ~45 bytes each, for as long as the connection stays open,
 while the scheduler generates them at full speed).
 
 An HTTP/1.0 request's answer is never chunked (:func:`_close_delimited`).
+
+A whole answer (the app's :meth:`frontend.asgi.Reply.whole`) is sent by
+:func:`_send_whole`, offered in each request's scope as the
+:data:`frontend.asgi.WHOLE` extension (httptools): its head and body in one
+write, with none of the two ASGI messages built, copied and read back that
+uvicorn's ``send`` takes, nor its second write (each a system call that, on
+loopback, runs the reader's side of TCP too).
 """
 
 from __future__ import annotations
@@ -42,12 +49,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import http
 import logging
 import socket
 import struct
 import sys
+import weakref
 from typing import Any
 
+from frontend.asgi import WHOLE, Headers
 from frontend.errors import ApiError
 from frontend.turns import loop_turns
 
@@ -100,6 +110,66 @@ def _close_delimited(cycle: Any) -> None:
         await send(message)
 
     cycle.send = send_1_0
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+
+
+_STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+
+
+async def _send_whole(cycle_ref: weakref.ref[Any], status: int, headers: Headers,
+                      body: bytes) -> None:
+    """Send a whole answer on uvicorn's (httptools) request ``cycle`` in one write, as
+    its ``send`` would send ``http.response.start`` then one last
+    ``http.response.body``: after a paused writer drains; nothing to a client gone;
+    the server's default headers (``date``, ``server``) first; ``connection: close``
+    where the connection is not kept alive; no body to a HEAD request; then the
+    cycle completed as uvicorn completes it (its ``receive`` tells
+    ``http.disconnect``, the connection closed or its next request begun).
+
+    ``headers`` are the app's own (lower-case names, values it made or checked):
+    they are not checked again, and must name the ``content-length`` of ``body``.
+
+    The cycle is held weakly (its scope holds this), so that it leaves no reference
+    cycle behind for the collector.
+
+    Raises:
+        RuntimeError: the answer had begun (as uvicorn raises).
+    """
+    cycle = cycle_ref()
+    if cycle is None:  # (its request is over)
+        return
+    if cycle.flow.write_paused and not cycle.disconnected:
+        await cycle.flow.drain()
+    if cycle.disconnected:
+        return
+    if cycle.response_started:
+        raise RuntimeError("a whole answer after the answer had begun")
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    out = [_STATUS_LINES[status]]
+    for name, value in (*cycle.default_headers, *headers):
+        if name == b"connection" and b"close" in value.lower():
+            cycle.keep_alive = False
+            continue  # (written below, once)
+        out += (name, b": ", value, b"\r\n")
+    keep_alive = cycle.keep_alive
+    out.append(b"\r\n" if keep_alive else b"connection: close\r\n\r\n")
+    if cycle.scope["method"] != "HEAD":
+        out.append(body)
+    transport = cycle.transport
+    transport.write(b"".join(out))
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not keep_alive:
+        transport.close()
+    cycle.on_response()
 
 
 def _tell_gone(cycle: Any) -> None:
@@ -231,8 +301,6 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             self._idle_since = None
             self._seq += 1
             self._framing = self._chunks = 0
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(head_timeout, self._head_late)
 
         def on_headers_complete(self) -> None:
             self._in_head = False
@@ -245,6 +313,10 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 self._refuse(too_large, unbegun=True)
                 raise _Refused  # stop the parser: nothing more of this connection is read
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is self.scope:  # (its request's cycle)
+                self.scope["extensions"] = {
+                    WHOLE: functools.partial(_send_whole, weakref.ref(cycle))}
 
         def on_body(self, body: bytes) -> None:
             self._body += len(body)  # (the connection's, all requests')
@@ -391,6 +463,11 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             seq, was_open, body = self._seq, self._open, self._body
             super().data_received(data)
             self._count(data, seq, was_open, body)
+            # A head begun in this read and not whole at its end has ``head_timeout``
+            # from here (microseconds after its first byte): a head that arrives in one
+            # read, nearly every one, costs no timer armed and cancelled.
+            if self._in_head and self._head_timer is None and not transport.is_closing():
+                self._head_timer = self.loop.call_later(head_timeout, self._head_late)
 
     Guarded.__name__ = f"Guarded{base.__name__}"
     return Guarded

@@ -31,8 +31,13 @@ HTTPTOOLS_NAMES = ["on_message_begin", "on_headers_complete", "on_body",
 #: What frontend/serving.py uses on a protocol's request cycle.
 CYCLE_NAMES = ["send", "scope", "response_started", "response_complete", "disconnected",
                "message_event"]
-#: ... and on httptools' cycle alone (an HTTP/1.0 answer's framing: h11 frames it itself).
-HTTPTOOLS_CYCLE_NAMES = ["chunked_encoding", "expected_content_length"]
+#: ... and on httptools' cycle alone (an HTTP/1.0 answer's framing: h11 frames it itself;
+#: a whole answer's one write, ``_send_whole``).
+HTTPTOOLS_CYCLE_NAMES = ["chunked_encoding", "expected_content_length", "flow", "keep_alive",
+                         "default_headers", "waiting_for_100_continue", "on_response",
+                         "transport"]
+#: What frontend/serving.py's ``_send_whole`` uses on uvicorn's flow control.
+FLOW_NAMES = ["write_paused", "drain"]
 #: What frontend/listening.py and frontend/running.py use on uvicorn.Server.
 SERVER_NAMES = ["startup", "shutdown", "serve", "handle_exit", "config", "started",
                 "should_exit", "server_state", "lifespan"]
@@ -95,6 +100,13 @@ def test_the_protocol_names_exist(name: str) -> None:
     else:
         missing += _missing(cycle, CYCLE_NAMES + (HTTPTOOLS_CYCLE_NAMES if name == "httptools"
                                                   else []), "frontend/serving.py")
+    assert not missing, "\n".join(missing)
+
+
+def test_the_flow_control_names_exist() -> None:
+    from uvicorn.protocols.http.flow_control import FlowControl
+
+    missing = _missing(FlowControl, FLOW_NAMES, "frontend/serving.py")
     assert not missing, "\n".join(missing)
 
 
