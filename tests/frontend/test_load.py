@@ -251,8 +251,11 @@ def test_rpc_cli_parameters() -> None:
 
 def test_200_streams_finish_while_an_rpc_from_another_process_is_answered(
         tmp_path: Path) -> None:
+    # A keep-alive timeout far above the client's 1 s expiry: on a loaded box the client
+    # may take seconds to reuse a connection, and a POST sent on one the server is closing
+    # fails without a retry (a race between the two timers, not what this test is about).
     server = Server(Settings(model=STUB, max_batch=256, rpc_endpoint=f"ipc://{tmp_path}/rpc"),
-                    TOK)
+                    TOK, timeout_keep_alive=60)
     try:
         asyncio.run(_streams_and_rpc(server, tmp_path))
     finally:
@@ -294,7 +297,7 @@ async def _streams_and_rpc(server: Server, tmp_path: Path) -> None:
             if answered.is_set():
                 return
 
-    # Idle connections expire before uvicorn's keep-alive timeout (5 s) would close them
+    # Idle connections expire before the server's keep-alive timeout would close them
     # under a new request.
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256,
                           keepalive_expiry=1.0)
