@@ -96,6 +96,14 @@ _ROWS_PER_TURN = 512
 _RETRY_S = 0.005
 
 
+
+def _timed_out(rid: str, timeout: float | None) -> TimeoutError:
+    """The ``TimeoutError`` of request ``rid``'s ``timeout``, naming both (asyncio's own
+    says nothing: one of many concurrent calls could not be told apart)."""
+    return TimeoutError(f"request {rid!r}: no answer within {timeout} s (the request "
+                        f"was aborted)")
+
+
 class AsyncRequest(RequestState):
     """A submitted generate request: ``await`` it for its :class:`~scheduler.GenerateResult`.
 
@@ -260,8 +268,11 @@ class AsyncEngine(SchedulerClient):
                               dp_rank=dp_rank)
         if timeout is None:  # no timer to make: the hot path of many short requests
             return await request
-        async with asyncio.timeout(timeout):
-            return await request
+        try:
+            async with asyncio.timeout(timeout):
+                return await request
+        except TimeoutError:
+            raise _timed_out(request.rid, timeout) from None
 
     def submit(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                stream: bool = False, return_logprob: bool = False, rid: str | None = None,
@@ -339,8 +350,11 @@ class AsyncEngine(SchedulerClient):
         Raises: as :meth:`generate`.
         """
         state = self._start([self._embed_req(input_ids, rid, dp_rank)], RequestState)[0]
-        async with asyncio.timeout(timeout):
-            items = [item async for got in self._steps(state) for item in got]
+        try:
+            async with asyncio.timeout(timeout):
+                items = [item async for got in self._steps(state) for item in got]
+        except TimeoutError:
+            raise _timed_out(state.rid, timeout) from None
         assert isinstance(items[0], np.ndarray)
         return items[0]
 

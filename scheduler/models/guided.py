@@ -79,6 +79,9 @@ MAX_RULES = 512
 #: (``verbose_errors``): they go to logs and to clients.
 LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=300_000, verbose_errors=False)
 
+#: Steps :func:`check_guide` takes past the first, each on the smallest byte allowed.
+CHECK_STEPS = 8
+
 #: Most characters of llguidance's error kept in a log line or an answer.
 ERROR_CHARS = 500
 
@@ -161,7 +164,12 @@ def _grammar_of(guide: Guide) -> str:
         if not (isinstance(choices, list) and choices
                 and all(isinstance(c, str) and c for c in choices)):
             raise ValueError("the choices must be a non-empty list of non-empty strings")
-        return make.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        # One terminal whose alternatives are the choices: the lexer matches them, so
+        # the parser holds one item whatever their number. As alternatives of the
+        # rule itself, each was a parser item, and past llguidance's 2,000 items a
+        # row every answer failed after its first token.
+        return make.grammar_from_lark(
+            "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices))
     return make.grammar_from_lark(gbnf_to_lark(spec) if "::=" in spec else spec)
 
 
@@ -207,6 +215,20 @@ def check_guide(guide: Guide) -> str:
     if matcher.is_error():
         return (f"no answer can begin: the grammar matches no text "
                 f"({matcher.get_error()[:ERROR_CHARS]})")
+    # A few more steps along the smallest byte allowed each time: a grammar whose
+    # rows outgrow llguidance's bounds once its first lexeme begins (thousands of
+    # alternatives in one rule, of an object's optional properties) passes the first
+    # step and then fails every answer; refused here, it costs no prefill.
+    for _ in range(CHECK_STEPS):
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:256])
+        if not len(allowed):
+            break
+        matcher.consume_token(int(allowed[0]))
+        if not matcher.is_error():
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if matcher.is_error():
+            return (f"an answer fails after its first bytes: "
+                    f"{matcher.get_error()[:ERROR_CHARS]}")
     return ""
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -308,3 +310,33 @@ def test_logprob_tokens_are_each_tokens_text(scripted_server: tuple[Server, Toke
                    for p in parts)
     assert "".join(e.token for e in entries) == text == TEXT
     assert bytes(b for e in entries for b in e.bytes or ()).decode() == TEXT
+
+
+def test_a_long_text_is_encoded_without_holding_the_gil(bpe: HFTokenizer) -> None:
+    """The door encodes a long prompt on a thread so its event loop keeps serving; that
+    holds only if the encode lets other threads run: here the main thread must get
+    turns while another thread is inside one encode of a 0.27M-character text."""
+    words = [f"w{i * 7919 % 1000003} café {i}" for i in range(15_000)]  # distinct: no word cache
+    text = " ".join(words) + "<|im_end|> end"
+    span: list[float] = []
+    ids: list[int] = []
+
+    def encode() -> None:
+        span.append(time.monotonic())
+        ids.extend(bpe.encode(text, add_special_tokens=False))
+        span.append(time.monotonic())
+
+    turns: list[float] = []
+    worker = threading.Thread(target=encode, name="encode-long-text")
+    worker.start()
+    try:
+        while worker.is_alive():
+            turns.append(time.monotonic())
+            time.sleep(0.001)  # sleep-ok: pacing the main thread's turns
+    finally:
+        worker.join()
+    during = [t for t in turns if span[0] < t < span[1]]
+    assert len(during) >= 20, (f"the main thread ran {len(during)} times in the "
+                              f"{span[1] - span[0]:.2f} s the encode took: it held the GIL")
+    assert ids == bpe._tok.encode(text, add_special_tokens=False).ids  # the same ids
+    assert bpe.special_tokens["<|im_end|>"] in ids

@@ -509,3 +509,14 @@ async def test_every_call_before_start_is_refused_as_not_started() -> None:
             await engine.collective_rpc("get_load")
     finally:
         await engine.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_timeout_names_its_request_and_its_seconds(engine: AsyncEngine) -> None:
+    """Among many concurrent calls, the one that timed out is told apart by its message."""
+    long = SamplingParams(max_new_tokens=1_000_000)
+    with pytest.raises(TimeoutError, match=r"request 'slow-1': no answer within 0.2 s"):
+        await engine.generate([1, 2], long, rid="slow-1", timeout=0.2)
+    with pytest.raises(TimeoutError, match=r"request 'emb-1': no answer within 0 s"):
+        await engine.embed([1, 2, 3], rid="emb-1", timeout=0)
+    await _until_idle(engine)

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from messages import Guide, SamplingParams
 from scheduler import Engine, ModelConfig
 from scheduler.errors import EngineError, RequestFailed
-from scheduler.models.guided import Guides
+from scheduler.models.guided import Guides, check_guide
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
 
@@ -157,3 +157,34 @@ def test_a_guide_that_fails_while_decoding_ends_with_an_error_not_stop(
                         max_new_tokens=50, temperature=t, guide=guide), rid=rid, timeout=120)
         assert beside.result(60).token_ids == alone
     assert all(len(r.getMessage()) < 2000 for r in caplog.records)
+
+
+def test_every_choice_the_door_takes_is_served(model_dir: Path) -> None:
+    """The door takes up to 4096 ``guided_choice`` values; each is an answer the guide
+    can give (as alternatives of one rule, 2000 or more failed every answer after
+    its first token: llguidance's 2000 items a row)."""
+    choices = [f"choice number {i} here" for i in range(4096)]
+    guide = Guide(kind="choice", spec=json.dumps(choices))
+    assert check_guide(guide) == ""
+    with Engine("ring", model_dir) as engine:
+        for t in (0.0, 1.0):
+            out = engine.generate(PROMPTS[2], SamplingParams(
+                max_new_tokens=BUDGET, temperature=t, seed=5, guide=guide), timeout=120)
+            text = _tokenizer(model_dir).decode(  # type: ignore[attr-defined]
+                out.token_ids, skip_special_tokens=True)
+            assert out.finish_reason == "stop" and text in choices, (out, text)
+
+
+@pytest.mark.parametrize("spec", [
+    {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                "required": [f"k{i}"], "additionalProperties": False} for i in range(2500)]},
+    {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)},
+     "additionalProperties": False},
+], ids=["anyOf-2500", "optional-properties-3000"])
+def test_the_door_s_check_refuses_a_guide_that_fails_after_its_first_bytes(
+        spec: dict[str, object]) -> None:
+    """Such a guide passes its first step and then fails every answer (the row
+    limit, met after the ``{``): the door's check walks on and refuses it, so it is a
+    400 naming the field instead of a request that is prefilled and then fails."""
+    verdict = check_guide(Guide(kind="json_schema", spec=json.dumps(spec)))
+    assert "fails after its first bytes" in verdict and "max is 2000" in verdict, verdict
