@@ -80,7 +80,8 @@ HEAD_TIMEOUT_S = 30.0
 #: Seconds a client may read nothing of its answer once the server's buffer for it is full.
 SEND_TIMEOUT_S = 30.0
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout",
+            431: b"Request Header Fields Too Large"}
 #: Bytes a chunk of a chunked body may spend on its framing (size line, extensions,
 #: CRLFs) beyond the head's bound.
 _CHUNK_FRAMING = 64
@@ -330,8 +331,12 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             super().on_message_complete()
 
         def send_400_response(self, msg: str) -> None:
+            # uvicorn's own answer to what its parser refuses (a negative length, both
+            # a length and chunked coding, a bad chunk size, an unknown method) is
+            # text/plain; every answer of the door is in OpenAI's error shape.
             if not self.transport.is_closing():  # (not after a refusal of ours)
-                super().send_400_response(msg)
+                self.transport.write(_refusal(400, "invalid_http", msg))
+                self.transport.close()
 
         def _answered(self) -> bool:
             """Whether every request begun before this one is answered whole."""

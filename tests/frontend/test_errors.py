@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgspec
 import pytest
 
 from bus import RpcTimeout
@@ -181,6 +182,30 @@ def test_body_past_the_limit_is_413(server: Server) -> None:
     # Chunked (no content-length): counted as it arrives.
     r = httpx.post(f"{server.url}/v1/completions", content=iter([b"{" + b" " * 3000] * 3))
     assert r.status_code == 413
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: -1\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+    b"content-length: 3\r\n\r\nabc",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"zz\r\n",
+    b"FROB /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n",
+])
+def test_a_request_the_http_parser_refuses_is_answered_in_openai_s_shape(
+        server: Server, head: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):  # (the refusal closes the connection)
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert status_line.startswith(b"HTTP/1.1 400"), answer
+    assert b"content-type: application/json" in headers.lower()
+    got = msgspec.json.decode(body)
+    assert set(got) == {"error"} and got["error"]["code"] == "invalid_http"
+    assert got["error"]["type"] == "invalid_request_error" and got["error"]["message"]
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "br, gzip"])
