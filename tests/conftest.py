@@ -1,5 +1,5 @@
-"""Shared fixtures: temp-dir ipc endpoints, one torch thread in the test process, and a
-deadline poller instead of sleeps."""
+"""Shared fixtures: temp-dir ipc endpoints, one torch thread in the test process, the
+session's tiny Hugging Face model, and a deadline poller instead of sleeps."""
 
 from __future__ import annotations
 
@@ -31,6 +31,19 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``build_tiny_hf``'s default model (a float64 random Llama and its tokenizer),
+    built once for the session.
+
+    Every test that asks for it reads it; one that changes a model directory copies
+    this one first. It is the same model whichever test builds it (seeded), so one
+    build serves the frontend's and the scheduler's tests alike.
+    """
+    from scheduler.models.tiny_hf import build_tiny_hf  # (needs the [hf] extra)
+    return build_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture

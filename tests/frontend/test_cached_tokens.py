@@ -17,7 +17,6 @@ pytest.importorskip("transformers")
 from frontend.__main__ import parse, settings_from
 from messages import SamplingParams
 from scheduler import Engine, Limits
-from scheduler.models.tiny_hf import build_tiny_hf
 from tests.frontend.server import Server
 
 SYSTEM = [(7 * i) % 300 + 3 for i in range(200)]  # a shared system prompt, 200 tokens
@@ -29,8 +28,8 @@ CHAT = {"model": "tiny", "max_tokens": 3, "temperature": 0.0,
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_hf(tmp_path_factory.mktemp("hf") / "tiny")
+def model_dir(tiny_hf: Path) -> Path:
+    return tiny_hf
 
 
 def _server(model_dir: Path, ep: Path, *flags: str) -> Server:

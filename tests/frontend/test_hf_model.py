@@ -18,13 +18,12 @@ pytest.importorskip("transformers")
 import torch
 
 from frontend.__main__ import parse, settings_from
-from scheduler.models.tiny_hf import build_tiny_hf
 from tests.frontend.server import Server
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_hf(tmp_path_factory.mktemp("hf") / "tiny")
+def model_dir(tiny_hf: Path) -> Path:
+    return tiny_hf
 
 
 @pytest.fixture(scope="module")

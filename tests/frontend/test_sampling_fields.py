@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -18,8 +18,6 @@ pytest.importorskip("transformers")
 
 import torch
 
-from frontend.__main__ import parse, settings_from
-from scheduler.models.tiny_hf import build_tiny_hf
 from tests.frontend.server import Server
 
 PROMPT = [1, 45, 120, 7, 300, 45, 9]
@@ -28,8 +26,8 @@ T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_hf(tmp_path_factory.mktemp("hf") / "tiny")
+def model_dir(tiny_hf: Path) -> Path:
+    return tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +37,12 @@ def hf(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
 
 
-#: The engine's modes: ``dp2`` is zmq with two data-parallel replicas (the sampling
-#: fields, the top and prompt logprobs travel through the dispatcher too).
-MODES = {"ring": ["--mode", "ring"], "zmq": ["--mode", "zmq"],
-         "dp2": ["--mode", "zmq", "--dp-size", "2"]}
-
-
-@pytest.fixture(scope="module", params=list(MODES))
-def server(request: pytest.FixtureRequest, model_dir: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    settings, app = settings_from(parse(["--model", str(model_dir), "--served-model-name",
-                                         "tiny", *MODES[request.param], "--endpoint",
-                                         str(tmp_path_factory.mktemp("ep") / "ep")]))
-    s = Server(settings, app.tokenizer)
-    yield s
-    s.stop()
+@pytest.fixture(scope="module")
+def server(hf_door: Server) -> Server:
+    """The shared door in each mode (``tests/frontend/conftest.py``): ``dp2`` is zmq with
+    two data-parallel replicas (the sampling fields, the top and prompt logprobs travel
+    through the dispatcher too)."""
+    return hf_door
 
 
 def client(server: Server) -> openai.OpenAI:

@@ -6,21 +6,16 @@ unguided answer is unchanged, and forced tool calls are valid calls."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
-from frontend.__main__ import parse, settings_from
-from scheduler.models.tiny_hf import build_tiny_hf
 from tests.frontend.server import Server
 
 #: Nested object, array, enum, string pattern; bounded (maxLength, maxItems) so that the
@@ -47,34 +42,10 @@ MESSAGES: Any = [{"role": "user", "content": "the scheduler reads a prompt"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_hf(tmp_path_factory.mktemp("hf") / "tiny")
-
-
-#: The engine's modes: ``dp2`` is zmq with two data-parallel replicas (each compiles
-#: the guides it is sent).
-MODES = {"ring": ["--mode", "ring"], "zmq": ["--mode", "zmq"],
-         "dp2": ["--mode", "zmq", "--dp-size", "2"]}
-
-
-@pytest.fixture(scope="module", params=list(MODES))
-def server(request: pytest.FixtureRequest, model_dir: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # One intra-op thread, here and in a zmq scheduler: on a busy 2-core box torch's
-    # spinning threads made these 20 answers take 27 s instead of 1 (guided or not).
-    before = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(1)
-        settings, app = settings_from(parse([
-            "--model", str(model_dir), "--served-model-name", "tiny", *MODES[request.param],
-            "--endpoint", str(tmp_path_factory.mktemp("ep") / "ep")]))
-        s = Server(settings, app.tokenizer)
-        try:
-            yield s
-        finally:
-            s.stop()
-            torch.set_num_threads(before)
+def server(hf_door: Server) -> Server:
+    """The shared door in each mode (``tests/frontend/conftest.py``): ``dp2`` is zmq with
+    two data-parallel replicas (each compiles the guides it is sent)."""
+    return hf_door
 
 
 def _client(server: Server) -> openai.OpenAI:

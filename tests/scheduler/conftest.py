@@ -42,7 +42,6 @@ def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A float64-ready tiny random Llama and its tokenizer, built once per module."""
-    from scheduler.models.tiny_hf import build_tiny_hf  # (needs the [hf] extra)
-    return build_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
+def model_dir(tiny_hf: Path) -> Path:
+    """A float64-ready tiny random Llama and its tokenizer: the session's (read only)."""
+    return tiny_hf
