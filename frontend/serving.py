@@ -80,18 +80,28 @@ HEAD_TIMEOUT_S = 30.0
 #: Seconds a client may read nothing of its answer once the server's buffer for it is full.
 SEND_TIMEOUT_S = 30.0
 
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout",
-            431: b"Request Header Fields Too Large"}
 #: Bytes a chunk of a chunked body may spend on its framing (size line, extensions,
 #: CRLFs) beyond the head's bound.
 _CHUNK_FRAMING = 64
 
 
+def _status_line(status: int) -> bytes:
+    """``status``'s HTTP/1.1 status line, with its reason phrase where HTTP names one."""
+    try:
+        phrase = http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+
+
+_STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+
+
 def _refusal(status: int, code: str, message: str) -> bytes:
     """A whole HTTP/1.1 error answer in OpenAI's shape that closes the connection."""
     body = ApiError(status, message, code=code).body()
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n" % (status, _REASONS[status], len(body))) + body
+    return _STATUS_LINES[status] + (b"content-type: application/json\r\ncontent-length: %d\r\n"
+                                    b"connection: close\r\n\r\n" % len(body)) + body
 
 
 def _close_delimited(cycle: Any) -> None:
@@ -111,17 +121,6 @@ def _close_delimited(cycle: Any) -> None:
         await send(message)
 
     cycle.send = send_1_0
-
-
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = http.HTTPStatus(status).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-
-
-_STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
 
 
 async def _send_whole(cycle_ref: weakref.ref[Any], status: int, headers: Headers,
