@@ -34,7 +34,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Sequence,
+)
 from itertools import pairwise, repeat
 from typing import Literal, Self, TypeVar, cast
 
@@ -87,6 +94,7 @@ __all__ = ["AsyncEngine", "AsyncRequest", "deliver_rows"]
 log = logging.getLogger("scheduler.engine")
 
 S = TypeVar("S", bound=RequestState)
+T = TypeVar("T")
 
 #: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._after_sends``).
 _READ_EVERY = 32
@@ -96,12 +104,21 @@ _ROWS_PER_TURN = 512
 _RETRY_S = 0.005
 
 
-
-def _timed_out(rid: str, timeout: float | None) -> TimeoutError:
-    """The ``TimeoutError`` of request ``rid``'s ``timeout``, naming both (asyncio's own
-    says nothing: one of many concurrent calls could not be told apart)."""
-    return TimeoutError(f"request {rid!r}: no answer within {timeout} s (the request "
-                        f"was aborted)")
+async def _within(rid: str, answer: Awaitable[T], timeout: float | None) -> T:
+    """``answer`` awaited, at most ``timeout`` seconds (None: no bound); past it the wait
+    is cancelled (which aborts request ``rid``) and the ``TimeoutError`` names the
+    request and the seconds (asyncio's own says nothing: one of many concurrent calls
+    could not be told apart)."""
+    if timeout is None:  # no timer to make: the hot path of many short requests
+        return await answer
+    try:
+        async with asyncio.timeout(timeout) as bound:
+            return await answer
+    except TimeoutError:
+        if not bound.expired():  # (raised by what was awaited, not by the bound)
+            raise
+        raise TimeoutError(f"request {rid!r}: no answer within {timeout:g} s (the request "
+                           f"was aborted)") from None
 
 
 class AsyncRequest(RequestState):
@@ -266,13 +283,7 @@ class AsyncEngine(SchedulerClient):
         """
         request = self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
                               dp_rank=dp_rank)
-        if timeout is None:  # no timer to make: the hot path of many short requests
-            return await request
-        try:
-            async with asyncio.timeout(timeout):
-                return await request
-        except TimeoutError:
-            raise _timed_out(request.rid, timeout) from None
+        return await _within(request.rid, request, timeout)
 
     def submit(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                stream: bool = False, return_logprob: bool = False, rid: str | None = None,
@@ -350,13 +361,13 @@ class AsyncEngine(SchedulerClient):
         Raises: as :meth:`generate`.
         """
         state = self._start([self._embed_req(input_ids, rid, dp_rank)], RequestState)[0]
-        try:
-            async with asyncio.timeout(timeout):
-                items = [item async for got in self._steps(state) for item in got]
-        except TimeoutError:
-            raise _timed_out(state.rid, timeout) from None
+        items = await _within(state.rid, self._items(state), timeout)
         assert isinstance(items[0], np.ndarray)
         return items[0]
+
+    async def _items(self, state: RequestState) -> list[Item]:
+        """Every item of ``state``'s answer, to its end."""
+        return [item async for got in self._steps(state) for item in got]
 
     def _check_loop(self) -> None:
         """Refuse a call before :meth:`start`, or from any event loop but the engine's own
