@@ -14,6 +14,8 @@ import urllib.request
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
+from benchmarks._procs import descendants
+
 T = TypeVar("T")
 
 MODEL = "tiny"
@@ -41,19 +43,7 @@ def proc_cpu_s(pid: int) -> float:
 
 def descendants_cpu_s(pid: int) -> float:
     """CPU seconds of ``pid``'s living descendants (the frontend's scheduler process)."""
-    total = 0.0
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children = [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-        total += sum(proc_cpu_s(c) + descendants_cpu_s(c) for c in children)
-    return total
+    return sum(proc_cpu_s(c) for c in descendants(pid))
 
 
 def loop_lag_counts(port: int) -> tuple[list[float], list[float]]:

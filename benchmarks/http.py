@@ -102,6 +102,7 @@ from benchmarks._http_client import (  # the load client: its own module
     _run,
     client,
 )
+from benchmarks._procs import descendants, pin
 from benchmarks._timing import print_checked
 
 ROUNDS = 3
@@ -193,29 +194,8 @@ def serve_handler_only(port: int) -> None:
                 http=http_protocol(), lifespan="on", proxy_headers=False)
 
 
-
 #: The cores a load client runs on (all of them, unless the door is pinned: :func:`_pin_door`).
 _CLIENT_CORES: set[int] | None = None
-
-
-def _threads(pid: int) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return []
-
-
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for tid in _threads(pid):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                children = [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-        for child in children:
-            found += [child, *_descendants(child)]
-    return found
 
 
 def _pin_door(pid: int) -> bool:
@@ -227,12 +207,9 @@ def _pin_door(pid: int) -> bool:
     if len(cores) < 2:
         return False
     rest = set(cores[1:])
-    for proc, where in [(pid, {cores[0]}), *((child, rest) for child in _descendants(pid))]:
-        for tid in _threads(proc):
-            try:
-                os.sched_setaffinity(tid, where)
-            except OSError:
-                pass  # (a thread that ended meanwhile)
+    pin(pid, {cores[0]})
+    for child in descendants(pid):
+        pin(child, rest)
     _CLIENT_CORES = rest
     return True
 

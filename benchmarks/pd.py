@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks._procs import pin
 from benchmarks._timing import print_checked
 from benchmarks.shm import _Floor
 from bus import PullInbox, PushOutbox, Receiver, WouldBlock
@@ -362,15 +363,7 @@ def _pin(replicas: list[tuple[int, ...]]) -> bool:
         return False
     for core, pids in zip(cores, replicas, strict=False):
         for pid in pids:
-            try:
-                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-            except OSError:
-                tids = [pid]
-            for tid in tids:
-                try:
-                    os.sched_setaffinity(tid, {core})
-                except OSError:
-                    pass  # (a thread that ended meanwhile)
+            pin(pid, {core})
     return True
 
 
