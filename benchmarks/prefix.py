@@ -69,7 +69,9 @@ Keys:
 * ``ttft_p50_ms_<config>``: median time to first token (submit to first
   streamed chunk, client side); ``ttft_p50_ratio_cache_aware_vs_round_robin_nocache``,
   ``..._vs_round_robin_cache`` and ``..._vs_round_robin_cache_large`` (each
-  ``cache_aware`` over ``round_robin`` at the same cache size).
+  ``cache_aware`` over ``round_robin`` at the same cache size), and
+  ``..._vs_least_loaded_cache``: against the policy a user would otherwise pick
+  (the library's default), with the same cache.
 * ``requests_per_s_<config>``; ``requests_per_s_ratio_cache_aware_vs_round_robin_nocache``.
 * ``in_flight_gap_mean_<config>``: how unevenly the two replicas were loaded:
   the difference in requests in flight between them, as the dispatcher
@@ -127,6 +129,7 @@ KEYS = frozenset(
      "cache_mib_per_replica_large", "match_ratio_vs_nocache",
      "ttft_p50_ratio_cache_aware_vs_round_robin_nocache",
      "ttft_p50_ratio_cache_aware_vs_round_robin_cache",
+     "ttft_p50_ratio_cache_aware_vs_least_loaded_cache",
      "ttft_p50_ratio_cache_aware_vs_round_robin_cache_large",
      "requests_per_s_ratio_cache_aware_vs_round_robin_nocache",
      "dispatch_overhead_us_per_request_cache_aware",
@@ -309,6 +312,7 @@ def main() -> None:
     same = sum(a == b for a, b in zip(answers[aware], answers[base], strict=True))
     result["match_ratio_vs_nocache"] = round(same / n, 4)
     for mine, other in ((aware, base), (aware, "round_robin_cache"),
+                        (aware, "least_loaded_cache"),
                         ("cache_aware_cache_large", "round_robin_cache_large")):
         result[f"ttft_p50_ratio_cache_aware_vs_{other}"] = round(
             float(result[f"ttft_p50_ms_{mine}"])  # type: ignore[arg-type]
