@@ -315,8 +315,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # (its request's cycle)
-                self.scope["extensions"] = {
-                    WHOLE: functools.partial(_send_whole, weakref.ref(cycle))}
+                extensions = self.scope.setdefault("extensions", {})  # (uvicorn's kept)
+                extensions[WHOLE] = functools.partial(_send_whole, weakref.ref(cycle))
 
         def on_body(self, body: bytes) -> None:
             self._body += len(body)  # (the connection's, all requests')
