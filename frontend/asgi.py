@@ -80,7 +80,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) 
         task.cancel()
 
     cancelling = task.cancelling()
-    timer = asyncio.get_running_loop().call_later(timeout, expire)
+    timer = task.get_loop().call_later(timeout, expire)  # (a running-loop lookup is a getpid)
     parts: list[bytes] = []
     size = 0
     try:
@@ -265,13 +265,13 @@ class Conn:
         self._watch: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         if watch_after > 0:
-            self._timer = asyncio.get_running_loop().call_later(watch_after, self._start)
+            self._timer = task.get_loop().call_later(watch_after, self._start)
         else:
             self._start()
 
     def _start(self) -> None:
         self._timer = None
-        self._watch = asyncio.get_running_loop().create_task(self._wait(self._receive))
+        self._watch = self._task.get_loop().create_task(self._wait(self._receive))
 
     async def _wait(self, receive: Receive) -> None:
         event = await receive()

@@ -51,10 +51,12 @@ import contextlib
 import functools
 import http
 import logging
+import operator
 import socket
 import struct
 import sys
 import weakref
+from itertools import chain
 from typing import Any
 
 from frontend.asgi import WHOLE, Headers
@@ -278,20 +280,21 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         # would hold its slot to its end (a non-streamed request, or any
         # stream on the asyncio loop, runs to max_tokens). The earlier ones are
         # kept here (until answered) and told too.
-        @property
-        def cycle(self) -> Any:
-            return self.__dict__.get("_cycle")
+        _cycle: Any = None
 
-        @cycle.setter
-        def cycle(self, new: Any) -> None:
+        def _set_cycle(self, new: Any) -> None:
             if new is not None and new.scope.get("http_version") == "1.0":
                 _close_delimited(new)
-            old = self.__dict__.get("_cycle")
+            old = self._cycle
             if old is not None and old is not new and not old.response_complete:
                 earlier = self.__dict__.setdefault("_earlier", [])
                 earlier[:] = [c for c in earlier if not c.response_complete]
                 earlier.append(old)
-            self.__dict__["_cycle"] = new
+            self._cycle = new
+
+        # uvicorn reads ``cycle`` about a dozen times a request: the getter is a C
+        # attrgetter (no Python frame a read); only setting it runs the code above.
+        cycle = property(operator.attrgetter("_cycle"), _set_cycle)
 
         # -- the head's bounds (httptools' parser callbacks) --------------------------
 
@@ -309,7 +312,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 self._head_timer = None
             # A head in a read that was not counted (it ended the request there, or held
             # earlier requests too) is measured here, by its parsed parts.
-            if len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > max_head_bytes:
+            headers = self.headers  # (name, value) pairs: their lengths summed in C
+            head = len(self.url) + 4 * len(headers) + sum(map(len, chain.from_iterable(headers)))
+            if head > max_head_bytes:
                 self._refuse(too_large, unbegun=True)
                 raise _Refused  # stop the parser: nothing more of this connection is read
             super().on_headers_complete()

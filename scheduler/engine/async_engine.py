@@ -102,6 +102,10 @@ _READ_EVERY = 32
 _ROWS_PER_TURN = 512
 #: Seconds between two tries to send aborts a full work channel refused.
 _RETRY_S = 0.005
+#: zmq's option and flag as plain ints: ``int & zmq.POLLIN`` runs the enum's Python
+#: ``__rand__`` and makes a new member (three Python calls) on every read of outputs.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 async def _within(rid: str, answer: Awaitable[T], timeout: float | None) -> T:
@@ -481,6 +485,8 @@ class AsyncEngine(SchedulerClient):
         ``start``: its state, or what sends it at the first iteration. Leaving before
         its end aborts it."""
         self._check_loop()
+        loop = self._loop
+        assert loop is not None
         state = start if isinstance(start, RequestState) else start()
         finished = False
         try:
@@ -489,7 +495,7 @@ class AsyncEngine(SchedulerClient):
                 # awaited only when nothing waits (the per-token hot path).
                 items = state.take(one)
                 if not items:
-                    await state.arrival()
+                    await state.arrival(loop)
                     continue
                 last = items[-1]  # (an error or a final output is the last one)
                 finished = ends(last)
@@ -656,7 +662,7 @@ class AsyncEngine(SchedulerClient):
         # zmq's FD is edge-triggered: it fires again only after EVENTS is read
         # with nothing left; if messages slipped in meanwhile, go again.
         if backlog or more or (sock is not None
-                               and cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN):
+                               and cast(int, sock.getsockopt(_EVENTS)) & _POLLIN):
             self._loop.call_soon(self._on_readable)
 
     def _on_rpc_readable(self) -> None:

@@ -200,11 +200,12 @@ class RequestState:
         items.clear()
         return out
 
-    def arrival(self) -> asyncio.Future[None]:
-        """A future done when the next output arrives (await it only while empty)."""
+    def arrival(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """A future on ``loop`` (the engine's: a running-loop lookup is a system call
+        in Python 3.11), done when the next output arrives (await it only while empty)."""
         waiter = self.waiter
         if waiter is None or waiter.done():
-            waiter = self.waiter = asyncio.get_running_loop().create_future()
+            waiter = self.waiter = loop.create_future()
         return waiter
 
 
