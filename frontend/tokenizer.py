@@ -165,6 +165,11 @@ class HFTokenizer:
                 spec = json.load(f)
         except Exception as exc:
             raise TokenizerError(path, f"cannot read {file}: {exc}") from exc
+        # A tokenizer.json may carry the truncation and padding it was last used with
+        # (max_length 512, pad to 32...): a prompt would be cut or padded without a
+        # word. transformers resets both on every call unless asked; so does this.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.name = path
         config = _read_config(os.path.join(os.path.dirname(file), "tokenizer_config.json"))
         self.chat_template = _template(config.get("chat_template"))
