@@ -448,12 +448,21 @@ class Frontend:
 
     async def _embedding_inputs(self, gen: OpenAIServing, req: EmbeddingRequest) -> list[list[int]]:
         raw = req.input
+        limit = self.max_model_len
+
+        def refuse(i: int, fewest: int) -> None:  # a text sure to pass it, untokenized
+            if limit is not None and fewest > limit:
+                raise bad_request(f"input[{i}]: this model's maximum context length is "
+                                  f"{limit} tokens; this input is at least {fewest}",
+                                  param="input", code="context_length_exceeded")
+
         if isinstance(raw, str):
-            texts = [await gen.tokenize(raw, special=True)]
+            texts = [await gen.tokenize(raw, special=True, refuse=refuse)]
         elif all(isinstance(x, int) for x in raw):
             texts = [[x for x in raw if isinstance(x, int)]]
         elif all(isinstance(x, str) for x in raw):
-            texts = await gen.tokenize_all([x for x in raw if isinstance(x, str)], special=True)
+            texts = await gen.tokenize_all([x for x in raw if isinstance(x, str)], special=True,
+                                           refuse=refuse)
         elif all(isinstance(x, list) for x in raw):
             texts = [x for x in raw if isinstance(x, list)]
         else:
@@ -464,7 +473,6 @@ class Frontend:
             problem = prompt_problem(ids, vocab)
             if problem:
                 raise bad_request(f"input[{i}]: {problem}", param="input")
-            limit = self.max_model_len
             if limit is not None and len(ids) > limit:  # as a completion's prompt is told
                 raise bad_request(f"input[{i}]: this model's maximum context length is "
                                   f"{limit} tokens; this input is {len(ids)}", param="input",

@@ -38,7 +38,7 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -135,21 +135,41 @@ class OpenAIServing:
                                 f"serves {served} (GET /v1/models)",
                            param="model", code="model_not_found")
 
-    async def tokenize(self, text: str, *, special: bool) -> list[int]:
-        """``text``'s ids; a long text is tokenized off the event loop."""
+    async def tokenize(self, text: str, *, special: bool,
+                       refuse: Callable[[int, int], None] | None = None) -> list[int]:
+        """``text``'s ids; a long text is tokenized off the event loop (and ``refuse``
+        asked first, as :meth:`tokenize_all` says)."""
         if len(text) <= _TOKENIZE_INLINE:  # (every request's path: no list built for it)
             return self.tokenizer.encode(text, add_special_tokens=special)
-        return (await self.tokenize_all([text], special=special))[0]
+        return (await self.tokenize_all([text], special=special, refuse=refuse))[0]
 
-    async def tokenize_all(self, texts: Sequence[str], *, special: bool) -> list[list[int]]:
+    async def tokenize_all(self, texts: Sequence[str], *, special: bool,
+                           refuse: Callable[[int, int], None] | None = None
+                           ) -> list[list[int]]:
         """Each text's ids; texts long together are tokenized off the event loop, in one
         call (inline, one at a time, 153 embedding inputs each under the bound would
-        hold the loop over a second)."""
+        hold the loop over a second).
+
+        Texts long enough to go off the loop are first shown to ``refuse`` (each
+        text's index, the fewest tokens it can yield: ``Tokenizer.fewest_tokens``),
+        which raises to refuse the request: a 4 MB prompt sure to pass the model's
+        context costs no seconds of tokenizing before its 400.
+
+        Raises:
+            ApiError: what ``refuse`` raises.
+        """
         encode = self.tokenizer.encode
         if sum(map(len, texts)) <= _TOKENIZE_INLINE:
             return [encode(text, add_special_tokens=special) for text in texts]
-        return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: [encode(text, add_special_tokens=special) for text in texts])
+        fewest = self.tokenizer.fewest_tokens
+
+        def run() -> list[list[int]]:
+            if refuse is not None:
+                for i, text in enumerate(texts):
+                    refuse(i, fewest(text))
+            return [encode(text, add_special_tokens=special) for text in texts]
+
+        return await asyncio.get_running_loop().run_in_executor(None, run)
 
     async def completion(self, req: CompletionRequest, send: Send, t0: float) -> int:
         """Answer a completion, of one prompt or several (one choice each, ``index`` in
@@ -161,7 +181,7 @@ class OpenAIServing:
         check_supported(req)
         self.check_model(req.model)
         guide = await self.translator.guide(req)
-        prompts = await self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req)
         copies = answers_per_prompt(req, len(prompts))
         if len(prompts) == 1 and copies == 1:
             return await self._answer(self._completion_state(req, prompts[0], send, t0, guide))
@@ -184,16 +204,21 @@ class OpenAIServing:
         state.echo = req.echo
         return nth_answer(state, copy)
 
-    async def _completion_prompts(self, prompt: str | list[int | str | list[int]]
-                                  ) -> list[list[int]]:
+    async def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Each prompt's ids: a string, a list of ids, or several of either.
 
         Raises:
             ApiError: 400 on ``prompt``: a list mixing kinds, more than
-                :data:`MAX_PROMPTS` prompts, no ids, or an id outside the vocabulary.
+                :data:`MAX_PROMPTS` prompts, no ids, or an id outside the vocabulary;
+                ``context_length_exceeded``: a text sure to pass the context.
         """
+        prompt = req.prompt
+
+        def refuse(index: int, fewest: int) -> None:
+            self.translator.refuse_past_context(fewest, req.max_tokens, "prompt")
+
         if isinstance(prompt, str):
-            return [await self.tokenize(prompt, special=True)]
+            return [await self.tokenize(prompt, special=True, refuse=refuse)]
         if all(isinstance(t, int) for t in prompt):
             ids = [t for t in prompt if isinstance(t, int)]
             if len(ids) <= _TOKENIZE_INLINE:
@@ -206,7 +231,7 @@ class OpenAIServing:
                               f"{MAX_PROMPTS}", param="prompt", code="unsupported_value")
         texts = [p for p in prompt if isinstance(p, str)]
         if len(texts) == len(prompt):
-            return await self.tokenize_all(texts, special=True)
+            return await self.tokenize_all(texts, special=True, refuse=refuse)
         lists = [p for p in prompt if isinstance(p, list)]
         if len(lists) != len(prompt):
             raise bad_request("prompt: mixes strings, token ids and lists of token ids; "
@@ -245,7 +270,8 @@ class OpenAIServing:
         guide, tools = await self.translator.guide_and_tools(req)
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)
-        ids = await self.tokenize(text, special=False)
+        ids = await self.tokenize(text, special=False, refuse=lambda _, fewest: (
+            self.translator.refuse_past_context(fewest, asked, "messages", field)))
         max_tokens = self.translator.budget(len(ids), asked, self.settings.default_max_tokens,
                                             "messages", field)
         # Each answer its own state, guide and tool plan (a plan holds its answer's

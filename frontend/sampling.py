@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from frontend.errors import bad_request
+from frontend.errors import ApiError, bad_request
 from frontend.guides import guide_of, prepare
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, logit_bias, sampler_seed
 from frontend.tokenizer import Tokenizer
@@ -94,15 +94,37 @@ class SamplingTranslator:
         room = limit - prompt
         if room > 0 and (asked is None or asked <= room):
             return min(default, room) if asked is None else asked
-        wanted = f"{prompt} in the {where}"
+        raise self._past_context(prompt, asked, where, field, at_least=False)
+
+    def refuse_past_context(self, fewest: int, asked: int | None, where: str,
+                            field: str = "max_tokens") -> None:
+        """Refuse, as :meth:`budget` would, a prompt of at least ``fewest`` tokens
+        (before it is tokenized) when that many already leave too little room.
+
+        Raises:
+            ApiError: 400 ``context_length_exceeded``, the prompt's length given as
+                "at least ``fewest``".
+        """
+        limit = self.max_model_len
+        if limit is not None and (fewest >= limit or (asked is not None
+                                                      and fewest + asked > limit)):
+            raise self._past_context(fewest, asked, where, field, at_least=True)
+
+    def _past_context(self, prompt: int, asked: int | None, where: str, field: str, *,
+                      at_least: bool) -> ApiError:
+        """The 400 for a prompt of ``prompt`` tokens (``at_least`` that many) and
+        ``asked`` more, past the model's context (there is one: ``max_model_len``)."""
+        limit = self.max_model_len or 0
+        some = "at least " if at_least else ""
+        wanted = f"{some}{prompt} in the {where}"
         if asked is not None:
             wanted += f", {asked} in the completion"
         shorten = where if asked is None else f"{where} or {field}"
-        raise bad_request(f"this model's maximum context length is {limit} tokens; this "
-                          f"request asks for {prompt + (asked or 0)} ({wanted}): shorten the "
-                          f"{shorten}",
-                          param=where if asked is None or prompt >= limit else field,
-                          code="context_length_exceeded")
+        return bad_request(f"this model's maximum context length is {limit} tokens; this "
+                           f"request asks for {some}{prompt + (asked or 0)} ({wanted}): "
+                           f"shorten the {shorten}",
+                           param=where if asked is None or prompt >= limit else field,
+                           code="context_length_exceeded")
 
     def params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                extra_stop_ids: Sequence[int], guide: Guide | None,

@@ -78,6 +78,11 @@ class Tokenizer(Protocol):
         """One token as text, for logprobs (special tokens by name)."""
         ...
 
+    def fewest_tokens(self, text: str) -> int:
+        """The fewest ids ``encode(text)`` can give, found without tokenizing it: a
+        prompt sure to pass the context is refused before its seconds of tokenizing."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes (ids 0-255) plus :data:`BYTE_SPECIALS` (256 on). No file, no download."""
@@ -123,6 +128,12 @@ class ByteTokenizer:
             return names[i] if i < len(names) else f"<|{token_id}|>"
         return bytes([token_id]).decode("latin-1") if token_id < 128 else f"\\x{token_id:02x}"
 
+    def fewest_tokens(self, text: str) -> int:
+        """One id a byte, but a special token's text is one id for all its bytes."""
+        if "<|" not in text:
+            return utf8_length(text)
+        return -(-utf8_length(text) // max(len(t) for t in BYTE_SPECIALS))
+
 
 @cache
 def _byte_decoder() -> dict[str, int]:
@@ -165,6 +176,11 @@ class HFTokenizer:
                 spec = json.load(f)
         except Exception as exc:
             raise TokenizerError(path, f"cannot read {file}: {exc}") from exc
+        # A tokenizer.json may carry the truncation and padding it was last used with
+        # (max_length 512, pad to 32...): a prompt would be cut or padded without a
+        # word. transformers resets both on every call unless asked; so does this.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.name = path
         config = _read_config(os.path.join(os.path.dirname(file), "tokenizer_config.json"))
         self.chat_template = _template(config.get("chat_template"))
@@ -184,6 +200,7 @@ class HFTokenizer:
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         decoder = spec.get("decoder") or {}
         self._table = self._byte_table() if decoder.get("type") == "ByteLevel" else None
+        self._most_bytes = _most_bytes_per_token(spec, self._table, self._tok)
 
     def _byte_table(self) -> list[bytes] | None:
         """Each id's bytes, when every token is in ByteLevel's alphabet (else None)."""
@@ -220,6 +237,105 @@ class HFTokenizer:
     def piece(self, token_id: int) -> str:
         """The token's text as the vocabulary spells it."""
         return self._tok.id_to_token(token_id) or f"<|{token_id}|>"
+
+    def fewest_tokens(self, text: str) -> int:
+        """The text's UTF-8 length over the most bytes one token stands for (0 where
+        the file allows no such bound: :func:`_most_bytes_per_token`)."""
+        most = self._most_bytes
+        return 0 if most is None else -(-utf8_length(text) // most)
+
+
+def utf8_length(text: str) -> int:
+    """``len(text.encode())``, without encoding an ASCII text (``isascii`` is O(1))."""
+    return len(text) if text.isascii() else len(text.encode())
+
+
+#: Normalizers that never drop text, each with the most it can shrink it: one code
+#: point of up to 4 UTF-8 bytes becomes one of a single byte at worst (NFKC's
+#: U+1D400 to "A", Lowercase's Kelvin sign to "k"; composing NFC's marks and
+#: Hangul jamo shrinks less). Prepend and a growing Replace only add bytes.
+_SHRINKS = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4, "Prepend": 1}
+#: Pre-tokenizers that split or respell text and never drop any (Split and
+#: Punctuation unless their behavior is "removed").
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def _shrink(normalizer: object) -> int | None:
+    """How many times fewer bytes ``normalizer`` can leave of a text (None: unbounded)."""
+    if normalizer is None:
+        return 1
+    if not isinstance(normalizer, dict):
+        return None
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for step in normalizer.get("normalizers") or ():
+            one = _shrink(step)
+            if one is None:
+                return None
+            factor *= one
+        return factor
+    if kind == "Replace":
+        pattern, content = normalizer.get("pattern"), normalizer.get("content")
+        fixed = pattern.get("String") if isinstance(pattern, dict) else None
+        grows = isinstance(fixed, str) and isinstance(content, str) and \
+            len(content.encode()) >= len(fixed.encode()) > 0
+        return 1 if grows else None
+    return _SHRINKS.get(str(kind))
+
+
+def _keeps_text(pre: object) -> bool:
+    """Whether the pre-tokenizer ``pre`` hands the model every byte it was given."""
+    if pre is None:
+        return True
+    if not isinstance(pre, dict):
+        return False
+    if pre.get("type") == "Sequence":
+        return all(_keeps_text(p) for p in pre.get("pretokenizers") or ())
+    return pre.get("type") in _KEEPS_TEXT and str(pre.get("behavior")).lower() != "removed"
+
+
+def _most_bytes_per_token(spec: dict[str, object], table: Sequence[bytes] | None,
+                          tok: tokenizers.Tokenizer) -> int | None:
+    """The most UTF-8 bytes of a text that one of ``spec``'s tokens can stand for,
+    or None where the file allows no bound.
+
+    A token stands for its own bytes: its exact ones (``table``, a byte-level BPE)
+    or its spelling in the vocabulary, never fewer than the text it covers (a
+    byte-level BPE's, a Metaspace ``▁``, a byte-fallback ``<0x41>`` all spell more).
+    An added token stands for its content. Unbounded: a normalizer or
+    pre-tokenizer that may drop text (Strip, StripAccents, Whitespace, ...), an
+    added token that swallows the whitespace beside it (``lstrip``/``rstrip``), or
+    a model whose unknown token can stand for a run of text (WordPiece,
+    WordLevel, a fused ``unk``).
+    """
+    shrink = _shrink(spec.get("normalizer"))
+    model = spec.get("model")
+    if shrink is None or not _keeps_text(spec.get("pre_tokenizer")) or \
+            not isinstance(model, dict):
+        return None
+    unknown = model.get("unk_token") is not None or model.get("unk_id") is not None
+    kind = model.get("type")
+    if kind == "BPE" and unknown and not model.get("byte_fallback"):
+        if model.get("fuse_unk"):
+            return None
+        most = 4  # an unknown character, one token each
+    elif kind in ("BPE", "Unigram") and (not unknown or model.get("byte_fallback")):
+        most = 1
+    else:
+        return None
+    added = spec.get("added_tokens") or []
+    if not isinstance(added, list):
+        return None
+    for token in added:
+        if not isinstance(token, dict) or token.get("lstrip") or token.get("rstrip"):
+            return None
+        most = max(most, len(str(token.get("content", "")).encode()))
+    if table is not None:
+        most = max(most, max(map(len, table), default=0))
+    else:
+        most = max(most, max((len(p.encode()) for p in tok.get_vocab()), default=0))
+    return most * shrink
 
 
 def _read_config(path: str) -> dict[str, object]:

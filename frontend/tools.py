@@ -11,7 +11,9 @@ accepted):
 * ``required``: the answer is constrained to a JSON array of calls, each
   ``{"name": one of the tools, "arguments": that tool's schema}`` (``anyOf`` over
   the tools; one call at most when ``parallel_tool_calls`` is false), returned as
-  ``tool_calls`` with ``finish_reason`` ``tool_calls``.
+  ``tool_calls`` with ``finish_reason`` ``tool_calls``. Cut short (``length``), the
+  calls whose arguments began are returned with their arguments as far as they
+  went, streamed or not; before any began, the text is the content.
 * ``auto`` (the default with tools): the tools are rendered into the prompt by the
   chat template (a tokenizer's own gets them as ``tools=``, as ``transformers``'
   ``apply_chat_template``; the default ChatML template shows them Hermes-style in a
@@ -34,6 +36,7 @@ end, but what of it went out as a call stays sent. An assistant message's
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import secrets
@@ -207,8 +210,8 @@ class ToolPlan:
         if self.mode == "required":
             try:
                 calls = json.loads(text)
-            except ValueError:  # cut short (max_tokens): the text as it is
-                return text, []
+            except ValueError:  # cut short (max_tokens): the calls begun, as streamed
+                return self._cut_short(text)
             reader = _CallReader(2)
             reader.feed(text)
             return None, [ToolCall(_call_id(), FunctionOut(
@@ -236,6 +239,19 @@ class ToolPlan:
             return text, []
         content = _HERMES.sub("", text).strip()
         return content or None, found
+
+    def _cut_short(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """``required``'s answer cut short (its guide keeps the JSON valid otherwise):
+        each call whose name was read and whose arguments began, its arguments as far
+        as they went (as a named call's cut short is, and as OpenAI's are), the calls
+        a stream sent; with none begun, the text is the content."""
+        reader = _CallReader(2)
+        reader.feed(text)
+        begun = [ToolCall(_call_id(), FunctionOut(c.name, "".join(c.args)))
+                 for c in itertools.takewhile(
+                     lambda c: c.name is not None and c.args_begun, reader.calls)
+                 if c.name is not None]
+        return (None, begun) if begun else (text, [])
 
     def another(self) -> ToolPlan:
         """The same plan for another answer of the request (``n``): its own call id and

@@ -105,12 +105,30 @@ def _add_upstream(p: argparse.ArgumentParser) -> None:
                    help="the output receiver's public key, when outputs connect to it")
 
 
+def _endpoints(base: str, *, bind: bool, allow_remote: bool) -> Endpoints:
+    """The endpoints of a ``tcp://host:port`` base, each checked as its socket will check
+    it (the base's form, then each port after it), so that a base no socket can use is
+    one line before anything starts, not a traceback once the first one is bound.
+
+    Raises:
+        ValueError: no port, or 0 or ``*`` (the others follow it: it is no base), a
+            port past 65535 (the base's or one after it), or a host beyond loopback
+            to bind without ``allow_remote``.
+    """
+    check_endpoint(base, bind=False, allow_remote=allow_remote)
+    endpoints = Endpoints.parse(base)
+    for each in (endpoints.work, endpoints.rpc, endpoints.out):
+        check_endpoint(each, bind=bind, allow_remote=allow_remote)
+    return endpoints
+
+
 def _upstream(parser: argparse.ArgumentParser, args: argparse.Namespace
               ) -> tuple[Endpoints, SocketOptions, list[bytes] | None]:
     ep: str = args.endpoint
     try:
-        endpoints = Endpoints.parse(ep if ep.startswith("tcp://") else
-                                    private_dir(ep, Endpoints.SOCKETS))
+        endpoints = (_endpoints(ep, bind=True, allow_remote=args.allow_remote)
+                     if ep.startswith("tcp://") else
+                     Endpoints.parse(private_dir(ep, Endpoints.SOCKETS)))
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     try:
@@ -144,7 +162,12 @@ def _replica_specs(parser: argparse.ArgumentParser, args: argparse.Namespace
         opts = SocketOptions(hwm=args.hwm, allow_remote=args.allow_remote,
                              curve_keys=keys if public is not None else None,
                              curve_server_public=public)
-        specs.append(ReplicaSpec(Endpoints.parse(spec), options=opts))
+        try:
+            endpoints = (_endpoints(spec, bind=False, allow_remote=True)
+                         if spec.startswith("tcp://") else Endpoints.parse(spec))
+        except ValueError as exc:
+            parser.error(f"--replica {spec}: {exc}")
+        specs.append(ReplicaSpec(endpoints, options=opts))
     try:
         check_distinct(specs)
     except ValueError as exc:

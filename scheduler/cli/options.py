@@ -140,10 +140,14 @@ def limits_from(args: argparse.Namespace) -> Limits:
     """The :class:`Limits` the shared options (and ``--max-backlog``) give.
 
     Raises:
-        ValueError: a bound out of range (naming it).
+        ValueError: a bound out of range, naming its flag and the value given.
     """
-    return Limits(max_queued_requests=args.max_queued_requests,
-                  max_queued_tokens=args.max_queued_tokens, max_backlog=args.max_backlog,
-                  prefix_cache_bytes=args.prefix_cache_bytes,
-                  max_handoff_bytes=args.max_handoff_bytes,
-                  handoff_deadline=args.handoff_deadline)
+    try:
+        return Limits(max_queued_requests=args.max_queued_requests,
+                      max_queued_tokens=args.max_queued_tokens, max_backlog=args.max_backlog,
+                      prefix_cache_bytes=args.prefix_cache_bytes,
+                      max_handoff_bytes=args.max_handoff_bytes,
+                      handoff_deadline=args.handoff_deadline)
+    except ValueError as exc:  # its message begins with the field: say the flag given
+        field, _, rest = str(exc).partition(" ")
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None

@@ -53,14 +53,17 @@ class Limits:
     handoff_deadline: float = 60.0
 
     def __post_init__(self) -> None:
-        if min(self.max_queued_requests, self.max_queued_tokens, self.max_backlog) < 1:
-            raise ValueError("every limit must be >= 1")
+        # Each message begins with the field's name (a command line says its flag).
+        for name in ("max_queued_requests", "max_queued_tokens", "max_backlog",
+                     "max_handoff_bytes"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, not {value}")
         if self.prefix_cache_bytes < 0:
-            raise ValueError("prefix_cache_bytes must be >= 0")
-        if self.max_handoff_bytes < 1:
-            raise ValueError("max_handoff_bytes must be >= 1")
+            raise ValueError(f"prefix_cache_bytes must be >= 0, not {self.prefix_cache_bytes}")
         if not self.handoff_deadline > 0:  # (NaN too)
-            raise ValueError("handoff_deadline must be above 0 seconds")
+            raise ValueError(f"handoff_deadline must be above 0 seconds, not "
+                             f"{self.handoff_deadline}")
 
 
 class Admission:

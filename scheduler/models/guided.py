@@ -85,6 +85,14 @@ CHECK_STEPS = 8
 #: Most characters of llguidance's error kept in a log line or an answer.
 ERROR_CHARS = 500
 
+#: A JSON schema's numeric bounds past this magnitude are refused. llguidance holds
+#: each bound as a 64-bit float (an integer one then as a saturated 64-bit int):
+#: past 2^53 it is rounded, and the answers it allows leave the schema's range
+#: (``maximum: 2^62 + 1000`` let ``2^62 + 1024`` through; ``minimum: 10^30`` with a
+#: ``maximum`` allowed only ``2^63 - 1``).
+MAX_EXACT_BOUND = 2**53
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
 _REF = re.compile(r"\$ref")
 #: A JSON string's \uXXXX escape (any case), read back to its character before counting.
 _UNESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})")
@@ -151,6 +159,7 @@ def _grammar_of(guide: Guide) -> str:
             raise ValueError(f"the JSON schema is not JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
             raise ValueError("the JSON schema must be an object")
+        _check_bounds(schema)
         return make.grammar_from_json_schema(spec, overrides=_JSON_OPTIONS)
     if kind == "json_object":
         return make.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
@@ -171,6 +180,25 @@ def _grammar_of(guide: Guide) -> str:
         return make.grammar_from_lark(
             "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices))
     return make.grammar_from_lark(gbnf_to_lark(spec) if "::=" in spec else spec)
+
+
+def _check_bounds(schema: object) -> None:
+    """Raises ValueError at a numeric bound in ``schema`` that llguidance cannot keep
+    exactly (:data:`MAX_EXACT_BOUND`): every node is looked at, once, without recursion
+    (a schema may nest as deep as its JSON)."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for key in _BOUNDS:
+                bound = node.get(key)
+                if isinstance(bound, int | float) and not isinstance(bound, bool) and \
+                        abs(bound) > MAX_EXACT_BOUND:
+                    raise ValueError(f"{key} {bound}: a bound past 2^53 ({MAX_EXACT_BOUND}) "
+                                     "in magnitude cannot be kept exactly")
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
 
 
 class _Bytes:

@@ -330,3 +330,25 @@ def test_each_of_n_forced_tool_calls_is_its_own_call(server: Server) -> None:
         assert mine and mine[-1].choices[0].finish_reason == "stop"
         assert [name for name, _ in _reassembled(mine)] == ["add"]
         json.loads(_reassembled(mine)[0][1])
+
+
+def test_a_required_call_cut_short_is_the_same_call_streamed_or_not(server: Server) -> None:
+    # Without this: cut short inside its arguments, the whole answer was the guide's raw
+    # JSON array as content (no tool_calls), and the streamed one sent the call's
+    # deltas and then that same text as content too.
+    client = _client(server)
+    long_city: Any = {"type": "object", "properties": {
+        "city": {"type": "string", "minLength": 500}}, "required": ["city"]}
+    ask: Any = {"model": "tiny", "messages": MESSAGES, "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "where",
+                                                             "parameters": long_city}}],
+                "max_tokens": 60, "temperature": 0.0}
+    out = client.chat.completions.create(**ask).choices[0]
+    assert out.finish_reason == "length" and out.message.content is None, out
+    calls: Any = out.message.tool_calls
+    assert [c.function.name for c in calls] == ["where"], calls
+    assert calls[0].function.arguments.startswith('{"city":"'), calls
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert _reassembled(chunks) == [(c.function.name, c.function.arguments) for c in calls]

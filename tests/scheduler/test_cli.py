@@ -70,6 +70,34 @@ def test_serve_refuses_a_directory_too_deep_for_its_sockets_in_one_line(
     assert not deep.exists()
 
 
+@pytest.mark.parametrize(("endpoint", "said"), [
+    ("tcp://0.0.0.0:5999", "refusing to bind 'tcp://0.0.0.0:5999' beyond loopback"),
+    ("tcp://127.0.0.1:65535", "'tcp://127.0.0.1:65536' needs a port (1-65535)"),
+    ("tcp://127.0.0.1", "'tcp://127.0.0.1' needs a port (1-65535)"),
+], ids=["remote", "rpc-port-past-65535", "no-port"])
+def test_serve_refuses_a_tcp_endpoint_it_cannot_bind_in_one_line(
+        endpoint: str, said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Without this: serve loaded its model, bound the work socket, and then died with a
+    # ValueError traceback from the socket layer (the frontend already said one line).
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--endpoint", endpoint])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("replica", ["tcp://127.0.0.1", "tcp://127.0.0.1:65535"])
+def test_dispatch_refuses_a_tcp_replica_it_cannot_reach_in_one_line(
+        replica: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Without this: a ValueError traceback from parsing the base, or from the socket
+    # layer once the replica's work socket was connected.
+    with pytest.raises(SystemExit) as info:
+        main(["dispatch", "--endpoint", str(tmp_path / "ep"), "--replica", replica])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--replica {replica}: " in err and "needs a port (1-65535)" in err, err
+
+
 def test_a_second_signal_does_not_cut_the_clean_up() -> None:
     # A second SIGTERM or SIGINT while serve unwinds from the first must not cut its
     # clean-up short (no traceback from the channels' close, no status -15).

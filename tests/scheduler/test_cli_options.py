@@ -169,3 +169,22 @@ def test_serve_metrics_line_names_the_bound_port_of_an_ipv6_host(tmp_path: Path)
         reader.join(10)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--max-queued-requests", "0"), ("--max-queued-tokens", "-3"), ("--max-backlog", "0"),
+    ("--prefix-cache-bytes", "-1"), ("--max-handoff-bytes", "0"),
+    ("--handoff-deadline", "nan")])
+def test_a_limit_out_of_range_is_named_by_its_flag_in_both_commands(
+        flag: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Without this: "every limit must be >= 1" (which of three?) or the field's
+    # name (prefix_cache_bytes), never the flag the operator typed, nor the value.
+    from frontend.__main__ import parse, settings_from
+    with pytest.raises(SystemExit) as door:
+        settings_from(parse(["--endpoint", str(tmp_path / "door"), flag, value]))
+    assert str(door.value).startswith(f"{flag} must be "), door.value
+    assert str(door.value).endswith(f"not {float(value) if 'deadline' in flag else value}")
+    with pytest.raises(SystemExit) as serve:
+        scheduler_main.main(["serve", "--endpoint", str(tmp_path / "serve"), flag, value])
+    assert serve.value.code == 2
+    assert f"error: {flag} must be " in capsys.readouterr().err

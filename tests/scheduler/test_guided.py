@@ -188,3 +188,25 @@ def test_the_door_s_check_refuses_a_guide_that_fails_after_its_first_bytes(
     400 naming the field instead of a request that is prefilled and then fails."""
     verdict = check_guide(Guide(kind="json_schema", spec=json.dumps(spec)))
     assert "fails after its first bytes" in verdict and "max is 2000" in verdict, verdict
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": 2**62 + 600, "maximum": 2**62 + 1000},
+    {"type": "integer", "minimum": 10**30, "maximum": 10**30 + 5},
+    {"type": "object", "properties": {"a": {"anyOf": [{"type": "integer",
+                                                       "exclusiveMaximum": -2**62 - 600,
+                                                       "minimum": -2**62 - 1000}]}}},
+], ids=["rounded", "saturated", "nested"])
+def test_a_bound_llguidance_cannot_keep_exactly_is_refused(schema: dict[str, object]) -> None:
+    """llguidance holds bounds as 64-bit floats: without this, the first schema's
+    answer was 2^62 + 1024 (past its maximum) and the second's 2^63 - 1 (under its
+    minimum), both served as obeying the schema."""
+    verdict = check_guide(Guide(kind="json_schema", spec=json.dumps(schema)))
+    assert "cannot be kept exactly" in verdict, verdict
+
+
+def test_bounds_within_2_53_and_properties_named_like_bounds_are_served() -> None:
+    for schema in [{"type": "integer", "minimum": -2**53, "maximum": 2**53},
+                   {"type": "object", "properties": {"minimum": {"type": "integer"}},
+                    "required": ["minimum"]}]:
+        assert check_guide(Guide(kind="json_schema", spec=json.dumps(schema))) == "", schema
