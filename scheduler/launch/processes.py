@@ -15,6 +15,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -120,6 +121,11 @@ def _child(parent: int, target: Callable[..., None], *args: object,
     (:func:`load_failure`), which raises it (a ``ModelLoadError`` in the parent
     too), where a traceback here would bury it among the parent's lines.
     """
+    # A terminal's Ctrl-C (and ``kill -INT`` to the process group) reaches every process
+    # of the foreground group, this one too. The process that started this one stops it
+    # (a ``shutdown``, then a kill) once its own drain is done: dying here first would
+    # cut the streams that drain is for.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(parent)
     try:
         target(*args, **kwargs)

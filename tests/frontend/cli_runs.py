@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BREAKS", "DoubleStop", "Failed", "broken_copy", "broken_tiny_hf", "double_ctrl_c",
-           "failed_start", "free_port"]
+__all__ = ["BREAKS", "DoubleStop", "Failed", "GroupStop", "broken_copy", "broken_tiny_hf",
+           "double_ctrl_c", "failed_start", "free_port", "group_ctrl_c"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -176,3 +176,51 @@ def double_ctrl_c(mode: str = "ring", streams: int = 60, gap: float = 0.3,
                 proc.communicate()
         return DoubleStop(proc.returncode, err.decode(errors="replace"), _run_dirs(tmp),
                           len(socks))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStop:
+    """A frontend whose process group got one SIGINT (a terminal's Ctrl-C) mid-stream."""
+
+    returncode: int
+    stderr: str
+    at_signal: int  # the stream's events read when the signal was sent
+    events: list[dict[str, object]]  # every event of the stream, the signal's time included
+
+
+def group_ctrl_c(mode: str, tokens: int, extra: tuple[str, ...] = ()) -> GroupStop:
+    """Start ``python -m frontend --mode MODE`` as a process group's leader, open one stream
+    of ``tokens`` tokens, and at its first event send SIGINT to the whole group, as a
+    terminal's Ctrl-C does; read the stream to its end, then wait for the exit."""
+    with tempfile.TemporaryDirectory(prefix="tsb-group-") as tmp:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "frontend", "--port", str(port), "--mode", mode,
+             "--log-level", "warning", *extra],
+            env=_env(tmp), cwd=tmp, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, start_new_session=True)
+        events: list[dict[str, object]] = []
+        at_signal = -1
+        try:
+            _wait_healthy(proc, port, time.monotonic() + 180)
+            body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": tokens,
+                               "ignore_eos": True, "stream": True}).encode()
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as s, \
+                    s.makefile("rb") as answer:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: "
+                          + str(len(body)).encode() + b"\r\n\r\n" + body)
+                for line in answer:
+                    if line.strip() == b"data: [DONE]":
+                        break
+                    if line.startswith(b"data: "):
+                        events.append(json.loads(line[6:]))
+                        if at_signal < 0:
+                            os.killpg(proc.pid, signal.SIGINT)
+                            at_signal = len(events)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        return GroupStop(proc.returncode, err.decode(errors="replace"), at_signal, events)

@@ -18,7 +18,14 @@ import torch
 from scheduler import Engine, ModelLoadError
 from scheduler.models.loading import HFModelSpec, check_model_dir, load_model
 from scheduler.models.tiny_hf import build_tiny_hf
-from tests.frontend.cli_runs import BREAKS, broken_copy, double_ctrl_c, failed_start, free_port
+from tests.frontend.cli_runs import (
+    BREAKS,
+    broken_copy,
+    double_ctrl_c,
+    failed_start,
+    free_port,
+    group_ctrl_c,
+)
 
 pytest.importorskip("transformers")
 
@@ -110,3 +117,18 @@ def test_a_double_ctrl_c_with_open_streams_never_aborts_and_leaves_nothing() -> 
         assert not got.aborted and got.returncode == 0, (got.returncode, got.stderr[-2000:])
         assert got.leftovers == [] and got.streams == 60
 
+
+
+@pytest.mark.parametrize("extra", [(), ("--dp-size", "2")], ids=["zmq", "zmq-dp2"])
+def test_ctrl_c_to_the_process_group_lets_a_stream_in_flight_finish(
+        extra: tuple[str, ...]) -> None:
+    # A terminal's Ctrl-C reaches every process of its group: the scheduler processes
+    # died of it at once (a KeyboardInterrupt traceback), so the stream ended with an
+    # error 'shutdown' instead of being drained as the door promises.
+    got = group_ctrl_c("zmq", tokens=300, extra=extra)
+    assert got.at_signal == 1 and len(got.events) > 1, got
+    last = got.events[-1]
+    assert "error" not in last, last
+    choices = last["choices"]
+    assert isinstance(choices, list) and choices[0]["finish_reason"] == "length", last
+    assert got.returncode == 0 and "Traceback" not in got.stderr, got.stderr[-2000:]
