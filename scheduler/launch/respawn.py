@@ -13,6 +13,9 @@ one exits while it is meant to be serving:
   :data:`STABLE` seconds (counted from when it became ready, its model
   loaded: ``ready(i, ranks)``, not from its start) has its count reset (the
   policy reads an injected clock, so all of this is tested on a fake one);
+* a replica that a signal ended unlinked none of its shared memory: the
+  segments of dead creators are swept as soon as it is reaped, not left in
+  ``/dev/shm`` until the engine closes;
 * a replica whose model does not load (``load_failure`` of one of its
   processes: the one line it reported) is not restarted: that is
   deterministic, so every replica is given up on at once, with that line as
@@ -354,6 +357,8 @@ class ReplicaSupervisor:
             if p.exitcode is None:
                 p.kill()
             p.join(5.0)
+        if any(p.exitcode is not None and p.exitcode < 0 for p in ranks):
+            sweep_shm()  # a process a signal ended unlinked nothing: its segments go now
         self._exit_codes[i] = code
         failure = next((f for f in map(self._load_failure, ranks) if f is not None), None)
         if failure is not None:

@@ -81,3 +81,22 @@ def test_a_killed_dispatcher_stops_its_replicas_within_the_bound(
     finally:
         engine.close()
     assert _segments_of([dispatcher, *replicas]) == []
+
+
+def test_a_killed_replicas_shared_memory_goes_when_it_is_reaped(model_dir: Path) -> None:
+    # Prefill and decode apart, long prompts: the prefill replica's hand-offs sit in
+    # slabs of its own; killed, it unlinks none of them.
+    with Engine("zmq", model_dir, pd=(1, 1), max_batch=64) as engine:
+        long = SamplingParams(max_new_tokens=100_000, ignore_eos=True)
+        streams = [engine.submit([1 + n % 5] * 300, long, stream=True) for n in range(4)]
+        for h in streams:
+            next(iter(h))
+        (prefill,) = engine.replica_pids[0]
+        assert _segments_of([prefill]), "no hand-off went through shared memory"
+        os.kill(prefill, signal.SIGKILL)
+        deadline = time.monotonic() + 1.0 + SLACK  # a look (every 50 ms), a join, a sweep
+        while left := _segments_of([prefill]):  # while the engine serves on
+            assert time.monotonic() < deadline, f"left in {SHM_DIR}: {left}"
+            time.sleep(0.02)  # sleep-ok: pacing of a deadline poll
+        for h in streams:
+            engine.abort(h.rid)
