@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -26,6 +27,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from bus.fdwait import wait_readable
+from bus.shm.segment import pid_alive
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
 from scheduler.launch.leftovers import leave_files
@@ -37,10 +39,21 @@ from scheduler.models.loading import ModelLoadError, ModelSpec
 __all__ = ["SchedulerProcesses", "load_failure", "start_processes", "start_replicas",
            "supervise"]
 
+log = logging.getLogger("scheduler.launch")
+
 #: A local replica's death is seen at once through its pids; silence means a
 #: hang (or a stopped process), and a busy 2-core machine can starve a
 #: healthy one for a second or so.
 LOCAL_HEARTBEAT_TIMEOUT = 3.0
+
+#: Seconds within which a local replica stops once its dispatcher (its *upstream*:
+#: the one process that sends it work and reads its answers) exited. Each of its
+#: processes parks a thread on the dispatcher's pidfd (:func:`_watch_upstream`) and
+#: exits as an orphan does, in tens of milliseconds; the supervisor reaps them and
+#: SIGKILLs whichever is still there this long after it saw the dispatcher gone
+#: (:meth:`~scheduler.launch.respawn.ReplicaSupervisor.upstream_gone`): a replica
+#: stuck in a long step, or starved on a busy host, still stops within the bound.
+UPSTREAM_BOUND = 1.0
 
 
 @dataclass(slots=True)
@@ -63,34 +76,80 @@ def _orphaned() -> None:
     os._exit(1)
 
 
+def _when_gone(pid: int, alive: Callable[[], bool], then: Callable[[], None],
+               name: str) -> None:
+    """Call ``then`` in a daemon thread ``name`` as soon as process ``pid`` exits
+    (at once, here, when it is gone already).
+
+    A pidfd becomes readable when the process exits, whoever its parent is
+    and whoever reaps it (unlike ``PR_SET_PDEATHSIG``, which fires when the
+    *thread* that started the child ends); a thread parked on it costs
+    nothing until then. Where there is no pidfd, ``alive()`` is asked twice a
+    second instead.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        then()
+        return
+    except OSError:  # no pidfd here (an old kernel, a seccomp filter): look twice a second
+        def poll() -> None:
+            while alive():
+                time.sleep(0.5)  # a liveness poll: there is no fd to park on
+            then()
+
+        threading.Thread(target=poll, name=name, daemon=True).start()
+        return
+
+    def wait() -> None:
+        wait_readable([fd], None)
+        then()
+
+    threading.Thread(target=wait, name=name, daemon=True).start()
+
+
 def _watch_parent(parent: int) -> None:
     """Exit as soon as ``parent`` does, removing the files both of them made.
 
     A parent that is SIGKILLed runs no clean-up, and its children would go on
     serving endpoints nobody owns, and leave its run directory and their
-    shared memory behind (:mod:`scheduler.launch.leftovers`). A pidfd of the parent becomes readable
-    when it exits, whoever reaps it (unlike ``PR_SET_PDEATHSIG``, which fires
-    when the *thread* that started the child ends); a thread parked on it
-    costs nothing until then.
+    shared memory behind (:mod:`scheduler.launch.leftovers`).
     """
-    try:
-        fd = os.pidfd_open(parent)
-    except ProcessLookupError:
-        _orphaned()
-    except OSError:  # no pidfd here (an old kernel, a seccomp filter): look twice a second
-        def poll() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)  # a liveness poll: there is no fd to park on
+    _when_gone(parent, lambda: os.getppid() == parent, _orphaned, "parent-watch")
+
+
+def _watch_upstream(upstream: Connection) -> None:
+    """Exit as soon as the process that feeds this one exits (a replica's dispatcher).
+
+    The dispatcher is the replicas' sibling, not their parent, and it starts
+    after them (it watches their pids), so its pid comes later, on
+    ``upstream``, from whoever started both; a pipe closed without one means
+    the parent is the upstream (``serve --dp`` dispatches in-process), and
+    :func:`_watch_parent` covers it. Once the dispatcher is gone nothing reads
+    this process's answers and nothing can send it work again (its endpoints
+    are private to the run), so decoding on would be for nobody: it exits as
+    an orphan does, its own shared memory unlinked and the dead dispatcher's
+    swept, its slots and cache with the process. The supervisor restarts
+    nothing then (the dispatcher is what its ``keep_going`` asks about) and
+    reaps it (:meth:`~scheduler.launch.respawn.ReplicaSupervisor.upstream_gone`).
+    """
+    def wait_for_pid() -> None:
+        try:
+            pid = int(upstream.recv_bytes())
+        except (EOFError, OSError, ValueError):
+            return  # no upstream apart from the parent
+        finally:
+            upstream.close()
+
+        def gone() -> None:
+            log.warning("%s (pid %d): its dispatcher (pid %d) exited, nothing reads its "
+                        "answers: stopping", multiprocessing.current_process().name,
+                        os.getpid(), pid)
             _orphaned()
 
-        threading.Thread(target=poll, name="parent-watch", daemon=True).start()
-        return
+        _when_gone(pid, lambda: pid_alive(pid), gone, "upstream-watch")
 
-    def wait() -> None:
-        wait_readable([fd], None)
-        _orphaned()
-
-    threading.Thread(target=wait, name="parent-watch", daemon=True).start()
+    threading.Thread(target=wait_for_pid, name="upstream-pid", daemon=True).start()
 
 
 #: Every scheduler process this process started (see _forget_in_fork).
@@ -113,8 +172,10 @@ os.register_at_fork(after_in_child=_forget_in_fork)
 
 
 def _child(parent: int, target: Callable[..., None], *args: object,
-           _report: Connection | None = None, **kwargs: object) -> None:
-    """A spawned process's body: watch the parent, then run ``target``.
+           _report: Connection | None = None, _upstream: Connection | None = None,
+           **kwargs: object) -> None:
+    """A spawned process's body: watch the parent (and the upstream, when ``_upstream``
+    will name it: :func:`_watch_upstream`), then run ``target``.
 
     A model that does not load ends the process with exit code 1 and no
     traceback: its one-line reason goes to the parent through ``_report``
@@ -127,6 +188,8 @@ def _child(parent: int, target: Callable[..., None], *args: object,
     # cut the streams that drain is for.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(parent)
+    if _upstream is not None:
+        _watch_upstream(_upstream)
     try:
         target(*args, **kwargs)
     except ModelLoadError as exc:
@@ -194,21 +257,51 @@ def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelSpec, *,
     me = os.getpid()
     body: tuple[object, ...] = (_serve_replica, directory) if replica else (serve_zmq,)
     reports = [ctx.Pipe(duplex=False) for _ in range(tp_size)]
+    # A replica's every rank is told its dispatcher's pid (_tell_upstream).
+    upstreams = [ctx.Pipe(duplex=False) if replica else None for _ in range(tp_size)]
     procs: list[BaseProcess] = [ctx.Process(target=_child, args=(me, *body, endpoints, model),
                          kwargs={"max_batch": max_batch, "tp": tp, "limits": limits,
-                                 "metrics": metrics, "_report": reports[0][1]},
+                                 "metrics": metrics, "_report": reports[0][1],
+                                 "_upstream": _read_end(upstreams[0])},
                          name=name, daemon=True)]
     for rank in range(1, tp_size):
         procs.append(ctx.Process(target=_child, args=(me, serve_follower, rank, tp, model),
                                  kwargs={"max_batch": max_batch, "limits": limits,
-                                         "_report": reports[rank][1]},
+                                         "_report": reports[rank][1],
+                                         "_upstream": _read_end(upstreams[rank])},
                                  name=f"{name}-rank{rank}", daemon=True))
-    for proc, (read, write) in zip(procs, reports, strict=True):
+    for proc, (read, write), upstream in zip(procs, reports, upstreams, strict=True):
         proc.start()
         write.close()  # the child's end: ours would keep the pipe open past its exit
         _REPORTS[proc] = read
         _STARTED.add(proc)
+        if upstream is not None:
+            upstream[0].close()  # the child's end, as above
+            _UPSTREAMS[proc] = upstream[1]
     return procs
+
+
+#: The write end of each replica process's upstream pipe, until its dispatcher's pid
+#: is sent on it (:func:`_tell_upstream`).
+_UPSTREAMS: weakref.WeakKeyDictionary[BaseProcess, Connection] = weakref.WeakKeyDictionary()
+
+
+def _read_end(pipe: tuple[Connection, Connection] | None) -> Connection | None:
+    return None if pipe is None else pipe[0]
+
+
+def _tell_upstream(procs: list[BaseProcess], upstream: int | None) -> None:
+    """Tell ``procs`` (replica processes) the pid of the dispatcher that feeds them
+    (``None``: none apart from their parent), so they stop when it exits
+    (:func:`_watch_upstream`). Each is told once; one gone already is skipped."""
+    for proc in procs:
+        pipe = _UPSTREAMS.pop(proc, None)
+        if pipe is None:
+            continue
+        with contextlib.suppress(OSError):  # it exited: nothing to tell
+            if upstream is not None:
+                pipe.send_bytes(str(upstream).encode())
+        pipe.close()
 
 
 def start_replicas(directory: str, n: int, model: ModelSpec, *, max_batch: int,
@@ -241,9 +334,15 @@ def _start_replica(directory: str, model: ModelSpec, max_batch: int, tp_size: in
 def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, *,
               max_batch: int, tp_size: int = 1, limits: Limits | None = None,
               metrics: bool = True, keep_going: Callable[[], bool] = lambda: True,
-              none_left: Callable[[str], None] | None = None) -> ReplicaSupervisor:
+              none_left: Callable[[str], None] | None = None,
+              upstream: int | None = None) -> ReplicaSupervisor:
     """Restart the replicas :func:`start_replicas` started, in place, when they die
     (see :mod:`scheduler.launch.respawn`); started already, ``stop()`` it to end.
+
+    ``upstream``: the pid of their dispatcher when it is not this process (the
+    engine's): every replica process, started or restarted, stops within
+    :data:`UPSTREAM_BOUND` of its exit, and the supervisor then reaps them
+    and restarts none (``keep_going`` should say the dispatcher is gone).
 
     Any exit of a replica's processes is a death, unless its rank 0 left the
     mark of a ``shutdown`` that stopped it. ``none_left`` is called (once, with
@@ -255,7 +354,15 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
     replica to serve, so a restart costs a model build, not an interpreter
     and torch start (seconds on a busy host)."""
     def standby() -> Standby:
-        return _start_standby(directory, model, max_batch, limits or Limits(), metrics)
+        spare = _start_standby(directory, model, max_batch, limits or Limits(), metrics)
+        _tell_upstream([spare.process], upstream)
+        return spare
+
+    def restart(i: int, attempt: int) -> list[BaseProcess]:
+        ranks = _start_replica(directory, model, max_batch, tp_size, limits, metrics, i,
+                               attempt)
+        _tell_upstream(ranks, upstream)
+        return ranks
 
     def shut_down(i: int, ranks: list[BaseProcess]) -> bool:
         return bool(ranks) and os.path.exists(
@@ -265,9 +372,11 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
         return bool(ranks) and os.path.exists(
             _ready_mark(os.path.join(directory, f"r{i}"), ranks[0].pid))
 
-    sup = ReplicaSupervisor(procs, lambda i, attempt: _start_replica(
-        directory, model, max_batch, tp_size, limits, metrics, i, attempt),
-        keep_going=keep_going, standby=standby if tp_size == 1 else None,
+    for ranks in procs:
+        _tell_upstream(ranks, upstream)
+    sup = ReplicaSupervisor(
+        procs, restart, keep_going=keep_going, grace=UPSTREAM_BOUND,
+        standby=standby if tp_size == 1 else None,
         started=lambda: all(os.path.exists(os.path.join(directory, f"r{i}", "rpc"))
                             for i in range(len(procs))),  # each bound its endpoints
         shut_down=shut_down, ready=ready, load_failure=load_failure, none_left=none_left)
@@ -298,14 +407,18 @@ def _start_standby(directory: str, model: ModelSpec, max_batch: int, limits: Lim
     ctx = multiprocessing.get_context("spawn")
     wait, wake = ctx.Pipe()
     read, write = ctx.Pipe(duplex=False)  # its report, once it serves a replica (_child)
+    told, tell = ctx.Pipe(duplex=False)  # its dispatcher's pid (_tell_upstream)
     proc = ctx.Process(target=_child, args=(os.getpid(), _stand_by, wait, directory, model,
                                             max_batch, limits, metrics),
-                       kwargs={"_report": write}, name="replica-standby", daemon=True)
+                       kwargs={"_report": write, "_upstream": told},
+                       name="replica-standby", daemon=True)
     proc.start()
     _STARTED.add(proc)
     wait.close()
     write.close()
+    told.close()
     _REPORTS[proc] = read
+    _UPSTREAMS[proc] = tell
     return Standby(proc, wake)
 
 
@@ -343,5 +456,5 @@ def start_processes(endpoints: Endpoints, directory: str, model: ModelSpec, *,
     started.essential = [dispatcher]
     started.supervisor = supervise(started.replicas, directory, model, max_batch=max_batch,
                                    tp_size=tp_size, limits=limits, metrics=metrics,
-                                   keep_going=dispatcher.is_alive)
+                                   keep_going=dispatcher.is_alive, upstream=dispatcher.pid)
     return started

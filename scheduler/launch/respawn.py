@@ -13,6 +13,9 @@ one exits while it is meant to be serving:
   :data:`STABLE` seconds (counted from when it became ready, its model
   loaded: ``ready(i, ranks)``, not from its start) has its count reset (the
   policy reads an injected clock, so all of this is tested on a fake one);
+* a replica that a signal ended unlinked none of its shared memory: the
+  segments of dead creators are swept as soon as it is reaped, not left in
+  ``/dev/shm`` until the engine closes;
 * a replica whose model does not load (``load_failure`` of one of its
   processes: the one line it reported) is not restarted: that is
   deterministic, so every replica is given up on at once, with that line as
@@ -35,7 +38,12 @@ one exits while it is meant to be serving:
   evidence themselves): an exit code of 0 alone proves nothing (a process
   whose body merely returned exits 0 too). Nothing is restarted once
   :meth:`stop` was called or ``keep_going()`` says no (the dispatcher is
-  gone: the engine is closing).
+  gone: the engine is closing, or the dispatcher died);
+* when ``keep_going()`` says no by itself (the dispatcher died: nothing will
+  feed the replicas again, and each of their processes exits on its own
+  within the launcher's bound), :meth:`upstream_gone` reaps them, SIGKILLs
+  any still there ``grace`` seconds later, and sweeps the shared memory the
+  dead left: no process decodes for nobody, none stays a zombie.
 
 The new process answers the dispatcher's next probe with its pid and
 rejoins under a new generation (:mod:`scheduler.dp.replica`), so outputs
@@ -53,6 +61,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from bus import sweep_shm
 from scheduler.errors import EngineError
 from scheduler.models.files import ModelLoadError
 
@@ -201,6 +210,8 @@ class ReplicaSupervisor:
         load_failure: why an exited process did not load its model, if that
             is why it exited (every replica is then given up on at once).
         none_left: called once, with one line, when every replica is given up.
+        grace: seconds the replicas have to exit once ``keep_going()`` says no
+            by itself (:meth:`upstream_gone`).
     """
 
     def __init__(self, replicas: list[list[BaseProcess]],
@@ -213,8 +224,11 @@ class ReplicaSupervisor:
                  ready: Callable[[int, list[BaseProcess]], bool] = lambda i, ranks: True,
                  load_failure: Callable[[BaseProcess], ModelLoadError | None] = (
                      lambda proc: None),
-                 none_left: Callable[[str], None] | None = None) -> None:
+                 none_left: Callable[[str], None] | None = None,
+                 grace: float = 1.0) -> None:
         self.replicas = replicas
+        #: Seconds :meth:`upstream_gone` waits for the replicas to exit by themselves.
+        self.grace = grace
         self._start = start
         self._keep_going = keep_going
         self.policy = policy or RespawnPolicy(len(replicas))
@@ -263,8 +277,31 @@ class ReplicaSupervisor:
         try:
             while not self._stop.wait(_LOOK) and self._keep_going():
                 self.look()
+            if not self._stop.is_set():  # keep_going() said no: the dispatcher is gone
+                self.upstream_gone()
         finally:
             self._stand_down()
+
+    def upstream_gone(self) -> None:
+        """The dispatcher is gone: wait up to ``grace`` seconds for every replica process
+        to exit (each does by itself once its dispatcher is gone), SIGKILL the rest, reap
+        them all, and unlink the shared memory of dead creators (the dispatcher's among
+        them: a SIGKILLed process unlinks nothing). Restarts nothing."""
+        self._due.clear()
+        deadline = self.clock() + self.grace
+        stragglers = []
+        for i, ranks in enumerate(self.replicas):
+            for p in ranks:
+                p.join(max(0.0, deadline - self.clock()))
+                if p.exitcode is None:
+                    stragglers.append(f"replica{i} (pid {p.pid})")
+                    p.kill()
+                    p.join(5.0)
+        if stragglers:
+            log.warning("%s still ran %.1f s after the dispatcher exited: killed",
+                        ", ".join(stragglers), self.grace)
+        sweep_shm()
+        self._stand_down()  # (after: a standby still importing is waited for up to 5 s)
 
     def look(self) -> None:
         """Look at every replica's processes once, at the policy's clock's now: restart
@@ -320,6 +357,8 @@ class ReplicaSupervisor:
             if p.exitcode is None:
                 p.kill()
             p.join(5.0)
+        if any(p.exitcode is not None and p.exitcode < 0 for p in ranks):
+            sweep_shm()  # a process a signal ended unlinked nothing: its segments go now
         self._exit_codes[i] = code
         failure = next((f for f in map(self._load_failure, ranks) if f is not None), None)
         if failure is not None:
