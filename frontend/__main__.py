@@ -37,6 +37,10 @@ from scheduler.models.loading import check_model_loads
 log = logging.getLogger("frontend")
 
 
+#: The least --max-header-bytes may be: a request line and the headers clients send
+#: (the openai client's about 600 bytes); below it every request would be a 431.
+MIN_HEAD_BYTES = 1024
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser (see ``python -m frontend --help``)."""
     p = argparse.ArgumentParser(prog="python -m frontend",
@@ -69,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Hugging Face tokenizer.json (or a directory with one and its "
                         "tokenizer_config.json); default: --model's directory, else the "
                         "built-in byte-level tokenizer")
-    p.add_argument("--tiny-model", choices=["gru", "stub"], default="gru",
-                   help="without --model: the small seeded GRU, or a zero-cost stub "
-                        "(benchmarks)")
+    p.add_argument("--tiny-model", choices=["gru", "stub"], default=None,
+                   help="without --model: the small seeded GRU (the default), or a "
+                        "zero-cost stub (benchmarks)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names clients may give; answers report the first "
                         "(default: 'tiny', or --model as given, as vLLM and SGLang serve it)")
@@ -105,7 +109,7 @@ def _model(args: argparse.Namespace, vocab_size: int) -> ModelConfig | HFModelSp
         except ModelLoadError as exc:
             raise SystemExit(f"error: {exc}") from exc
         return spec
-    return ModelConfig(vocab_size=vocab_size, kind=args.tiny_model)
+    return ModelConfig(vocab_size=vocab_size, kind=args.tiny_model or "gru")
 
 
 def _rpc_endpoint(parser_error: type[SystemExit], args: argparse.Namespace) -> str:
@@ -182,6 +186,9 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
     Raises:
         SystemExit: a bad combination of arguments, or an unreadable tokenizer.
     """
+    if args.tiny_model is not None and args.model is not None:
+        raise SystemExit(f"--tiny-model {args.tiny_model} chooses the built-in model: "
+                         "with --model, that directory's model is served instead")
     if args.pd is not None and args.mode != "zmq":
         raise SystemExit("--pd needs --mode zmq (each replica is a process)")
     if args.pd is not None and args.dp_size not in (1, sum(args.pd)):
@@ -216,6 +223,9 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:
                         ("--default-max-tokens", args.default_max_tokens)):
         if not value > 0:  # (NaN too)
             raise SystemExit(f"{flag} must be above 0, not {value}")
+    if args.max_header_bytes < MIN_HEAD_BYTES:  # (every request would be answered 431)
+        raise SystemExit(f"--max-header-bytes must be at least {MIN_HEAD_BYTES} (a request "
+                         f"line and its usual headers), not {args.max_header_bytes}")
     if args.default_max_tokens > MAX_TOKENS:
         raise SystemExit(f"--default-max-tokens must be at most {MAX_TOKENS} (what a "
                          f"request may ask for), not {args.default_max_tokens}")

@@ -71,11 +71,13 @@ def test_a_tokenizer_directory_sizes_the_model(tmp_path: Path) -> None:
     (["--tp-size", "2"], "need --mode zmq"),
     (["--tokenizer", "/nonexistent/dir"], "no tokenizer.json"),
     (["--curve-keys", "x.key_secret"], "CURVE keys"),
-    (["--max-queued-requests", "0"], "limit"),
+    (["--max-queued-requests", "0"], "--max-queued-requests"),
     (["--body-timeout", "0"], "--body-timeout"),
     (["--body-timeout", "nan"], "--body-timeout"),
     (["--header-timeout", "-1"], "--header-timeout"),
     (["--max-header-bytes", "0"], "--max-header-bytes"),
+    (["--max-header-bytes", "10"], "at least 1024"),  # (every request was a 431)
+    (["--tiny-model", "stub", "--model", "/nonexistent"], "--tiny-model stub"),  # (ignored)
     (["--max-body-bytes", "-1"], "--max-body-bytes"),  # (every request was a 413)
     (["--default-max-tokens", "-5"], "--default-max-tokens"),  # (each client's 400)
     (["--default-max-tokens", "100000000"], "at most 1048576"),
