@@ -348,8 +348,9 @@ def _most_bytes_per_token(spec: dict[str, object], table: Sequence[bytes] | None
     """The most UTF-8 bytes of a text that one of ``spec``'s tokens can stand for,
     or None where the file allows no bound.
 
-    A token stands for its own bytes: its exact ones (``table``, a byte-level BPE)
-    or its spelling in the vocabulary, never fewer than the text it covers (a
+    A token stands for its own bytes: its exact ones (``table``, a byte-level BPE
+    fed ByteLevel's characters; a ByteLevel decoder alone says nothing of what the
+    model is fed) or its spelling in the vocabulary, never fewer than the text it covers (a
     byte-level BPE's, a Metaspace ``▁``, a byte-fallback ``<0x41>`` all spell more).
     An added token stands for its content. Unbounded: a normalizer or
     pre-tokenizer that may drop text (Strip, StripAccents, Whitespace, ...), an
@@ -362,7 +363,8 @@ def _most_bytes_per_token(spec: dict[str, object], table: Sequence[bytes] | None
     pre = spec.get("pre_tokenizer")
     if shrink is None or not _keeps_text(pre) or not isinstance(model, dict):
         return None
-    most = _most_bytes_of_an_unknown(model, _byte_level_input(pre))
+    byte_level = _byte_level_input(pre)
+    most = _most_bytes_of_an_unknown(model, byte_level)
     if most is None:
         return None
     added = spec.get("added_tokens") or []
@@ -372,9 +374,9 @@ def _most_bytes_per_token(spec: dict[str, object], table: Sequence[bytes] | None
         if not isinstance(token, dict) or token.get("lstrip") or token.get("rstrip"):
             return None
         most = max(most, len(str(token.get("content", "")).encode()))
-    if table is not None:
+    if table is not None and byte_level:  # a piece's characters are the bytes it covers
         most = max(most, max(map(len, table), default=0))
-    else:
+    else:  # each character of a piece covers at most its own bytes (a decoder aside)
         most = max(most, max((len(p.encode()) for p in tok.get_vocab()), default=0))
     return most * shrink
 

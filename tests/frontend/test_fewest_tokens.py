@@ -3,6 +3,7 @@ no id, or one id for a run of them: the bound must never pass ``encode``'s count
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +45,16 @@ def _metaspace_on_byte_level(d: Path) -> Tokenizer:
     return tok
 
 
+def _byte_level_decoder_alone(d: Path) -> Tokenizer:
+    # The model is fed raw text (no ByteLevel pre-tokenizer), so a piece spelled
+    # 'æľº' covers its 6 bytes of text, not the 3 it decodes to.
+    spec = json.loads((train_byte_level(d / "base") / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = None
+    spec["model"]["vocab"]["<unk>"] = len(spec["model"]["vocab"])
+    spec["model"]["unk_token"] = "<unk>"
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def _fallback_missing_bytes(d: Path) -> Tokenizer:
     # byte_fallback without the <0xXX> pieces falls back to a fused unk: one id a run.
     return Tokenizer(models.BPE(vocab={"<unk>": 0, "a": 1, "b": 2, "ab": 3},
@@ -70,6 +81,7 @@ def _llama_style(d: Path) -> Tokenizer:
 BUILDS: dict[str, Callable[[Path], Tokenizer]] = {
     "unicode_scripts": _unicode_scripts, "partial_alphabet": _partial_alphabet,
     "metaspace_on_byte_level": _metaspace_on_byte_level,
+    "byte_level_decoder_alone": _byte_level_decoder_alone,
     "fallback_missing_bytes": _fallback_missing_bytes,
     "unigram_missing_bytes": _unigram_missing_bytes, "llama_style": _llama_style}
 
@@ -97,9 +109,11 @@ def test_a_model_that_may_drop_or_fuse_text_never_bounds_above_its_ids(
         tmp_path_factory: pytest.TempPathFactory, name: str) -> None:
     # Without this: 3,000 spaces gave no id through UnicodeScripts, 1,000 '€' one
     # fused <unk>, and the bound said at least 152 and 600: a prompt that fits
-    # refused 400 context_length_exceeded.
+    # refused 400 context_length_exceeded; and a ByteLevel decoder was taken to mean
+    # a byte-level input: a piece's decoded bytes, half its text, the most per id.
     tok = _TOKENIZERS.get(tmp_path_factory)[name]
-    for text in TEXTS:
+    longest = max((tok.piece(i) for i in range(tok.vocab_size)), key=lambda p: len(p.encode()))
+    for text in [*TEXTS, longest * 100]:  # the longest piece, as the vocabulary spells it
         assert tok.fewest_tokens(text) <= len(tok.encode(text)), (name, text[:12])
 
 
