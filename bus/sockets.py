@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import os
 import socket
 import time
@@ -90,12 +91,29 @@ def check_endpoint(endpoint: str, *, bind: bool, allow_remote: bool) -> None:
             and not (bind and port in ("*", "0")):
         raise ValueError(f"{endpoint!r} needs a port (1-65535) after its last ':'")
     if bind and endpoint.startswith("tcp://") and not allow_remote:
-        host = endpoint[6:].rsplit(":", 1)[0].strip("[]")
-        if endpoint.startswith(_WILDCARDS) or host not in ("127.0.0.1", "localhost", "::1"):
+        host = endpoint[6:].rsplit(":", 1)[0]
+        if endpoint.startswith(_WILDCARDS) or not _loopback(host):
             raise ValueError(
                 f"refusing to bind {endpoint!r} beyond loopback; pass allow_remote=True "
                 "(--allow-remote on the command line), and configure CURVE keys, to "
                 "accept other hosts")
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (an endpoint's, IPv6 in brackets) names loopback: ``localhost``
+    in any case, or an address of 127.0.0.0/8 or ::1 in any spelling (an IPv4-mapped
+    one too). A name other than ``localhost`` is not resolved: it could name any host."""
+    if host.lower() == "localhost":
+        return True
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
 
 
 def make_socket(

@@ -255,9 +255,13 @@ def utf8_length(text: str) -> int:
 #: U+1D400 to "A", Lowercase's Kelvin sign to "k"; composing NFC's marks and
 #: Hangul jamo shrinks less). Prepend and a growing Replace only add bytes.
 _SHRINKS = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4, "Prepend": 1}
-#: Pre-tokenizers that split or respell text and never drop any (Split and
+#: Pre-tokenizers that only split text, never respell or drop any (Split and
 #: Punctuation unless their behavior is "removed").
-_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+_SPLITS_ONLY = {"Digits", "Split", "Punctuation"}
+#: Pre-tokenizers that never drop text. Not UnicodeScripts: it drops a text made
+#: only of characters of no script (spaces, digits, punctuation) and any such run
+#: before the first letter.
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", *_SPLITS_ONLY}
 
 
 def _shrink(normalizer: object) -> int | None:
@@ -295,34 +299,73 @@ def _keeps_text(pre: object) -> bool:
     return pre.get("type") in _KEEPS_TEXT and str(pre.get("behavior")).lower() != "removed"
 
 
+def _byte_level_input(pre: object) -> bool:
+    """Whether the model is given only ByteLevel's 256 characters: ``pre`` respells
+    last with ByteLevel (what follows it may only split)."""
+    if not isinstance(pre, dict):
+        return False
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    for step in reversed(steps if isinstance(steps, list) else []):
+        kind = step.get("type") if isinstance(step, dict) else None
+        if kind == "ByteLevel":
+            return True
+        if kind not in _SPLITS_ONLY:
+            return False
+    return False
+
+
+def _most_bytes_of_an_unknown(model: dict[str, object], byte_level: bool) -> int | None:
+    """The most bytes of text one id stands for where ``model`` (BPE or Unigram) meets
+    a character its vocabulary lacks, or None where it may give none or one for a run.
+
+    A byte fallback gives one id a byte, but only with all 256 ``<0xXX>`` pieces
+    (without one it falls back to ``unk``); a byte-level BPE whose vocabulary holds
+    ByteLevel's whole alphabet never meets an unknown character; a BPE's unfused
+    ``unk`` is one id a character. Otherwise no bound: a BPE with no ``unk`` drops
+    the character, a fused ``unk`` (Unigram's always is) is one id for a run.
+    """
+    kind = model.get("type")
+    vocab = model.get("vocab")
+    if kind == "BPE" and isinstance(vocab, dict):
+        pieces: set[object] = set(vocab)
+    elif kind == "Unigram" and isinstance(vocab, list):
+        pieces = {p[0] for p in vocab if isinstance(p, list) and p}
+    else:
+        return None
+    if model.get("byte_fallback") and all(f"<0x{b:02X}>" in pieces for b in range(256)):
+        return 1
+    if kind == "Unigram":
+        return None
+    if byte_level and pieces.issuperset(_byte_decoder()):
+        return 1
+    if model.get("unk_token") is not None and not model.get("fuse_unk"):
+        return 4  # an unknown character, one id each
+    return None
+
+
 def _most_bytes_per_token(spec: dict[str, object], table: Sequence[bytes] | None,
                           tok: tokenizers.Tokenizer) -> int | None:
     """The most UTF-8 bytes of a text that one of ``spec``'s tokens can stand for,
     or None where the file allows no bound.
 
-    A token stands for its own bytes: its exact ones (``table``, a byte-level BPE)
-    or its spelling in the vocabulary, never fewer than the text it covers (a
+    A token stands for its own bytes: its exact ones (``table``, a byte-level BPE
+    fed ByteLevel's characters; a ByteLevel decoder alone says nothing of what the
+    model is fed) or its spelling in the vocabulary, never fewer than the text it covers (a
     byte-level BPE's, a Metaspace ``▁``, a byte-fallback ``<0x41>`` all spell more).
     An added token stands for its content. Unbounded: a normalizer or
     pre-tokenizer that may drop text (Strip, StripAccents, Whitespace, ...), an
     added token that swallows the whitespace beside it (``lstrip``/``rstrip``), or
-    a model whose unknown token can stand for a run of text (WordPiece,
-    WordLevel, a fused ``unk``).
+    a model that may give no id for a character or one for a run of them
+    (:func:`_most_bytes_of_an_unknown`).
     """
     shrink = _shrink(spec.get("normalizer"))
     model = spec.get("model")
-    if shrink is None or not _keeps_text(spec.get("pre_tokenizer")) or \
-            not isinstance(model, dict):
+    pre = spec.get("pre_tokenizer")
+    if shrink is None or not _keeps_text(pre) or not isinstance(model, dict):
         return None
-    unknown = model.get("unk_token") is not None or model.get("unk_id") is not None
-    kind = model.get("type")
-    if kind == "BPE" and unknown and not model.get("byte_fallback"):
-        if model.get("fuse_unk"):
-            return None
-        most = 4  # an unknown character, one token each
-    elif kind in ("BPE", "Unigram") and (not unknown or model.get("byte_fallback")):
-        most = 1
-    else:
+    byte_level = _byte_level_input(pre)
+    most = _most_bytes_of_an_unknown(model, byte_level)
+    if most is None:
         return None
     added = spec.get("added_tokens") or []
     if not isinstance(added, list):
@@ -331,9 +374,9 @@ def _most_bytes_per_token(spec: dict[str, object], table: Sequence[bytes] | None
         if not isinstance(token, dict) or token.get("lstrip") or token.get("rstrip"):
             return None
         most = max(most, len(str(token.get("content", "")).encode()))
-    if table is not None:
+    if table is not None and byte_level:  # a piece's characters are the bytes it covers
         most = max(most, max(map(len, table), default=0))
-    else:
+    else:  # each character of a piece covers at most its own bytes (a decoder aside)
         most = max(most, max((len(p.encode()) for p in tok.get_vocab()), default=0))
     return most * shrink
 
