@@ -70,6 +70,17 @@ class SchedulerProcesses:
         return [*self.essential, *(p for ranks in self.replicas for p in ranks)]
 
 
+def start_time(pid: int) -> int:
+    """When process ``pid`` started (clock ticks after boot; ``/proc/PID/stat``'s 22nd
+    field): with its pid, what names one process for as long as the machine runs.
+    -1 where it cannot be read (the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def _orphaned() -> None:
     """The parent died: remove what it and we made (no finalizer runs), then exit."""
     leave_files()
@@ -85,7 +96,9 @@ def _when_gone(pid: int, alive: Callable[[], bool], then: Callable[[], None],
     and whoever reaps it (unlike ``PR_SET_PDEATHSIG``, which fires when the
     *thread* that started the child ends); a thread parked on it costs
     nothing until then. Where there is no pidfd, ``alive()`` is asked twice a
-    second instead.
+    second instead. ``alive()`` is also asked once the pidfd is open: a pid
+    names whichever process has it now, and the one watched may have exited
+    and its pid been given to another before the pidfd was made.
     """
     try:
         fd = os.pidfd_open(pid)
@@ -99,6 +112,11 @@ def _when_gone(pid: int, alive: Callable[[], bool], then: Callable[[], None],
             then()
 
         threading.Thread(target=poll, name=name, daemon=True).start()
+        return
+
+    if not alive():  # ``pid`` is another process's already: ours exited, its pid reused
+        os.close(fd)
+        then()
         return
 
     def wait() -> None:
@@ -135,7 +153,7 @@ def _watch_upstream(upstream: Connection) -> None:
     """
     def wait_for_pid() -> None:
         try:
-            pid = int(upstream.recv_bytes())
+            pid, started = map(int, upstream.recv_bytes().split())
         except (EOFError, OSError, ValueError):
             return  # no upstream apart from the parent
         finally:
@@ -147,7 +165,8 @@ def _watch_upstream(upstream: Connection) -> None:
                         os.getpid(), pid)
             _orphaned()
 
-        _when_gone(pid, lambda: pid_alive(pid), gone, "upstream-watch")
+        _when_gone(pid, lambda: pid_alive(pid) and start_time(pid) == started, gone,
+                   "upstream-watch")
 
     threading.Thread(target=wait_for_pid, name="upstream-pid", daemon=True).start()
 
@@ -294,13 +313,16 @@ def _tell_upstream(procs: list[BaseProcess], upstream: int | None) -> None:
     """Tell ``procs`` (replica processes) the pid of the dispatcher that feeds them
     (``None``: none apart from their parent), so they stop when it exits
     (:func:`_watch_upstream`). Each is told once; one gone already is skipped."""
+    # With its start time: a pid alone may name another process by the time a replica
+    # watches it (the dispatcher exited and its pid was reused).
+    started = None if upstream is None else start_time(upstream)
     for proc in procs:
         pipe = _UPSTREAMS.pop(proc, None)
         if pipe is None:
             continue
         with contextlib.suppress(OSError):  # it exited: nothing to tell
             if upstream is not None:
-                pipe.send_bytes(str(upstream).encode())
+                pipe.send_bytes(f"{upstream} {started}".encode())
         pipe.close()
 
 
