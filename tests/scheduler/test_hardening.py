@@ -184,13 +184,30 @@ def test_4_two_aborts_of_one_rid_in_one_poll(make_loop: Callable[..., Loop], kin
     loop.run_until(lambda: "b" in loop.finished())
 
 
-def test_4_engine_abort_twice_is_harmless() -> None:
-    with Engine("zmq", SMALL) as engine:
-        h = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=100_000))
-        engine.abort(h.rid)
-        engine.abort(h.rid)
-        assert h.result(timeout=30).finish_reason == "abort"
-        assert engine.generate([1], SamplingParams(max_new_tokens=2), timeout=30).token_ids
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Callable[[str], Engine]]:
+    """The engine of a mode (``engines("zmq")``), started at its first use and shared by
+    the module's engine tests (a zmq start is a scheduler process): each sends requests
+    of its own and ends them, none closes it. All are closed at the module's end."""
+    started: dict[str, Engine] = {}
+
+    def get(mode: str) -> Engine:
+        if mode not in started:
+            started[mode] = Engine(mode, SMALL)  # type: ignore[arg-type]
+        return started[mode]
+
+    yield get
+    for engine in started.values():
+        engine.close()
+
+
+def test_4_engine_abort_twice_is_harmless(engines: Callable[[str], Engine]) -> None:
+    engine = engines("zmq")
+    h = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=100_000))
+    engine.abort(h.rid)
+    engine.abort(h.rid)
+    assert h.result(timeout=30).finish_reason == "abort"
+    assert engine.generate([1], SamplingParams(max_new_tokens=2), timeout=30).token_ids
 
 
 # -- 5. ring mode validates; a failing handler fails its request alone ------------------
@@ -256,18 +273,19 @@ def test_5_a_failing_model_step_fails_its_batch_and_the_loop_goes_on(
 
 
 @pytest.mark.parametrize("mode", ["ring", "zmq"])
-def test_6_engine_refuses_bad_requests_at_submit(mode: str) -> None:
-    with Engine(mode, SMALL) as engine:  # type: ignore[arg-type]
-        for rid in ("x" * 300, "\ud800", ""):
-            with pytest.raises(InvalidRequest) as info:
-                engine.submit([1, 2], rid=rid) if rid else engine.abort(rid)
-            assert isinstance(info.value, ValueError)
-        with pytest.raises(InvalidRequest, match="seed"):
-            engine.submit([1], SamplingParams(seed=2**64))
-        with pytest.raises(InvalidRequest, match="top_p"):
-            engine.submit([1], SamplingParams(top_p=1.5))
-        ok = engine.generate([1, 2], SamplingParams(max_new_tokens=2), timeout=30)
-        assert len(ok.token_ids) == 2
+def test_6_engine_refuses_bad_requests_at_submit(engines: Callable[[str], Engine],
+                                                 mode: str) -> None:
+    engine = engines(mode)
+    for rid in ("x" * 300, "\ud800", ""):
+        with pytest.raises(InvalidRequest) as info:
+            engine.submit([1, 2], rid=rid) if rid else engine.abort(rid)
+        assert isinstance(info.value, ValueError)
+    with pytest.raises(InvalidRequest, match="seed"):
+        engine.submit([1], SamplingParams(seed=2**64))
+    with pytest.raises(InvalidRequest, match="top_p"):
+        engine.submit([1], SamplingParams(top_p=1.5))
+    ok = engine.generate([1, 2], SamplingParams(max_new_tokens=2), timeout=30)
+    assert len(ok.token_ids) == 2
 
 
 # -- 10. admission control --------------------------------------------------------------

@@ -9,6 +9,7 @@ matmul would flip some.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -27,6 +28,7 @@ from scheduler.__main__ import main
 from scheduler.models.hf import HFCausalLM
 from scheduler.models.loading import model_spec
 from scheduler.models.tiny_hf import build_tiny_hf
+from tests.scheduler.conftest import HFEngines
 
 MAX_NEW = 8
 CHUNK = 512  # the scheduler's default max_prefill_tokens
@@ -71,9 +73,11 @@ def _expected(ref: list[int], eos: int = 2) -> tuple[list[int], str]:
 @pytest.mark.parametrize("mode,dp", [("ring", 1), ("zmq", 2)])
 def test_greedy_equals_transformers_generate_for_16_prompts_together(
         model_dir: Path, reference: Callable[[list[int], int], list[int]],
-        mode: str, dp: int) -> None:
+        hf_engines: HFEngines, mode: str, dp: int) -> None:
     prompts = _prompts()
-    with Engine(mode, model_dir, dp_size=dp) as engine:  # type: ignore[arg-type]
+    with contextlib.ExitStack() as own:  # zmq: the session's shared engine
+        engine = hf_engines.get(dp) if mode == "zmq" else own.enter_context(
+            Engine("ring", model_dir))
         handles = engine.submit_many(prompts, SamplingParams(max_new_tokens=MAX_NEW,
                                                              temperature=0.0))
         got = [h.result(timeout=120) for h in handles]

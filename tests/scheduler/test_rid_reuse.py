@@ -28,10 +28,21 @@ SP = SamplingParams(max_new_tokens=8)
 ANSWER_S = 20.0  # generous: a loaded 2-core box; the failure mode is "never"
 
 
-@pytest_asyncio.fixture(params=["ring", "zmq"])
-async def engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
+# One engine per mode for the module's rid tests (a zmq start is a process start, seconds
+# on a busy 2-core host). Each rid test uses its own rids and leaves the engine with
+# nothing pending (checked after each by ``engine``), as the next one expects.
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["ring", "zmq"])
+async def shared_engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
     async with AsyncEngine(request.param, SMALL, max_batch=16) as e:
         yield e
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def engine(shared_engine: AsyncEngine) -> AsyncIterator[AsyncEngine]:
+    """The module's engine of the test's mode, idle before and after the test."""
+    await _until(lambda: shared_engine.pending == 0, "the engine to be idle before the test")
+    yield shared_engine
+    await _until(lambda: shared_engine.pending == 0, "every request of the test to end")
 
 
 async def _until(cond: Any, what: str, timeout: float = ANSWER_S) -> None:
@@ -41,7 +52,7 @@ async def _until(cond: Any, what: str, timeout: float = ANSWER_S) -> None:
         await asyncio.sleep(0.002)  # sleep-ok: pacing of a deadline poll
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_stream_left_after_its_final_answer_spares_the_rid_s_next_request(
         engine: AsyncEngine) -> None:
     stream = engine.stream([5, 6, 7], SP, rid="again")
@@ -55,7 +66,7 @@ async def test_a_stream_left_after_its_final_answer_spares_the_rid_s_next_reques
     assert result.finish_reason == "length" and len(result.token_ids) == 8
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_an_await_cancelled_after_its_answer_spares_the_rid_s_next_request(
         engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     first = engine.submit([1, 2, 3], SP, rid="twice")
@@ -83,7 +94,7 @@ async def test_an_await_cancelled_after_its_answer_spares_the_rid_s_next_request
     assert result.finish_reason == "length" and len(result.token_ids) == 8
 
 
-@pytest.mark.asyncio
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_stream_left_mid_way_is_still_aborted(engine: AsyncEngine) -> None:
     """The identity check keeps the abort for a request that has not ended."""
     stream = engine.stream([4, 4], SamplingParams(max_new_tokens=2000), rid="long")
