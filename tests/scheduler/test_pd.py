@@ -606,7 +606,7 @@ def test_serve_and_the_frontend_take_the_hand_off_bounds_and_the_dispatcher_runs
                  frontend_parser().parse_args(flags)):
         got = limits_from(args)
         assert (got.max_handoff_bytes, got.handoff_deadline) == (4096, 7.5)
-    with pytest.raises(ValueError, match="handoff_deadline must be above 0"):
+    with pytest.raises(ValueError, match="--handoff-deadline must be above 0"):
         limits_from(build_parser().parse_args(["serve", "--endpoint", "/tmp/x",
                                                "--handoff-deadline", "0"]))
     ep = tmp_path / "ep"
