@@ -46,6 +46,7 @@ import os
 import socket
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -113,8 +114,11 @@ def make_socket(
     bind: bool,
     options: SocketOptions,
     sending: bool,
+    prepare: Callable[[zmq.Socket[bytes]], None] | None = None,
 ) -> zmq.Socket[bytes]:
-    """Create, configure and bind/connect one socket."""
+    """Create, configure and bind/connect one socket; ``prepare`` is called with it
+    configured, before it binds or connects (a socket monitor attached there sees
+    every connection: one attached later can miss the first)."""
     check_endpoint(endpoint, bind=bind, allow_remote=options.allow_remote)
     if bind and endpoint.startswith("ipc://"):
         refuse_live_ipc(endpoint)
@@ -133,6 +137,8 @@ def make_socket(
         _apply_curve(sock, bind=bind, options=options)
         if endpoint.startswith("tcp://["):  # an IPv6 literal: zmq refuses it unless told
             sock.setsockopt(zmq.IPV6, 1)
+        if prepare is not None:
+            prepare(sock)
         if bind:
             try:
                 sock.bind(endpoint)

@@ -24,7 +24,6 @@ import zmq
 
 from bus import (
     CurveAuthenticator,
-    PeerWatch,
     PullInbox,
     PushOutbox,
     Receiver,
@@ -177,8 +176,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
         with PullInbox(codec, endpoints.work, options=options) as work, \
                 RpcServer(rpc_codec(), endpoints.rpc, kind=rpc_kind, options=options) as rpc, \
                 PushOutbox(out_codec, endpoints.out, options=_output_options(options),
-                           bind=endpoints.server_binds_out) as out, \
-                PeerWatch(out.socket, f"{endpoints.out} (outputs)") as readers:
+                           bind=endpoints.server_binds_out, watch_peers=True) as out:
             router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
                                       max_backlog=limits.max_backlog)
             inboxes: list[Inbox[Request]] = [work, rpc]
@@ -195,7 +193,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
                               handoff_bytes=_unreleased(out),
                               metrics=metrics or metrics_port is not None,
                               rpc_reduce=rpc_reducer(0, world) if tp is not None else None,
-                              upstream=Upstream(work.name, readers.last_left))
+                              upstream=_readers_of(work.name, out))
             _settled()
             if loaded is not None:
                 loaded()
@@ -228,6 +226,15 @@ def serve_follower(rank: int, tp: TPConfig, model: ModelSpec, *, max_batch: int 
         if broadcast is not None:
             broadcast.close()
         dist.destroy_process_group()
+
+
+def _readers_of(inbox: str, out: PushOutbox[Output]) -> Upstream:
+    """The reader of ``inbox``'s outputs is ``out``'s peer: when the last one is gone
+    (its process died), the scheduler abandons that inbox's requests."""
+    peers = out.peers
+    if peers is None:
+        raise ValueError(f"output channel {out.name!r} was opened without watch_peers")
+    return Upstream(inbox, peers.last_left)
 
 
 def _output_options(options: SocketOptions) -> SocketOptions:

@@ -107,9 +107,12 @@ def test_a_killed_dispatchers_requests_stop_on_its_replicas_and_a_new_one_is_ser
             for rank in range(2):
                 for i in range(PER_REPLICA):
                     work.send(_stream(f"old{rank}.{i}", rank, 100_000))
+            # Read what they stream (a reader that lags would make the dispatcher
+            # hold the replicas' outputs back, and their backlogs end the requests).
             deadline = time.monotonic() + 60
             while [_load(r)["running"] for r in rpcs] != [PER_REPLICA] * 2:
                 assert time.monotonic() < deadline, [_load(r) for r in rpcs]
+                out.drain(1 << 16)
         dispatcher.send_signal(signal.SIGKILL)
         dispatcher.wait(30)
         killed = time.monotonic()
