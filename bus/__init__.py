@@ -17,6 +17,7 @@ from bus.errors import (
     WouldBlock,
 )
 from bus.logsummary import LogSummary
+from bus.peers import PeerWatch
 from bus.receiver import Receiver, ReceiverStats
 from bus.ring import Ring, RingStats, open_ring
 from bus.rpc import RpcCall, RpcCaller, RpcClient, RpcServer
@@ -41,6 +42,7 @@ __all__ = [
     "LogSummary",
     "Origin",
     "PeerGone",
+    "PeerWatch",
     "PullInbox",
     "PushOutbox",
     "Receiver",

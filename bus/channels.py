@@ -27,6 +27,7 @@ import zmq
 
 from bus.envelope import Envelope, Origin, Rejected, envelopes
 from bus.errors import ChannelClosed, EndOfChannel, PeerGone, WouldBlock
+from bus.peers import PeerWatch
 from bus.ring import Ring
 from bus.shm.frames import DEFAULT_SHM_THRESHOLD, MAGIC, FrameMapper, FramePool, empty_tensor
 from bus.sockets import SocketOptions, close_socket, make_socket
@@ -389,14 +390,28 @@ class PushOutbox(_ZmqEnd, Generic[M]):
     receiving :class:`PullInbox` must accept them (its default on ``ipc://``).
     ``shm=False`` keeps every byte on the socket. Slabs are unlinked at
     :meth:`close`: close after the peer has read what matters.
+    ``watch_peers``: count the readers connected (:attr:`peers`, a
+    :class:`~bus.PeerWatch` attached before the socket binds or connects, so
+    it sees every one of them).
     """
 
     def __init__(self, codec: Codec[M], endpoint: str, *, name: str = "out", bind: bool = False,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
                  options: SocketOptions = _DEFAULT_OPTIONS, shm: bool | None = None,
-                 shm_threshold: int = DEFAULT_SHM_THRESHOLD) -> None:
-        sock = make_socket(_context(ctx), zmq.PUSH, endpoint, bind=bind, options=options,
-                           sending=True)
+                 shm_threshold: int = DEFAULT_SHM_THRESHOLD, watch_peers: bool = False) -> None:
+        #: The readers connected (``None`` unless ``watch_peers``).
+        self.peers: PeerWatch | None = None
+
+        def watch(sock: zmq.Socket[bytes]) -> None:
+            self.peers = PeerWatch(sock, name)
+
+        try:
+            sock = make_socket(_context(ctx), zmq.PUSH, endpoint, bind=bind, options=options,
+                               sending=True, prepare=watch if watch_peers else None)
+        except BaseException:
+            if self.peers is not None:
+                self.peers.close()
+            raise
         super().__init__(sock, name)
         self.codec = codec
         self.endpoint = endpoint
@@ -419,7 +434,11 @@ class PushOutbox(_ZmqEnd, Generic[M]):
         return sum(n for _, n in self._prune_unsent())
 
     def close(self) -> None:
-        """Close the socket and unlink the shared-memory slabs. Idempotent."""
+        """Close the socket (its peer watch first) and unlink the shared-memory slabs.
+        Idempotent."""
+        peers = getattr(self, "peers", None)
+        if peers is not None:
+            peers.close()
         super().close()
         pool = getattr(self, "shm_frames", None)
         if pool is not None:

@@ -125,6 +125,16 @@ class Backlog(Generic[O]):
             out[origin] = out.get(origin, 0) + len(q.items)
         return out
 
+    def discard(self, inbox: str) -> int:
+        """Drop every output whose origin is ``inbox`` (all sinks); returns how many."""
+        n = 0
+        for key, q in list(self._queues.items()):
+            if key[1].inbox == inbox:
+                n += len(q.items)
+                del self._queues[key]
+        self._size -= n
+        return n
+
     def queues(self) -> Iterator[tuple[_AnySink[O], deque[tuple[O, Origin]]]]:
         """Each non-empty queue's sink and items (for flushing; safe to pop from)."""
         for key, q in list(self._queues.items()):

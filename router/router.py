@@ -152,6 +152,11 @@ class Router(Generic[O]):
         """Outputs waiting per origin: which requesters' consumers are not reading."""
         return self._backlog.by_origin()
 
+    def discard(self, inbox: str) -> int:
+        """Drop the outputs waiting for the requesters of ``inbox`` (their consumer is
+        gone: sent later, they would reach whoever reads next); returns how many."""
+        return self._backlog.discard(inbox)
+
     def route(self, output: O, origin: Origin) -> bool:
         """Deliver ``output`` now, or queue it behind a consumer that is not reading.
 

@@ -38,6 +38,8 @@ class ControlMethods:
     _rate_t0: float
     _rate_tokens: int
     _rate: float
+    upstream_aborts: int
+    upstream_dropped: int
     registry: CollectorRegistry | None
     admission: Admission
     _facts: ModelInfoResult | None = None
@@ -152,4 +154,6 @@ class ControlMethods:
         return {"running": running, "queued": queued,
                 "tokens_per_s": round(self._rate, 1), "steps": self._steps,
                 "pid": os.getpid(), "model": self.model.fingerprint,
-                "prefix_cache_tokens": self.model.prefix_cache_tokens()}
+                "prefix_cache_tokens": self.model.prefix_cache_tokens(),
+                "upstream_aborts": self.upstream_aborts,
+                "upstream_dropped": self.upstream_dropped}

@@ -50,7 +50,7 @@ from scheduler.core.rpc_methods import RpcMethods
 from scheduler.models.guided import GuideError
 from scheduler.models.protocol import Empty, Model, StateMismatch
 
-__all__ = ["RequestSource", "Scheduler", "SchedulerStats"]
+__all__ = ["RequestSource", "Scheduler", "SchedulerStats", "Upstream"]
 
 log = logging.getLogger("scheduler")
 _one_replica = functools.partial(dp_rank_problem, replicas=1)  # a dispatcher consumes pins
@@ -95,6 +95,21 @@ class RequestSource(Protocol):
     def wait(self, timeout: float | None) -> bool:
         """Park until something waits or ``timeout`` passes."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """Who reads the outputs of the requests taken from ``inbox``.
+
+    ``gone()`` (asked at the start of every step, so it must be cheap and never
+    block) says whether that reader went away since it was last asked: every
+    request from ``inbox`` is then abandoned (:meth:`Scheduler.abandon`), since
+    no answer of it can reach whoever asked. The wiring passes a
+    :class:`bus.PeerWatch` on the output socket (its last peer disconnected).
+    """
+
+    inbox: str
+    gone: Callable[[], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +166,8 @@ class Scheduler(ControlMethods):
             hand-offs are under ``limits.max_handoff_bytes``, else it waits here, in
             order (``None``: not bounded). A hand-off larger than the bound alone is
             answered ``invalid_request`` (rid, size, bound), whatever the transport.
+        upstream: who reads the outputs of one inbox's requests (:class:`Upstream`);
+            when it goes, those requests are abandoned (``None``: never).
     """
 
     def __init__(self, receiver: RequestSource, router: Router[Output], model: Model, *,
@@ -160,8 +177,12 @@ class Scheduler(ControlMethods):
                  limits: Limits | None = None, metrics: bool = True,
                  tell_ranks: Callable[[Request], None] | None = None,
                  empty: Empty | None = None,
-                 handoff_bytes: Callable[[], int] | None = None) -> None:
+                 handoff_bytes: Callable[[], int] | None = None,
+                 upstream: Upstream | None = None) -> None:
         self.receiver = receiver
+        self._upstream = upstream
+        #: Requests abandoned, and queued outputs dropped, because their reader went.
+        self.upstream_aborts = self.upstream_dropped = 0
         self._empty = empty
         self._handoff_bytes = handoff_bytes
         #: Read for another scheduler to decode, waiting for hand-off room (their
@@ -254,6 +275,8 @@ class Scheduler(ControlMethods):
         """One iteration: poll, handle, one model step, route. Returns how many were polled."""
         self._steps += 1
         self._now = t0 = time.monotonic()
+        if self._upstream is not None and self._upstream.gone():
+            self.abandon(self._upstream.inbox)
         if self.router.backlog:
             self.router.flush()
         envelopes = self.receiver.poll()
@@ -301,6 +324,36 @@ class Scheduler(ControlMethods):
             self._live.pop(seq.req.rid, None)
             self._error(seq.req.rid, seq.origin, code, message)
         self._emit_aborted()
+        return len(seqs)
+
+    def abandon(self, inbox: str) -> int:
+        """Drop every request taken from ``inbox``, answering none: their reader is gone.
+
+        Each is aborted as the output backlog's overflow aborts one (its slot,
+        model state, prefix-cache pins and hand-off room are freed; under
+        tensor parallelism the other ranks are told by the same ``AbortReq``
+        in the step broadcast); their outputs still waiting here are dropped,
+        so none reaches whoever reads next. Counted in ``upstream_aborts`` and
+        ``upstream_dropped``; returns how many requests were dropped.
+        """
+        seqs = [s for s in self._live.values() if s.origin.inbox == inbox]
+        for seq in seqs:
+            self._unlink(seq.req.rid)
+            seq.silenced = True
+            seq.finished = "abort"
+            if self._tell_ranks is not None:
+                self._tell_ranks(AbortReq(rid=seq.req.rid))
+        # Aborts not yet answered: their answer has no reader either.
+        kept = [s for s in self._aborted if s.origin.inbox != inbox]
+        dropped = len(self._aborted) - len(kept) + self.router.discard(inbox)
+        self._aborted = kept
+        self._finished += len(seqs)
+        self.upstream_aborts += len(seqs)
+        self.upstream_dropped += dropped
+        if seqs or dropped:
+            log.warning("the reader of the outputs of inbox %r went away: dropped its %d "
+                        "requests in flight and %d outputs waiting for it",
+                        inbox, len(seqs), dropped)
         return len(seqs)
 
     # -- handlers -------------------------------------------------------------

@@ -13,6 +13,7 @@ sink, it cannot skip the rpc channel or misroute its replies.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from bus.channels import Inbox
 from messages import OUT, RPC, WORK, Codec, Output, Request
 from router import RingSink, RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.admission import Limits
-from scheduler.core.loop import RequestSource, Scheduler
+from scheduler.core.loop import RequestSource, Scheduler, Upstream
 from scheduler.core.metrics_http import MetricsServer
 from scheduler.launch.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, rpc_reducer
 from scheduler.models.loading import ModelSpec, load_model, own_process_threads
@@ -174,8 +175,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
     try:
         with PullInbox(codec, endpoints.work, options=options) as work, \
                 RpcServer(rpc_codec(), endpoints.rpc, kind=rpc_kind, options=options) as rpc, \
-                PushOutbox(out_codec, endpoints.out, options=options,
-                           bind=endpoints.server_binds_out) as out:
+                PushOutbox(out_codec, endpoints.out, options=_output_options(options),
+                           bind=endpoints.server_binds_out, watch_peers=True) as out:
             router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
                                       max_backlog=limits.max_backlog)
             inboxes: list[Inbox[Request]] = [work, rpc]
@@ -191,7 +192,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
                               empty=lambda shape, dtype: out.empty(shape, dtype=dtype),
                               handoff_bytes=_unreleased(out),
                               metrics=metrics or metrics_port is not None,
-                              rpc_reduce=rpc_reducer(0, world) if tp is not None else None)
+                              rpc_reduce=rpc_reducer(0, world) if tp is not None else None,
+                              upstream=_readers_of(work.name, out))
             _settled()
             if loaded is not None:
                 loaded()
@@ -224,6 +226,21 @@ def serve_follower(rank: int, tp: TPConfig, model: ModelSpec, *, max_batch: int 
         if broadcast is not None:
             broadcast.close()
         dist.destroy_process_group()
+
+
+def _readers_of(inbox: str, out: PushOutbox[Output]) -> Upstream:
+    """The reader of ``inbox``'s outputs is ``out``'s peer: when the last one is gone
+    (its process died), the scheduler abandons that inbox's requests."""
+    peers = out.peers
+    if peers is None:
+        raise ValueError(f"output channel {out.name!r} was opened without watch_peers")
+    return Upstream(inbox, peers.last_left)
+
+
+def _output_options(options: SocketOptions) -> SocketOptions:
+    """The output socket's options: ``immediate``, so that what was queued for a reader
+    that went away is dropped with its connection (:class:`bus.SocketOptions`)."""
+    return dataclasses.replace(options, immediate=True)
 
 
 def _unreleased(out: PushOutbox[Output]) -> Callable[[], int]:
