@@ -11,9 +11,16 @@ import pytest
 from frontend import ByteTokenizer, Settings
 from frontend.__main__ import parse, settings_from
 from scheduler import ModelConfig
-from tests.frontend.server import Server
+from tests.frontend.server import Server, close_clients
 
 BYTES = ByteTokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _openai_clients_closed() -> Iterator[None]:
+    """Every ``openai`` client a test made (``openai_client``) is closed when it ends."""
+    yield
+    close_clients()
 
 
 @pytest.fixture(scope="module", params=["ring", "zmq"])

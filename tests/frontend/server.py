@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import TypeVar, cast
 
 import numpy.typing as npt
+import openai
 import uvicorn
 
 from frontend import Frontend, Settings, Tokenizer
@@ -144,3 +145,24 @@ class ScriptedEngine(AsyncEngine):
                 yield out
         finally:
             await cast(AsyncGenerator[list[StreamChunk], None], steps).aclose()
+
+
+#: The openai clients the running test made (closed when it ends: tests/frontend/conftest.py).
+_CLIENTS: list[openai.OpenAI] = []
+
+
+def openai_client(server: Server, timeout: float | None = None) -> openai.OpenAI:
+    """An ``openai`` client of ``server`` (no retries), closed once the test that made it
+    ends: an unclosed one keeps its pooled connections open until a collection finds it."""
+    client = (openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+              if timeout is None else
+              openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                            timeout=timeout))
+    _CLIENTS.append(client)
+    return client
+
+
+def close_clients() -> None:
+    """Close every client :func:`openai_client` made since the last call."""
+    while _CLIENTS:
+        _CLIENTS.pop().close()

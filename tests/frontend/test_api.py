@@ -19,11 +19,11 @@ from bus import RpcClient
 from frontend import ByteTokenizer, Settings
 from scheduler import Limits, ModelConfig
 from tests.conftest import eventually
-from tests.frontend.server import Server, raw_post
+from tests.frontend.server import Server, openai_client, raw_post
 
 
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def test_completion_whole_and_streamed_agree(server: Server) -> None:

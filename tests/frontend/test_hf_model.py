@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 import torch
 
 from frontend.__main__ import parse, settings_from
-from tests.frontend.server import Server
+from tests.frontend.server import Server, openai_client
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_completion_is_transformers_greedy_text(server: Server, model_dir: Path)
     new = out[0, ids.shape[1]:].tolist()
     if 2 in new:  # the model's end of sequence: not part of the text
         new = new[:new.index(2)]
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(server)
     answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
                                        temperature=0.0)
     assert answer.choices[0].text == tok.decode(new)
@@ -82,7 +82,7 @@ def test_ignore_eos_gives_exactly_max_tokens_where_the_model_would_stop(
                                          str(tmp_path / "ep")]))
     server = Server(settings, app.tokenizer)
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        client = openai_client(server)
         stopped, ignored = (client.completions.create(
             model="tiny", prompt=prompt, max_tokens=n, temperature=0.0,
             extra_body={"ignore_eos": True} if ignore else None) for ignore in (False, True))
@@ -98,7 +98,7 @@ def test_the_models_context_bounds_max_tokens_as_openai_does(server: Server) -> 
     # chat without max_tokens (256 by default) always failed on a 128-position model.
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["max_model_len"] == 4096  # build_tiny_hf's context
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(server)
     cases: list[tuple[list[int], int | None, str]] = [
         ([5] * 10, 4090, "max_tokens"), ([5] * 4096, None, "prompt")]
     for prompt, asked, param in cases:

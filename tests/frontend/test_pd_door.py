@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from bus import RpcClient
 from frontend.__main__ import parse, settings_from
 from scheduler.models.tiny_hf import build_tiny_hf
-from tests.frontend.server import Server
+from tests.frontend.server import Server, openai_client
 
 MAX_TOKENS = 12
 _RPC_DIRS: list[Path] = []  # each server's --endpoint, the pd door's first
@@ -46,8 +46,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
 
 
 def _client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai_client(server, timeout=120)
 
 
 def _streamed(server: Server, prompt: list[int]) -> list[str]:

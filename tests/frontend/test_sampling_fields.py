@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 import torch
 
-from tests.frontend.server import Server
+from tests.frontend.server import Server, openai_client
 
 PROMPT = [1, 45, 120, 7, 300, 45, 9]
 N = 24
@@ -46,7 +46,7 @@ def server(hf_door: Server) -> Server:
 
 
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 #: Each model's references, by their arguments. A reference is a pure function of the

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.frontend.server import Server
+from tests.frontend.server import Server, openai_client
 
 #: Nested object, array, enum, string pattern; bounded (maxLength, maxItems) so that the
 #: largest answer fits BUDGET tokens (at worst one byte a token).
@@ -49,8 +49,7 @@ def server(hf_door: Server) -> Server:
 
 
 def _client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai_client(server, timeout=120)
 
 
 def test_json_schema_answers_parse_and_validate(server: Server) -> None:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import msgspec
-import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,7 +18,7 @@ from frontend.responses import ResponseShaper
 from frontend.schemas import ChatMessage
 from scheduler import AsyncEngine, ModelConfig
 from tests.frontend.bpe import TEXT, train_byte_level, train_metaspace
-from tests.frontend.server import ScriptedEngine, Server
+from tests.frontend.server import ScriptedEngine, Server, openai_client
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +175,7 @@ def scripted_server(request: pytest.FixtureRequest, bpe: HFTokenizer
 def test_multibyte_text_streams_intact(scripted_server: tuple[Server, Tokenizer]) -> None:
     server, tok = scripted_server
     n = len(tok.encode(TEXT, add_special_tokens=False))
-    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    c = openai_client(server)
     deltas = [ch.choices[0].text for ch in c.completions.create(
         model="tiny", prompt="x", max_tokens=n, temperature=0, stream=True,
         extra_body={"ignore_eos": True})]
@@ -215,7 +214,7 @@ def test_stop_string_spanning_tokens_over_http(scripted_server: tuple[Server, To
 def test_text_offset_over_http(scripted_server: tuple[Server, Tokenizer], stream: bool) -> None:
     server, tok = scripted_server
     ids = tok.encode(TEXT, add_special_tokens=False)
-    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    c = openai_client(server)
     # (a stop string that never comes: the scripted ids are read through a stream)
     got = c.completions.create(model="tiny", prompt="x", max_tokens=40, temperature=0,
                                logprobs=0, stop=["never there"], stream=stream,
@@ -288,7 +287,7 @@ def test_logprob_tokens_are_each_tokens_text(scripted_server: tuple[Server, Toke
     server, tok = scripted_server
     ids = tok.encode(TEXT, add_special_tokens=False)
     n = len(ids)
-    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    c = openai_client(server)
     got = c.completions.create(model="tiny", prompt="x", max_tokens=n, temperature=0,
                                logprobs=0, stop=["never there"], stream=stream,
                                extra_body={"ignore_eos": True})
