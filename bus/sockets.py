@@ -23,12 +23,6 @@ Defaults, and why:
   dead peer.
 * **MAXMSGSIZE**: the codec's byte bound plus slack; zmq refuses a bigger
   message before allocating it.
-* **Immediate** (``immediate``, off by default): a connecting socket with
-  it queues messages only on a connection that is up, and drops what was
-  queued for one that went down. A scheduler's output socket sets it
-  (``scheduler/launch/wiring.py``): outputs queued while its reader was gone
-  belong to requests nobody can read any more, and must not be delivered to
-  the next reader that connects (zmq's default keeps them for it).
 * **tcp binds to loopback** unless ``allow_remote=True``.
 * **Handshake interval** (``handshake_ms``, 5 s, zmq's default is 30 s): a
   peer that connects and never completes the ZMTP handshake (a raw socket
@@ -73,7 +67,6 @@ class SocketOptions:
     allow_remote: bool = False
     curve_keys: CurveKeys | None = None
     curve_server_public: bytes | None = None
-    immediate: bool = False
 
 
 _WILDCARDS = ("tcp://*", "tcp://0.0.0.0", "tcp://[::]", "tcp://::")
@@ -150,8 +143,6 @@ def make_socket(
         sock.setsockopt(zmq.HANDSHAKE_IVL, options.handshake_ms)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if options.immediate:
-            sock.setsockopt(zmq.IMMEDIATE, 1)
         _apply_curve(sock, bind=bind, options=options)
         if endpoint.startswith("tcp://["):  # an IPv6 literal: zmq refuses it unless told
             sock.setsockopt(zmq.IPV6, 1)

@@ -107,7 +107,10 @@ class GetLoadResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dispatcher with prefill and decode apart joins replicas of one model only; and
     ``prefix_cache_tokens``, the most tokens the prefix cache holds (its byte bound
     over one token's state; 0: no cache, or a scheduler that predates it): a
-    ``cache_aware`` dispatcher bounds its guess of that cache by it."""
+    ``cache_aware`` dispatcher bounds its guess of that cache by it;
+    ``upstream_aborts`` and ``upstream_dropped``, the requests dropped unanswered and
+    the outputs dropped because the reader of their outputs went away (0 from a
+    scheduler that predates them)."""
 
     running: int
     queued: int
@@ -116,6 +119,8 @@ class GetLoadResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pid: int
     model: str = ""
     prefix_cache_tokens: int = 0
+    upstream_aborts: int = 0
+    upstream_dropped: int = 0
 
 
 class TokenDigestResult(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -13,7 +13,6 @@ sink, it cannot skip the rpc channel or misroute its replies.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -175,7 +174,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
     try:
         with PullInbox(codec, endpoints.work, options=options) as work, \
                 RpcServer(rpc_codec(), endpoints.rpc, kind=rpc_kind, options=options) as rpc, \
-                PushOutbox(out_codec, endpoints.out, options=_output_options(options),
+                PushOutbox(out_codec, endpoints.out, options=options,
                            bind=endpoints.server_binds_out, watch_peers=True) as out:
             router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
                                       max_backlog=limits.max_backlog)
@@ -235,12 +234,6 @@ def _readers_of(inbox: str, out: PushOutbox[Output]) -> Upstream:
     if peers is None:
         raise ValueError(f"output channel {out.name!r} was opened without watch_peers")
     return Upstream(inbox, peers.last_left)
-
-
-def _output_options(options: SocketOptions) -> SocketOptions:
-    """The output socket's options: ``immediate``, so that what was queued for a reader
-    that went away is dropped with its connection (:class:`bus.SocketOptions`)."""
-    return dataclasses.replace(options, immediate=True)
 
 
 def _unreleased(out: PushOutbox[Output]) -> Callable[[], int]:

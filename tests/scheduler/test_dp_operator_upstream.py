@@ -134,9 +134,9 @@ def test_a_killed_dispatchers_requests_stop_on_its_replicas_and_a_new_one_is_ser
             rids = {f"new{rank}.{i}" for rank in range(2) for i in range(2)}
             for rid in sorted(rids):
                 work.send(_stream(rid, int(rid[3]), 8))
+            # (what zmq still held for the dead connection reaches the new dispatcher,
+            # which drops it as stale: its client sees only its own requests)
             assert _read_until_done(out, rids, 60) == rids
-            load = _load(rpc)
-            assert load["dispatcher.stale_outputs"] == 0, load
     finally:
         for r in rpcs:
             r.close()
