@@ -21,10 +21,21 @@ the only one, the count falls to zero, but then no reader was connected and
 nothing in flight could be read anyway.
 Reading never blocks and, when no event waits, costs one
 zero-timeout poll of the monitor socket, so a loop may ask every step.
+
+The events wait for the reader in a queue with no bound (the receiving end's
+``RCVHWM`` is 0). zmq's I/O thread sends each event with a blocking send: at
+a bounded queue's end (1000 by default, some 500 connect/close pairs) it
+would wait for the watcher to read, and with it every socket of the context
+(outputs, the work inbox, rpc) until then, so a burst of connections to a
+bound port from anyone (a refused CURVE handshake is accepted first) stalled
+a replica between two reads. Unbounded, a burst costs memory in proportion
+to the connections made (about a hundred bytes each) until the next read.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Final
 
 import zmq
@@ -34,6 +45,7 @@ __all__ = ["PeerWatch"]
 
 _UP: Final = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED
 _EVENTS: Final = _UP | zmq.EVENT_DISCONNECTED
+_WATCHES: Final = itertools.count()
 
 
 class PeerWatch:
@@ -45,7 +57,7 @@ class PeerWatch:
     def __init__(self, sock: zmq.Socket[bytes], name: str) -> None:
         self.name = name
         self._sock = sock
-        self._monitor: zmq.Socket[bytes] = sock.get_monitor_socket(_EVENTS)
+        self._monitor = _monitor_socket(sock)
         self._fds: set[int] = set()
         self._closed = False
         #: How many times the last peer went away.
@@ -94,3 +106,19 @@ class PeerWatch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _monitor_socket(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
+    """``sock``'s monitor events, read from a PAIR whose queue has no bound (the
+    module docstring says why: a bounded one blocks zmq's I/O thread when full)."""
+    addr = f"inproc://peer-watch-{os.getpid()}-{next(_WATCHES)}"
+    sock.monitor(addr, _EVENTS)
+    mon: zmq.Socket[bytes] = sock.context.socket(zmq.PAIR)
+    try:
+        mon.setsockopt(zmq.RCVHWM, 0)  # set before connect: the pipe takes it then
+        mon.connect(addr)
+    except BaseException:
+        mon.close(linger=0)
+        sock.disable_monitor()
+        raise
+    return mon
