@@ -16,17 +16,46 @@ summary is in a weak registry, and an ``atexit`` hook flushes them all
 (the timer's thread is a daemon, which the exit would otherwise cut
 short). An owner need not remember to flush at its close; one that has a
 close may flush there all the same, to log its tail before the exit.
+
+The interval is 10 s unless the summary is given one, or the environment
+variable ``TSB_LOG_SUMMARY_INTERVAL`` (seconds, above 0) sets another for
+every summary a process makes without one (tests use a short one, to see a
+burst's tail logged in seconds).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
 
-__all__ = ["LogSummary"]
+__all__ = ["DEFAULT_INTERVAL", "INTERVAL_ENV", "LogSummary"]
+
+#: Seconds between two summary lines when neither the caller nor the environment says.
+DEFAULT_INTERVAL = 10.0
+#: The environment variable that sets the interval of summaries made without one.
+INTERVAL_ENV = "TSB_LOG_SUMMARY_INTERVAL"
+
+
+def _default_interval() -> float:
+    """:data:`INTERVAL_ENV` in seconds if it is set, else :data:`DEFAULT_INTERVAL`.
+
+    Raises:
+        ValueError: the variable is set to something other than a number above 0.
+    """
+    text = os.environ.get(INTERVAL_ENV, "").strip()
+    if not text:
+        return DEFAULT_INTERVAL
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{INTERVAL_ENV}={text!r}: expected a number of seconds above 0")
+    return value
 
 #: Every summary alive, flushed at the interpreter's exit (see :func:`_flush_all`).
 _LIVE: weakref.WeakSet[LogSummary] = weakref.WeakSet()
@@ -39,13 +68,16 @@ class LogSummary:
 
     Thread-safe: events may be counted from any thread. What is held back when the
     interpreter exits is logged then (an ``atexit`` hook flushes every summary).
+
+    ``interval`` (seconds): ``None`` takes :data:`INTERVAL_ENV` from the environment if
+    it is set, else :data:`DEFAULT_INTERVAL` (10 s).
     """
 
-    def __init__(self, logger: logging.Logger, what: str, *, interval: float = 10.0,
+    def __init__(self, logger: logging.Logger, what: str, *, interval: float | None = None,
                  level: int = logging.WARNING) -> None:
         self.logger = logger
         self.what = what
-        self.interval = interval
+        self.interval = _default_interval() if interval is None else interval
         self.level = level
         self.total = 0
         self._counts: dict[str, int] = {}

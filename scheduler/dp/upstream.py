@@ -34,9 +34,10 @@ log = logging.getLogger("scheduler.dp")
 
 
 class DispatcherLogs:
-    """The dispatcher's summarized logs (one line per kind per ``interval`` at most)."""
+    """The dispatcher's summarized logs (one line per kind per ``interval`` at most;
+    ``None``: :class:`bus.LogSummary`'s, 10 s unless ``TSB_LOG_SUMMARY_INTERVAL`` says)."""
 
-    def __init__(self, interval: float = 10.0) -> None:
+    def __init__(self, interval: float | None = None) -> None:
         self.rejected = LogSummary(log, "rejected messages", interval=interval)
         self.duplicate = LogSummary(log, "requests dropped: their id is already in flight "
                                          "(answering would end the live one)",

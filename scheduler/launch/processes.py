@@ -353,6 +353,13 @@ def _start_replica(directory: str, model: ModelSpec, max_batch: int, tp_size: in
                             name=f"replica{i}", attempt=attempt, replica=True)
 
 
+#: The environment variable that, set to ``0`` when a supervisor is made, keeps it from
+#: starting standbys: its restarts then start a fresh process (an interpreter and torch
+#: start more). For replica sets that are never killed (shared test engines), where a
+#: standby is only an idle process's start-up CPU.
+NO_STANDBY_ENV = "TSB_STANDBY"
+
+
 def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, *,
               max_batch: int, tp_size: int = 1, limits: Limits | None = None,
               metrics: bool = True, keep_going: Callable[[], bool] = lambda: True,
@@ -374,7 +381,8 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
     With one rank per replica, a restart takes over a *standby*: a process
     started ahead that has imported everything and waits to be told which
     replica to serve, so a restart costs a model build, not an interpreter
-    and torch start (seconds on a busy host)."""
+    and torch start (seconds on a busy host); none is started where the environment
+    has :data:`NO_STANDBY_ENV` set to ``0`` at this call."""
     def standby() -> Standby:
         spare = _start_standby(directory, model, max_batch, limits or Limits(), metrics)
         _tell_upstream([spare.process], upstream)
@@ -398,7 +406,7 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
         _tell_upstream(ranks, upstream)
     sup = ReplicaSupervisor(
         procs, restart, keep_going=keep_going, grace=UPSTREAM_BOUND,
-        standby=standby if tp_size == 1 else None,
+        standby=standby if tp_size == 1 and os.environ.get(NO_STANDBY_ENV) != "0" else None,
         started=lambda: all(os.path.exists(os.path.join(directory, f"r{i}", "rpc"))
                             for i in range(len(procs))),  # each bound its endpoints
         shut_down=shut_down, ready=ready, load_failure=load_failure, none_left=none_left)

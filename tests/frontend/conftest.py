@@ -42,8 +42,8 @@ class HFDoors:
     """One door per mode over the session's tiny Hugging Face model, started when a
     module first asks for it and stopped when the last module that uses it is done.
 
-    A ``zmq`` door costs a scheduler process, ``dp2`` four (a dispatcher, two
-    replicas, a standby), each importing torch and transformers: seconds of CPU
+    A ``zmq`` door costs a scheduler process, ``dp2`` three (a dispatcher, two
+    replicas; no standby: ``TSB_STANDBY=0``), each importing torch and transformers: seconds of CPU
     apiece on a 2-core host. Modules whose tests only send requests (none stops,
     breaks or reconfigures its server) share them. ``users`` maps each mode to
     the modules of this session's tests that use it.
@@ -66,6 +66,7 @@ class HFDoors:
         if mode not in self._doors:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("OMP_NUM_THREADS", "1")  # read by the processes it spawns
+                mp.setenv("TSB_STANDBY", "0")  # never killed: a standby would only cost CPU
                 settings, app = settings_from(parse([
                     "--model", str(self._model), "--served-model-name", "tiny",
                     *HF_MODES[mode], "--endpoint",

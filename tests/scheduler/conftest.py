@@ -52,9 +52,9 @@ class HFEngines:
     """``zmq`` engines over the session's tiny Hugging Face model, one per ``dp_size``,
     started when a test first asks and shared by every module that asks for them
     (``hf_engines``): their tests only send requests, and each ends what it sends (none
-    stops, breaks or reconfigures an engine). A ``dp_size=2`` start costs four
-    processes (a dispatcher, two replicas, a standby) that each import torch and
-    transformers: seconds of CPU apiece on a 2-core host.
+    stops, breaks or reconfigures an engine). A ``dp_size=2`` start costs three
+    processes (a dispatcher, two replicas; no standby: ``TSB_STANDBY=0``) that each
+    import torch and transformers: seconds of CPU apiece on a 2-core host.
 
     They stop when the last module that uses them is done (``users``: those modules).
     """
@@ -72,6 +72,7 @@ class HFEngines:
         if dp_size not in self._engines:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("OMP_NUM_THREADS", "1")  # read by the processes it spawns
+                mp.setenv("TSB_STANDBY", "0")  # never killed: a standby would only cost CPU
                 self._engines[dp_size] = Engine("zmq", self._model, dp_size=dp_size)
         engine = self._engines[dp_size]
         assert engine.pending == 0, f"the shared dp_size={dp_size} engine was left busy"

@@ -25,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,10 +75,18 @@ class FakeReplica:
     calls: int = 0  # rpc calls other than heartbeats it answered
     reply_codec: Codec[Message] = field(default_factory=lambda: Codec(Message,
                                                                       types=[RpcReqOutput]))
+    #: Whether a heartbeat is owed (one went out unanswered): only then does
+    #: :meth:`answer` wait for one to arrive; else it answers what is there already.
+    owed: Callable[[], bool] = lambda: True
 
-    def answer(self, running: int, queued: int, wait_ms: int = 20) -> int:
-        """Answer every waiting heartbeat with this load; how many were answered."""
+    def answer(self, running: int, queued: int, wait_ms: int | None = None) -> int:
+        """Answer every waiting heartbeat with this load; how many were answered.
+
+        Waits up to ``wait_ms`` for one to arrive (``None``: 20 ms while one is
+        :attr:`owed`, else none)."""
         n = 0
+        if wait_ms is None:
+            wait_ms = 20 if self.owed() else 0
         if self.rpc.socket.poll(wait_ms):
             for env in self.rpc.drain(256):
                 assert isinstance(env, Envelope)
@@ -161,6 +169,9 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     d = Dispatcher(work, rpc, out, [ReplicaSpec(rep_ep)], heartbeat_interval=0.2,
                    heartbeat_timeout=TIMEOUT, clock=clock)
     r = Rig(clock, d, replica, client_work, client_out)
+    # A probe sent and not yet answered: the dispatcher sends one every 4 steps (0.2 s of
+    # 0.05), so the 3 steps between wait for none (20 ms each of real time, seconds a test).
+    replica.owed = lambda: d.replicas[0].health.probe_since is not None
     try:
         while not d.replicas[0].live:  # joins at its first answer
             r.step()

@@ -7,6 +7,7 @@ that ends inside an interval are logged by a timer when it is up.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 import zmq
 
 from bus import LogSummary, RpcClient
+from bus.logsummary import DEFAULT_INTERVAL, INTERVAL_ENV
 from tests.conftest import eventually
 
 
@@ -33,9 +35,10 @@ def test_a_burst_of_garbage_to_serve_is_logged_whole_once_it_stops(tmp_path: Pat
     # waited for an event after its interval, and none came).
     log = tmp_path / "serve.log"
     where = tmp_path / "sched"
+    env = {**os.environ, INTERVAL_ENV: "2"}  # a 2 s interval: the tail is due in 2 s, not 10
     with open(log, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--endpoint",
-                                 str(where)], stderr=err)
+                                 str(where)], stderr=err, env=env)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     work = ctx.socket(zmq.PUSH)
     try:
@@ -46,7 +49,7 @@ def test_a_burst_of_garbage_to_serve_is_logged_whole_once_it_stops(tmp_path: Pat
         for n in range(300):
             work.send(b"\xc1garbage" + n.to_bytes(2, "big"))
         what = "rejected messages with no readable rid"
-        deadline = time.monotonic() + 60  # the interval is 10 s
+        deadline = time.monotonic() + 60  # the interval is 2 s
         while _summed(log.read_text(), what) < 300:
             assert time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.1)  # sleep-ok: pacing of a deadline poll
@@ -72,6 +75,20 @@ def test_a_held_back_tail_is_logged_when_the_interval_is_up(
     eventually(lambda: not any(t.name.startswith("log-summary") for t in threading.enumerate()),
                10.0, "the timer's thread to end")
     assert summary.total == 50
+
+
+def test_the_interval_is_10_s_unless_the_caller_or_the_environment_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    logger = logging.getLogger("tests.tail")
+    monkeypatch.delenv(INTERVAL_ENV, raising=False)
+    assert LogSummary(logger, "x").interval == DEFAULT_INTERVAL == 10.0
+    monkeypatch.setenv(INTERVAL_ENV, "0.5")
+    assert LogSummary(logger, "x").interval == 0.5
+    assert LogSummary(logger, "x", interval=3.0).interval == 3.0  # the caller's wins
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv(INTERVAL_ENV, bad)
+        with pytest.raises(ValueError, match=f"{INTERVAL_ENV}={bad!r}: expected a number"):
+            LogSummary(logger, "x")
 
 
 def _rejected_counts(rpc: RpcClient) -> dict[str, int]:

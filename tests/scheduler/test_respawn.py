@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 import pytest
 
@@ -297,3 +298,21 @@ def test_a_standby_that_exits_unasked_is_replaced_only_after_a_pause() -> None:
     finally:
         sup.stop()
         standbys.close()
+
+
+def test_a_supervisor_made_under_tsb_standby_0_keeps_no_standby(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # What the shared test engines use: a replica set nobody kills needs no standby.
+    from scheduler.launch.processes import NO_STANDBY_ENV, supervise
+    from scheduler.models.tiny import ModelConfig
+
+    for value, keeps in ((None, True), ("1", True), ("0", False)):
+        if value is None:
+            monkeypatch.delenv(NO_STANDBY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(NO_STANDBY_ENV, value)
+        sup = supervise([], str(tmp_path), ModelConfig(kind="stub"), max_batch=1)
+        try:
+            assert (sup._make_standby is not None) == keeps, value
+        finally:
+            sup.stop()
