@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from bus import PushOutbox, SocketOptions
+from bus import PushOutbox
 from messages import Codec, Output
 
 #: Connect/close pairs made before the watch is read: each is two monitor events,
@@ -18,7 +18,7 @@ BURST = 1500
 def test_a_burst_of_connections_never_stalls_a_live_reader(
         ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     out = PushOutbox(Codec(Output), "tcp://127.0.0.1:0", bind=True, ctx=ctx,
-                     options=SocketOptions(immediate=True), watch_peers=True)
+                     watch_peers=True)
     reader = ctx.socket(zmq.PULL)
     watch = out.peers
     assert watch is not None
