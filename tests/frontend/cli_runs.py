@@ -146,17 +146,24 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int, deadline: float) -> 
     raise TimeoutError("the frontend did not become healthy")
 
 
+def _frontend(tmp: str, port: int, mode: str, extra: tuple[str, ...], *,
+              new_session: bool = False) -> subprocess.Popen[bytes]:
+    """``python -m frontend --mode MODE`` on ``port``, run in ``tmp`` (its TMPDIR), its
+    stderr piped (``new_session``: as the leader of a process group of its own)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "frontend", "--port", str(port), "--mode", mode,
+         "--log-level", "warning", *extra],
+        env=_env(tmp), cwd=tmp, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, start_new_session=new_session)
+
+
 def double_ctrl_c(mode: str = "ring", streams: int = 60, gap: float = 0.3,
                   extra: tuple[str, ...] = ()) -> DoubleStop:
     """Start ``python -m frontend --mode MODE``, open ``streams`` streams (each answering),
     send SIGINT, wait ``gap`` seconds, send SIGINT again; wait for the exit."""
     with tempfile.TemporaryDirectory(prefix="tsb-stop-") as tmp:
         port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend", "--port", str(port), "--mode", mode,
-             "--log-level", "warning", *extra],
-            env=_env(tmp), cwd=tmp, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE)
+        proc = _frontend(tmp, port, mode, extra)
         socks: list[socket.socket] = []
         try:
             _wait_healthy(proc, port, time.monotonic() + 180)
@@ -194,11 +201,7 @@ def group_ctrl_c(mode: str, tokens: int, extra: tuple[str, ...] = ()) -> GroupSt
     terminal's Ctrl-C does; read the stream to its end, then wait for the exit."""
     with tempfile.TemporaryDirectory(prefix="tsb-group-") as tmp:
         port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend", "--port", str(port), "--mode", mode,
-             "--log-level", "warning", *extra],
-            env=_env(tmp), cwd=tmp, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, start_new_session=True)
+        proc = _frontend(tmp, port, mode, extra, new_session=True)
         events: list[dict[str, object]] = []
         at_signal = -1
         try:
