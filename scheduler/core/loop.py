@@ -329,25 +329,18 @@ class Scheduler(ControlMethods):
     def abandon(self, inbox: str) -> int:
         """Drop every request taken from ``inbox``, answering none: their reader is gone.
 
-        Each is aborted as the output backlog's overflow aborts one (its slot,
-        model state, prefix-cache pins and hand-off room are freed; under
-        tensor parallelism the other ranks are told by the same ``AbortReq``
-        in the step broadcast); their outputs still waiting here are dropped,
+        Each is dropped as the output backlog's overflow drops one
+        (:meth:`_drop_unanswered`); their outputs still waiting here are dropped,
         so none reaches whoever reads next. Counted in ``upstream_aborts`` and
         ``upstream_dropped``; returns how many requests were dropped.
         """
         seqs = [s for s in self._live.values() if s.origin.inbox == inbox]
         for seq in seqs:
-            self._unlink(seq.req.rid)
-            seq.silenced = True
-            seq.finished = "abort"
-            if self._tell_ranks is not None:
-                self._tell_ranks(AbortReq(rid=seq.req.rid))
+            self._drop_unanswered(seq.req.rid)
         # Aborts not yet answered: their answer has no reader either.
         kept = [s for s in self._aborted if s.origin.inbox != inbox]
         dropped = len(self._aborted) - len(kept) + self.router.discard(inbox)
         self._aborted = kept
-        self._finished += len(seqs)
         self.upstream_aborts += len(seqs)
         self.upstream_dropped += dropped
         if seqs or dropped:
@@ -505,14 +498,22 @@ class Scheduler(ControlMethods):
 
     def _silence(self, rid: str) -> None:
         """Abort a request whose terminal error the backlog already holds (see backpressure)."""
-        seq = self._unlink(rid)
-        if seq is not None:
-            seq.silenced = True
-            seq.finished = "abort"
-            self._finished += 1
+        if self._drop_unanswered(rid):
             self.backlog_aborts += 1
-            if self._tell_ranks is not None:
-                self._tell_ranks(AbortReq(rid=rid))
+
+    def _drop_unanswered(self, rid: str) -> bool:
+        """End request ``rid`` with no output of its own from now on: its slot, model state,
+        cache pins and hand-off room freed at the next step, the other tensor-parallel
+        ranks told by an ``AbortReq`` in the step broadcast. False: it was not live."""
+        seq = self._unlink(rid)
+        if seq is None:
+            return False
+        seq.silenced = True
+        seq.finished = "abort"
+        self._finished += 1
+        if self._tell_ranks is not None:
+            self._tell_ranks(AbortReq(rid=rid))
+        return True
 
     def _dropped_rpc(self, reply: RpcReqOutput) -> None:
         log.warning("dropped the rpc reply rid=%r: its client is not reading its replies",
