@@ -72,12 +72,30 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    stat = _stat(pid)
+    return stat is None or stat[0] not in (b"Z", b"X")
+
+
+def start_time(pid: int) -> int:
+    """When process ``pid`` started (clock ticks after boot): with its pid, what names one
+    process for as long as the machine runs (a pid alone may be reused). -1 where it
+    cannot be read (the process is gone)."""
+    stat = _stat(pid)
+    try:
+        return -1 if stat is None else int(stat[19])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """``/proc/PID/stat``'s fields from the third on (the state, ...), or None where it
+    cannot be read. Split after the last ``)``: the command name may hold spaces."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
+            fields = f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
+        return None
+    return fields or None
 
 
 class ShmSpaceError(BusError, OSError):

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from bus.fdwait import wait_readable
-from bus.shm.segment import pid_alive
+from bus.shm.segment import pid_alive, start_time
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
 from scheduler.launch.leftovers import leave_files
@@ -68,17 +68,6 @@ class SchedulerProcesses:
     def all(self) -> list[BaseProcess]:
         """Every process, essential first."""
         return [*self.essential, *(p for ranks in self.replicas for p in ranks)]
-
-
-def start_time(pid: int) -> int:
-    """When process ``pid`` started (clock ticks after boot; ``/proc/PID/stat``'s 22nd
-    field): with its pid, what names one process for as long as the machine runs.
-    -1 where it cannot be read (the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def _orphaned() -> None:

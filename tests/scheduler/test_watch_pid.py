@@ -8,7 +8,8 @@ import subprocess
 import sys
 import threading
 
-from scheduler.launch.processes import _when_gone, start_time
+from bus.shm.segment import start_time
+from scheduler.launch.processes import _when_gone
 
 
 def test_a_pid_that_names_another_process_once_watched_counts_as_gone() -> None:
