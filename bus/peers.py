@@ -10,10 +10,9 @@ never counted gone: this is evidence about the peer, never about our own
 timing.
 
 Connections are counted by file descriptor, as zmq reports them (accepted
-or connected, then disconnected), so the count never goes below zero. zmq
-can drop a monitor event: a connection made right after the monitor started
-was seen with no event for it (about 1 run in 10 of the operator test,
-tests/scheduler/test_dp_operator_upstream.py). So a connection that leaves
+or connected, then disconnected), so the count never goes below zero. A
+connection the watch has no event of (one made before the monitor started)
+may still leave: a connection that leaves
 uncounted while none is counted is taken for the last one: one that leaves
 while others are counted is not. A peer refused during its handshake (a
 CURVE client without an admitted key) is accepted, then dropped: if it was
