@@ -36,6 +36,14 @@ while the scheduler generates them at full speed).
 
 An HTTP/1.0 request's answer is never chunked (:func:`_close_delimited`).
 
+What the parser refuses is answered in OpenAI's error shape, naming the
+parser's reason: 400, or 501 for a transfer coding before a final ``chunked``
+(``gzip, chunked``: RFC 9112's answer to a coding the server lacks). A
+request framed by both a length and chunks is refused by httptools; h11
+answers it by its chunks, so its connection is closed after the answer (RFC
+9112), else bytes a length-trusting proxy sent as its body would be read as a
+request of their own.
+
 A whole answer (the app's :meth:`frontend.asgi.Reply.whole`) is sent by
 :func:`_send_whole`, offered in each request's scope as the
 :data:`frontend.asgi.WHOLE` extension (httptools): its head and body in one
