@@ -250,6 +250,9 @@ def _not_implemented(codings: bytes) -> bytes:
 def _parse_refusal(error: BaseException | None, fallback: str) -> bytes:
     """The answer to a request the HTTP parser refused with ``error`` (h11's carries the
     status it advises; ``fallback``: the text when there is no error)."""
+    if error is not None and error.__context__ is not None and \
+            type(error).__name__ == "HttpParserCallbackError":
+        error = error.__context__  # (what a parser callback raised: an invalid URL)
     status = getattr(error, "error_status_hint", 400)
     if not (isinstance(status, int) and 400 <= status < 600):
         status = 400

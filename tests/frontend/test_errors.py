@@ -191,6 +191,7 @@ def test_body_past_the_limit_is_413(server: Server) -> None:
     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
     b"zz\r\n",
     b"FROB /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"CONNECT evil:443 HTTP/1.1\r\nhost: evil:443\r\n\r\n",
 ])
 def test_a_request_the_http_parser_refuses_is_answered_in_openai_s_shape(
         server: Server, head: bytes) -> None:
@@ -206,6 +207,9 @@ def test_a_request_the_http_parser_refuses_is_answered_in_openai_s_shape(
     got = msgspec.json.decode(body)
     assert set(got) == {"error"} and got["error"]["code"] == "invalid_http"
     assert got["error"]["type"] == "invalid_request_error" and got["error"]["message"]
+    # the parser's reason, not uvicorn's fixed text nor httptools' "User callback error"
+    assert "Invalid HTTP request received" not in got["error"]["message"]
+    assert "callback" not in got["error"]["message"], got
 
 
 @pytest.fixture(scope="module", params=["httptools", "h11"])
