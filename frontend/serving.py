@@ -36,6 +36,14 @@ while the scheduler generates them at full speed).
 
 An HTTP/1.0 request's answer is never chunked (:func:`_close_delimited`).
 
+What the parser refuses is answered in OpenAI's error shape, naming the
+parser's reason: 400, or 501 for a transfer coding before a final ``chunked``
+(``gzip, chunked``: RFC 9112's answer to a coding the server lacks). A
+request framed by both a length and chunks is refused by httptools; h11
+answers it by its chunks, so its connection is closed after the answer (RFC
+9112), else bytes a length-trusting proxy sent as its body would be read as a
+request of their own.
+
 A whole answer (the app's :meth:`frontend.asgi.Reply.whole`) is sent by
 :func:`_send_whole`, offered in each request's scope as the
 :data:`frontend.asgi.WHOLE` extension (httptools): its head and body in one
@@ -104,6 +112,30 @@ def _refusal(status: int, code: str, message: str) -> bytes:
     body = ApiError(status, message, code=code).body()
     return _STATUS_LINES[status] + (b"content-type: application/json\r\ncontent-length: %d\r\n"
                                     b"connection: close\r\n\r\n" % len(body)) + body
+
+
+#: Most characters of a parser's reason or a refused coding an error message quotes.
+_QUOTED = 200
+
+
+def _unsupported_codings(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The transfer codings ``headers`` name before a final ``chunked`` (the one coding
+    this server decodes), as sent, or None. RFC 9112: such a request's length is known,
+    and a coding the server does not implement is answered 501 (without a final
+    ``chunked`` the length is not known: the parser's 400)."""
+    codings = [coding.strip() for name, value in headers if name == b"transfer-encoding"
+               for coding in value.split(b",")]
+    codings = [c for c in codings if c]
+    if len(codings) < 2 or codings[-1].lower() != b"chunked":
+        return None
+    return b", ".join(codings[:-1])
+
+
+def _framed_twice(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether ``headers`` frame the body both by ``content-length`` and by
+    ``transfer-encoding``."""
+    names = {name for name, _ in headers}
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 def _close_delimited(cycle: Any) -> None:
@@ -207,6 +239,31 @@ def _reset(transport: Any) -> None:
     transport.abort()
 
 
+def _not_implemented(codings: bytes) -> bytes:
+    """The 501 for a body in transfer ``codings`` this server does not decode."""
+    quoted = codings[:_QUOTED].decode("latin-1")
+    return _refusal(501, "unsupported_transfer_coding",
+                    f"transfer-encoding {quoted!r} is not implemented: send the body "
+                    "with a content-length or chunked alone")
+
+
+def _parse_refusal(error: BaseException | None, fallback: str) -> bytes:
+    """The answer to a request the HTTP parser refused with ``error`` (h11's carries the
+    status it advises; ``fallback``: the text when there is no error)."""
+    if error is not None and error.__context__ is not None and \
+            type(error).__name__ == "HttpParserCallbackError":
+        error = error.__context__  # (what a parser callback raised: an invalid URL)
+    status = getattr(error, "error_status_hint", 400)
+    if not (isinstance(status, int) and 400 <= status < 600):
+        status = 400
+    reason = str(error)[:_QUOTED] if error is not None and str(error) else fallback
+    if status == 501:
+        return _refusal(501, "unsupported_transfer_coding",
+                        f"{reason}: send the body with a content-length or chunked alone")
+    code = "headers_too_large" if status == 431 else "invalid_http"
+    return _refusal(status, code, f"invalid HTTP request: {reason}")
+
+
 class _Refused(Exception):
     """Raised from a parser callback once the connection was answered and closed."""
 
@@ -230,6 +287,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         raise ValueError(f"max_head_bytes ({max_head_bytes}), head_timeout "
                          f"({head_timeout}) and send_timeout ({send_timeout}) must be above 0")
     base: Any = import_from_string(HTTP_PROTOCOLS[name])
+    # h11 takes a request with both a length and chunked coding by its coding (llhttp
+    # refuses it, 400); RFC 9112 then requires the connection closed after the answer.
+    both_lengths_close = hasattr(base, "handle_events")  # (h11's protocol)
 
     too_large = _refusal(431, "headers_too_large",
                          f"the request's headers passed {max_head_bytes} bytes")
@@ -285,6 +345,11 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         def _set_cycle(self, new: Any) -> None:
             if new is not None and new.scope.get("http_version") == "1.0":
                 _close_delimited(new)
+            if both_lengths_close and new is not None and _framed_twice(new.scope["headers"]):
+                # (kept open, the bytes a proxy that trusted the length took for this
+                # body would be read here as the next request: request smuggling)
+                new.keep_alive = False
+                new.scope["headers"].append((b"connection", b"close"))  # (told in the answer)
             old = self._cycle
             if old is not None and old is not new and not old.response_complete:
                 earlier = self.__dict__.setdefault("_earlier", [])
@@ -317,6 +382,12 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             if head > max_head_bytes:
                 self._refuse(too_large, unbegun=True)
                 raise _Refused  # stop the parser: nothing more of this connection is read
+            unsupported = _unsupported_codings(headers)
+            if unsupported is not None:
+                # (llhttp took ``gzip, chunked`` as chunked, and the handler read the
+                # gzip bytes as the body: "invalid JSON")
+                self._refuse(_not_implemented(unsupported), unbegun=True)
+                raise _Refused
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # (its request's cycle)
@@ -337,10 +408,14 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         def send_400_response(self, msg: str) -> None:
             # uvicorn's own answer to what its parser refuses (a negative length, both
             # a length and chunked coding, a bad chunk size, an unknown method) is
-            # text/plain; every answer of the door is in OpenAI's error shape.
-            if not self.transport.is_closing():  # (not after a refusal of ours)
-                self.transport.write(_refusal(400, "invalid_http", msg))
-                self.transport.close()
+            # text/plain; every answer of the door is in OpenAI's error shape. uvicorn
+            # calls this while it handles the parser's error: the error's text says
+            # what was wrong, and h11's hint gives the status (501 for a transfer
+            # coding it does not implement, 431 for a head too large).
+            if self.transport.is_closing():  # (after a refusal of ours)
+                return
+            self.transport.write(_parse_refusal(sys.exc_info()[1], msg))
+            self.transport.close()
 
         def _answered(self) -> bool:
             """Whether every request begun before this one is answered whole."""

@@ -114,7 +114,8 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
 def add_curve_options(p: argparse.ArgumentParser, *, what: str) -> None:
     """``--allow-remote``, ``--curve-keys`` and ``--curve-allow`` for the server of ``what``."""
     p.add_argument("--allow-remote", action="store_true",
-                   help=f"allow {what} on tcp beyond loopback (use CURVE then)")
+                   help=f"allow {what} on tcp beyond loopback (with --curve-keys and "
+                        "--curve-allow, which it requires)")
     p.add_argument("--curve-keys", metavar="SECRET_FILE",
                    help=f"{what}'s CURVE key pair (a zmq .key_secret file)")
     p.add_argument("--curve-allow", metavar="PUBLIC_FILE", nargs="*", default=None,
@@ -125,10 +126,16 @@ def curve_options(args: argparse.Namespace) -> tuple[CurveKeys | None, list[byte
     """The key pair and the admitted clients' public keys the options name (or None).
 
     Raises:
-        ValueError: one of ``--curve-keys`` and ``--curve-allow`` without the other, or
-            a key file that does not read as one.
+        ValueError: one of ``--curve-keys`` and ``--curve-allow`` without the other,
+            ``--allow-remote`` without them, or a key file that does not read as one.
         OSError: a key file that cannot be read.
     """
+    if args.allow_remote and not (args.curve_keys or args.curve_allow is not None):
+        # Without CURVE the endpoint serves whoever reaches its port: shutdown, and
+        # save_checkpoint to any path this user may write.
+        raise ValueError("--allow-remote needs --curve-keys and --curve-allow: without "
+                         "them any host that reaches the port could call shutdown or "
+                         "save_checkpoint(path=...)")
     keys = CurveKeys.load(args.curve_keys) if args.curve_keys else None
     if (args.curve_allow is not None) != (keys is not None):
         raise ValueError("--curve-keys and --curve-allow go together")

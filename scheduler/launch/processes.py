@@ -23,6 +23,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -195,6 +196,7 @@ def _child(parent: int, target: Callable[..., None], *args: object,
     # (a ``shutdown``, then a kill) once its own drain is done: dying here first would
     # cut the streams that drain is for.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked by _start)
     _watch_parent(parent)
     if _upstream is not None:
         _watch_upstream(_upstream)
@@ -205,6 +207,24 @@ def _child(parent: int, target: Callable[..., None], *args: object,
             raise
         _report.send_bytes(json.dumps([exc.path, exc.reason]).encode())
         sys.exit(1)
+
+
+def _start(proc: BaseProcess) -> None:
+    """Start ``proc`` (its target :func:`_child`) with SIGINT blocked, as CPython starts its
+    resource tracker: the blocked mask passes through fork and exec, so a Ctrl-C while
+    the new interpreter imports (torch: seconds) waits, pending, until :func:`_child`
+    ignores it, instead of a ``KeyboardInterrupt`` traceback from each process
+    starting. (SIGTERM needs nothing: it ends an importing process without a word.)
+
+    The resource tracker is started first: starting it unblocks SIGINT (CPython's
+    ``ensure_running`` unblocks rather than restoring the mask it found), which would
+    undo the block for ``proc``, the first process a run starts."""
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 #: The read end of each started scheduler process's report pipe (see _child).
@@ -279,7 +299,7 @@ def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelSpec, *,
                                          "_upstream": _read_end(upstreams[rank])},
                                  name=f"{name}-rank{rank}", daemon=True))
     for proc, (read, write), upstream in zip(procs, reports, upstreams, strict=True):
-        proc.start()
+        _start(proc)
         write.close()  # the child's end: ours would keep the pipe open past its exit
         _REPORTS[proc] = read
         _STARTED.add(proc)
@@ -431,7 +451,7 @@ def _start_standby(directory: str, model: ModelSpec, max_batch: int, limits: Lim
                                             max_batch, limits, metrics),
                        kwargs={"_report": write, "_upstream": told},
                        name="replica-standby", daemon=True)
-    proc.start()
+    _start(proc)
     _STARTED.add(proc)
     wait.close()
     write.close()
@@ -470,7 +490,7 @@ def start_processes(endpoints: Endpoints, directory: str, model: ModelSpec, *,
                                      "max_handoff_bytes": limits.max_handoff_bytes,
                                      "heartbeat_timeout": LOCAL_HEARTBEAT_TIMEOUT},
                              name="dispatcher", daemon=True)
-    dispatcher.start()
+    _start(dispatcher)
     _STARTED.add(dispatcher)
     started.essential = [dispatcher]
     started.supervisor = supervise(started.replicas, directory, model, max_batch=max_batch,

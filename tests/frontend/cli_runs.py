@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BREAKS", "DoubleStop", "Failed", "GroupStop", "broken_copy", "broken_tiny_hf",
-           "double_ctrl_c", "failed_start", "free_port", "group_ctrl_c"]
+__all__ = ["BREAKS", "DoubleStop", "Failed", "GroupStop", "StartStop", "broken_copy",
+           "broken_tiny_hf", "ctrl_c_while_starting", "double_ctrl_c", "failed_start",
+           "free_port", "group_ctrl_c"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -227,3 +228,77 @@ def group_ctrl_c(mode: str, tokens: int, extra: tuple[str, ...] = ()) -> GroupSt
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
         return GroupStop(proc.returncode, err.decode(errors="replace"), at_signal, events)
+
+
+@dataclass(frozen=True, slots=True)
+class StartStop:
+    """A frontend whose process group got one SIGINT while its scheduler process started."""
+
+    returncode: int
+    stderr: str
+    children: list[int]  # the spawned processes seen when the signal was sent
+    left: list[int]  # ... those still running 30 s after the frontend's exit
+
+
+def _spawned(parent: int) -> list[int]:
+    """The processes ``parent`` started through ``multiprocessing``'s spawn (Linux /proc)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and spawned:
+            found.append(int(name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _catches_sigint(pid: int) -> bool:
+    """Whether ``pid`` has a handler for SIGINT (its interpreter set Python's up)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+def ctrl_c_while_starting(extra: tuple[str, ...] = ()) -> StartStop:
+    """Start ``python -m frontend --mode zmq`` as a process group's leader and, as soon as
+    its first scheduler process has Python's SIGINT handler (it is then importing: torch
+    takes seconds), send SIGINT to the whole group, as a terminal's Ctrl-C does; wait
+    for the exit. (Sooner, the signal's default action ends the child without a word.)"""
+    with tempfile.TemporaryDirectory(prefix="tsb-starting-") as tmp:
+        proc = _frontend(tmp, free_port(), "zmq", extra, new_session=True)
+        children: list[int] = []
+        try:
+            deadline = time.monotonic() + 120
+            while not children and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)  # sleep-ok: pacing a deadline poll
+                children = [c for c in _spawned(proc.pid) if _catches_sigint(c)]
+            if not children:
+                raise RuntimeError("the frontend started no scheduler process")
+            os.killpg(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        deadline = time.monotonic() + 30
+        while any(map(_running, children)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # sleep-ok: pacing a deadline poll
+        return StartStop(proc.returncode, err.decode(errors="replace"), children,
+                         [c for c in children if _running(c)])

@@ -42,7 +42,8 @@ class Server:
     def __init__(self, settings: Settings, tokenizer: Tokenizer, *,
                  engine: Callable[[Settings], AsyncEngine] | None = None,
                  timeout_keep_alive: int = 5, head_timeout: float = 30.0,
-                 max_head_bytes: int = 64 << 10, send_timeout: float = 30.0) -> None:
+                 max_head_bytes: int = 64 << 10, send_timeout: float = 30.0,
+                 http: str = "auto") -> None:
         self.app = Frontend(settings, tokenizer, engine=engine)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -51,7 +52,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, lifespan="on", log_level="warning",
                                 access_log=False, http=http_protocol(
-                                    head_timeout=head_timeout, max_head_bytes=max_head_bytes,
+                                    http, head_timeout=head_timeout,
+                                    max_head_bytes=max_head_bytes,
                                     send_timeout=send_timeout),
                                 timeout_keep_alive=timeout_keep_alive)
         self._server = uvicorn.Server(config)

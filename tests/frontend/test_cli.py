@@ -71,6 +71,8 @@ def test_a_tokenizer_directory_sizes_the_model(tmp_path: Path) -> None:
     (["--tp-size", "2"], "need --mode zmq"),
     (["--tokenizer", "/nonexistent/dir"], "no tokenizer.json"),
     (["--curve-keys", "x.key_secret"], "CURVE keys"),
+    # (a plaintext rpc door on the network: anyone could call shutdown)
+    (["--allow-remote"], "--allow-remote needs --curve-keys"),
     (["--max-queued-requests", "0"], "--max-queued-requests"),
     (["--body-timeout", "0"], "--body-timeout"),
     (["--body-timeout", "nan"], "--body-timeout"),

@@ -191,6 +191,7 @@ def test_body_past_the_limit_is_413(server: Server) -> None:
     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
     b"zz\r\n",
     b"FROB /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"CONNECT evil:443 HTTP/1.1\r\nhost: evil:443\r\n\r\n",
 ])
 def test_a_request_the_http_parser_refuses_is_answered_in_openai_s_shape(
         server: Server, head: bytes) -> None:
@@ -206,6 +207,61 @@ def test_a_request_the_http_parser_refuses_is_answered_in_openai_s_shape(
     got = msgspec.json.decode(body)
     assert set(got) == {"error"} and got["error"]["code"] == "invalid_http"
     assert got["error"]["type"] == "invalid_request_error" and got["error"]["message"]
+    # the parser's reason, not uvicorn's fixed text nor httptools' "User callback error"
+    assert "Invalid HTTP request received" not in got["error"]["message"]
+    assert "callback" not in got["error"]["message"], got
+
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def parsers(request: pytest.FixtureRequest, server: Server) -> Iterator[Server]:
+    """The module's server (httptools, uvicorn's default) and one on h11 (``--http h11``)."""
+    if request.param == "httptools":
+        yield server
+        return
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub")), tok,
+               http="h11")
+    yield s
+    s.stop()
+
+
+def exchange(server: Server, data: bytes) -> bytes:
+    """Everything the server answers to ``data`` until it closes the connection."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_transfer_coding_the_server_lacks_is_501(parsers: Server) -> None:
+    # RFC 9112: a coding the server does not implement is 501 (Not Implemented). Without
+    # the check, httptools took ``gzip, chunked`` as chunked and the gzip bytes were
+    # answered 400 "invalid JSON"; h11's own 501 hint was answered 400.
+    answer = exchange(parsers, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                               b"transfer-encoding: gzip, chunked\r\n\r\n"
+                               b"3\r\n\x1f\x8b\x08\r\n0\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 501 "), answer
+    assert b"connection: close" in head.lower()
+    err = msgspec.json.decode(body)["error"]
+    assert err["code"] == "unsupported_transfer_coding" and "chunked" in err["message"]
+
+
+def test_a_body_framed_by_a_length_and_by_chunks_ends_its_connection(parsers: Server) -> None:
+    # A proxy that trusts the length forwards the second request as this one's body; a
+    # server that trusts the chunks and keeps the connection open answers it as a
+    # request of its own (smuggled). RFC 9112: refuse, or answer and close. Without the
+    # close, h11 answered both.
+    smuggled = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    body = b"0\r\n\r\n" + smuggled
+    answer = exchange(parsers, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                               b"content-type: application/json\r\n"
+                               b"transfer-encoding: chunked\r\ncontent-length: %d\r\n\r\n"
+                               % len(body) + body)
+    assert answer.count(b"HTTP/1.1 ") == 1, answer
+    assert b"connection: close" in answer.partition(b"\r\n\r\n")[0].lower()
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "br, gzip"])

@@ -21,6 +21,7 @@ from scheduler.models.tiny_hf import build_tiny_hf
 from tests.frontend.cli_runs import (
     BREAKS,
     broken_copy,
+    ctrl_c_while_starting,
     double_ctrl_c,
     failed_start,
     free_port,
@@ -132,3 +133,13 @@ def test_ctrl_c_to_the_process_group_lets_a_stream_in_flight_finish(
     choices = last["choices"]
     assert isinstance(choices, list) and choices[0]["finish_reason"] == "length", last
     assert got.returncode == 0 and "Traceback" not in got.stderr, got.stderr[-2000:]
+
+
+def test_ctrl_c_while_the_scheduler_process_imports_is_quiet() -> None:
+    # The spawned interpreter imports torch for seconds before it ignores SIGINT: a
+    # terminal's Ctrl-C then printed a KeyboardInterrupt traceback from each process.
+    got = ctrl_c_while_starting()
+    assert got.children, got
+    assert "Traceback" not in got.stderr and "KeyboardInterrupt" not in got.stderr, \
+        got.stderr[-3000:]
+    assert got.returncode == 0 and got.left == [], got

@@ -28,12 +28,14 @@ PROTOCOL_NAMES = ["connection_made", "connection_lost", "data_received", "pause_
 #: httptools' parser callbacks it overrides, and what they read (httptools protocol only).
 HTTPTOOLS_NAMES = ["on_message_begin", "on_headers_complete", "on_body",
                    "on_message_complete", "url", "headers"]
+#: What it reads to tell h11's protocol (h11 protocol only).
+H11_NAMES = ["handle_events"]
 #: What frontend/serving.py uses on a protocol's request cycle.
 CYCLE_NAMES = ["send", "scope", "response_started", "response_complete", "disconnected",
-               "message_event"]
+               "message_event", "keep_alive"]
 #: ... and on httptools' cycle alone (an HTTP/1.0 answer's framing: h11 frames it itself;
 #: a whole answer's one write, ``_send_whole``).
-HTTPTOOLS_CYCLE_NAMES = ["chunked_encoding", "expected_content_length", "flow", "keep_alive",
+HTTPTOOLS_CYCLE_NAMES = ["chunked_encoding", "expected_content_length", "flow",
                          "default_headers", "waiting_for_100_continue", "on_response",
                          "transport"]
 #: What frontend/serving.py's ``_send_whole`` uses on uvicorn's flow control.
@@ -91,7 +93,7 @@ def test_the_module_level_names_exist() -> None:
 @pytest.mark.parametrize("name", PROTOCOLS)
 def test_the_protocol_names_exist(name: str) -> None:
     cls = _protocol(name)
-    names = PROTOCOL_NAMES + (HTTPTOOLS_NAMES if name == "httptools" else [])
+    names = PROTOCOL_NAMES + (HTTPTOOLS_NAMES if name == "httptools" else H11_NAMES)
     missing = _missing(cls, names, "frontend/serving.py")
     cycle = getattr(importlib.import_module(cls.__module__), "RequestResponseCycle", None)
     if cycle is None:

@@ -188,3 +188,17 @@ def test_a_limit_out_of_range_is_named_by_its_flag_in_both_commands(
         scheduler_main.main(["serve", "--endpoint", str(tmp_path / "serve"), flag, value])
     assert serve.value.code == 2
     assert f"error: {flag} must be " in capsys.readouterr().err
+
+
+def test_allow_remote_without_curve_is_refused_in_both_commands(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Without this, --allow-remote alone bound a plaintext endpoint beyond loopback:
+    # any host that reached its port could call shutdown or save_checkpoint(path=...).
+    from frontend.__main__ import parse, settings_from
+    with pytest.raises(SystemExit) as door:
+        settings_from(parse(["--endpoint", "tcp://0.0.0.0:5611", "--allow-remote"]))
+    assert "--allow-remote needs --curve-keys and --curve-allow" in str(door.value)
+    with pytest.raises(SystemExit) as serve:
+        scheduler_main.main(["serve", "--endpoint", "tcp://0.0.0.0:5612", "--allow-remote"])
+    assert serve.value.code == 2
+    assert "--allow-remote needs --curve-keys and --curve-allow" in capsys.readouterr().err
