@@ -34,7 +34,6 @@ MAX_NEW = 8
 CHUNK = 512  # the scheduler's default max_prefill_tokens
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
 
 
 @pytest.fixture(scope="module")
