@@ -17,19 +17,25 @@ _n = itertools.count()
 
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread() -> Iterator[None]:
-    """Torch runs one intra-op thread in the test process, for the whole session.
+    """Torch runs one intra-op thread in the test process and in every process the
+    tests start, for the whole session.
 
-    The schedulers of ``ring`` mode run in this process, on its thread pool
-    (a ``zmq`` scheduler sizes its own: the spawned process does not inherit
-    this), as do the tests' reference forward passes. Their operations are
-    far too small to split, and on a 2-core host an idle OpenMP worker
-    spin-waits after every parallel region on the core the test's client
-    needs: 1000 generates in ring mode took 13-17 s with torch's default of
-    two threads, 1.5-2 s with one. What a test checks does not depend on it.
+    The schedulers of ``ring`` mode run in this process, on its thread pool,
+    as do the tests' reference forward passes. Their operations are far too
+    small to split, and on a 2-core host an idle OpenMP worker spin-waits
+    after every parallel region on the core the test's client needs: 1000
+    generates in ring mode took 13-17 s with torch's default of two threads,
+    1.5-2 s with one. A spawned process does not inherit this process's pool
+    size, but reads ``OMP_NUM_THREADS``: the schedulers of a Hugging Face
+    model keep torch's default otherwise (the built-in models size their own),
+    and a module-scoped engine starts before any function-scoped fixture
+    could set it. What a test checks does not depend on it.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # read by every process a test starts
+        yield
     torch.set_num_threads(before)
 
 

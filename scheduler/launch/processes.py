@@ -32,7 +32,7 @@ from bus.shm.segment import pid_alive, start_time
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
 from scheduler.launch.leftovers import leave_files
-from scheduler.launch.respawn import ReplicaSupervisor, Standby
+from scheduler.launch.respawn import STANDBY_AFTER, ReplicaSupervisor, Standby
 from scheduler.launch.tp import TPConfig
 from scheduler.launch.wiring import Endpoints, serve_follower, serve_zmq
 from scheduler.models.loading import ModelLoadError, ModelSpec
@@ -368,6 +368,32 @@ def _start_replica(directory: str, model: ModelSpec, max_batch: int, tp_size: in
 #: standby is only an idle process's start-up CPU.
 NO_STANDBY_ENV = "TSB_STANDBY"
 
+#: The environment variable that, set when a supervisor is made, is the seconds it
+#: waits after every replica started before it starts a standby (default
+#: :data:`~scheduler.launch.respawn.STANDBY_AFTER`). For tests of the standby itself,
+#: which would otherwise wait those seconds out for it to appear.
+STANDBY_AFTER_ENV = "TSB_STANDBY_AFTER"
+
+
+def _standby_after() -> float:
+    """The supervisor's wait before a standby: :data:`STANDBY_AFTER_ENV`, else the default.
+
+    A value that is no number of seconds >= 0 is logged, naming the variable, and the
+    default is used: the replicas have started by now, and must not be left behind.
+    """
+    value = os.environ.get(STANDBY_AFTER_ENV)
+    if value is None:
+        return STANDBY_AFTER
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # (NaN too)
+        log.warning("%s=%r is not a number of seconds >= 0: using %.1f s", STANDBY_AFTER_ENV,
+                    value, STANDBY_AFTER)
+        return STANDBY_AFTER
+    return seconds
+
 
 def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, *,
               max_batch: int, tp_size: int = 1, limits: Limits | None = None,
@@ -391,7 +417,8 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
     started ahead that has imported everything and waits to be told which
     replica to serve, so a restart costs a model build, not an interpreter
     and torch start (seconds on a busy host); none is started where the environment
-    has :data:`NO_STANDBY_ENV` set to ``0`` at this call."""
+    has :data:`NO_STANDBY_ENV` set to ``0`` at this call, and the first is started
+    :data:`STANDBY_AFTER_ENV` seconds (when set) after every replica started."""
     def standby() -> Standby:
         spare = _start_standby(directory, model, max_batch, limits or Limits(), metrics)
         _tell_upstream([spare.process], upstream)
@@ -418,7 +445,8 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
         standby=standby if tp_size == 1 and os.environ.get(NO_STANDBY_ENV) != "0" else None,
         started=lambda: all(os.path.exists(os.path.join(directory, f"r{i}", "rpc"))
                             for i in range(len(procs))),  # each bound its endpoints
-        shut_down=shut_down, ready=ready, load_failure=load_failure, none_left=none_left)
+        shut_down=shut_down, ready=ready, load_failure=load_failure, none_left=none_left,
+        standby_after=_standby_after())
     sup.start()
     return sup
 

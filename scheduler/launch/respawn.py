@@ -212,6 +212,8 @@ class ReplicaSupervisor:
         none_left: called once, with one line, when every replica is given up.
         grace: seconds the replicas have to exit once ``keep_going()`` says no
             by itself (:meth:`upstream_gone`).
+        standby_after: seconds after every replica started (or after a standby
+            exited unasked) before a standby is started (:data:`STANDBY_AFTER`).
     """
 
     def __init__(self, replicas: list[list[BaseProcess]],
@@ -225,10 +227,12 @@ class ReplicaSupervisor:
                  load_failure: Callable[[BaseProcess], ModelLoadError | None] = (
                      lambda proc: None),
                  none_left: Callable[[str], None] | None = None,
-                 grace: float = 1.0) -> None:
+                 grace: float = 1.0, standby_after: float = STANDBY_AFTER) -> None:
         self.replicas = replicas
         #: Seconds :meth:`upstream_gone` waits for the replicas to exit by themselves.
         self.grace = grace
+        #: Seconds before a standby is started (see ``standby_after``).
+        self.standby_after = standby_after
         self._start = start
         self._keep_going = keep_going
         self.policy = policy or RespawnPolicy(len(replicas))
@@ -333,22 +337,22 @@ class ReplicaSupervisor:
             self._exited(i, ranks, next(c for c in codes if c is not None))
 
     def _keep_a_standby(self, now: float) -> None:
-        """Start a standby :data:`STANDBY_AFTER` seconds after every replica started, a
+        """Start a standby ``standby_after`` seconds after every replica started, a
         new one at once after a take-over, and, after one that exited unasked (or was
-        let go, too slow), only :data:`STANDBY_AFTER` seconds later: one that cannot
+        let go, too slow), only ``standby_after`` seconds later: one that cannot
         start must not be started again every look."""
         assert self._make_standby is not None
         if self._next_standby is None:
             if not self._all_started():
                 return
-            self._next_standby = now + STANDBY_AFTER
+            self._next_standby = now + self.standby_after
         standby = self._standby
         if standby is not None and standby.process.exitcode is not None:
             log.warning("the standby (pid %s) exited (exit code %s) before it was needed: "
-                        "another in %.0f s", standby.process.pid, standby.process.exitcode,
-                        STANDBY_AFTER)
+                        "another in %.1f s", standby.process.pid, standby.process.exitcode,
+                        self.standby_after)
             self._standby = None
-            self._next_standby = now + STANDBY_AFTER
+            self._next_standby = now + self.standby_after
         if self._standby is None and now >= self._next_standby:
             self._standby = self._make_standby()
 
@@ -441,7 +445,7 @@ class ReplicaSupervisor:
         log.warning("the standby (pid %s) did not start within %.0f s: stopping it, "
                     "starting replica%d afresh", standby.process.pid, STANDBY_WAIT, i)
         self._standby = None
-        self._next_standby = now + STANDBY_AFTER
+        self._next_standby = now + self.standby_after
         _stop_standby(standby)
         return False
 

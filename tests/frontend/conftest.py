@@ -59,13 +59,12 @@ class HFDoors:
     def get(self, mode: str) -> Server:
         """The door of ``mode``, started on first use.
 
-        Its schedulers run one intra-op torch thread, as this process does
-        (``one_torch_thread``): on a busy 2-core host torch's spinning threads
-        made 20 guided answers take 27 s instead of 1.
+        Its schedulers run one intra-op torch thread, as every process the tests
+        start does (``one_torch_thread``): on a busy 2-core host torch's spinning
+        threads made 20 guided answers take 27 s instead of 1.
         """
         if mode not in self._doors:
             with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("OMP_NUM_THREADS", "1")  # read by the processes it spawns
                 mp.setenv("TSB_STANDBY", "0")  # never killed: a standby would only cost CPU
                 settings, app = settings_from(parse([
                     "--model", str(self._model), "--served-model-name", "tiny",

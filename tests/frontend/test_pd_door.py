@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from bus import RpcClient
 from frontend.__main__ import parse, settings_from
-from scheduler.models.tiny_hf import build_tiny_hf
+from scheduler.launch.processes import NO_STANDBY_ENV
 from tests.frontend.server import Server, openai_client
 
 MAX_TOKENS = 12
@@ -26,10 +26,11 @@ PROMPTS = [[3 + (11 * k + 5 * n) % 300 for n in range(length)]
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
-    """(a --pd 1:1 door, a colocated door) over the same model; the pd door's rpc
-    endpoint is ``server.rpc_dir``."""
-    model = build_tiny_hf(tmp_path_factory.mktemp("hf") / "tiny")
+def servers(tmp_path_factory: pytest.TempPathFactory, tiny_hf: Path
+            ) -> Iterator[tuple[Server, Server]]:
+    """(a --pd 1:1 door, a colocated door) over the session's tiny model (read only); the
+    pd door's rpc endpoint is ``server.rpc_dir``."""
+    model = tiny_hf
     made: list[Server] = []
     try:
         # The colocated door embeds its scheduler (ring): its answers are any mode's.
@@ -38,7 +39,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
             _RPC_DIRS.append(ep)
             settings, app = settings_from(parse(["--model", str(model), "--served-model-name",
                                                  "tiny", "--endpoint", str(ep), *flags]))
-            made.append(Server(settings, app.tokenizer))
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv(NO_STANDBY_ENV, "0")  # never killed: a standby would only cost CPU
+                made.append(Server(settings, app.tokenizer))
         yield made[0], made[1]
     finally:
         for server in made:

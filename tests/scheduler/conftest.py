@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import zmq
 
 from scheduler import Engine
@@ -27,19 +26,6 @@ def make_loop(ctx: zmq.Context[zmq.Socket[bytes]], ipc: Callable[[str], str]
     yield make
     for loop in loops:
         loop.close()
-
-
-@pytest.fixture
-def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """One intra-op thread here and in the scheduler processes: on a busy 2-core box,
-    torch's spinning threads made a tiny model's step 70x slower (0.5 s, not 7 ms),
-    long enough for a data-parallel replica to look lost. A module that builds
-    Hugging Face models uses it with ``pytestmark = pytest.mark.usefixtures(...)``."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +53,10 @@ class HFEngines:
     def get(self, dp_size: int = 1) -> Engine:
         """The engine of ``dp_size`` replicas, idle (nothing pending), started on first use.
 
-        Its schedulers run one intra-op torch thread, as ``one_thread`` gives the
-        engines a test starts itself."""
+        Its schedulers run one intra-op torch thread, as every process the tests
+        start does (``one_torch_thread``)."""
         if dp_size not in self._engines:
             with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("OMP_NUM_THREADS", "1")  # read by the processes it spawns
                 mp.setenv("TSB_STANDBY", "0")  # never killed: a standby would only cost CPU
                 self._engines[dp_size] = Engine("zmq", self._model, dp_size=dp_size)
         engine = self._engines[dp_size]

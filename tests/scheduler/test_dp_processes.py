@@ -29,6 +29,7 @@ from messages import (
     token_ids,
 )
 from scheduler import Engine, ModelConfig, RequestFailed
+from scheduler.launch.processes import STANDBY_AFTER_ENV
 from scheduler.launch.wiring import Endpoints
 from tests import procs
 from tests.conftest import eventually
@@ -485,10 +486,12 @@ def test_serve_dp_restarts_a_replica_killed_while_its_standby_is_still_starting(
     # Twice: killed as the first standby starts, then again within seconds of that
     # restart, as the next standby starts. Each time the standby, still importing,
     # must not be handed the replica (it exited 0 on the closed pipe: never restarted).
+    # The first standby starts 1 s after both replicas did, not the default 10 s.
     log = tmp_path / "serve.log"
     with open(log, "w") as err:
         serve = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--dp", "2",
-                                  "--endpoint", str(tmp_path / "ep")], stderr=err, text=True)
+                                  "--endpoint", str(tmp_path / "ep")], stderr=err, text=True,
+                                 env={**os.environ, STANDBY_AFTER_ENV: "1"})
     rpc = RpcClient(f"ipc://{tmp_path}/ep/rpc")
     try:
         deadline = time.monotonic() + 120

@@ -65,7 +65,11 @@ def test_a_killed_dispatcher_stops_its_replicas_within_the_bound(
                 f"dispatcher died: {[p for p in replicas if not _reaped(p)]} "
                 f"(CPU seconds before: {busy})")
             time.sleep(0.02)  # sleep-ok: pacing of a deadline poll
-        # Each stopped by itself (an orphan's exit), not by the supervisor's SIGKILL.
+        # Each stopped by itself (an orphan's exit), not by the supervisor's SIGKILL. The
+        # supervisor's thread reaps them: a process it has waited for but whose exit code
+        # it has not stored yet reads as None here (our own waitpid finds no child).
+        while any(p.exitcode is None for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.02)  # sleep-ok: pacing of a deadline poll
         assert [p.exitcode for p in ranks] == [1] * len(ranks)
         # Their shared memory and the dead dispatcher's is gone now, not at the close
         # (a door answers 503 for as long as it runs).

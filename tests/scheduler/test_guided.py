@@ -18,8 +18,6 @@ from scheduler import Engine, ModelConfig
 from scheduler.errors import EngineError, RequestFailed
 from scheduler.models.guided import Guides, check_guide
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
-
 #: Bounded so that the largest answer fits the token budget (one byte a token at worst).
 SCHEMA = {
     "type": "object",

@@ -442,18 +442,22 @@ def test_12_each_request_ends_once_when_its_consumer_stops_reading(max_backlog: 
     router = scheduler_router(sink, CallbackSink(lambda o, g: None), max_backlog=max_backlog)
     sched = Scheduler(Receiver([RingInbox(ring, name="work")]), router, TinyLM(SMALL),
                       max_batch=64, limits=Limits(max_backlog=max_backlog))
+    rids = []
+    # Every request waits in the ring before the loop starts, so its first poll takes
+    # them all. Put while it runs, the loop could take the first few alone, finish
+    # them, and pause the inbox on their one unread output: the backlog would then
+    # never overflow, and the test would wait for an abort that cannot come.
+    for i in range(150):
+        rids.append(f"s{i}")
+        ring.put(TokenizedGenerateReqInput(
+            rid=f"s{i}", input_ids=token_ids([i % 60 + 1]), stream=True,
+            sampling=SamplingParams(max_new_tokens=rng.choice([1, 3, 50, 400]))))
+        if i % 7 == 0:
+            rids.append(f"e{i}")
+            ring.put(TokenizedEmbeddingReqInput(rid=f"e{i}", input_ids=token_ids([1, 2])))
     thread = threading.Thread(target=sched.run)
     thread.start()
-    rids = []
     try:
-        for i in range(150):
-            rids.append(f"s{i}")
-            ring.put(TokenizedGenerateReqInput(
-                rid=f"s{i}", input_ids=token_ids([i % 60 + 1]), stream=True,
-                sampling=SamplingParams(max_new_tokens=rng.choice([1, 3, 50, 400]))))
-            if i % 7 == 0:
-                rids.append(f"e{i}")
-                ring.put(TokenizedEmbeddingReqInput(rid=f"e{i}", input_ids=token_ids([1, 2])))
         deadline = time.monotonic() + 90  # ~2 s alone; a loaded 2-core box takes 5x
         while sched.backlog_aborts == 0:  # the backlog overflowed, and collapsed
             assert time.monotonic() < deadline

@@ -34,9 +34,6 @@ MAX_NEW = 8
 CHUNK = 512  # the scheduler's default max_prefill_tokens
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
-
-
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> Callable[[list[int], int], list[int]]:
     """``transformers``' own greedy answer for one prompt, EOS cut off (memoized)."""

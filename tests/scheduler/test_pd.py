@@ -36,12 +36,11 @@ from messages import (
 )
 from scheduler import Engine, ModelConfig, RequestFailed
 from scheduler.dp import Refused, dispatch_table, merge_replies
+from scheduler.launch.processes import NO_STANDBY_ENV
 from scheduler.models.hf import HFCausalLM
 from scheduler.models.protocol import PromptChunk, RequestState, StateMismatch
 from scheduler.models.tiny import TinyLM
 from tests.scheduler.rig import Loop
-
-pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 BOUND = 1 << 20  #: a prefill replica's max_handoff_bytes under test (a tiny GRU's are KBs)
@@ -64,7 +63,11 @@ def _load(engine: Engine) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def pd_engine(model_dir: Path) -> Iterator[Engine]:
-    with Engine("zmq", model_dir, pd=(1, 1)) as engine:
+    """The module's pd engine: its tests only send requests, none kills a replica."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(NO_STANDBY_ENV, "0")  # never killed: a standby would only cost CPU
+        engine = Engine("zmq", model_dir, pd=(1, 1))
+    with engine:
         yield engine
 
 

@@ -32,7 +32,6 @@ OFF = Limits(prefix_cache_bytes=0)
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 8  # layers, keys+values, kv heads, head dim, float64
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/scheduler/conftest.py)
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:

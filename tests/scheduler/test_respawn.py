@@ -316,3 +316,43 @@ def test_a_supervisor_made_under_tsb_standby_0_keeps_no_standby(
             assert (sup._make_standby is not None) == keeps, value
         finally:
             sup.stop()
+
+
+def test_a_supervisor_made_under_tsb_standby_after_starts_its_standby_that_late(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # What the test of a standby killed while it starts uses, not to wait 10 s for one.
+    from scheduler.launch.processes import STANDBY_AFTER_ENV, supervise
+    from scheduler.models.tiny import ModelConfig
+
+    for value, after in ((None, STANDBY_AFTER), ("0.5", 0.5), ("0", 0.0),
+                         ("soon", STANDBY_AFTER), ("-1", STANDBY_AFTER)):
+        if value is None:
+            monkeypatch.delenv(STANDBY_AFTER_ENV, raising=False)
+        else:
+            monkeypatch.setenv(STANDBY_AFTER_ENV, value)
+        caplog.clear()
+        sup = supervise([], str(tmp_path), ModelConfig(kind="stub"), max_batch=1)
+        try:
+            assert sup.standby_after == after, value
+        finally:
+            sup.stop()
+        named = [r for r in caplog.records if STANDBY_AFTER_ENV in r.getMessage()]
+        assert len(named) == (after == STANDBY_AFTER and value is not None), value
+
+
+def test_standby_after_is_the_wait_before_each_standby() -> None:
+    clock = Clock()
+    standbys = _Standbys()
+    sup, _, _ = _supervisor(clock, 2, standby=standbys, standby_after=0.5)
+    try:
+        sup.look()
+        clock.now += 0.4
+        sup.look()
+        assert standbys.made == []
+        clock.now += 0.1
+        sup.look()
+        assert len(standbys.made) == 1
+    finally:
+        sup.stop()
+        standbys.close()
