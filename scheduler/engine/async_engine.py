@@ -970,7 +970,7 @@ class AsyncEngine:
 
     # -- rpc --------------------------------------------------------------------
 
-    async def collective_rpc(self, method: str, *, timeout: float = 30.0,
+    async def collective_rpc(self, /, method: str, *, timeout: float = 30.0,
                              **params: Scalar) -> RpcReqOutput:
         """Call an rpc method on the scheduler without blocking the loop.
 
