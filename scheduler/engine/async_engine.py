@@ -104,7 +104,6 @@ from scheduler.engine.handles import (
     ends,
     joined,
 )
-from scheduler.engine.stopping import SEND_AT_LEAST, close_timeout, stop_processes, stop_thread
 from scheduler.errors import (
     EngineClosed,
     EngineError,
@@ -130,7 +129,7 @@ from scheduler.models.loading import (
 )
 from scheduler.models.protocol import Model
 
-__all__ = ["SEND_TIMEOUT", "AsyncEngine", "AsyncRequest", "deliver_rows"]
+__all__ = ["SEND_TIMEOUT", "AsyncEngine", "AsyncRequest", "close_timeout", "deliver_rows"]
 
 log = logging.getLogger("scheduler.engine")
 
@@ -140,6 +139,13 @@ T = TypeVar("T")
 
 #: Seconds a submit waits for room on a full work channel before ``Overloaded``.
 SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000
+#: close(None) and close(inf): as long as it takes (11 days: a bound every join and
+#: wait takes, poll(2)'s milliseconds included).
+_FOREVER = 1e6
+#: The shutdown rpc's least wait, so that it is sent even by close(0).
+_SEND_AT_LEAST = 0.1
+#: Seconds a data-parallel replica gets to exit after its dispatcher did.
+_REPLICA_GRACE = 2.0
 
 #: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._after_sends``).
 _READ_EVERY = 32
@@ -164,6 +170,16 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
+
+
+def close_timeout(timeout: float | None) -> float:
+    """``close``'s ``timeout`` as seconds every wait takes: None or inf, as long as it
+    takes; NaN or below 0, none. A timeout that is no number raises TypeError here,
+    before anything is closed (raised once the engine is marked closed, every
+    request would hang and the processes stay)."""
+    if timeout is None or timeout > _FOREVER:
+        return _FOREVER
+    return timeout if timeout > 0 else 0.0
 
 
 async def _within(rid: str, answer: Awaitable[T], timeout: float | None) -> T:
@@ -1078,23 +1094,46 @@ class AsyncEngine:
 
 
     def _stop_scheduler(self, timeout: float) -> None:
-        """Shut the scheduler down and wait for it to stop, within ``timeout`` (from
-        :func:`~scheduler.engine.stopping.close_timeout`): blocks. Its last answers
-        are still read meanwhile by whoever reads the outputs."""
-        deadline = time.monotonic() + timeout  # one for all of it (scheduler.engine.stopping)
+        """Shut the scheduler down and wait for it to stop (blocks), the shutdown rpc and
+        the exits within one deadline ``timeout`` seconds away (:func:`close_timeout`).
+
+        A scheduler process still running at the deadline (hung, stopped) is
+        killed, else it would hold a frontend's exit past its close timeout. An
+        embedded scheduler is a thread, which cannot be: it gets the step it is
+        in (its rings must outlive it: released under a running thread, they
+        abort the process at exit). Its last answers are still read meanwhile
+        by whoever reads the outputs.
+        """
+        deadline = time.monotonic() + timeout
         supervisor = self._started.supervisor
         if supervisor is not None:  # restart nothing that is being shut down
             supervisor.stop()
         if self._alive():
             try:  # sent whatever the timeout (a call with none left sends nothing)
-                self._rpc.call("shutdown", timeout=max(timeout, SEND_AT_LEAST),
+                self._rpc.call("shutdown", timeout=max(timeout, _SEND_AT_LEAST),
                                alive=self._alive)
             except Exception as exc:  # still tear down
                 log.warning("shutdown rpc failed: %s", exc)
         if self._thread is not None:
-            stop_thread(self._thread, deadline)
-        killed = stop_processes(self._started.all(), set(self._procs), deadline,
-                                kill_now=self._gone is not None)
+            self._thread.join(max(0.1, deadline - time.monotonic()))
+            if self._thread.is_alive():
+                log.warning("the embedded scheduler is still in a step at the close's "
+                            "deadline: waiting for it to end")
+                self._thread.join()
+        kill_now = self._gone is not None  # a rank died: the others may wait on it for ever
+        killed = False
+        for proc in self._started.all():
+            if kill_now:
+                proc.kill()
+                killed = True
+            # A replica the dispatcher could not shut down (lost, stopped) gets a short
+            # grace once the dispatcher is gone, not what is left of the deadline.
+            left = deadline - time.monotonic()
+            proc.join(max(0.1, left if proc in self._procs else min(left, _REPLICA_GRACE)))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+                killed = True
         if killed:  # a killed process left its shared-memory segments: unlink them now
             sweep_shm()
         for proc in self._started.all():  # their pipes (two each) now, not at GC

@@ -34,9 +34,8 @@ import numpy.typing as npt
 from messages import SamplingParams
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine.async_engine import AsyncEngine
+from scheduler.engine.async_engine import AsyncEngine, close_timeout
 from scheduler.engine.handles import RequestHandle, Stream, StreamChunk
-from scheduler.engine.stopping import close_timeout
 from scheduler.errors import EngineClosed
 from scheduler.launch.wiring import Endpoints
 from scheduler.models.loading import ModelArg, ModelSpec
