@@ -137,6 +137,9 @@ R = TypeVar("R", bound=Request)
 S = TypeVar("S", bound=RequestState)
 T = TypeVar("T")
 
+#: A generate or embedding request as a submit builds it, before it is validated.
+_Tokenized = TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
+
 #: Seconds a submit waits for room on a full work channel before ``Overloaded``.
 SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000
 #: close(None) and close(inf): as long as it takes (11 days: a bound every join and
@@ -393,9 +396,9 @@ class AsyncEngine:
         self._outq: list[Request | RequestState] = []
         # Aborts waiting for room on the work channel, in order, as their requests' states.
         self._unsent_aborts: deque[RequestState] = deque()
-        # Requests a blocking submit holds while it waits for room, by rid: an abort
-        # of one takes it out (it is never sent) and answers it at once.
-        self._unsent: dict[str, tuple[Request, RequestState]] = {}
+        # Requests a blocking submit holds while it waits for room, by their states: an
+        # abort of one takes it out (it is never sent) and answers it at once.
+        self._unsent: dict[RequestState, Request] = {}
         self._shut: asyncio.Future[None] | None = None  # done once close() begins
         self.unawaited_failures = 0
         self._unseen_log = LogSummary(log, "requests failed with nobody awaiting them")
@@ -658,8 +661,7 @@ class AsyncEngine:
     def _request(self, rid: str) -> AsyncRequest:
         return AsyncRequest(rid, self)
 
-    def _start(self, reqs: Sequence[TokenizedGenerateReqInput | TokenizedEmbeddingReqInput],
-               make: Callable[[str], S]) -> list[S]:
+    def _start(self, reqs: Sequence[_Tokenized], make: Callable[[str], S]) -> list[S]:
         """Validate ``reqs``, record the state ``make(rid)`` builds for each, and queue them
         for this turn's burst: the way in of every request. All or none.
 
@@ -672,9 +674,8 @@ class AsyncEngine:
             self._send(req)
         return states
 
-    async def _start_waiting(self, reqs: Sequence[TokenizedGenerateReqInput
-                                                  | TokenizedEmbeddingReqInput],
-                             make: Callable[[str], S]) -> list[S]:
+    async def _start_waiting(self, reqs: Sequence[_Tokenized], make: Callable[[str], S]
+                             ) -> list[S]:
         """As :meth:`_start`, but sent at once, waiting for room while the work channel
         is full (the blocking face's backpressure).
 
@@ -685,22 +686,20 @@ class AsyncEngine:
         """
         checked, states = self._register(reqs, make)
         self._flush_sends()  # what this turn queued goes first
-        order = list(zip(checked, states, strict=True))
-        unsent = self._unsent
-        unsent.update((req.rid, (req, state)) for req, state in order)
+        held = self._unsent
+        held.update(zip(states, checked, strict=True))
         shut = self._shut
         assert shut is not None
         sent, since = 0, time.monotonic()
         try:
             while True:
-                # (one aborted meanwhile was taken out of unsent and answered)
-                todo = [req for req, state in order if unsent.get(req.rid, (None, None))[1]
-                        is state]
+                # (one aborted meanwhile was taken out of held and answered)
+                todo = [state for state in states if state in held]
                 if not todo:
                     return states
-                n = self._send_nowait(todo)
-                for req in todo[:n]:
-                    del unsent[req.rid]
+                n = self._send_nowait([held[state] for state in todo])
+                for state in todo[:n]:
+                    del held[state]
                 self._after_sends(n)
                 sent += n
                 if n == len(todo):
@@ -714,15 +713,13 @@ class AsyncEngine:
                 await asyncio.wait([shut], timeout=_RETRY_S)  # a close wakes it at once
                 self._check_open()
         except BaseException:
-            for req, state in order:  # those not sent are forgotten
-                if unsent.get(req.rid, (None, None))[1] is state:
-                    del unsent[req.rid]
-                    if self._requests.get(state.rid) is state:
-                        del self._requests[state.rid]
+            for state in states:  # those not sent are forgotten
+                if held.pop(state, None) is not None and self._requests.get(state.rid) is state:
+                    del self._requests[state.rid]
             raise
 
-    def _register(self, reqs: Sequence[TokenizedGenerateReqInput | TokenizedEmbeddingReqInput],
-                  make: Callable[[str], S]) -> tuple[list[Request], list[S]]:
+    def _register(self, reqs: Sequence[_Tokenized], make: Callable[[str], S]
+                  ) -> tuple[list[Request], list[S]]:
         checked: list[Request] = [self._validated(r) for r in reqs]
         self._check_open()
         table = self._requests
@@ -730,8 +727,6 @@ class AsyncEngine:
             if req.rid in table:
                 raise InvalidRequest(req.rid, "this request id is still in flight (pending, "
                                               "or cancelled and not yet ended by the scheduler)")
-        if len(checked) > 1 and len({r.rid for r in checked}) != len(checked):
-            raise InvalidRequest(checked[0].rid, "two requests of one batch share an id")
         states = [make(r.rid) for r in checked]
         table.update(zip([r.rid for r in checked], states, strict=True))
         return checked, states
@@ -804,10 +799,8 @@ class AsyncEngine:
         """Abort ``state``'s request at the end of this turn, or as soon as the work channel
         has room, in order: only while it still holds its rid. One a blocking submit
         still holds, waiting for room, is never sent: it ends here with ``abort``."""
-        held = self._unsent.get(state.rid)
-        if held is not None and held[1] is state:
-            req = held[0]
-            del self._unsent[state.rid]
+        req = self._unsent.pop(state, None)
+        if req is not None:
             logprobs: tuple[float, ...] | None = None
             if isinstance(req, TokenizedGenerateReqInput) and req.return_logprob:
                 logprobs = ()
