@@ -48,7 +48,7 @@ from benchmarks._timing import percentiles
 from messages import SamplingParams, token_ids
 from scheduler import Engine, ModelConfig, RequestFailed
 from scheduler.dp.ledger import DECODE_US_PER_TOKEN, PREFILL_US_PER_TOKEN
-from scheduler.engine import core as engine_core
+from scheduler.engine import async_engine
 from scheduler.launch import processes
 
 STUB = ModelConfig(kind="stub")
@@ -69,7 +69,7 @@ def _round(engine: Engine, n: int) -> float:
 
 def _dispatched() -> contextlib.AbstractContextManager[object]:
     """Engines built inside put a dispatcher in front even of one replica."""
-    return mock.patch.object(engine_core, "start_processes",
+    return mock.patch.object(async_engine, "start_processes",
                              functools.partial(processes.start_processes, dispatch=True))
 
 

@@ -1,8 +1,11 @@
 """``AsyncEngine``: the engine client, on one asyncio event loop.
 
-Every request takes one path. :meth:`AsyncEngine._start` validates it,
-records its :class:`~scheduler.engine.handles.RequestState` under its rid
-and queues it; the requests queued in one turn of the loop leave at its end
+It starts the scheduler in one of two modes (a thread of this process, or
+processes reached over ipc endpoints in a private run directory), watches
+that it lives, and stops it at close. Every request takes one path.
+:meth:`AsyncEngine._start` validates it, records its
+:class:`~scheduler.engine.handles.RequestState` under its rid and queues
+it; the requests queued in one turn of the loop leave at its end
 together (over zmq as one burst: one zmq message, one msgspec call; on the
 ring in one put). The loop reads outputs as they come (``loop.add_reader``
 on the egress ring's eventfd, or the PULL socket's zmq FD, drained to empty
@@ -31,8 +34,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
+import uuid
+import weakref
 from collections import deque
 from collections.abc import (
     AsyncGenerator,
@@ -42,32 +48,53 @@ from collections.abc import (
     Generator,
     Sequence,
 )
-from itertools import pairwise, repeat
+from itertools import count, pairwise, repeat
+from multiprocessing.process import BaseProcess
 from typing import Literal, Self, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 import zmq
 
-from bus import ChannelClosed, Envelope, LogSummary, PeerGone, Rejected, RpcTimeout
+from bus import (
+    ChannelClosed,
+    Envelope,
+    LogSummary,
+    PeerGone,
+    PullInbox,
+    PushOutbox,
+    Receiver,
+    Rejected,
+    Ring,
+    RingInbox,
+    RpcClient,
+    RpcTimeout,
+    SocketOptions,
+    sweep_shm,
+)
+from bus.channels import Inbox
 from messages import (
     SEND_BURST,
     AbortReq,
     BatchEmbeddingOut,
     BatchTokenIDOut,
+    Codec,
+    DecodeError,
     ErrorOut,
     Output,
     Request,
     RpcReqOutput,
     SamplingParams,
     Scalar,
+    TokenIds,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    token_ids,
 )
+from messages.channels import OUT, WORK
 from scheduler.core.admission import Limits
 from scheduler.core.metrics import metrics_text
 from scheduler.dp import Policy
-from scheduler.engine.core import SEND_TIMEOUT, SchedulerClient
 from scheduler.engine.handles import (
     GenerateResult,
     Item,
@@ -77,24 +104,51 @@ from scheduler.engine.handles import (
     ends,
     joined,
 )
-from scheduler.engine.stopping import close_timeout
 from scheduler.errors import (
     EngineClosed,
     EngineError,
+    EngineForked,
     InvalidRequest,
     Overloaded,
     RequestFailed,
     SchedulerGone,
 )
 from scheduler.handshake import HELLO_METHOD, hello_answer, hello_params
-from scheduler.models.loading import ModelArg
+from scheduler.launch.leftovers import make_run_dir, remove_run_dir
+from scheduler.launch.processes import SchedulerProcesses, load_failure, start_processes
+from scheduler.launch.tp import check_tp_room
+from scheduler.launch.wiring import Endpoints, serve_ring
+from scheduler.models.loading import (
+    HFModelSpec,
+    ModelArg,
+    ModelLoadError,
+    ModelSpec,
+    check_model_loads,
+    load_model,
+    model_spec,
+)
+from scheduler.models.protocol import Model
 
-__all__ = ["AsyncEngine", "AsyncRequest", "deliver_rows"]
+__all__ = ["SEND_TIMEOUT", "AsyncEngine", "AsyncRequest", "close_timeout", "deliver_rows"]
 
 log = logging.getLogger("scheduler.engine")
 
+R = TypeVar("R", bound=Request)
 S = TypeVar("S", bound=RequestState)
 T = TypeVar("T")
+
+#: A generate or embedding request as a submit builds it, before it is validated.
+_Tokenized = TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
+
+#: Seconds a submit waits for room on a full work channel before ``Overloaded``.
+SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000
+#: close(None) and close(inf): as long as it takes (11 days: a bound every join and
+#: wait takes, poll(2)'s milliseconds included).
+_FOREVER = 1e6
+#: The shutdown rpc's least wait, so that it is sent even by close(0).
+_SEND_AT_LEAST = 0.1
+#: Seconds a data-parallel replica gets to exit after its dispatcher did.
+_REPLICA_GRACE = 2.0
 
 #: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._after_sends``).
 _READ_EVERY = 32
@@ -106,6 +160,29 @@ _RETRY_S = 0.005
 #: ``__rand__`` and makes a new member (three Python calls) on every read of outputs.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+
+#: This process's id, updated in a child that ``os.fork`` makes: the fork check every
+#: call passes (``AsyncEngine._check_process``) reads it instead of asking the kernel
+#: (``os.getpid`` is a system call each time).
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def close_timeout(timeout: float | None) -> float:
+    """``close``'s ``timeout`` as seconds every wait takes: None or inf, as long as it
+    takes; NaN or below 0, none. A timeout that is no number raises TypeError here,
+    before anything is closed (raised once the engine is marked closed, every
+    request would hang and the processes stay)."""
+    if timeout is None or timeout > _FOREVER:
+        return _FOREVER
+    return timeout if timeout > 0 else 0.0
 
 
 async def _within(rid: str, answer: Awaitable[T], timeout: float | None) -> T:
@@ -157,7 +234,7 @@ class AsyncRequest(RequestState):
             self._engine._unseen_failure(last)
 
 
-class AsyncEngine(SchedulerClient):
+class AsyncEngine:
     """The engine for asyncio code: one scheduler, in one of two modes.
 
     Use it as ``async with AsyncEngine(...) as engine:`` (or ``await
@@ -206,6 +283,17 @@ class AsyncEngine(SchedulerClient):
     request is either refused at once or answered later, never lost.
     """
 
+    #: ``"ring"`` (scheduler embedded in this process) or ``"zmq"`` (in its own).
+    mode: Literal["ring", "zmq"]
+    #: The model the scheduler serves (as given, resolved).
+    model: ModelSpec
+    #: Tensor-parallel ranks per replica, and data-parallel replicas.
+    tp_size: int
+    dp_size: int
+    #: The scheduler's admission and backlog bounds.
+    limits: Limits
+    #: The scheduler's endpoints (in a private run directory).
+    endpoints: Endpoints
     #: Requests that failed (``Overloaded`` above all) and were collected
     #: without ever being awaited: fire-and-forget submits.
     unawaited_failures: int
@@ -215,8 +303,84 @@ class AsyncEngine(SchedulerClient):
                  dp_size: int = 1, dp_policy: Policy = "least_loaded",
                  limits: Limits | None = None, metrics: bool = True,
                  pd: tuple[int, int] | None = None) -> None:
-        super().__init__(mode, model, max_batch=max_batch, tp_size=tp_size, dp_size=dp_size,
-                         dp_policy=dp_policy, limits=limits, metrics=metrics, pd=pd)
+        if mode not in ("ring", "zmq"):
+            raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
+        if pd is not None:  # prefill and decode apart: P + D replicas behind a dispatcher
+            if not (isinstance(pd, tuple) and len(pd) == 2
+                    and all(type(n) is int and n >= 1 for n in pd)):
+                raise ValueError(f"pd must be a pair of ints (P, D), each at least 1, "
+                                 f"not {pd!r}")
+            if dp_size not in (1, sum(pd)):
+                raise ValueError(f"pd={pd!r} makes {sum(pd)} replicas: dp_size={dp_size} "
+                                 f"says otherwise (leave it out)")
+            if mode != "zmq":
+                raise ValueError(f"pd={pd!r} needs mode='zmq' (each replica is a process)")
+            dp_size = sum(pd)
+        if max_batch < 1:  # here, not in a scheduler process that would die at start
+            raise ValueError(f"max_batch must be at least 1, not {max_batch}")
+        for name, size in (("tp_size", tp_size), ("dp_size", dp_size)):
+            if size < 1:
+                raise ValueError(f"{name} must be at least 1, not {size}")
+        if tp_size > 1 and mode != "zmq":
+            raise ValueError("tp_size > 1 needs mode='zmq' (each rank is a process)")
+        if tp_size > 1:
+            check_tp_room()  # a clear error now, rather than a rank that fails to start
+        if dp_size > 1 and mode != "zmq":
+            raise ValueError("dp_size > 1 needs mode='zmq' (each replica is a process)")
+        self.model = model_spec(model)
+        if mode == "zmq":  # that it would load, before a process starts that could not
+            check_model_loads(self.model)
+        if tp_size > 1 and isinstance(self.model, HFModelSpec):
+            raise ValueError(f"tp_size={tp_size}: a Hugging Face model runs on one rank "
+                             f"(use dp_size for more replicas)")
+        # Ring mode loads here, so a failure raises at once (and before any resource).
+        self._loaded: Model | None = load_model(self.model) if mode == "ring" else None
+        self.tp_size = tp_size
+        self.dp_size = dp_size
+        self.mode = mode
+        self.limits = limits or Limits()
+        self._metrics = metrics
+        self._codec: Codec[Request] = WORK.inbound_codec()  # what the work channel carries
+        self._dir = make_run_dir("engine")  # named for us: swept if we are killed
+        # Removed by this one finalizer: at close, when a constructor that failed
+        # leaves the engine to the collector, or at exit for an engine never closed.
+        self._remove_dir = weakref.finalize(self, remove_run_dir, self._dir)
+        self.endpoints = Endpoints.in_dir(self._dir)
+        self._requests: dict[str, RequestState] = {}  # rid -> its state, on the loop
+        self._owner = os.getpid()  # a forked child may not use it (_check_process)
+        # Unique per engine (random prefix) and cheap per request (a counter).
+        self._rid_prefix = uuid.uuid4().hex[:12]
+        self._rid_seq = count()
+        self._closed = False
+        self._gone: str | None = None
+        self._load_error: ModelLoadError | None = None  # why a scheduler process did not start
+        self._thread: threading.Thread | None = None
+        self._procs: list[BaseProcess] = []  # those whose death ends the engine
+        self._started = SchedulerProcesses()
+        self._ingress: Ring[Request] | None = None
+        self._egress: Ring[Output] | None = None
+        self._work_out: PushOutbox[Request] | None = None
+        out_inbox: Inbox[Output]
+        if mode == "ring":
+            self._ingress = Ring(1 << 16, name="work")
+            self._egress = Ring(1 << 16, name="out")
+            ingress, egress = self._ingress, self._egress
+            self._thread = threading.Thread(
+                target=self._run_embedded, args=(ingress, egress, max_batch),
+                name="scheduler", daemon=True)
+            self._thread.start()
+            out_inbox = RingInbox(egress, name="out")
+        else:
+            out_inbox = PullInbox(OUT.outbound_codec(), self.endpoints.out, name="out")
+            self._work_out = PushOutbox(WORK.inbound_codec(), self.endpoints.work, name="work")
+            self._started = start_processes(self.endpoints, self._dir, self.model,
+                                            max_batch=max_batch, tp_size=tp_size,
+                                            dp_size=dp_size, limits=self.limits,
+                                            metrics=metrics, dp_policy=dp_policy, pd=pd)
+            self._procs = self._started.essential
+        self._out_inbox = out_inbox
+        self._rpc = RpcClient(self.endpoints.rpc, name="rpc")
+        self._outputs: Receiver[Output] = Receiver([out_inbox], budget=1024)
         self._start_timeout = start_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the loop's thread, once started
@@ -232,9 +396,9 @@ class AsyncEngine(SchedulerClient):
         self._outq: list[Request | RequestState] = []
         # Aborts waiting for room on the work channel, in order, as their requests' states.
         self._unsent_aborts: deque[RequestState] = deque()
-        # Requests a blocking submit holds while it waits for room, by rid: an abort
-        # of one takes it out (it is never sent) and answers it at once.
-        self._unsent: dict[str, tuple[Request, RequestState]] = {}
+        # Requests a blocking submit holds while it waits for room, by their states: an
+        # abort of one takes it out (it is never sent) and answers it at once.
+        self._unsent: dict[RequestState, Request] = {}
         self._shut: asyncio.Future[None] | None = None  # done once close() begins
         self.unawaited_failures = 0
         self._unseen_log = LogSummary(log, "requests failed with nobody awaiting them")
@@ -268,6 +432,38 @@ class AsyncEngine(SchedulerClient):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def pending(self) -> int:
+        """Requests sent and not yet answered (their handles wait)."""
+        return len(self._requests)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has begun."""
+        return self._closed
+
+    @property
+    def gone(self) -> str | None:
+        """Why the scheduler is gone (a process exited, the embedded thread stopped, the
+        engine closed), or None while it runs: what ``SchedulerGone`` would say.
+
+        Checked when asked (a ``waitpid`` per process, no rpc), from any thread:
+        for whoever forwards to the scheduler on its own (the frontend's rpc
+        door) and must fail fast rather than wait out a timeout.
+        """
+        self._check_process()
+        if self._closed:
+            return self._gone or "the engine is closed"
+        self._alive()
+        return self._gone
+
+    @property
+    def replica_pids(self) -> list[tuple[int, ...]]:
+        """The process ids of each data-parallel replica (every tp rank), when
+        ``dp_size > 1``: what a test or an operator kills to see a replica lost."""
+        return [tuple(p.pid for p in ranks if p.pid is not None)
+                for ranks in self._started.replicas]
 
     # -- requests -------------------------------------------------------------
 
@@ -324,14 +520,18 @@ class AsyncEngine(SchedulerClient):
         return self._start([self._generate_req(ids, sampling, stream, return_logprob, None,
                                                dp_rank) for ids in inputs], self._request)
 
-    def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-               return_logprob: bool = False, rid: str | None = None,
-               dp_rank: int | None = None) -> AsyncIterator[StreamChunk]:
+    async def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
+                     *, return_logprob: bool = False, rid: str | None = None,
+                     dp_rank: int | None = None) -> AsyncIterator[StreamChunk]:
         """Yield new tokens as each step produces them; leaving early aborts the request.
 
         Raises (while iterating): as :meth:`generate`.
         """
-        return _each(self._stream(input_ids, sampling, return_logprob, rid, dp_rank, True))
+        steps = self._stream(input_ids, sampling, return_logprob, rid, dp_rank, True)
+        async with contextlib.aclosing(steps):  # leaving early closes (aborts) it
+            async for chunks in steps:
+                for chunk in chunks:
+                    yield chunk
 
     def stream_steps(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None,
                      *, return_logprob: bool = False, rid: str | None = None,
@@ -350,10 +550,10 @@ class AsyncEngine(SchedulerClient):
 
     def _stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
                 return_logprob: bool, rid: str | None, dp_rank: int | None, one: bool
-                ) -> AsyncIterator[list[StreamChunk]]:
+                ) -> AsyncGenerator[list[StreamChunk], None]:
         """A stream's chunks (``one``: one at a time); its request is sent at the first
         iteration (not before)."""
-        return cast(AsyncIterator[list[StreamChunk]], self._steps(lambda: self._start(
+        return cast(AsyncGenerator[list[StreamChunk], None], self._steps(lambda: self._start(
             [self._generate_req(input_ids, sampling, True, return_logprob, rid, dp_rank)],
             RequestState)[0], one))
 
@@ -372,6 +572,17 @@ class AsyncEngine(SchedulerClient):
     async def _items(self, state: RequestState) -> list[Item]:
         """Every item of ``state``'s answer, to its end."""
         return [item async for got in self._steps(state) for item in got]
+
+    def _check_process(self) -> None:
+        """Refuse a call from a child made by ``os.fork`` (:class:`EngineForked`).
+
+        Every public call of both faces passes here before it takes a lock or
+        touches a channel: the engine's threads are not in the child (a call
+        would wait for an answer nobody reads), a lock another thread held at
+        the fork stays held there, and its sockets and rings are the parent's.
+        """
+        if _pid != self._owner:
+            raise EngineForked(self._owner, _pid)
 
     def _check_loop(self) -> None:
         """Refuse a call before :meth:`start`, or from any event loop but the engine's own
@@ -395,11 +606,62 @@ class AsyncEngine(SchedulerClient):
                                f"called from {where} (an AsyncEngine serves the one loop it "
                                "was started on)")
 
+    def _check_open(self) -> None:
+        """Refuse a request or rpc: as :meth:`_check_loop`, or the engine is closed
+        (``EngineClosed``), or the scheduler is gone (``SchedulerGone``)."""
+        self._check_loop()
+        if self._closed:
+            raise EngineClosed("the engine is closed")
+        if self._gone is not None:
+            raise SchedulerGone(self._gone)
+
+    def _validated(self, req: R) -> R:
+        """``req`` as a decoder would hand it over (both modes), or InvalidRequest.
+
+        The result is what the embedded scheduler receives: its token ids are
+        its own bytes, not a view of the caller's buffer, which the caller
+        may reuse as soon as submit returns.
+        """
+        try:
+            checked = self._codec.validate(req)
+        except DecodeError as exc:
+            raise InvalidRequest(req.rid, exc.reason) from exc
+        assert type(checked) is type(req)
+        return checked
+
+    def _generate_req(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None,
+                      stream: bool, return_logprob: bool, rid: str | None,
+                      dp_rank: int | None) -> TokenizedGenerateReqInput:
+        rid, ids = self._prompt(input_ids, rid, dp_rank)
+        return TokenizedGenerateReqInput(
+            rid=rid, input_ids=ids, sampling=sampling or SamplingParams(), stream=stream,
+            return_logprob=return_logprob, dp_rank=dp_rank)
+
+    def _embed_req(self, input_ids: npt.ArrayLike, rid: str | None, dp_rank: int | None
+                   ) -> TokenizedEmbeddingReqInput:
+        rid, ids = self._prompt(input_ids, rid, dp_rank)
+        return TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, dp_rank=dp_rank)
+
+    def _prompt(self, input_ids: npt.ArrayLike, rid: str | None, dp_rank: int | None
+                ) -> tuple[str, TokenIds]:
+        """A request's rid (a new one unless given: unique per engine by its random
+        prefix, cheap per request by its counter) and ``input_ids`` packed for the wire;
+        ``InvalidRequest`` for a prompt that is not token ids (too many, negative, not
+        integers) or a ``dp_rank`` this engine does not have."""
+        rid = rid if rid is not None else f"{self._rid_prefix}-{next(self._rid_seq)}"
+        try:
+            ids = token_ids(input_ids, field="input_ids")
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise InvalidRequest(rid, str(exc)) from exc
+        if dp_rank is not None and not 0 <= dp_rank < self.dp_size:
+            raise InvalidRequest(rid, f"dp_rank={dp_rank} is out of range: this engine has "
+                                      f"{self.dp_size} replica(s)")
+        return rid, ids
+
     def _request(self, rid: str) -> AsyncRequest:
         return AsyncRequest(rid, self)
 
-    def _start(self, reqs: Sequence[TokenizedGenerateReqInput | TokenizedEmbeddingReqInput],
-               make: Callable[[str], S]) -> list[S]:
+    def _start(self, reqs: Sequence[_Tokenized], make: Callable[[str], S]) -> list[S]:
         """Validate ``reqs``, record the state ``make(rid)`` builds for each, and queue them
         for this turn's burst: the way in of every request. All or none.
 
@@ -407,15 +669,13 @@ class AsyncEngine(SchedulerClient):
             InvalidRequest: one is refused, or its rid is in flight (none was sent).
             EngineClosed, SchedulerGone: as :meth:`submit`.
         """
-        self._check_loop()
         checked, states = self._register(reqs, make)
         for req in checked:
             self._send(req)
         return states
 
-    async def _start_waiting(self, reqs: Sequence[TokenizedGenerateReqInput
-                                                  | TokenizedEmbeddingReqInput],
-                             make: Callable[[str], S]) -> list[S]:
+    async def _start_waiting(self, reqs: Sequence[_Tokenized], make: Callable[[str], S]
+                             ) -> list[S]:
         """As :meth:`_start`, but sent at once, waiting for room while the work channel
         is full (the blocking face's backpressure).
 
@@ -424,25 +684,22 @@ class AsyncEngine(SchedulerClient):
                 many were sent; those not sent are forgotten).
             InvalidRequest, EngineClosed, SchedulerGone: as :meth:`_start`.
         """
-        self._check_loop()
         checked, states = self._register(reqs, make)
         self._flush_sends()  # what this turn queued goes first
-        order = list(zip(checked, states, strict=True))
-        unsent = self._unsent
-        unsent.update((req.rid, (req, state)) for req, state in order)
+        held = self._unsent
+        held.update(zip(states, checked, strict=True))
         shut = self._shut
         assert shut is not None
         sent, since = 0, time.monotonic()
         try:
             while True:
-                # (one aborted meanwhile was taken out of unsent and answered)
-                todo = [req for req, state in order if unsent.get(req.rid, (None, None))[1]
-                        is state]
+                # (one aborted meanwhile was taken out of held and answered)
+                todo = [state for state in states if state in held]
                 if not todo:
                     return states
-                n = self._send_nowait(todo)
-                for req in todo[:n]:
-                    del unsent[req.rid]
+                n = self._send_nowait([held[state] for state in todo])
+                for state in todo[:n]:
+                    del held[state]
                 self._after_sends(n)
                 sent += n
                 if n == len(todo):
@@ -456,15 +713,13 @@ class AsyncEngine(SchedulerClient):
                 await asyncio.wait([shut], timeout=_RETRY_S)  # a close wakes it at once
                 self._check_open()
         except BaseException:
-            for req, state in order:  # those not sent are forgotten
-                if unsent.get(req.rid, (None, None))[1] is state:
-                    del unsent[req.rid]
-                    if self._requests.get(state.rid) is state:
-                        del self._requests[state.rid]
+            for state in states:  # those not sent are forgotten
+                if held.pop(state, None) is not None and self._requests.get(state.rid) is state:
+                    del self._requests[state.rid]
             raise
 
-    def _register(self, reqs: Sequence[TokenizedGenerateReqInput | TokenizedEmbeddingReqInput],
-                  make: Callable[[str], S]) -> tuple[list[Request], list[S]]:
+    def _register(self, reqs: Sequence[_Tokenized], make: Callable[[str], S]
+                  ) -> tuple[list[Request], list[S]]:
         checked: list[Request] = [self._validated(r) for r in reqs]
         self._check_open()
         table = self._requests
@@ -472,8 +727,6 @@ class AsyncEngine(SchedulerClient):
             if req.rid in table:
                 raise InvalidRequest(req.rid, "this request id is still in flight (pending, "
                                               "or cancelled and not yet ended by the scheduler)")
-        if len(checked) > 1 and len({r.rid for r in checked}) != len(checked):
-            raise InvalidRequest(checked[0].rid, "two requests of one batch share an id")
         states = [make(r.rid) for r in checked]
         table.update(zip([r.rid for r in checked], states, strict=True))
         return checked, states
@@ -530,7 +783,6 @@ class AsyncEngine(SchedulerClient):
             EngineClosed, SchedulerGone: as :meth:`generate`.
         """
         self._check_open()
-        self._check_loop()
         self._validated(AbortReq(rid=rid))
         state = self._requests.get(rid)
         if state is not None:  # none: it ended (its answer is in): nothing to abort
@@ -547,10 +799,8 @@ class AsyncEngine(SchedulerClient):
         """Abort ``state``'s request at the end of this turn, or as soon as the work channel
         has room, in order: only while it still holds its rid. One a blocking submit
         still holds, waiting for room, is never sent: it ends here with ``abort``."""
-        held = self._unsent.get(state.rid)
-        if held is not None and held[1] is state:
-            req = held[0]
-            del self._unsent[state.rid]
+        req = self._unsent.pop(state, None)
+        if req is not None:
             logprobs: tuple[float, ...] | None = None
             if isinstance(req, TokenizedGenerateReqInput) and req.return_logprob:
                 logprobs = ()
@@ -622,6 +872,22 @@ class AsyncEngine(SchedulerClient):
                     self._loop.call_later(_RETRY_S, self._retry_aborts)
         self._after_sends(sent)
 
+    def _send_nowait(self, reqs: Sequence[Request]) -> int:
+        """Send what of ``reqs`` the work channel takes now, in order (over zmq as
+        bursts, on the ring in one put); returns how many. Never blocks.
+
+        Raises:
+            EngineClosed: the channel is closed.
+            EncodeError: ``reqs[0]`` cannot be encoded (nothing was sent).
+        """
+        try:
+            if self._ingress is not None:
+                return self._ingress.put_many_nowait(reqs)
+            assert self._work_out is not None
+            return self._work_out.send_many_nowait(reqs)
+        except ChannelClosed as exc:
+            raise EngineClosed("the engine is closed") from exc
+
     def _end(self, rid: str, item: Item) -> None:
         state = self._requests.pop(rid, None)
         if state is not None:
@@ -682,9 +948,38 @@ class AsyncEngine(SchedulerClient):
                 self._fail_all(SchedulerGone(why))
                 self._rpc.fail_all(PeerGone(f"{self._rpc.name} ({self._rpc.endpoint})", why))
 
+    def _alive(self) -> bool:
+        supervisor = self._started.supervisor
+        if supervisor is not None and supervisor.none_left is not None:
+            if self._gone is None:  # every replica given up on: nothing serves
+                self._gone = supervisor.none_left
+                self._load_error = supervisor.load_error  # (what a start then raises)
+                if self._load_error is None:  # (else the supervisor said it, once)
+                    log.error("%s: requests in flight fail, new ones are refused", self._gone)
+            return False
+        dead = next((p for p in self._procs if not p.is_alive()), None)
+        if dead is not None:
+            if self._gone is None:
+                self._load_error = load_failure(dead)
+                if self._load_error is not None:  # raised by the start: no log line
+                    self._gone = (f"scheduler process {dead.name} did not start: "
+                                  f"{self._load_error}")
+                    return False
+                self._gone = f"scheduler process {dead.name} exited (exit code {dead.exitcode})"
+                # Said once, and not at this engine's own close. Exit code 0: it was
+                # told to stop, as by an operator's rpc shutdown.
+                if not self.closed:
+                    log.log(logging.WARNING if dead.exitcode == 0 else logging.ERROR,
+                            "%s: requests in flight fail, new ones are refused", self._gone)
+            return False
+        if self._thread is not None and not self._thread.is_alive():
+            self._gone = self._gone or "the embedded scheduler thread stopped"
+            return False
+        return True
+
     # -- rpc --------------------------------------------------------------------
 
-    async def collective_rpc(self, method: str, *, timeout: float = 30.0,
+    async def collective_rpc(self, /, method: str, *, timeout: float = 30.0,
                              **params: Scalar) -> RpcReqOutput:
         """Call an rpc method on the scheduler without blocking the loop.
 
@@ -701,7 +996,6 @@ class AsyncEngine(SchedulerClient):
             DecodeError: the scheduler's reply could not be decoded.
         """
         self._check_open()
-        self._check_loop()
         loop = self._loop
         assert loop is not None
         rpc = self._rpc
@@ -729,8 +1023,12 @@ class AsyncEngine(SchedulerClient):
                 rpc.forget(call)
             if isinstance(reply, Exception):
                 raise reply
-        except (PeerGone, ChannelClosed) as exc:
-            raise self._rpc_error(method, exc) from exc
+        except ChannelClosed as exc:  # (closed by this engine's close)
+            raise EngineClosed(f"rpc {method!r}: the engine closed before the reply") from exc
+        except PeerGone as exc:
+            if self._load_error is not None:  # what the scheduler said over its report pipe
+                raise self._load_error from exc
+            raise SchedulerGone(f"rpc {method!r}: {self._gone or exc}") from exc
         return reply
 
     async def metrics(self, timeout: float = 30.0) -> str:
@@ -786,6 +1084,79 @@ class AsyncEngine(SchedulerClient):
         self._fail_all(EngineClosed("the engine closed before the request finished"))
         self._release()
         self._unseen_log.flush()  # the last ones counted, not left unsaid
+
+
+    def _stop_scheduler(self, timeout: float) -> None:
+        """Shut the scheduler down and wait for it to stop (blocks), the shutdown rpc and
+        the exits within one deadline ``timeout`` seconds away (:func:`close_timeout`).
+
+        A scheduler process still running at the deadline (hung, stopped) is
+        killed, else it would hold a frontend's exit past its close timeout. An
+        embedded scheduler is a thread, which cannot be: it gets the step it is
+        in (its rings must outlive it: released under a running thread, they
+        abort the process at exit). Its last answers are still read meanwhile
+        by whoever reads the outputs.
+        """
+        deadline = time.monotonic() + timeout
+        supervisor = self._started.supervisor
+        if supervisor is not None:  # restart nothing that is being shut down
+            supervisor.stop()
+        if self._alive():
+            try:  # sent whatever the timeout (a call with none left sends nothing)
+                self._rpc.call("shutdown", timeout=max(timeout, _SEND_AT_LEAST),
+                               alive=self._alive)
+            except Exception as exc:  # still tear down
+                log.warning("shutdown rpc failed: %s", exc)
+        if self._thread is not None:
+            self._thread.join(max(0.1, deadline - time.monotonic()))
+            if self._thread.is_alive():
+                log.warning("the embedded scheduler is still in a step at the close's "
+                            "deadline: waiting for it to end")
+                self._thread.join()
+        kill_now = self._gone is not None  # a rank died: the others may wait on it for ever
+        killed = False
+        for proc in self._started.all():
+            if kill_now:
+                proc.kill()
+                killed = True
+            # A replica the dispatcher could not shut down (lost, stopped) gets a short
+            # grace once the dispatcher is gone, not what is left of the deadline.
+            left = deadline - time.monotonic()
+            proc.join(max(0.1, left if proc in self._procs else min(left, _REPLICA_GRACE)))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+                killed = True
+        if killed:  # a killed process left its shared-memory segments: unlink them now
+            sweep_shm()
+        for proc in self._started.all():  # their pipes (two each) now, not at GC
+            if proc.exitcode is not None:  # joined (or killed and joined) just before
+                proc.close()
+        self._started = SchedulerProcesses()
+        self._procs = []
+
+    def _release(self) -> None:
+        """Close the channels and remove the run directory (once the outputs are read)."""
+        self._rpc.close()
+        self._out_inbox.close()
+        if self._work_out is not None:
+            self._work_out.close()
+        for ring in (self._ingress, self._egress):
+            if ring is not None:
+                ring.release()
+        self._remove_dir()
+
+    def _run_embedded(self, ingress: Ring[Request], egress: Ring[Output], max_batch: int
+                      ) -> None:
+        try:
+            # Requests are validated at submit (_validated), so the ring need
+            # not check them again.
+            assert self._loaded is not None
+            serve_ring(ingress, egress, self.endpoints.rpc, self._loaded, max_batch=max_batch,
+                       limits=self.limits, validate=False, metrics=self._metrics)
+        except BaseException as exc:
+            self._gone = f"the embedded scheduler crashed: {exc!r}"
+            log.exception("embedded scheduler crashed")
 
 
 def deliver_rows(requests: dict[str, RequestState],
@@ -876,14 +1247,6 @@ def _prompts(out: BatchTokenIDOut) -> list[tuple[tuple[float, ...] | None, Tops 
         got.append((tuple(values[at:at + n]), tops))
         at += n
     return got
-
-
-async def _each(steps: AsyncIterator[list[StreamChunk]]) -> AsyncIterator[StreamChunk]:
-    """The chunks of ``steps`` one at a time; leaving early closes (aborts) it."""
-    async with contextlib.aclosing(cast(AsyncGenerator[list[StreamChunk], None], steps)):
-        async for chunks in steps:
-            for chunk in chunks:
-                yield chunk
 
 
 def _settle(future: asyncio.Future[RpcReqOutput | Exception],

@@ -23,26 +23,26 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import os
 import threading
-from collections.abc import Coroutine, Sequence
-from typing import Any, Generic, Literal, Self, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Concatenate, Generic, Literal, ParamSpec, Self, TypeVar, cast
 
-import numpy as np
 import numpy.typing as npt
 
-from messages import RpcReqOutput, SamplingParams, Scalar
+from messages import SamplingParams
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine.async_engine import AsyncEngine
-from scheduler.engine.handles import GenerateResult, RequestHandle, Stream, StreamChunk
-from scheduler.engine.stopping import close_timeout
+from scheduler.engine.async_engine import AsyncEngine, close_timeout
+from scheduler.engine.handles import RequestHandle, Stream, StreamChunk
 from scheduler.errors import EngineClosed
 from scheduler.launch.wiring import Endpoints
 from scheduler.models.loading import ModelArg, ModelSpec
 
 __all__ = ["Engine"]
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
@@ -55,6 +55,22 @@ class _Same(Generic[T]):
     def __get__(self, engine: Engine, owner: type | None = None) -> T:
         value: T = getattr(engine._core, self.name)
         return value
+
+
+def _blocking(method: Callable[Concatenate[AsyncEngine, P], Coroutine[Any, Any, T]]
+              ) -> Callable[Concatenate[Engine, P], T]:
+    """The blocking face of an ``AsyncEngine`` method: the engine's ``AsyncEngine``'s
+    (looked up by name at each call, so an override on it is the one run), run on the
+    engine's loop and waited for. The same parameters, docstring and errors by
+    construction (``inspect.signature`` reads the parameters through ``__wrapped__``)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(engine: Engine, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        run = cast(Callable[P, Coroutine[Any, Any, T]], getattr(engine._core, name))
+        return engine._run(run(*args, **kwargs))
+
+    return call
 
 
 class Engine:
@@ -72,6 +88,14 @@ class Engine:
     closed: _Same[bool] = _Same()
     gone: _Same[str | None] = _Same()
     replica_pids: _Same[list[tuple[int, ...]]] = _Same()
+
+    #: As :class:`~scheduler.AsyncEngine`'s, each run on the loop and waited for (calls
+    #: from several threads are in flight at once).
+    generate = _blocking(AsyncEngine.generate)
+    embed = _blocking(AsyncEngine.embed)
+    abort = _blocking(AsyncEngine.abort)
+    collective_rpc = _blocking(AsyncEngine.collective_rpc)
+    metrics = _blocking(AsyncEngine.metrics)
 
     def __init__(self, mode: Literal["ring", "zmq"] = "ring", model: ModelArg = None,
                  *, max_batch: int = 64, start_timeout: float = 60.0, tp_size: int = 1,
@@ -101,23 +125,10 @@ class Engine:
             raise
 
     def _serve(self) -> None:
-        """The loop thread: run the loop until stopped, then (as ``asyncio.run`` does)
-        cancel every task still pending and run each to its end, and close the loop."""
-        loop = self._loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-        finally:
-            try:
-                while tasks := asyncio.all_tasks(loop):
-                    for task in tasks:
-                        task.cancel()
-                    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.run_until_complete(loop.shutdown_default_executor())
-            finally:
-                asyncio.set_event_loop(None)
-                loop.close()
+        """The loop thread: run the loop until stopped, then close it as ``asyncio.run``
+        does (every task still pending cancelled and run to its end)."""
+        with asyncio.Runner(loop_factory=lambda: self._loop) as runner:
+            runner.get_loop().run_forever()
 
     def _run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the engine's loop and wait for its outcome (from any thread
@@ -177,14 +188,6 @@ class Engine:
                 for ids in inputs]
         return self._run(self._core._start_waiting(reqs, RequestHandle))
 
-    def generate(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
-                 return_logprob: bool = False, rid: str | None = None,
-                 dp_rank: int | None = None, timeout: float | None = None) -> GenerateResult:
-        """Generate and wait for the whole answer. Raises: as
-        :meth:`AsyncEngine.generate <scheduler.AsyncEngine.generate>`."""
-        return self._run(self._core.generate(input_ids, sampling, return_logprob=return_logprob,
-                                             rid=rid, dp_rank=dp_rank, timeout=timeout))
-
     def stream(self, input_ids: npt.ArrayLike, sampling: SamplingParams | None = None, *,
                return_logprob: bool = False, rid: str | None = None,
                dp_rank: int | None = None) -> Stream[StreamChunk]:
@@ -215,30 +218,6 @@ class Engine:
         if os.getpid() == self._core._owner:
             with contextlib.suppress(RuntimeError):  # (raised once the loop is closed)
                 self._loop.call_soon_threadsafe(self._core._cancel, handle)
-
-    def embed(self, input_ids: npt.ArrayLike, *, rid: str | None = None,
-              dp_rank: int | None = None, timeout: float | None = None
-              ) -> npt.NDArray[np.float32]:
-        """Embed a tokenized text; returns a unit-norm float32 vector. Raises: as
-        :meth:`AsyncEngine.embed <scheduler.AsyncEngine.embed>`."""
-        return self._run(self._core.embed(input_ids, rid=rid, dp_rank=dp_rank, timeout=timeout))
-
-    def abort(self, rid: str) -> None:
-        """Abort a queued or running request; it ends with finish reason ``abort``.
-        Idempotent. Raises: as :meth:`AsyncEngine.abort <scheduler.AsyncEngine.abort>`."""
-        self._run(self._core.abort(rid))
-
-    def collective_rpc(self, method: str, *, timeout: float = 30.0,
-                       **params: Scalar) -> RpcReqOutput:
-        """Call an rpc method on the scheduler and return its reply (calls from several
-        threads are in flight at once). Raises: as :meth:`AsyncEngine.collective_rpc
-        <scheduler.AsyncEngine.collective_rpc>`."""
-        return self._run(self._core.collective_rpc(method, timeout=timeout, **params))
-
-    def metrics(self, timeout: float = 30.0) -> str:
-        """The scheduler's Prometheus metrics, in the text exposition format. Raises: as
-        :meth:`AsyncEngine.metrics <scheduler.AsyncEngine.metrics>`."""
-        return self._run(self._core.metrics(timeout))
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish every accepted request with a terminal answer, then stop. Idempotent,
@@ -281,8 +260,6 @@ class Engine:
             with contextlib.suppress(RuntimeError):  # (closed already)
                 self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join()
-        if not self._loop.is_closed():  # the thread never ran
-            self._loop.close()
         with self._lock:
             left = list(self._calls)
         for future in left:

@@ -11,6 +11,7 @@ stream that aborts its request when left early.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import time
 from collections import deque
@@ -331,7 +332,5 @@ class Stream(Generic[T]):
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit, or a broken engine
             self.close()
-        except Exception:  # at interpreter exit, or a broken engine: nothing left to free
-            pass
