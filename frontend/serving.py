@@ -51,7 +51,6 @@ import contextlib
 import functools
 import http
 import logging
-import operator
 import socket
 import struct
 import sys
@@ -251,6 +250,13 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             self._turns = loop_turns()  # (looked up once, not per read)
+            # Requests answering when a request pipelined behind them became the
+            # connection's ``cycle`` (until answered): uvicorn tells only its ``cycle``
+            # when the client leaves, so an earlier one would never see its disconnect
+            # and would hold its slot to its end (a non-streamed request, or any stream
+            # on the asyncio loop, runs to max_tokens); these are told too. (httptools
+            # alone: h11 reads no request while one is answered.)
+            self._earlier: list[Any] = []
             if not transport.is_closing():
                 self._idle()
 
@@ -274,28 +280,6 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             # a new idle period, if uvicorn armed its timer
             self._idle_since = self.loop.time() if self.timeout_keep_alive_task else None
 
-        # A request pipelined behind one still answering becomes the
-        # connection's ``cycle``, and uvicorn tells only that one when the
-        # client leaves: the earlier one would never see its disconnect, and
-        # would hold its slot to its end (a non-streamed request, or any
-        # stream on the asyncio loop, runs to max_tokens). The earlier ones are
-        # kept here (until answered) and told too.
-        _cycle: Any = None
-
-        def _set_cycle(self, new: Any) -> None:
-            if new is not None and new.scope.get("http_version") == "1.0":
-                _close_delimited(new)
-            old = self._cycle
-            if old is not None and old is not new and not old.response_complete:
-                earlier = self.__dict__.setdefault("_earlier", [])
-                earlier[:] = [c for c in earlier if not c.response_complete]
-                earlier.append(old)
-            self._cycle = new
-
-        # uvicorn reads ``cycle`` about a dozen times a request: the getter is a C
-        # attrgetter (no Python frame a read); only setting it runs the code above.
-        cycle = property(operator.attrgetter("_cycle"), _set_cycle)
-
         # -- the head's bounds (httptools' parser callbacks) --------------------------
 
         def on_message_begin(self) -> None:
@@ -317,11 +301,18 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             if head > max_head_bytes:
                 self._refuse(too_large, unbegun=True)
                 raise _Refused  # stop the parser: nothing more of this connection is read
+            earlier = self.cycle
             super().on_headers_complete()
             cycle = self.cycle
-            if cycle is not None and cycle.scope is self.scope:  # (its request's cycle)
-                extensions = self.scope.setdefault("extensions", {})  # (uvicorn's kept)
-                extensions[WHOLE] = functools.partial(_send_whole, weakref.ref(cycle))
+            if cycle is earlier:  # (no request made: an upgrade)
+                return
+            if earlier is not None and not earlier.response_complete:
+                self._earlier = [c for c in self._earlier if not c.response_complete]
+                self._earlier.append(earlier)
+            if cycle.scope.get("http_version") == "1.0":
+                _close_delimited(cycle)
+            extensions = self.scope.setdefault("extensions", {})  # (uvicorn's kept)
+            extensions[WHOLE] = functools.partial(_send_whole, weakref.ref(cycle))
 
         def on_body(self, body: bytes) -> None:
             self._body += len(body)  # (the connection's, all requests')
@@ -363,7 +354,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             is still due, or the refused one's has begun, close without a word: the
             bytes would land before it or inside it (HTTP answers go in order)."""
             cycle = self.cycle
-            earlier_due = any(not c.response_complete for c in self.__dict__.get("_earlier", ()))
+            earlier_due = any(not c.response_complete for c in self._earlier)
             if unbegun:  # the connection's last answer comes before it
                 in_order = self._answered()
             else:  # ``cycle`` is the refused request's own
@@ -376,34 +367,6 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 transport.close()
             if cycle is not None:
                 _tell_gone(cycle)  # its handler hears it now, not at connection_lost
-
-        def _count(self, data: bytes, seq: int, was_open: bool, body: int) -> None:
-            """After ``data`` was parsed: bound what of it was not body (a head, a chunked
-            body's framing and trailers), and close a connection left idle again."""
-            if self._open:
-                # What was read and not body: the open request's head, framing and
-                # trailers. Counted from a read that began on this request (it was
-                # open, or the connection was idle and only it began); a read that
-                # also held earlier requests (pipelined) is not counted, as their
-                # heads and framing are in it: the bound may then be passed by at
-                # most that one read before it is refused.
-                read = len(data) - (self._body - body)
-                if was_open and self._seq == seq:
-                    self._framing += read
-                elif not was_open and self._seq == seq + 1:
-                    self._framing = read
-                if self._framing > max_head_bytes + _CHUNK_FRAMING * self._chunks:
-                    self._refuse(too_large, unbegun=self._in_head)
-                    return
-            if not self._in_head and self._answered():
-                # Nothing is being read into a request's head and nothing is being
-                # answered: blank lines before a request (which the parser skips), or
-                # the rest of a body the answer did not wait for (a 413, a 404).
-                # uvicorn cancelled the idle timer on the first byte; arm it again, or
-                # such a connection is held for ever. (Not while a request is being
-                # answered, headers sent or not: the timer closes, it does not ask.)
-                if not self.transport.is_closing():
-                    self._idle()
 
         # -- a client that stops reading ----------------------------------------------
 
@@ -450,8 +413,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 self._head_timer.cancel()
                 self._head_timer = None
             super().connection_lost(exc)
-            for c in self.__dict__.pop("_earlier", ()):
+            for c in self._earlier:
                 _tell_gone(c)
+            self._earlier.clear()
 
         def data_received(self, data: bytes) -> None:
             # Bytes take their turn on the loop (frontend.turns): 256 requests
@@ -471,12 +435,37 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 transport.resume_reading()
             seq, was_open, body = self._seq, self._open, self._body
             super().data_received(data)
-            self._count(data, seq, was_open, body)
-            # A head begun in this read and not whole at its end has ``head_timeout``
-            # from here (microseconds after its first byte): a head that arrives in one
-            # read, nearly every one, costs no timer armed and cancelled.
-            if self._in_head and self._head_timer is None and not transport.is_closing():
-                self._head_timer = self.loop.call_later(head_timeout, self._head_late)
+            if self._open:
+                # What was read and not body: the open request's head, a chunked body's
+                # framing and its trailers. Counted from a read that began on this
+                # request (it was open, or the connection was idle and only it began);
+                # a read that also held earlier requests (pipelined) is not counted, as
+                # their heads and framing are in it: the bound may then be passed by at
+                # most that one read before it is refused.
+                read = len(data) - (self._body - body)
+                if was_open and self._seq == seq:
+                    self._framing += read
+                elif not was_open and self._seq == seq + 1:
+                    self._framing = read
+                if self._framing > max_head_bytes + _CHUNK_FRAMING * self._chunks:
+                    self._refuse(too_large, unbegun=self._in_head)
+            if transport.is_closing():
+                return
+            if self._in_head:
+                # A head begun in this read and not whole at its end has
+                # ``head_timeout`` from here (microseconds after its first byte): a head
+                # that arrives in one read, nearly every one, costs no timer armed and
+                # cancelled.
+                if self._head_timer is None:
+                    self._head_timer = self.loop.call_later(head_timeout, self._head_late)
+            elif self._answered():
+                # Nothing is being read into a request's head and nothing is being
+                # answered: blank lines before a request (which the parser skips), or
+                # the rest of a body the answer did not wait for (a 413, a 404).
+                # uvicorn cancelled the idle timer on the first byte; arm it again, or
+                # such a connection is held for ever. (Not while a request is being
+                # answered, headers sent or not: the timer closes, it does not ask.)
+                self._idle()
 
     Guarded.__name__ = f"Guarded{base.__name__}"
     return Guarded
