@@ -15,9 +15,9 @@ Follow one request (each step names the module that does it):
 3. Each answer gets one :class:`~frontend.request_state.RequestState`: its
    prompt ids, sampling, detokenizer and stop strings, the
    :class:`~frontend.responses.ResponseShaper` that spells its bytes, and the
-   ``send`` they go to. Several answers of one request (a prompt list, ``n``,
-   ``best_of``) go to :func:`frontend.fanout.answer_several`, which answers
-   each through the same ``_answer`` and joins them into one response.
+   ``send`` they go to. :func:`frontend.fanout.answer_several` answers them
+   through ``_answer``: one as it is, several (a prompt list, ``n``,
+   ``best_of``) at once, joined into one response.
 4. ``_answer`` asks the :class:`~scheduler.AsyncEngine`: ``_whole`` awaits its
    one answer (not streamed and no stop strings to watch: the cheap path);
    ``_stream`` reads its steps (every step that arrived while the task waited,
@@ -98,12 +98,12 @@ class GenerateSettings:
     guided: bool = True
 
 
-def _push(detok: Detokenizer, ids: Sequence[int], offsets: bool
-          ) -> tuple[str, list[int] | None]:
-    """``detok.push(ids)``, and each id's ``text_offset`` when ``offsets``."""
-    if offsets:
-        return detok.push_offsets(ids)
-    return detok.push(ids), None
+def _push(state: RequestState, ids: Sequence[int]) -> tuple[str, list[int] | None]:
+    """``ids`` pushed to ``state``'s detokenizer: their text, and each one's
+    ``text_offset`` where a completion's logprobs are asked for."""
+    if state.logprobs and not state.response.chat:
+        return state.detok.push_offsets(ids)
+    return state.detok.push(ids), None
 
 
 class OpenAIServing:
@@ -135,16 +135,8 @@ class OpenAIServing:
                                 f"serves {served} (GET /v1/models)",
                            param="model", code="model_not_found")
 
-    async def tokenize(self, text: str, *, special: bool,
-                       refuse: Callable[[int, int], None]) -> list[int]:
-        """``text``'s ids; a long text is tokenized off the event loop (and ``refuse``
-        asked first, as :meth:`tokenize_all` says)."""
-        if len(text) <= _TOKENIZE_INLINE:  # (every request's path: no list built for it)
-            return self.tokenizer.encode(text, add_special_tokens=special)
-        return (await self.tokenize_all([text], special=special, refuse=refuse))[0]
-
-    async def tokenize_all(self, texts: Sequence[str], *, special: bool,
-                           refuse: Callable[[int, int], None]) -> list[list[int]]:
+    async def tokenize(self, texts: list[str], *, special: bool,
+                       refuse: Callable[[int, int], None]) -> list[list[int]]:
         """Each text's ids; texts long together are tokenized off the event loop, in one
         call (inline, one at a time, 153 embedding inputs each under the bound would
         hold the loop over a second).
@@ -206,7 +198,7 @@ class OpenAIServing:
             self.translator.refuse_past_context(fewest, req.max_tokens, "prompt")
 
         if isinstance(prompt, str):
-            return [await self.tokenize(prompt, special=True, refuse=refuse)]
+            return await self.tokenize([prompt], special=True, refuse=refuse)
         if all(isinstance(t, int) for t in prompt):
             return await self._checked_ids([[t for t in prompt if isinstance(t, int)]],
                                            several=False)
@@ -215,7 +207,7 @@ class OpenAIServing:
                               f"{MAX_PROMPTS}", param="prompt", code="unsupported_value")
         texts = [p for p in prompt if isinstance(p, str)]
         if len(texts) == len(prompt):
-            return await self.tokenize_all(texts, special=True, refuse=refuse)
+            return await self.tokenize(texts, special=True, refuse=refuse)
         lists = [p for p in prompt if isinstance(p, list)]
         if len(lists) != len(prompt):
             raise bad_request("prompt: mixes strings, token ids and lists of token ids; "
@@ -259,7 +251,7 @@ class OpenAIServing:
         guide, tools = await self.translator.guide_and_tools(req)
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)
-        ids = await self.tokenize(text, special=False, refuse=lambda _, fewest: (
+        [ids] = await self.tokenize([text], special=False, refuse=lambda _, fewest: (
             self.translator.refuse_past_context(fewest, asked, "messages", field)))
         max_tokens = self.translator.budget(len(ids), asked, self.settings.default_max_tokens,
                                             "messages", field)
@@ -326,13 +318,12 @@ class OpenAIServing:
         """Answer with one body, from the engine's one answer (no stop strings to watch)."""
         result = await self.engine.submit(state.prompt_ids, state.sampling,
                                           return_logprob=state.logprobs)
-        detok, response = state.detok, state.response
         state.echo_prompt(result.prompt_logprobs, result.prompt_top_logprobs)
-        text, offsets = _push(detok, result.token_ids, state.logprobs and not response.chat)
-        text += detok.finish()
+        text, offsets = _push(state, result.token_ids)
+        text += state.detok.finish()
         state.cached_tokens = result.cached_tokens or 0
         tops = None if result.top_logprobs is None else tuple(result.top_logprobs)
-        body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
+        body = state.response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
                               state.usage(), offsets, tops, state.tools)
         self._first_token(state)
         await send_bytes(state.send, 200, body)
@@ -368,7 +359,7 @@ class OpenAIServing:
                 for n, chunk in enumerate(chunks, 1):
                     if not n % _CHUNKS_A_TURN:  # a long backlog: another turn for the rest
                         await self.turns.take()
-                    text, offsets = _push(detok, chunk.token_ids, offsets_wanted)
+                    text, offsets = _push(state, chunk.token_ids)
                     finish = "stop" if detok.stopped else chunk.finish_reason
                     if chunk.cached_tokens is not None:
                         state.cached_tokens = chunk.cached_tokens
