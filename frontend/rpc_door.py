@@ -115,9 +115,8 @@ class RpcDoor:
     def _scheduler_gone(self) -> str | None:
         """Why the scheduler is gone (asked of the engine until it is), or None."""
         if self._why_gone is None:
-            why = self._gone()
-            if why is not None:
-                self._why_gone, self._gone_since = why, time.monotonic()
+            self._why_gone = self._gone()
+            self._gone_since = time.monotonic()  # (the look that first saw it gone stays)
         return self._why_gone
 
     def _fail_waiting(self) -> None:

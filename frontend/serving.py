@@ -86,16 +86,10 @@ SEND_TIMEOUT_S = 30.0
 _CHUNK_FRAMING = 64
 
 
-def _status_line(status: int) -> bytes:
-    """``status``'s HTTP/1.1 status line, with its reason phrase where HTTP names one."""
-    try:
-        phrase = http.HTTPStatus(status).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-
-
-_STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+_PHRASES = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+#: Each status's HTTP/1.1 status line, with its reason phrase where HTTP names one.
+_STATUS_LINES = {status: b"HTTP/1.1 %d %s\r\n" % (status, _PHRASES.get(status, b""))
+                 for status in range(100, 600)}
 
 
 def _refusal(status: int, code: str, message: str) -> bytes:
@@ -213,11 +207,8 @@ class _Refused(Exception):
 def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                   head_timeout: float = HEAD_TIMEOUT_S,
                   send_timeout: float = SEND_TIMEOUT_S) -> type[asyncio.Protocol]:
-    """uvicorn's protocol class ``name`` (``auto``, ``h11``, ``httptools``), closing a
-    connection that sends nothing within its keep-alive timeout, bounding each
-    request's head to ``max_head_bytes`` (else 431) and ``head_timeout`` seconds
-    (else 408), and aborting a connection whose client reads nothing of its
-    answer for ``send_timeout`` seconds once the write buffer is full.
+    """uvicorn's protocol class ``name`` (``auto``, ``h11``, ``httptools``), with the
+    bounds and behaviours the module docstring gives.
 
     Raises:
         ValueError: a bound that is not above 0.
@@ -250,12 +241,11 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             self._turns = loop_turns()  # (looked up once, not per read)
-            # Requests answering when a request pipelined behind them became the
-            # connection's ``cycle`` (until answered): uvicorn tells only its ``cycle``
-            # when the client leaves, so an earlier one would never see its disconnect
-            # and would hold its slot to its end (a non-streamed request, or any stream
-            # on the asyncio loop, runs to max_tokens); these are told too. (httptools
-            # alone: h11 reads no request while one is answered.)
+            # Requests still answering that a pipelined one replaced as ``cycle``:
+            # uvicorn tells only ``cycle`` of a client gone, and these would hold their
+            # slots to their ends (a non-streamed request, or any stream on the asyncio
+            # loop, runs to max_tokens). httptools alone makes them: h11 reads no
+            # request while one is answered.
             self._earlier: list[Any] = []
             if not transport.is_closing():
                 self._idle()
@@ -348,21 +338,21 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 return
             self._refuse(late, unbegun=True)
 
-        def _refuse(self, answer: bytes, *, unbegun: bool = False) -> None:
+        def _refuse(self, answer: bytes, *, unbegun: bool) -> None:
             """Answer ``answer`` and close. ``unbegun``: the refused request's head is not
             whole (it has no answer of its own yet). When an answer to an earlier request
             is still due, or the refused one's has begun, close without a word: the
             bytes would land before it or inside it (HTTP answers go in order)."""
             cycle = self.cycle
-            earlier_due = any(not c.response_complete for c in self._earlier)
-            if unbegun:  # the connection's last answer comes before it
+            if unbegun:  # the connection's last answer (and so every earlier one) before it
                 in_order = self._answered()
-            else:  # ``cycle`` is the refused request's own
-                in_order = cycle is None or not cycle.response_started
+            else:  # ``cycle`` is the refused request's own: the earlier ones come before it
+                in_order = ((cycle is None or not cycle.response_started)
+                            and all(c.response_complete for c in self._earlier))
             self._in_head = self._open = False
             transport = self.transport
             if not transport.is_closing():
-                if in_order and not earlier_due:
+                if in_order:
                     transport.write(answer)
                 transport.close()
             if cycle is not None:
