@@ -110,10 +110,10 @@ class OpenAIServing:
     """Answers ``/v1/completions`` and ``/v1/chat/completions`` over one engine."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: GenerateSettings,
-                 metrics: HttpMetrics | None, template: ChatTemplate | None = None) -> None:
+                 metrics: HttpMetrics | None, template: ChatTemplate) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.template = template or ChatTemplate(tokenizer)
+        self.template = template
         self.settings = settings
         self.metrics = metrics
         # Answer ids: this server's run, then a count (ids do not repeat across restarts

@@ -178,8 +178,7 @@ class RpcDoor:
         """Stop forwarding and close both sockets (idempotent); an ipc endpoint's socket
         file is removed."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(5.0)
+        self._thread.join(5.0)
 
     def __enter__(self) -> RpcDoor:
         return self
