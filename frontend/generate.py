@@ -119,7 +119,6 @@ class OpenAIServing:
         # Answer ids: this server's run, then a count (ids do not repeat across restarts
         # or replicas, as cmpl-0, cmpl-1, ... did).
         self._ids = map(f"{secrets.token_hex(4)}-{{}}".format, itertools.count())
-        self._vocab = tokenizer.vocab_size
         # How a request becomes its guide, token budget and SamplingParams.
         self.translator = SamplingTranslator(tokenizer, model_name=settings.model_name,
                                              max_model_len=settings.max_model_len,
@@ -225,7 +224,7 @@ class OpenAIServing:
         """
         def check() -> list[list[int]]:
             for i, ids in enumerate(prompts):
-                problem = prompt_problem(ids, self._vocab)
+                problem = prompt_problem(ids, self.tokenizer.vocab_size)
                 if problem:
                     where = f"prompt[{i}]" if several else "prompt"
                     raise bad_request(f"{where}: {problem}", param="prompt")
