@@ -457,12 +457,12 @@ class Frontend:
                                   param="input", code="context_length_exceeded")
 
         if isinstance(raw, str):
-            texts = [await gen.tokenize(raw, special=True, refuse=refuse)]
+            texts = await gen.tokenize([raw], special=True, refuse=refuse)
         elif all(isinstance(x, int) for x in raw):
             texts = [[x for x in raw if isinstance(x, int)]]
         elif all(isinstance(x, str) for x in raw):
-            texts = await gen.tokenize_all([x for x in raw if isinstance(x, str)], special=True,
-                                           refuse=refuse)
+            texts = await gen.tokenize([x for x in raw if isinstance(x, str)], special=True,
+                                       refuse=refuse)
         elif all(isinstance(x, list) for x in raw):
             texts = [x for x in raw if isinstance(x, list)]
         else:

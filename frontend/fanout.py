@@ -93,7 +93,7 @@ async def answer_several(req: CompletionRequest | ChatCompletionRequest,
                          states: list[RequestState], send: Send,
                          answer: Callable[[RequestState], Awaitable[int]], *,
                          copies: int = 1, keep: int = 1, hide_logprobs: bool = False) -> int:
-    """Answer several requests to the engine as one answer: several prompts, or
+    """Answer one or several requests to the engine as one answer: several prompts, or
     ``copies`` answers of each prompt (``n``, ``best_of``), all at once, each by
     ``answer`` (the request path's); their answers become the choices, ``index`` =
     prompt's index * ``keep`` + answer's (vLLM's order), and the usage is their sum
@@ -105,6 +105,8 @@ async def answer_several(req: CompletionRequest | ChatCompletionRequest,
     Raises:
         ApiError: what one answer raises.
     """
+    if len(states) == 1:  # one answer: the request path's own response, as it is
+        return await answer(states[0])
     if req.stream:
         return await _answer_several_streamed(req, states, send, answer)
     if hide_logprobs:

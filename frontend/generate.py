@@ -15,9 +15,9 @@ Follow one request (each step names the module that does it):
 3. Each answer gets one :class:`~frontend.request_state.RequestState`: its
    prompt ids, sampling, detokenizer and stop strings, the
    :class:`~frontend.responses.ResponseShaper` that spells its bytes, and the
-   ``send`` they go to. Several answers of one request (a prompt list, ``n``,
-   ``best_of``) go to :func:`frontend.fanout.answer_several`, which answers
-   each through the same ``_answer`` and joins them into one response.
+   ``send`` they go to. :func:`frontend.fanout.answer_several` answers them
+   through ``_answer``: one as it is, several (a prompt list, ``n``,
+   ``best_of``) at once, joined into one response.
 4. ``_answer`` asks the :class:`~scheduler.AsyncEngine`: ``_whole`` awaits its
    one answer (not streamed and no stop strings to watch: the cheap path);
    ``_stream`` reads its steps (every step that arrived while the task waited,
@@ -98,28 +98,27 @@ class GenerateSettings:
     guided: bool = True
 
 
-def _push(detok: Detokenizer, ids: Sequence[int], offsets: bool
-          ) -> tuple[str, list[int] | None]:
-    """``detok.push(ids)``, and each id's ``text_offset`` when ``offsets``."""
-    if offsets:
-        return detok.push_offsets(ids)
-    return detok.push(ids), None
+def _push(state: RequestState, ids: Sequence[int]) -> tuple[str, list[int] | None]:
+    """``ids`` pushed to ``state``'s detokenizer: their text, and each one's
+    ``text_offset`` where a completion's logprobs are asked for."""
+    if state.logprobs and not state.response.chat:
+        return state.detok.push_offsets(ids)
+    return state.detok.push(ids), None
 
 
 class OpenAIServing:
     """Answers ``/v1/completions`` and ``/v1/chat/completions`` over one engine."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: GenerateSettings,
-                 metrics: HttpMetrics | None, template: ChatTemplate | None = None) -> None:
+                 metrics: HttpMetrics | None, template: ChatTemplate) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.template = template or ChatTemplate(tokenizer)
+        self.template = template
         self.settings = settings
         self.metrics = metrics
         # Answer ids: this server's run, then a count (ids do not repeat across restarts
         # or replicas, as cmpl-0, cmpl-1, ... did).
         self._ids = map(f"{secrets.token_hex(4)}-{{}}".format, itertools.count())
-        self._vocab = tokenizer.vocab_size
         # How a request becomes its guide, token budget and SamplingParams.
         self.translator = SamplingTranslator(tokenizer, model_name=settings.model_name,
                                              max_model_len=settings.max_model_len,
@@ -135,17 +134,8 @@ class OpenAIServing:
                                 f"serves {served} (GET /v1/models)",
                            param="model", code="model_not_found")
 
-    async def tokenize(self, text: str, *, special: bool,
-                       refuse: Callable[[int, int], None] | None = None) -> list[int]:
-        """``text``'s ids; a long text is tokenized off the event loop (and ``refuse``
-        asked first, as :meth:`tokenize_all` says)."""
-        if len(text) <= _TOKENIZE_INLINE:  # (every request's path: no list built for it)
-            return self.tokenizer.encode(text, add_special_tokens=special)
-        return (await self.tokenize_all([text], special=special, refuse=refuse))[0]
-
-    async def tokenize_all(self, texts: Sequence[str], *, special: bool,
-                           refuse: Callable[[int, int], None] | None = None
-                           ) -> list[list[int]]:
+    async def tokenize(self, texts: list[str], *, special: bool,
+                       refuse: Callable[[int, int], None]) -> list[list[int]]:
         """Each text's ids; texts long together are tokenized off the event loop, in one
         call (inline, one at a time, 153 embedding inputs each under the bound would
         hold the loop over a second).
@@ -164,9 +154,8 @@ class OpenAIServing:
         fewest = self.tokenizer.fewest_tokens
 
         def run() -> list[list[int]]:
-            if refuse is not None:
-                for i, text in enumerate(texts):
-                    refuse(i, fewest(text))
+            for i, text in enumerate(texts):
+                refuse(i, fewest(text))
             return [encode(text, add_special_tokens=special) for text in texts]
 
         return await asyncio.get_running_loop().run_in_executor(None, run)
@@ -183,26 +172,16 @@ class OpenAIServing:
         guide = await self.translator.guide(req)
         prompts = await self._completion_prompts(req)
         copies = answers_per_prompt(req, len(prompts))
-        if len(prompts) == 1 and copies == 1:
-            return await self._answer(self._completion_state(req, prompts[0], send, t0, guide))
         # Every answer is checked (its budget, its sampling) before any runs.
-        states = [self._completion_state(req, ids, send, t0, guide, copy=i)
-                  for ids in prompts for i in range(copies)]
+        states: list[RequestState] = []
+        for ids in prompts:
+            max_tokens = self.translator.budget(len(ids), req.max_tokens, 16, "prompt")
+            states += [nth_answer(self._state(req, ids, max_tokens, send, t0, guide), i)
+                       for i in range(copies)]
         # best_of without logprobs: they are asked for only to rank the answers.
         hide = copies != req.n and req.logprobs is None
         return await answer_several(req, states, send, self._answer, copies=copies,
                                     keep=req.n, hide_logprobs=hide)
-
-    def _completion_state(self, req: CompletionRequest, ids: list[int], send: Send,
-                          t0: float, guide: Guide | None, copy: int = 0) -> RequestState:
-        """The state of the ``copy``-th answer of the completion of prompt ``ids``."""
-        max_tokens = self.translator.budget(len(ids), req.max_tokens, 16, "prompt")
-        state = self._state(
-            req, endpoint="completions", prompt_ids=ids, max_tokens=max_tokens,
-            stops=req.stops(), extra_stop_ids=(), logprobs=req.logprobs is not None,
-            send=send, t0=t0, guide=guide)
-        state.echo = req.echo
-        return nth_answer(state, copy)
 
     async def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Each prompt's ids: a string, a list of ids, or several of either.
@@ -218,41 +197,42 @@ class OpenAIServing:
             self.translator.refuse_past_context(fewest, req.max_tokens, "prompt")
 
         if isinstance(prompt, str):
-            return [await self.tokenize(prompt, special=True, refuse=refuse)]
+            return await self.tokenize([prompt], special=True, refuse=refuse)
         if all(isinstance(t, int) for t in prompt):
-            ids = [t for t in prompt if isinstance(t, int)]
-            if len(ids) <= _TOKENIZE_INLINE:
-                return [self._prompt_ids(ids)]
-            # ~1M ids take 150-240 ms to check: off the loop, as a long text is
-            return [await asyncio.get_running_loop().run_in_executor(
-                None, self._prompt_ids, ids)]
+            return await self._checked_ids([[t for t in prompt if isinstance(t, int)]],
+                                           several=False)
         if len(prompt) > MAX_PROMPTS:
             raise bad_request(f"prompt: {len(prompt)} prompts in one request; at most "
                               f"{MAX_PROMPTS}", param="prompt", code="unsupported_value")
         texts = [p for p in prompt if isinstance(p, str)]
         if len(texts) == len(prompt):
-            return await self.tokenize_all(texts, special=True, refuse=refuse)
+            return await self.tokenize(texts, special=True, refuse=refuse)
         lists = [p for p in prompt if isinstance(p, list)]
         if len(lists) != len(prompt):
             raise bad_request("prompt: mixes strings, token ids and lists of token ids; "
                               "give one kind", param="prompt")
-        if sum(map(len, lists)) <= _TOKENIZE_INLINE:
-            return [self._prompt_ids(ids, i) for i, ids in enumerate(lists)]
-        return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: [self._prompt_ids(ids, i) for i, ids in enumerate(lists)])
+        return await self._checked_ids(lists, several=True)
 
-    def _prompt_ids(self, ids: list[int], index: int | None = None) -> list[int]:
-        """A prompt given as token ids (the ``index``-th of several), checked against
-        the vocabulary.
+    async def _checked_ids(self, prompts: list[list[int]], *, several: bool
+                           ) -> list[list[int]]:
+        """Prompts given as token ids (``several``: a list of them), checked against the
+        vocabulary; many ids are checked off the event loop (~1M take 150-240 ms, as a
+        long text takes to tokenize).
 
         Raises:
-            ApiError: 400: no ids, or an id outside the vocabulary.
+            ApiError: 400: a prompt with no ids, or an id outside the vocabulary.
         """
-        problem = prompt_problem(ids, self._vocab)
-        if problem:
-            where = "prompt" if index is None else f"prompt[{index}]"
-            raise bad_request(f"{where}: {problem}", param="prompt")
-        return ids
+        def check() -> list[list[int]]:
+            for i, ids in enumerate(prompts):
+                problem = prompt_problem(ids, self.tokenizer.vocab_size)
+                if problem:
+                    where = f"prompt[{i}]" if several else "prompt"
+                    raise bad_request(f"{where}: {problem}", param="prompt")
+            return prompts
+
+        if sum(map(len, prompts)) <= _TOKENIZE_INLINE:
+            return check()
+        return await asyncio.get_running_loop().run_in_executor(None, check)
 
     async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:
         """Answer a chat completion; returns the HTTP status sent.
@@ -270,52 +250,53 @@ class OpenAIServing:
         guide, tools = await self.translator.guide_and_tools(req)
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)
-        ids = await self.tokenize(text, special=False, refuse=lambda _, fewest: (
+        [ids] = await self.tokenize([text], special=False, refuse=lambda _, fewest: (
             self.translator.refuse_past_context(fewest, asked, "messages", field)))
         max_tokens = self.translator.budget(len(ids), asked, self.settings.default_max_tokens,
                                             "messages", field)
         # Each answer its own state, guide and tool plan (a plan holds its answer's
         # streaming state and call id): n answers are n requests, each constrained.
-        states: list[RequestState] = []
-        for i in range(answers_per_prompt(req, 1)):
-            state = self._state(
-                req, endpoint="chat", prompt_ids=ids, max_tokens=max_tokens,
-                stops=[*req.stops(), *self.template.stops],
-                extra_stop_ids=self.template.stop_ids, logprobs=req.logprobs, send=send,
-                t0=t0, guide=guide, tools=tools if not i or tools is None else tools.another())
-            states.append(nth_answer(state, i))
-        if len(states) == 1:
-            return await self._answer(states[0])
+        states = [nth_answer(self._state(req, ids, max_tokens, send, t0, guide, tools=(
+            tools if not i or tools is None else tools.another())), i)
+            for i in range(answers_per_prompt(req, 1))]
         return await answer_several(req, states, send, self._answer, copies=req.n, keep=req.n)
 
-    def _state(self, req: CompletionRequest | ChatCompletionRequest, *, endpoint: str,
-               prompt_ids: list[int], max_tokens: int, stops: list[str],
-               extra_stop_ids: Sequence[int], logprobs: bool, send: Send, t0: float,
-               guide: Guide | None, tools: ToolPlan | None = None) -> RequestState:
-        """The state of ``req`` about to be answered.
+    def _state(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+               max_tokens: int, send: Send, t0: float, guide: Guide | None, *,
+               tools: ToolPlan | None = None) -> RequestState:
+        """The state of ``req``'s answer to ``prompt_ids`` (a chat's stop strings and stop
+        ids are its own and its template's).
 
         Raises:
             ApiError: 400: an empty prompt, or sampling out of range.
         """
-        chat = endpoint == "chat"
+        chat = isinstance(req, ChatCompletionRequest)
+        stops = req.stops()
+        if isinstance(req, ChatCompletionRequest):
+            stops += self.template.stops
+            stop_ids: Sequence[int] = self.template.stop_ids
+            logprobs = req.logprobs
+        else:
+            stop_ids = ()
+            logprobs = req.logprobs is not None
         if not prompt_ids:
             raise bad_request("the prompt is empty (no tokens)",
                               param="messages" if chat else "prompt")
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage
         return RequestState(
-            endpoint=endpoint,
+            endpoint="chat" if chat else "completions",
             response=ResponseShaper(chat, next(self._ids), self.settings.model_name,
                                     self.tokenizer),
             prompt_ids=prompt_ids,
-            sampling=self.translator.params(req, max_tokens, extra_stop_ids, guide, tools),
+            sampling=self.translator.params(req, max_tokens, stop_ids, guide, tools),
             tools=tools,
             detok=Detokenizer(self.tokenizer, stops, prompt_ids), has_stops=bool(stops),
             logprobs=logprobs, stream=req.stream, include_usage=include_usage,
             # OpenAI's (and vLLM's) continuous_usage_stats: every event carries the usage
             # so far.
             continuous_usage=include_usage and opts is not None and opts.continuous_usage_stats,
-            send=send, t0=t0)
+            send=send, t0=t0, echo=isinstance(req, CompletionRequest) and req.echo)
 
     async def _answer(self, state: RequestState) -> int:
         """Answer one request to the engine, as ``state`` says; returns the HTTP status
@@ -336,13 +317,12 @@ class OpenAIServing:
         """Answer with one body, from the engine's one answer (no stop strings to watch)."""
         result = await self.engine.submit(state.prompt_ids, state.sampling,
                                           return_logprob=state.logprobs)
-        detok, response = state.detok, state.response
         state.echo_prompt(result.prompt_logprobs, result.prompt_top_logprobs)
-        text, offsets = _push(detok, result.token_ids, state.logprobs and not response.chat)
-        text += detok.finish()
+        text, offsets = _push(state, result.token_ids)
+        text += state.detok.finish()
         state.cached_tokens = result.cached_tokens or 0
         tops = None if result.top_logprobs is None else tuple(result.top_logprobs)
-        body = response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
+        body = state.response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
                               state.usage(), offsets, tops, state.tools)
         self._first_token(state)
         await send_bytes(state.send, 200, body)
@@ -362,41 +342,32 @@ class OpenAIServing:
         steps = cast(AsyncGenerator[list[StreamChunk], None],
                      self.engine.stream_steps(state.prompt_ids, state.sampling,
                                               return_logprob=state.logprobs))
-        it = aiter(steps)
         detok, response, send = state.detok, state.response, state.send
         started = False
-        pieces: list[str] = []  # the non-streamed answer with stop strings
-        out_ids: list[int] = []
-        out_lps: list[float] | None = [] if state.logprobs else None
-        out_tops: list[tuple[tuple[int, float], ...]] = []
+        got: list[StreamChunk] = []  # the chunks of an answer sent whole (not streamed)
+        pieces: list[str] = []  # ... their text
         offsets_wanted = state.logprobs and not response.chat  # (a completion's text_offset)
-        out_offsets: list[int] = []
+        out_offsets: list[int] = []  # ... and its offsets
         finish: str | None = None
         try:
-            chunks = await anext(it)  # a refusal is still an HTTP error here
-            if chunks:
-                state.echo_prompt(chunks[0].prompt_logprobs, chunks[0].prompt_top_logprobs)
+            chunks = await anext(steps)  # a refusal is still an HTTP error here
+            state.echo_prompt(chunks[0].prompt_logprobs, chunks[0].prompt_top_logprobs)
             while True:
                 await self.turns.take()
                 events: list[bytes] = []
                 for n, chunk in enumerate(chunks, 1):
                     if not n % _CHUNKS_A_TURN:  # a long backlog: another turn for the rest
                         await self.turns.take()
-                    text, offsets = _push(detok, chunk.token_ids, offsets_wanted)
+                    text, offsets = _push(state, chunk.token_ids)
                     finish = "stop" if detok.stopped else chunk.finish_reason
                     if chunk.cached_tokens is not None:
                         state.cached_tokens = chunk.cached_tokens
                     if finish is not None:
                         text += detok.finish()
                     if not state.stream:
+                        got.append(chunk)
                         pieces.append(text)
-                        out_ids.extend(chunk.token_ids)
-                        if out_lps is not None and chunk.logprobs is not None:
-                            out_lps.extend(chunk.logprobs)
-                        if chunk.top_logprobs is not None:
-                            out_tops.extend(chunk.top_logprobs)
-                        if offsets is not None:
-                            out_offsets.extend(offsets)
+                        out_offsets += offsets or ()
                     elif state.tools is not None:
                         usage = state.usage() if state.continuous_usage else None
                         events.extend(response.tool_event(state.tools, text, finish, usage))
@@ -421,7 +392,7 @@ class OpenAIServing:
                                 "more_body": finish is None})
                 if finish is not None:
                     break
-                chunks = await anext(it)
+                chunks = await anext(steps)
         except EngineError as exc:
             if not started:
                 raise
@@ -435,9 +406,11 @@ class OpenAIServing:
             assert finish is not None
             self._first_token(state)
             kept = detok.tokens  # (a stop string's cut)
+            lps = [lp for c in got for lp in c.logprobs or ()] if state.logprobs else None
+            tops = [t for c in got for t in c.top_logprobs or ()]
             await send_bytes(send, 200, response.whole(
-                "".join(pieces), finish, out_ids[:kept],
-                None if out_lps is None else out_lps[:kept], state.usage(),
+                "".join(pieces), finish, [i for c in got for i in c.token_ids][:kept],
+                None if lps is None else lps[:kept], state.usage(),
                 out_offsets[:kept] if offsets_wanted else None,
-                tuple(out_tops[:kept]) if state.sampling.top_logprobs else None, state.tools))
+                tuple(tops[:kept]) if state.sampling.top_logprobs else None, state.tools))
         return 200

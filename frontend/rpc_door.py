@@ -59,18 +59,16 @@ class RpcDoor:
     """Forwards rpc calls from ``endpoint`` to the scheduler's ``upstream``; a context manager.
 
     ``gone`` tells why the scheduler is gone, or None while it runs (the
-    engine's :attr:`~scheduler.AsyncEngine.gone`); without it, a call to a
-    dead scheduler waits out its caller's timeout.
+    engine's :attr:`~scheduler.AsyncEngine.gone`).
 
     Raises (at construction):
         EndpointInUse: a live listener already serves ``endpoint``.
         ValueError: ``endpoint`` is not loopback and ``options`` does not allow remote.
     """
 
-    def __init__(self, endpoint: str, upstream: str, *,
+    def __init__(self, endpoint: str, upstream: str, *, gone: Callable[[], str | None],
                  options: SocketOptions | None = None,
-                 curve_clients: Sequence[bytes] | None = None,
-                 gone: Callable[[], str | None] | None = None) -> None:
+                 curve_clients: Sequence[bytes] | None = None) -> None:
         self.endpoint = endpoint
         self._gone = gone
         self._why_gone: str | None = None  # once seen, for good: a scheduler does not return
@@ -116,10 +114,9 @@ class RpcDoor:
 
     def _scheduler_gone(self) -> str | None:
         """Why the scheduler is gone (asked of the engine until it is), or None."""
-        if self._why_gone is None and self._gone is not None:
-            why = self._gone()
-            if why is not None:
-                self._why_gone, self._gone_since = why, time.monotonic()
+        if self._why_gone is None:
+            self._why_gone = self._gone()
+            self._gone_since = time.monotonic()  # (the look that first saw it gone stays)
         return self._why_gone
 
     def _fail_waiting(self) -> None:
@@ -156,7 +153,7 @@ class RpcDoor:
     def _answer(self, reply: RpcReqOutput) -> None:
         waiting = self._waiting.pop(reply.rid, None)
         if waiting is None:
-            return  # not ours (cannot happen: the caller's socket is private)
+            return  # its call was already failed (the scheduler is gone)
         origin, rid = waiting
         self._reply(RpcReqOutput(rid=rid, success=reply.success, message=reply.message,
                                  result=reply.result), origin)
@@ -181,8 +178,7 @@ class RpcDoor:
         """Stop forwarding and close both sockets (idempotent); an ipc endpoint's socket
         file is removed."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(5.0)
+        self._thread.join(5.0)
 
     def __enter__(self) -> RpcDoor:
         return self

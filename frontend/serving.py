@@ -59,7 +59,6 @@ import contextlib
 import functools
 import http
 import logging
-import operator
 import socket
 import struct
 import sys
@@ -95,16 +94,10 @@ SEND_TIMEOUT_S = 30.0
 _CHUNK_FRAMING = 64
 
 
-def _status_line(status: int) -> bytes:
-    """``status``'s HTTP/1.1 status line, with its reason phrase where HTTP names one."""
-    try:
-        phrase = http.HTTPStatus(status).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-
-
-_STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+_PHRASES = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+#: Each status's HTTP/1.1 status line, with its reason phrase where HTTP names one.
+_STATUS_LINES = {status: b"HTTP/1.1 %d %s\r\n" % (status, _PHRASES.get(status, b""))
+                 for status in range(100, 600)}
 
 
 def _refusal(status: int, code: str, message: str) -> bytes:
@@ -271,11 +264,8 @@ class _Refused(Exception):
 def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                   head_timeout: float = HEAD_TIMEOUT_S,
                   send_timeout: float = SEND_TIMEOUT_S) -> type[asyncio.Protocol]:
-    """uvicorn's protocol class ``name`` (``auto``, ``h11``, ``httptools``), closing a
-    connection that sends nothing within its keep-alive timeout, bounding each
-    request's head to ``max_head_bytes`` (else 431) and ``head_timeout`` seconds
-    (else 408), and aborting a connection whose client reads nothing of its
-    answer for ``send_timeout`` seconds once the write buffer is full.
+    """uvicorn's protocol class ``name`` (``auto``, ``h11``, ``httptools``), with the
+    bounds and behaviours the module docstring gives.
 
     Raises:
         ValueError: a bound that is not above 0.
@@ -311,6 +301,12 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             self._turns = loop_turns()  # (looked up once, not per read)
+            # Requests still answering that a pipelined one replaced as ``cycle``:
+            # uvicorn tells only ``cycle`` of a client gone, and these would hold their
+            # slots to their ends (a non-streamed request, or any stream on the asyncio
+            # loop, runs to max_tokens). httptools alone makes them: h11 reads no
+            # request while one is answered.
+            self._earlier: list[Any] = []
             if not transport.is_closing():
                 self._idle()
 
@@ -334,32 +330,18 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             # a new idle period, if uvicorn armed its timer
             self._idle_since = self.loop.time() if self.timeout_keep_alive_task else None
 
-        # A request pipelined behind one still answering becomes the
-        # connection's ``cycle``, and uvicorn tells only that one when the
-        # client leaves: the earlier one would never see its disconnect, and
-        # would hold its slot to its end (a non-streamed request, or any
-        # stream on the asyncio loop, runs to max_tokens). The earlier ones are
-        # kept here (until answered) and told too.
-        _cycle: Any = None
+        # -- the request a connection makes (h11) -------------------------------------
 
-        def _set_cycle(self, new: Any) -> None:
-            if new is not None and new.scope.get("http_version") == "1.0":
-                _close_delimited(new)
-            if both_lengths_close and new is not None and _framed_twice(new.scope["headers"]):
-                # (kept open, the bytes a proxy that trusted the length took for this
-                # body would be read here as the next request: request smuggling)
-                new.keep_alive = False
-                new.scope["headers"].append((b"connection", b"close"))  # (told in the answer)
-            old = self._cycle
-            if old is not None and old is not new and not old.response_complete:
-                earlier = self.__dict__.setdefault("_earlier", [])
-                earlier[:] = [c for c in earlier if not c.response_complete]
-                earlier.append(old)
-            self._cycle = new
-
-        # uvicorn reads ``cycle`` about a dozen times a request: the getter is a C
-        # attrgetter (no Python frame a read); only setting it runs the code above.
-        cycle = property(operator.attrgetter("_cycle"), _set_cycle)
+        if both_lengths_close:
+            def handle_events(self) -> None:
+                earlier = self.cycle
+                super().handle_events()  # (makes at most one request: h11 pauses after it)
+                cycle = self.cycle
+                if cycle is not earlier and _framed_twice(cycle.scope["headers"]):
+                    # (kept open, the bytes a proxy that trusted the length took for
+                    # this body would be read here as the next request: smuggling)
+                    cycle.keep_alive = False
+                    cycle.scope["headers"].append((b"connection", b"close"))  # (told in the answer)
 
         # -- the head's bounds (httptools' parser callbacks) --------------------------
 
@@ -388,11 +370,18 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 # gzip bytes as the body: "invalid JSON")
                 self._refuse(_not_implemented(unsupported), unbegun=True)
                 raise _Refused
+            earlier = self.cycle
             super().on_headers_complete()
             cycle = self.cycle
-            if cycle is not None and cycle.scope is self.scope:  # (its request's cycle)
-                extensions = self.scope.setdefault("extensions", {})  # (uvicorn's kept)
-                extensions[WHOLE] = functools.partial(_send_whole, weakref.ref(cycle))
+            if cycle is earlier:  # (no request made: an upgrade)
+                return
+            if earlier is not None and not earlier.response_complete:
+                self._earlier = [c for c in self._earlier if not c.response_complete]
+                self._earlier.append(earlier)
+            if cycle.scope.get("http_version") == "1.0":
+                _close_delimited(cycle)
+            extensions = self.scope.setdefault("extensions", {})  # (uvicorn's kept)
+            extensions[WHOLE] = functools.partial(_send_whole, weakref.ref(cycle))
 
         def on_body(self, body: bytes) -> None:
             self._body += len(body)  # (the connection's, all requests')
@@ -432,53 +421,25 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 return
             self._refuse(late, unbegun=True)
 
-        def _refuse(self, answer: bytes, *, unbegun: bool = False) -> None:
+        def _refuse(self, answer: bytes, *, unbegun: bool) -> None:
             """Answer ``answer`` and close. ``unbegun``: the refused request's head is not
             whole (it has no answer of its own yet). When an answer to an earlier request
             is still due, or the refused one's has begun, close without a word: the
             bytes would land before it or inside it (HTTP answers go in order)."""
             cycle = self.cycle
-            earlier_due = any(not c.response_complete for c in self.__dict__.get("_earlier", ()))
-            if unbegun:  # the connection's last answer comes before it
+            if unbegun:  # the connection's last answer (and so every earlier one) before it
                 in_order = self._answered()
-            else:  # ``cycle`` is the refused request's own
-                in_order = cycle is None or not cycle.response_started
+            else:  # ``cycle`` is the refused request's own: the earlier ones come before it
+                in_order = ((cycle is None or not cycle.response_started)
+                            and all(c.response_complete for c in self._earlier))
             self._in_head = self._open = False
             transport = self.transport
             if not transport.is_closing():
-                if in_order and not earlier_due:
+                if in_order:
                     transport.write(answer)
                 transport.close()
             if cycle is not None:
                 _tell_gone(cycle)  # its handler hears it now, not at connection_lost
-
-        def _count(self, data: bytes, seq: int, was_open: bool, body: int) -> None:
-            """After ``data`` was parsed: bound what of it was not body (a head, a chunked
-            body's framing and trailers), and close a connection left idle again."""
-            if self._open:
-                # What was read and not body: the open request's head, framing and
-                # trailers. Counted from a read that began on this request (it was
-                # open, or the connection was idle and only it began); a read that
-                # also held earlier requests (pipelined) is not counted, as their
-                # heads and framing are in it: the bound may then be passed by at
-                # most that one read before it is refused.
-                read = len(data) - (self._body - body)
-                if was_open and self._seq == seq:
-                    self._framing += read
-                elif not was_open and self._seq == seq + 1:
-                    self._framing = read
-                if self._framing > max_head_bytes + _CHUNK_FRAMING * self._chunks:
-                    self._refuse(too_large, unbegun=self._in_head)
-                    return
-            if not self._in_head and self._answered():
-                # Nothing is being read into a request's head and nothing is being
-                # answered: blank lines before a request (which the parser skips), or
-                # the rest of a body the answer did not wait for (a 413, a 404).
-                # uvicorn cancelled the idle timer on the first byte; arm it again, or
-                # such a connection is held for ever. (Not while a request is being
-                # answered, headers sent or not: the timer closes, it does not ask.)
-                if not self.transport.is_closing():
-                    self._idle()
 
         # -- a client that stops reading ----------------------------------------------
 
@@ -525,8 +486,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 self._head_timer.cancel()
                 self._head_timer = None
             super().connection_lost(exc)
-            for c in self.__dict__.pop("_earlier", ()):
+            for c in self._earlier:
                 _tell_gone(c)
+            self._earlier.clear()
 
         def data_received(self, data: bytes) -> None:
             # Bytes take their turn on the loop (frontend.turns): 256 requests
@@ -546,12 +508,37 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 transport.resume_reading()
             seq, was_open, body = self._seq, self._open, self._body
             super().data_received(data)
-            self._count(data, seq, was_open, body)
-            # A head begun in this read and not whole at its end has ``head_timeout``
-            # from here (microseconds after its first byte): a head that arrives in one
-            # read, nearly every one, costs no timer armed and cancelled.
-            if self._in_head and self._head_timer is None and not transport.is_closing():
-                self._head_timer = self.loop.call_later(head_timeout, self._head_late)
+            if self._open:
+                # What was read and not body: the open request's head, a chunked body's
+                # framing and its trailers. Counted from a read that began on this
+                # request (it was open, or the connection was idle and only it began);
+                # a read that also held earlier requests (pipelined) is not counted, as
+                # their heads and framing are in it: the bound may then be passed by at
+                # most that one read before it is refused.
+                read = len(data) - (self._body - body)
+                if was_open and self._seq == seq:
+                    self._framing += read
+                elif not was_open and self._seq == seq + 1:
+                    self._framing = read
+                if self._framing > max_head_bytes + _CHUNK_FRAMING * self._chunks:
+                    self._refuse(too_large, unbegun=self._in_head)
+            if transport.is_closing():
+                return
+            if self._in_head:
+                # A head begun in this read and not whole at its end has
+                # ``head_timeout`` from here (microseconds after its first byte): a head
+                # that arrives in one read, nearly every one, costs no timer armed and
+                # cancelled.
+                if self._head_timer is None:
+                    self._head_timer = self.loop.call_later(head_timeout, self._head_late)
+            elif self._answered():
+                # Nothing is being read into a request's head and nothing is being
+                # answered: blank lines before a request (which the parser skips), or
+                # the rest of a body the answer did not wait for (a 413, a 404).
+                # uvicorn cancelled the idle timer on the first byte; arm it again, or
+                # such a connection is held for ever. (Not while a request is being
+                # answered, headers sent or not: the timer closes, it does not ask.)
+                self._idle()
 
     Guarded.__name__ = f"Guarded{base.__name__}"
     return Guarded
