@@ -82,6 +82,7 @@ from messages import (
     DecodeError,
     ErrorOut,
     Output,
+    PackedU32,
     Request,
     RpcReqOutput,
     SamplingParams,
@@ -150,7 +151,7 @@ _SEND_AT_LEAST = 0.1
 #: Seconds a data-parallel replica gets to exit after its dispatcher did.
 _REPLICA_GRACE = 2.0
 
-#: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._after_sends``).
+#: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._send_nowait``).
 _READ_EVERY = 32
 #: Requests handed an output per loop callback (:func:`deliver_rows`).
 _ROWS_PER_TURN = 512
@@ -231,7 +232,9 @@ class AsyncRequest(RequestState):
     def __del__(self) -> None:
         last = self.items[-1] if self.items else None
         if not self._awaited and isinstance(last, EngineError):
-            self._engine._unseen_failure(last)
+            code = getattr(last, "code", type(last).__name__)
+            self._engine.unawaited_failures += 1
+            self._engine._unseen_log.add("submit", f"{code}: {last}")
 
 
 class AsyncEngine:
@@ -318,15 +321,13 @@ class AsyncEngine:
             dp_size = sum(pd)
         if max_batch < 1:  # here, not in a scheduler process that would die at start
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")
-        for name, size in (("tp_size", tp_size), ("dp_size", dp_size)):
+        for name, size, each in (("tp_size", tp_size, "rank"), ("dp_size", dp_size, "replica")):
             if size < 1:
                 raise ValueError(f"{name} must be at least 1, not {size}")
-        if tp_size > 1 and mode != "zmq":
-            raise ValueError("tp_size > 1 needs mode='zmq' (each rank is a process)")
+            if size > 1 and mode != "zmq":
+                raise ValueError(f"{name} > 1 needs mode='zmq' (each {each} is a process)")
         if tp_size > 1:
             check_tp_room()  # a clear error now, rather than a rank that fails to start
-        if dp_size > 1 and mode != "zmq":
-            raise ValueError("dp_size > 1 needs mode='zmq' (each replica is a process)")
         self.model = model_spec(model)
         if mode == "zmq":  # that it would load, before a process starts that could not
             check_model_loads(self.model)
@@ -564,7 +565,9 @@ class AsyncEngine:
 
         Raises: as :meth:`generate`.
         """
-        state = self._start([self._embed_req(input_ids, rid, dp_rank)], RequestState)[0]
+        rid, ids = self._prompt(input_ids, rid, dp_rank)
+        req = TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, dp_rank=dp_rank)
+        state = self._start([req], RequestState)[0]
         items = await _within(state.rid, self._items(state), timeout)
         assert isinstance(items[0], np.ndarray)
         return items[0]
@@ -585,14 +588,9 @@ class AsyncEngine:
             raise EngineForked(self._owner, _pid)
 
     def _check_loop(self) -> None:
-        """Refuse a call before :meth:`start`, or from any event loop but the engine's own
-        (its state lives there: a call from another would wait for ever, or for its
-        timeout).
-
-        Raises:
-            EngineClosed: the engine is not started.
-            RuntimeError: naming both loops.
-        """
+        """Refuse a call before :meth:`start` (``EngineClosed``), or from any event loop but
+        the engine's own, naming both (``RuntimeError``): its state lives there, and a
+        call from another would wait for ever, or for its timeout."""
         self._check_process()  # (a forked child's loop is not the engine's either)
         if self._loop is None:
             raise EngineClosed("the engine is not started (use 'async with' or start())")
@@ -636,11 +634,6 @@ class AsyncEngine:
         return TokenizedGenerateReqInput(
             rid=rid, input_ids=ids, sampling=sampling or SamplingParams(), stream=stream,
             return_logprob=return_logprob, dp_rank=dp_rank)
-
-    def _embed_req(self, input_ids: npt.ArrayLike, rid: str | None, dp_rank: int | None
-                   ) -> TokenizedEmbeddingReqInput:
-        rid, ids = self._prompt(input_ids, rid, dp_rank)
-        return TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, dp_rank=dp_rank)
 
     def _prompt(self, input_ids: npt.ArrayLike, rid: str | None, dp_rank: int | None
                 ) -> tuple[str, TokenIds]:
@@ -700,7 +693,6 @@ class AsyncEngine:
                 n = self._send_nowait([held[state] for state in todo])
                 for state in todo[:n]:
                     del held[state]
-                self._after_sends(n)
                 sent += n
                 if n == len(todo):
                     return states
@@ -762,14 +754,7 @@ class AsyncEngine:
                 self._cancel(state)
 
     async def _result(self, request: AsyncRequest) -> GenerateResult:
-        return joined(request.rid, [item async for got in self._steps(request) for item in got])
-
-    def _unseen_failure(self, error: EngineError) -> None:
-        """A request failed and was collected without ever being awaited: counted,
-        and summarized in the log (never a traceback per request)."""
-        self.unawaited_failures += 1
-        code = getattr(error, "code", type(error).__name__)
-        self._unseen_log.add("submit", f"{code}: {error}")
+        return joined(request.rid, await self._items(request))
 
     async def abort(self, rid: str) -> None:
         """Abort a queued or running request (idempotent).
@@ -870,7 +855,6 @@ class AsyncEngine:
                 if len(self._unsent_aborts) == 1:
                     assert self._loop is not None
                     self._loop.call_later(_RETRY_S, self._retry_aborts)
-        self._after_sends(sent)
 
     def _send_nowait(self, reqs: Sequence[Request]) -> int:
         """Send what of ``reqs`` the work channel takes now, in order (over zmq as
@@ -882,11 +866,18 @@ class AsyncEngine:
         """
         try:
             if self._ingress is not None:
-                return self._ingress.put_many_nowait(reqs)
-            assert self._work_out is not None
-            return self._work_out.send_many_nowait(reqs)
+                n = self._ingress.put_many_nowait(reqs)
+            else:
+                assert self._work_out is not None
+                n = self._work_out.send_many_nowait(reqs)
         except ChannelClosed as exc:
             raise EngineClosed("the engine is closed") from exc
+        # A burst of submits runs in one turn of the loop, before it polls again: the
+        # outputs are read every so often meanwhile, so their delivery overlaps it.
+        self._sent_unread += n
+        if self._sent_unread >= _READ_EVERY and self._reading:
+            self._on_readable()
+        return n
 
     def _end(self, rid: str, item: Item) -> None:
         state = self._requests.pop(rid, None)
@@ -901,14 +892,6 @@ class AsyncEngine:
             state.put(error)
 
     # -- outputs --------------------------------------------------------------------
-
-    def _after_sends(self, n: int) -> None:
-        # A burst of submits runs in one loop iteration, before the loop polls
-        # again: read outputs every so often meanwhile, so delivery overlaps it
-        # (one non-blocking poll per _READ_EVERY sends).
-        self._sent_unread += n
-        if self._sent_unread >= _READ_EVERY and self._reading:
-            self._on_readable()
 
     def _on_readable(self) -> None:
         if not self._reading:  # a call scheduled before the reader was removed
@@ -1002,11 +985,15 @@ class AsyncEngine:
         answer: asyncio.Future[RpcReqOutput | Exception] = loop.create_future()
         on_loop = self._loop_thread
 
+        def settle(reply: RpcReqOutput | Exception) -> None:
+            if not answer.done():  # (its caller left)
+                answer.set_result(reply)
+
         def on_reply(reply: RpcReqOutput | Exception) -> None:
             if threading.get_ident() == on_loop:
-                _settle(answer, reply)
+                settle(reply)
             else:  # read by a blocking call (the shutdown rpc) on another thread
-                loop.call_soon_threadsafe(_settle, answer, reply)
+                loop.call_soon_threadsafe(settle, reply)
 
         try:
             call = rpc.start(method, on_reply, **params)
@@ -1082,9 +1069,15 @@ class AsyncEngine:
                 break
         deliver_rows(self._requests, self._backlog, len(self._backlog))
         self._fail_all(EngineClosed("the engine closed before the request finished"))
-        self._release()
+        self._rpc.close()  # the channels, once the outputs are read
+        self._out_inbox.close()
+        if self._work_out is not None:
+            self._work_out.close()
+        for ring in (self._ingress, self._egress):
+            if ring is not None:
+                ring.release()
+        self._remove_dir()
         self._unseen_log.flush()  # the last ones counted, not left unsaid
-
 
     def _stop_scheduler(self, timeout: float) -> None:
         """Shut the scheduler down and wait for it to stop (blocks), the shutdown rpc and
@@ -1135,17 +1128,6 @@ class AsyncEngine:
         self._started = SchedulerProcesses()
         self._procs = []
 
-    def _release(self) -> None:
-        """Close the channels and remove the run directory (once the outputs are read)."""
-        self._rpc.close()
-        self._out_inbox.close()
-        if self._work_out is not None:
-            self._work_out.close()
-        for ring in (self._ingress, self._egress):
-            if ring is not None:
-                ring.release()
-        self._remove_dir()
-
     def _run_embedded(self, ingress: Ring[Request], egress: Ring[Output], max_batch: int
                       ) -> None:
         try:
@@ -1187,7 +1169,7 @@ def deliver_rows(requests: dict[str, RequestState],
             # Each optional column as one value a row (None for all when absent), so the
             # row loop below builds each chunk without a test per column.
             lps = None if out.logprobs is None else tuple(out.logprobs.tolist())
-            tops = _tops(out)
+            tops = _alternatives(out.top_ids, out.top_logprobs, out.top_k())
             prompts = _prompts(out)
             for rid, fin, (a, b), lp, cached, top, (plp, ptop) in zip(
                     out.rids, out.finished_reasons, spans,
@@ -1217,40 +1199,28 @@ def deliver_rows(requests: dict[str, RequestState],
             done += 1
 
 
-def _tops(out: BatchTokenIDOut) -> Tops | None:
-    """Each output id's ``(id, logprob)`` alternatives (``top_ids``), or None."""
-    k = out.top_k()
-    if not k or out.top_ids is None or out.top_logprobs is None:
+def _alternatives(ids: PackedU32 | None, logprobs: npt.NDArray[np.float64] | None, k: int
+                  ) -> Tops | None:
+    """Each position's ``k`` ``(id, logprob)`` alternatives, from a batch's flat columns
+    (``top_ids`` or ``prompt_top_ids``), or None where there are none."""
+    if not k or ids is None or logprobs is None:
         return None
-    pairs = list(zip(out.top_ids, out.top_logprobs.tolist(), strict=True))
+    pairs = list(zip(ids, logprobs.tolist(), strict=True))
     return tuple(tuple(pairs[j:j + k]) for j in range(0, len(pairs), k))
 
 
 def _prompts(out: BatchTokenIDOut) -> list[tuple[tuple[float, ...] | None, Tops | None]] | None:
     """Each request's prompt logprobs and their alternatives (``prompt_lens``), or None:
-    a request that sends none here gets ``(None, None)``."""
+    a one-token prompt has none (``()``)."""
     plens, plp = out.prompt_lens, out.prompt_logprobs
     if plens is None or plp is None:
         return None
-    k = out.prompt_top_k()
     values = plp.tolist()
-    pairs: list[tuple[int, float]] = []
-    if k and out.prompt_top_ids is not None and out.prompt_top_logprobs is not None:
-        pairs = list(zip(out.prompt_top_ids, out.prompt_top_logprobs.tolist(), strict=True))
+    tops = _alternatives(out.prompt_top_ids, out.prompt_top_logprobs, out.prompt_top_k())
     got: list[tuple[tuple[float, ...] | None, Tops | None]] = []
     at = 0
     for n in plens:
-        if not n:  # (a one-token prompt has no entry: told apart by its first output)
-            got.append(((), () if k else None))
-            continue
-        tops = tuple(tuple(pairs[j * k:(j + 1) * k]) for j in range(at, at + n)) if k else None
-        got.append((tuple(values[at:at + n]), tops))
+        got.append((tuple(values[at:at + n]), None if tops is None else tops[at:at + n]))
         at += n
     return got
 
-
-def _settle(future: asyncio.Future[RpcReqOutput | Exception],
-            reply: RpcReqOutput | Exception) -> None:
-    """Hand an rpc's reply (or the error that ends it) to its caller, unless it left."""
-    if not future.done():
-        future.set_result(reply)

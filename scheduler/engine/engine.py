@@ -1,14 +1,5 @@
 """``Engine``: the blocking face of :class:`~scheduler.AsyncEngine`. One API, two modes.
 
-``Engine(mode="ring")`` embeds the scheduler in this process (its own
-thread); ``Engine(mode="zmq")`` runs it in its own process. Either way::
-
-    with Engine() as engine:
-        result = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=8))
-        for chunk in engine.stream([4, 5], SamplingParams(max_new_tokens=8)):
-            ...
-        engine.collective_rpc("save_checkpoint", path="/tmp/model.ckpt")
-
 As SGLang's ``Engine`` and vLLM's ``LLM`` are of their async cores: it runs
 an ``AsyncEngine`` on an event loop of its own (a private thread), and each
 call runs the asyncio face's on that loop and waits for it. A request's
