@@ -35,8 +35,10 @@ read it) closes its connection after the answer: the rest of that body is
 never read (uvicorn read and dropped it, a 1 GB body sent by a client that
 kept the connection busy included). A client that half-closes its
 connection (``SHUT_WR``) after its requests gets their answers, then the
-connection closes (uvicorn closed it at the end of file, unanswered); one
-whose request is not whole at its end of file is closed at once.
+connection closes (uvicorn closed it at the end of file, unanswered), if
+they begin within ``_EOF_GRACE_S`` (a client that closed its connection
+sends the same end of file, and its requests are aborted); one whose request
+is not whole at its end of file is closed at once.
 
 A client that stops reading its answer is gone after ``send_timeout``
 seconds: once the transport's write buffer is full, the writer waits for
@@ -99,6 +101,15 @@ MAX_HEAD_BYTES = 64 << 10
 HEAD_TIMEOUT_S = 30.0
 #: Seconds a client may read nothing of its answer once the server's buffer for it is full.
 SEND_TIMEOUT_S = 30.0
+
+#: Seconds a half-closed connection's answers may take to begin. A client's end of
+#: file is the same on the wire whether it half-closed (it still reads) or closed (it
+#: left): a closed one is told from a half-closed one by the reset its kernel answers
+#: a write with, and an answer not begun writes nothing. Past this, the client is
+#: taken for one that left and its requests are aborted (a whole answer to a client
+#: that closed would otherwise be computed to its end); what begins sooner (a stream,
+#: a short answer) is answered.
+_EOF_GRACE_S = 1.0
 
 #: Bytes a chunk of a chunked body may spend on its framing (size line, extensions,
 #: CRLFs) beyond the head's bound.
@@ -401,7 +412,21 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                                 and not cycle.response_complete):
                 return None
             self._eof = True
+            self._eof_timer = self.loop.call_later(_EOF_GRACE_S, self._eof_late)
             return True
+
+        _eof_timer: asyncio.TimerHandle | None = None
+
+        def _eof_late(self) -> None:
+            """``_EOF_GRACE_S`` after a half-close with answers still due: unless the last
+            request's answer has begun (its writes tell a client that closed), the client
+            is taken for one that closed its connection, and the connection is closed
+            (its requests are aborted)."""
+            self._eof_timer = None
+            cycle = self.cycle
+            if not self.transport.is_closing() and not (
+                    cycle is not None and cycle.response_started):
+                self.transport.close()
 
         # -- the request a connection makes (h11) -------------------------------------
 
@@ -552,6 +577,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 _reset(transport)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._eof_timer is not None:
+                self._eof_timer.cancel()
+                self._eof_timer = None
             if self._stall_timer is not None:
                 self._stall_timer.cancel()
                 self._stall_timer = None

@@ -4,9 +4,10 @@ server read and dropped a 1 GB body for as long as the client kept the connectio
 busy); h11 bounds a head by ``max_head_bytes`` as httptools does (without it: h11's
 own 16 KiB, and none at all for a head that arrives in one read); a 404 quotes at
 most a bounded part of the path (without it: the path echoed whole, up to
-``max_head_bytes``);
-a client that half-closes after its request still gets its answer (without it: the
-connection was closed at the client's end of file, unanswered)."""
+``max_head_bytes``); a client that half-closes after its request gets its answer if
+it begins within a second (without it: the connection was closed at the client's end
+of file, unanswered), and one whose whole answer takes longer is taken for a client
+that left (its request aborted)."""
 
 from __future__ import annotations
 
@@ -168,6 +169,35 @@ def test_a_half_closed_client_gets_every_pipelined_answer(server: Server) -> Non
         sock.shutdown(socket.SHUT_WR)
         raw, _ = _until_closed(sock)
     assert raw.count(b"HTTP/1.1 200 ") == 3, raw[-300:]
+
+
+def test_a_half_closed_client_with_a_long_stream_reads_it_and_one_with_a_long_whole_answer_is_taken_for_gone(  # noqa: E501
+        server: Server) -> None:
+    # The same end of file whether the client half-closed or closed: a stream's writes
+    # tell which (its answer is read here past the second of grace); a whole answer not
+    # begun in a second is taken for a client that left, and its request is aborted.
+    endless = {"model": "tiny", "prompt": "x", "max_tokens": 1_000_000, "temperature": 0,
+               "ignore_eos": True}
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:
+        sock.sendall(raw_post("/v1/completions", {**endless, "stream": True}))
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:  # (past the grace)
+            data = sock.recv(65536)
+            assert data, got[-300:]
+            got += data
+        assert got.startswith(b"HTTP/1.1 200 ") and got.count(b"data: ") > 1
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:
+        sock.sendall(raw_post("/v1/completions", endless))
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(WAIT)
+        assert sock.recv(65536) == b""  # closed, unanswered
+    engine = server.engine
+    deadline = time.monotonic() + WAIT
+    while server.on_loop(lambda: engine.pending):
+        assert time.monotonic() < deadline, "the requests were not aborted"
+        time.sleep(0.01)  # sleep-ok: pacing of a deadline poll
 
 
 def test_a_half_closed_unfinished_request_is_closed_at_once(server: Server) -> None:
