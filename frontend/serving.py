@@ -380,6 +380,7 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                     self.timeout_keep_alive_handler)
 
         _eof = False  # the client half-closed: it sends nothing more
+        _eof_timer: asyncio.TimerHandle | None = None  # armed at the half-close (_eof_late)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -402,8 +403,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             return self._answered() and not getattr(self, "pipeline", None)
 
         def eof_received(self) -> bool | None:
-            # The client half-closed (SHUT_WR): the answers still due are sent, then the
-            # connection closes (on_response_complete). Returning None closes it now:
+            # The client half-closed (SHUT_WR), or closed: the answers still due are
+            # sent if they begin within _EOF_GRACE_S (_eof_late), then the connection
+            # closes (on_response_complete). Returning None closes it now:
             # nothing is due, or the request being read can never be whole (its
             # handler is told the client is gone). (A head begun after requests still
             # due can never be whole either: it is dropped once they are answered.)
@@ -412,10 +414,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                                 and not cycle.response_complete):
                 return None
             self._eof = True
-            self._eof_timer = self.loop.call_later(_EOF_GRACE_S, self._eof_late)
+            if self._eof_timer is None:  # (told again if reading resumes)
+                self._eof_timer = self.loop.call_later(_EOF_GRACE_S, self._eof_late)
             return True
-
-        _eof_timer: asyncio.TimerHandle | None = None
 
         def _eof_late(self) -> None:
             """``_EOF_GRACE_S`` after a half-close with answers still due: unless the last
