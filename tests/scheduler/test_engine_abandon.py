@@ -1,7 +1,9 @@
 """The blocking Engine when its caller lets go: a wait interrupted in the caller's thread
 (Ctrl-C) cancels the call, so a generate's request is aborted (without it: the request
-ran on, holding its slot, to its last token); an engine collected without a close is
-closed (without it: its loop thread and scheduler ran for the life of the process)."""
+ran on, holding its slot, to its last token), and so is an interrupted stream's, its
+traceback kept (as an interactive session keeps it); an engine collected without a
+close is closed (without it: its loop thread and scheduler ran for the life of the
+process)."""
 
 from __future__ import annotations
 
@@ -66,6 +68,32 @@ def test_an_interrupted_generate_aborts_its_request() -> None:
         _until(lambda: _running(engine) == 0, "the interrupted request aborted")
         assert engine.pending == 0
         assert len(engine.generate([1, 2], SamplingParams(max_new_tokens=2)).token_ids) == 2
+
+
+def test_an_interrupted_stream_aborts_its_request_while_its_traceback_is_kept() -> None:
+    main = threading.main_thread().ident
+    assert main == threading.get_ident()
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted
+
+    with Engine("ring", SMALL) as engine:
+        def when_running() -> None:
+            _until(lambda: _running(engine) == 1, "the request running")
+            signal.pthread_kill(main, signal.SIGINT)
+
+        before = signal.signal(signal.SIGINT, interrupt)
+        sender = threading.Thread(target=when_running, daemon=True)
+        try:
+            sender.start()
+            with pytest.raises(Interrupted) as kept:  # (its traceback holds the stream)
+                for _ in engine.stream([1, 2, 3], LONG):
+                    pass
+        finally:
+            sender.join(WAIT)
+            signal.signal(signal.SIGINT, before)
+        _until(lambda: _running(engine) == 0, "the interrupted stream's request aborted")
+        assert kept.tb is not None
 
 
 def test_an_engine_collected_unclosed_is_closed() -> None:
