@@ -284,9 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{settings.mode} mode) on {base_url(args.host, args.port)}; scheduler "
                   f"rpc at {settings.rpc_endpoint}", file=sys.stderr, flush=True)
             if args.http == "h11":
-                log.warning("--http h11: uvicorn's h11 protocol bounds a request's head "
-                            "itself (16 KiB) and gives it no deadline; --max-header-bytes "
-                            "and --header-timeout apply to httptools (the default)")
+                log.warning("--http h11: --header-timeout applies to httptools (the "
+                            "default) alone; under h11 a request's head that stalls is "
+                            "closed, unanswered, at the idle timeout (5 s)")
 
         # Connections are accepted within the open-file limit (frontend.listening): past
         # it, a 503 rather than a close without a word.

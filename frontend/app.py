@@ -54,7 +54,7 @@ from frontend.asgi import (
     send_error,
 )
 from frontend.chat import ChatTemplate
-from frontend.errors import ApiError, bad_request, from_engine
+from frontend.errors import ApiError, bad_request, clip, from_engine
 from frontend.generate import GenerateSettings, OpenAIServing
 from frontend.metrics import HttpMetrics
 from frontend.rpc_door import RpcDoor
@@ -354,10 +354,11 @@ class Frontend:
     def _not_found(self, method: str, path: str) -> ApiError:
         """The 404 for a path with no route (OpenAI's ``model_not_found`` for a model's)."""
         if path.startswith("/v1/models/"):
-            return ApiError(404, f"the model {path[len('/v1/models/'):]!r} does not exist "
+            return ApiError(404, f"the model {clip(path[len('/v1/models/'):])!r} does not exist "
                                  f"here: this server serves {_names(self.settings)}",
                             param="model", code="model_not_found")
-        return ApiError(404, self._off.get(path, f"no route {method} {path}"), code="not_found")
+        return ApiError(404, self._off.get(path, f"no route {method} {clip(path)}"),
+                        code="not_found")
 
     async def _guarded(self, receive: Receive, reply: Reply,
                        run: Callable[[Send], Awaitable[int]], *, stream: bool = True) -> int:

@@ -14,7 +14,7 @@ import re
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 
-from frontend.errors import ApiError
+from frontend.errors import ApiError, clip
 
 __all__ = ["WATCH_AFTER_S", "WHOLE", "Conn", "Receive", "Reply", "Scope", "Send", "Whole",
            "read_body", "request_id", "send_bytes"]
@@ -64,7 +64,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) 
                 raise too_large(limit)
             if name == b"content-encoding" and value.strip().lower() != b"identity":
                 # (refused by name: a gzip body would otherwise be "invalid JSON")
-                raise ApiError(415, f"content-encoding {value.decode('latin-1')!r} is not "
+                raise ApiError(415, f"content-encoding {clip(value.decode('latin-1'))!r} is not "
                                     "supported: send the body as it is",
                                code="unsupported_encoding")
     # asyncio.timeout()'s mechanics at a third of its cost (measured under uvloop: +1.7 us

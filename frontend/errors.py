@@ -83,6 +83,17 @@ class TokenizerError(FrontendError):
         super().__init__(f"tokenizer {path!r}: {reason}")
 
 
+#: Most characters of a client's own text (a path, a name, a header's value) an error
+#: message quotes: enough to recognise it, never the 64 KiB a head may hold.
+QUOTED = 200
+
+
+def clip(text: str) -> str:
+    """``text`` as an error message quotes it: its first :data:`QUOTED` characters, an
+    ellipsis where it was cut."""
+    return text if len(text) <= QUOTED else text[:QUOTED] + "…"
+
+
 def bad_request(message: str, param: str | None = None,
                 code: str | None = "invalid_value") -> ApiError:
     """A 400 naming the field at fault."""

@@ -24,8 +24,21 @@ byte). Past ``max_head_bytes`` the answer is a 431 (what a request sends
 that is not its body counts: its head, and a chunked body's framing beyond
 64 bytes a chunk and its trailers), past ``head_timeout`` seconds a 408,
 each in OpenAI's error shape and closing the connection.
-(These bounds are the httptools protocol's, the default; ``h11`` bounds a
-head's size itself and has no deadline.)
+Under ``h11`` the size bound is the same (h11's own check, of a head still
+incomplete, held to ``max_head_bytes``, and a whole head measured as
+httptools' is, :class:`_BoundedH11`); the deadline is httptools' alone (under
+h11, a head that stalls is closed, unanswered, at the idle timeout).
+
+A request whose body the server has not received whole when its answer is
+complete (a 413 told by its ``content-length``, a 404, an answer that did not
+read it) closes its connection after the answer: the rest of that body is
+never read (uvicorn read and dropped it, a 1 GB body sent by a client that
+kept the connection busy included). A client that half-closes its
+connection (``SHUT_WR``) after its requests gets their answers, then the
+connection closes (uvicorn closed it at the end of file, unanswered), if
+they begin within ``_EOF_GRACE_S`` (a client that closed its connection
+sends the same end of file, and its requests are aborted); one whose request
+is not whole at its end of file is closed at once.
 
 A client that stops reading its answer is gone after ``send_timeout``
 seconds: once the transport's write buffer is full, the writer waits for
@@ -67,7 +80,7 @@ from itertools import chain
 from typing import Any
 
 from frontend.asgi import WHOLE, Headers
-from frontend.errors import ApiError
+from frontend.errors import ApiError, clip
 from frontend.turns import loop_turns
 
 __all__ = ["HEAD_TIMEOUT_S", "MAX_HEAD_BYTES", "SEND_TIMEOUT_S", "http_protocol"]
@@ -89,6 +102,15 @@ HEAD_TIMEOUT_S = 30.0
 #: Seconds a client may read nothing of its answer once the server's buffer for it is full.
 SEND_TIMEOUT_S = 30.0
 
+#: Seconds a half-closed connection's answers may take to begin. A client's end of
+#: file is the same on the wire whether it half-closed (it still reads) or closed (it
+#: left): a closed one is told from a half-closed one by the reset its kernel answers
+#: a write with, and an answer not begun writes nothing. Past this, the client is
+#: taken for one that left and its requests are aborted (a whole answer to a client
+#: that closed would otherwise be computed to its end); what begins sooner (a stream,
+#: a short answer) is answered.
+_EOF_GRACE_S = 1.0
+
 #: Bytes a chunk of a chunked body may spend on its framing (size line, extensions,
 #: CRLFs) beyond the head's bound.
 _CHUNK_FRAMING = 64
@@ -105,10 +127,6 @@ def _refusal(status: int, code: str, message: str) -> bytes:
     body = ApiError(status, message, code=code).body()
     return _STATUS_LINES[status] + (b"content-type: application/json\r\ncontent-length: %d\r\n"
                                     b"connection: close\r\n\r\n" % len(body)) + body
-
-
-#: Most characters of a parser's reason or a refused coding an error message quotes.
-_QUOTED = 200
 
 
 def _unsupported_codings(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -186,6 +204,8 @@ async def _send_whole(cycle_ref: weakref.ref[Any], status: int, headers: Headers
             cycle.keep_alive = False
             continue  # (written below, once)
         out += (name, b": ", value, b"\r\n")
+    if cycle.more_body:  # (its body is not read whole: the connection closes after this)
+        cycle.keep_alive = False
     keep_alive = cycle.keep_alive
     out.append(b"\r\n" if keep_alive else b"connection: close\r\n\r\n")
     if cycle.scope["method"] != "HEAD":
@@ -234,7 +254,7 @@ def _reset(transport: Any) -> None:
 
 def _not_implemented(codings: bytes) -> bytes:
     """The 501 for a body in transfer ``codings`` this server does not decode."""
-    quoted = codings[:_QUOTED].decode("latin-1")
+    quoted = clip(codings.decode("latin-1"))
     return _refusal(501, "unsupported_transfer_coding",
                     f"transfer-encoding {quoted!r} is not implemented: send the body "
                     "with a content-length or chunked alone")
@@ -249,12 +269,43 @@ def _parse_refusal(error: BaseException | None, fallback: str) -> bytes:
     status = getattr(error, "error_status_hint", 400)
     if not (isinstance(status, int) and 400 <= status < 600):
         status = 400
-    reason = str(error)[:_QUOTED] if error is not None and str(error) else fallback
+    reason = clip(str(error)) if error is not None and str(error) else fallback
     if status == 501:
         return _refusal(501, "unsupported_transfer_coding",
                         f"{reason}: send the body with a content-length or chunked alone")
     code = "headers_too_large" if status == 431 else "invalid_http"
     return _refusal(status, code, f"invalid HTTP request: {reason}")
+
+
+def _head_size(target: bytes, headers: Any) -> int:
+    """A head's size as the bound counts it: its target, and each header's name and
+    value with 4 bytes of framing (``": "``, CRLF)."""
+    return len(target) + sum(len(name) + len(value) + 4 for name, value in headers)
+
+
+def _bounded_h11(max_head_bytes: int) -> Any:
+    """An ``h11.Connection`` (server side) that refuses a head, or a chunked body's
+    trailers, past ``max_head_bytes`` with h11's own 431 (its
+    ``RemoteProtocolError``): h11 bounds only what is still incomplete (16 KiB by
+    default), so a larger head that arrived whole in one read was taken."""
+    import h11
+
+    too_large = f"the request's headers passed {max_head_bytes} bytes"
+
+    class _BoundedH11(h11.Connection):
+        def next_event(self) -> Any:
+            event = super().next_event()
+            if isinstance(event, h11.Request):
+                size = len(event.method) + _head_size(event.target, event.headers.raw_items())
+            elif isinstance(event, h11.EndOfMessage):
+                size = _head_size(b"", event.headers.raw_items())
+            else:
+                return event
+            if size > max_head_bytes:
+                raise h11.RemoteProtocolError(too_large, error_status_hint=431)
+            return event
+
+    return _BoundedH11(h11.SERVER, max_incomplete_event_size=max_head_bytes)
 
 
 class _Refused(Exception):
@@ -279,7 +330,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
     base: Any = import_from_string(HTTP_PROTOCOLS[name])
     # h11 takes a request with both a length and chunked coding by its coding (llhttp
     # refuses it, 400); RFC 9112 then requires the connection closed after the answer.
-    both_lengths_close = hasattr(base, "handle_events")  # (h11's protocol)
+    is_h11 = hasattr(base, "handle_events")
+    both_lengths_close = is_h11
 
     too_large = _refusal(431, "headers_too_large",
                          f"the request's headers passed {max_head_bytes} bytes")
@@ -299,6 +351,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
         timeout_keep_alive_task: asyncio.TimerHandle | None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            if is_h11:
+                self.conn = _bounded_h11(max_head_bytes)  # (the one uvicorn made: unused yet)
             super().connection_made(transport)
             self._turns = loop_turns()  # (looked up once, not per read)
             # Requests still answering that a pipelined one replaced as ``cycle``:
@@ -325,10 +379,55 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                     max(0.0, self.timeout_keep_alive - (now - self._idle_since)),
                     self.timeout_keep_alive_handler)
 
+        _eof = False  # the client half-closed: it sends nothing more
+        _eof_timer: asyncio.TimerHandle | None = None  # armed at the half-close (_eof_late)
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            transport = self.transport
+            if transport.is_closing():
+                return
+            cycle = self.cycle  # (an answered request whose body is unread is the last one)
+            if (cycle is not None and cycle.more_body and cycle.response_complete) or \
+                    (self._eof and self._done()):
+                # Its body is not read whole: its rest is never read, not even to be
+                # dropped (a refused 1 GB body). Or the client sends nothing more, and
+                # everything it asked is answered.
+                transport.close()
+                return
             # a new idle period, if uvicorn armed its timer
             self._idle_since = self.loop.time() if self.timeout_keep_alive_task else None
+
+        def _done(self) -> bool:
+            """Whether every request read on this connection is answered whole."""
+            return self._answered() and not getattr(self, "pipeline", None)
+
+        def eof_received(self) -> bool | None:
+            # The client half-closed (SHUT_WR), or closed: the answers still due are
+            # sent if they begin within _EOF_GRACE_S (_eof_late), then the connection
+            # closes (on_response_complete). Returning None closes it now:
+            # nothing is due, or the request being read can never be whole (its
+            # handler is told the client is gone). (A head begun after requests still
+            # due can never be whole either: it is dropped once they are answered.)
+            cycle = self.cycle
+            if self._done() or (cycle is not None and cycle.more_body
+                                and not cycle.response_complete):
+                return None
+            self._eof = True
+            if self._eof_timer is None:  # (told again if reading resumes)
+                self._eof_timer = self.loop.call_later(_EOF_GRACE_S, self._eof_late)
+            return True
+
+        def _eof_late(self) -> None:
+            """``_EOF_GRACE_S`` after a half-close with answers still due: unless the last
+            request's answer has begun (its writes tell a client that closed), the client
+            is taken for one that closed its connection, and the connection is closed
+            (its requests are aborted)."""
+            self._eof_timer = None
+            cycle = self.cycle
+            if not self.transport.is_closing() and not (
+                    cycle is not None and cycle.response_started):
+                self.transport.close()
 
         # -- the request a connection makes (h11) -------------------------------------
 
@@ -479,6 +578,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 _reset(transport)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._eof_timer is not None:
+                self._eof_timer.cancel()
+                self._eof_timer = None
             if self._stall_timer is not None:
                 self._stall_timer.cancel()
                 self._stall_timer = None

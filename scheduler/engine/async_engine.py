@@ -977,6 +977,7 @@ class AsyncEngine:
             SchedulerGone: the scheduler died (reported promptly, not at the timeout).
             EngineClosed: the engine is closed.
             DecodeError: the scheduler's reply could not be decoded.
+            EncodeError: a parameter is not a plain scalar (nothing was sent).
         """
         self._check_open()
         loop = self._loop

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, Self, TypeVar, cast
 
@@ -104,8 +105,11 @@ class Engine:
         self._closing = False
         self._calls: set[concurrent.futures.Future[Any]] = set()
         self._closed_done = threading.Event()  # the owning close has finished
-        self._loop_thread = threading.Thread(target=self._serve, name="engine-loop",
-                                             daemon=True)
+        # The loop thread holds the loop, not the engine: an engine dropped unclosed is
+        # collected, and its finalizer closes it (else its loop thread and scheduler
+        # ran for the life of the process).
+        self._loop_thread = threading.Thread(target=_serve, args=(self._loop,),
+                                             name="engine-loop", daemon=True)
         self._loop_thread.start()
         try:
             self._run(self._core.start())
@@ -114,12 +118,10 @@ class Engine:
                 self._closing = True
             self._stop_loop()
             raise
-
-    def _serve(self) -> None:
-        """The loop thread: run the loop until stopped, then close it as ``asyncio.run``
-        does (every task still pending cancelled and run to its end)."""
-        with asyncio.Runner(loop_factory=lambda: self._loop) as runner:
-            runner.get_loop().run_forever()
+        self._abandoned = weakref.finalize(self, _close_abandoned, self._core, self._loop)
+        # Not at exit: the loop thread ends with the process (a daemon), and a scheduler
+        # process watches its parent.
+        self._abandoned.atexit = False
 
     def _run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the engine's loop and wait for its outcome (from any thread
@@ -146,6 +148,13 @@ class Engine:
         except concurrent.futures.CancelledError:
             if self._closing:  # its task was cancelled as the loop stopped
                 raise EngineClosed("the engine closed before the call finished") from None
+            raise
+        except BaseException:
+            # The wait itself was interrupted (KeyboardInterrupt, or what a signal
+            # handler raised, in the caller's thread): the work is cancelled on the
+            # loop, as an asyncio caller's cancellation would cancel it (a generate's
+            # request is aborted). Nothing, for work that raised (it is done).
+            future.cancel()
             raise
         finally:
             with self._lock:
@@ -224,6 +233,7 @@ class Engine:
         with self._lock:
             owner = not self._closing
             self._closing = True  # from here on _run refuses every call
+            self._abandoned.detach()
             if owner and self._loop_thread.is_alive():
                 closing = asyncio.run_coroutine_threadsafe(self._core.close(timeout),
                                                            self._loop)
@@ -263,3 +273,38 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """An engine's loop thread: run ``loop`` until stopped, then close it as
+    ``asyncio.run`` does (every task still pending cancelled and run to its end)."""
+    with asyncio.Runner(loop_factory=lambda: loop) as runner:
+        runner.get_loop().run_forever()
+
+
+#: The closes of engines collected unclosed, held until they end.
+_abandoned_closes: set[asyncio.Task[None]] = set()
+
+
+def _close_abandoned(core: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+    """An engine collected without a close: close its ``core`` on its ``loop``, then stop
+    the loop (its thread ends). Never waits: the collector may run this on any
+    thread, the loop's own included. Nothing in a forked child (the loop is the
+    parent's)."""
+    if os.getpid() != core._owner:
+        return
+
+    async def close() -> None:
+        try:
+            await core.close()
+        finally:
+            loop.stop()
+
+    def begin() -> None:
+        task = loop.create_task(close())
+        _abandoned_closes.add(task)
+        task.add_done_callback(_abandoned_closes.discard)
+
+    with contextlib.suppress(RuntimeError):  # (the loop is closed already)
+        loop.call_soon_threadsafe(begin)
+

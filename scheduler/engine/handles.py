@@ -313,7 +313,17 @@ class Stream(Generic[T]):
         return self
 
     def __next__(self) -> T:
-        return next(self._items)
+        try:
+            return next(self._items)
+        except StopIteration:
+            raise
+        except BaseException:
+            # Its items end here (an error ended the request, or the wait was
+            # interrupted: Ctrl-C). An interrupted one is aborted now: the traceback
+            # holds this stream (an interactive session keeps it), so waiting for its
+            # collection left the request running to its last token.
+            self.close()
+            raise
 
     def close(self) -> None:
         """Stop reading: abort the request unless it has ended. Idempotent; never

@@ -22,17 +22,17 @@ PROTOCOLS = ["h11", "httptools"]
 #: What frontend/serving.py uses on each protocol: methods it overrides or calls, and
 #: attributes it reads or sets.
 PROTOCOL_NAMES = ["connection_made", "connection_lost", "data_received", "pause_writing",
-                  "resume_writing", "on_response_complete", "send_400_response",
+                  "resume_writing", "on_response_complete", "send_400_response", "eof_received",
                   "timeout_keep_alive_handler", "timeout_keep_alive_task",
                   "timeout_keep_alive", "loop", "cycle", "transport", "app"]
 #: httptools' parser callbacks it overrides, and what they read (httptools protocol only).
 HTTPTOOLS_NAMES = ["on_message_begin", "on_headers_complete", "on_body",
-                   "on_message_complete", "url", "headers"]
-#: What it reads to tell h11's protocol (h11 protocol only).
-H11_NAMES = ["handle_events"]
+                   "on_message_complete", "url", "headers", "pipeline"]
+#: What it reads to tell h11's protocol, and the h11 connection it replaces (h11 only).
+H11_NAMES = ["handle_events", "conn"]
 #: What frontend/serving.py uses on a protocol's request cycle.
 CYCLE_NAMES = ["send", "scope", "response_started", "response_complete", "disconnected",
-               "message_event", "keep_alive"]
+               "message_event", "keep_alive", "more_body"]
 #: ... and on httptools' cycle alone (an HTTP/1.0 answer's framing: h11 frames it itself;
 #: a whole answer's one write, ``_send_whole``).
 HTTPTOOLS_CYCLE_NAMES = ["chunked_encoding", "expected_content_length", "flow",
