@@ -5,9 +5,10 @@ Follow one request (each step names the module that does it):
 
 1. :mod:`frontend.app` routes ``POST /v1/completions`` or
    ``/v1/chat/completions``, decodes the body (:mod:`frontend.schemas`: a bad
-   one is a 400 naming its field) and calls :meth:`OpenAIServing.completion` or
+   one is a 400 naming its field), checks that it names a model served (else a
+   404) and calls :meth:`OpenAIServing.completion` or
    :meth:`OpenAIServing.chat` with the connection's ASGI ``send``.
-2. The handler checks the model, has the request's guide (and a chat's tool
+2. The handler has the request's guide (and a chat's tool
    plan) built and checked off the event loop, and tokenizes the prompt (a
    chat's rendered by its template, :mod:`frontend.chat`; a long one off the
    loop). :class:`~frontend.sampling.SamplingTranslator` turns the request into
@@ -39,13 +40,12 @@ import itertools
 import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 from frontend.asgi import SSE, Send, send_bytes
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
-from frontend.errors import ApiError, bad_request, from_engine
+from frontend.errors import bad_request, from_engine
 from frontend.fanout import MAX_PROMPTS, answer_several, answers_per_prompt, nth_answer
 from frontend.metrics import HttpMetrics
 from frontend.request_state import RequestState
@@ -57,45 +57,18 @@ from frontend.schemas import (
     check_supported,
     sse_safe,
 )
-from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolPlan
 from frontend.turns import loop_turns
 from messages import Guide
 from messages.checks import prompt_problem
 from scheduler import AsyncEngine, EngineError, StreamChunk
 
-__all__ = ["GenerateSettings", "OpenAIServing", "RequestState"]
+__all__ = ["OpenAIServing", "RequestState"]
 
 #: Prompts longer than this (characters) are tokenized off the event loop.
 _TOKENIZE_INLINE = 16384
 #: Chunks a stream turns into events per turn on the loop (frontend.turns).
 _CHUNKS_A_TURN = 16
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateSettings:
-    """What a generation needs besides the request.
-
-    Attributes:
-        model_name: the name answers report.
-        default_max_tokens: ``max_tokens`` when a request gives none
-            (completions: OpenAI's 16; chat: this), cut to the room the
-            prompt leaves in the model's context.
-        max_model_len: the most tokens a request's prompt and answer may hold
-            together (the ``model_info`` rpc's ``max_prompt_tokens``); a
-            request asking for more is a 400, as in OpenAI and vLLM. None: no
-            bound here.
-        model_aliases: other names a request may give for the same model (any name
-            not served is a 404).
-        guided: the model has a tokenizer vocabulary, so structured output can be
-            served (the built-in models' is synthetic: a guide is a 400).
-    """
-
-    model_name: str
-    default_max_tokens: int = 256
-    max_model_len: int | None = None
-    model_aliases: tuple[str, ...] = ()
-    guided: bool = True
 
 
 def _push(state: RequestState, ids: Sequence[int]) -> tuple[str, list[int] | None]:
@@ -107,32 +80,26 @@ def _push(state: RequestState, ids: Sequence[int]) -> tuple[str, list[int] | Non
 
 
 class OpenAIServing:
-    """Answers ``/v1/completions`` and ``/v1/chat/completions`` over one engine."""
+    """Answers ``/v1/completions`` and ``/v1/chat/completions`` over one engine.
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: GenerateSettings,
-                 metrics: HttpMetrics | None, template: ChatTemplate) -> None:
+    ``translator`` knows the served model (its tokenizer, name and context);
+    ``default_max_tokens`` is a chat's ``max_tokens`` when it gives none (a
+    completion's is OpenAI's 16), cut to the room the prompt leaves in the context.
+    """
+
+    def __init__(self, engine: AsyncEngine, translator: SamplingTranslator,
+                 template: ChatTemplate, metrics: HttpMetrics | None, *,
+                 default_max_tokens: int = 256) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.translator = translator
+        self.tokenizer = translator.tokenizer
         self.template = template
-        self.settings = settings
         self.metrics = metrics
+        self.default_max_tokens = default_max_tokens
         # Answer ids: this server's run, then a count (ids do not repeat across restarts
         # or replicas, as cmpl-0, cmpl-1, ... did).
         self._ids = map(f"{secrets.token_hex(4)}-{{}}".format, itertools.count())
-        # How a request becomes its guide, token budget and SamplingParams.
-        self.translator = SamplingTranslator(tokenizer, model_name=settings.model_name,
-                                             max_model_len=settings.max_model_len,
-                                             guided=settings.guided)
         self.turns = loop_turns()  # the protocol, each request and each stream take turns
-
-    def check_model(self, model: str) -> None:
-        """Raises: ApiError: 404 when ``model`` is not the one served."""
-        s = self.settings
-        if model != s.model_name and model not in s.model_aliases:
-            served = ", ".join(map(repr, (s.model_name, *s.model_aliases)))
-            raise ApiError(404, f"the model {model!r} does not exist here: this server "
-                                f"serves {served} (GET /v1/models)",
-                           param="model", code="model_not_found")
 
     async def tokenize(self, texts: list[str], *, special: bool,
                        refuse: Callable[[int, int], None]) -> list[list[int]]:
@@ -168,7 +135,6 @@ class OpenAIServing:
             ApiError: before anything was sent (400, 404, 503, ...).
         """
         check_supported(req)
-        self.check_model(req.model)
         guide = await self.translator.guide(req)
         prompts = await self._completion_prompts(req)
         copies = answers_per_prompt(req, len(prompts))
@@ -241,7 +207,6 @@ class OpenAIServing:
             ApiError: before anything was sent (400, 404, 503, ...).
         """
         check_supported(req)
-        self.check_model(req.model)
         asked = req.max_new_tokens()
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         if asked == 0:  # (a completion's 0 is legitimate: it will score a prompt, with echo)
@@ -252,7 +217,7 @@ class OpenAIServing:
                                     None if tools is None else tools.tools)
         [ids] = await self.tokenize([text], special=False, refuse=lambda _, fewest: (
             self.translator.refuse_past_context(fewest, asked, "messages", field)))
-        max_tokens = self.translator.budget(len(ids), asked, self.settings.default_max_tokens,
+        max_tokens = self.translator.budget(len(ids), asked, self.default_max_tokens,
                                             "messages", field)
         # Each answer its own state, guide and tool plan (a plan holds its answer's
         # streaming state and call id): n answers are n requests, each constrained.
@@ -286,7 +251,7 @@ class OpenAIServing:
         include_usage = opts is not None and opts.include_usage
         return RequestState(
             endpoint="chat" if chat else "completions",
-            response=ResponseShaper(chat, next(self._ids), self.settings.model_name,
+            response=ResponseShaper(chat, next(self._ids), self.translator.model_name,
                                     self.tokenizer),
             prompt_ids=prompt_ids,
             sampling=self.translator.params(req, max_tokens, stop_ids, guide, tools),
@@ -350,9 +315,9 @@ class OpenAIServing:
         out_offsets: list[int] = []  # ... and its offsets
         finish: str | None = None
         try:
-            chunks = await anext(steps)  # a refusal is still an HTTP error here
-            state.echo_prompt(chunks[0].prompt_logprobs, chunks[0].prompt_top_logprobs)
-            while True:
+            # (The first step comes before anything is sent: a refusal is an HTTP error.)
+            async for chunks in steps:
+                state.echo_prompt(chunks[0].prompt_logprobs, chunks[0].prompt_top_logprobs)
                 await self.turns.take()
                 events: list[bytes] = []
                 for n, chunk in enumerate(chunks, 1):
@@ -392,7 +357,6 @@ class OpenAIServing:
                                 "more_body": finish is None})
                 if finish is not None:
                     break
-                chunks = await anext(steps)
         except EngineError as exc:
             if not started:
                 raise
