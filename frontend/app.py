@@ -74,7 +74,6 @@ from frontend.schemas import (
 from frontend.tokenizer import Tokenizer
 from frontend.turns import loop_turns
 from messages import BusError
-from messages.checks import prompt_problem
 from scheduler import (
     AsyncEngine,
     EngineError,
@@ -455,7 +454,6 @@ class Frontend:
         return await self._guarded(receive, send, run, stream=False)
 
     async def _embedding_inputs(self, gen: OpenAIServing, req: EmbeddingRequest) -> list[list[int]]:
-        raw = req.input
         limit = self.max_model_len
 
         def refuse(i: int, fewest: int) -> None:  # a text sure to pass it, untokenized
@@ -464,23 +462,8 @@ class Frontend:
                                   f"{limit} tokens; this input is at least {fewest}",
                                   param="input", code="context_length_exceeded")
 
-        if isinstance(raw, str):
-            texts = await gen.tokenize([raw], special=True, refuse=refuse)
-        elif all(isinstance(x, int) for x in raw):
-            texts = [[x for x in raw if isinstance(x, int)]]
-        elif all(isinstance(x, str) for x in raw):
-            texts = await gen.tokenize([x for x in raw if isinstance(x, str)], special=True,
-                                       refuse=refuse)
-        elif all(isinstance(x, list) for x in raw):
-            texts = [x for x in raw if isinstance(x, list)]
-        else:
-            raise bad_request("input: mixes strings, token ids and lists of token ids; give "
-                              "one kind", param="input")
-        vocab = self.tokenizer.vocab_size
+        texts = await gen.prompt_ids(req.input, "input", refuse=refuse)
         for i, ids in enumerate(texts):
-            problem = prompt_problem(ids, vocab)
-            if problem:
-                raise bad_request(f"input[{i}]: {problem}", param="input")
             if limit is not None and len(ids) > limit:  # as a completion's prompt is told
                 raise bad_request(f"input[{i}]: this model's maximum context length is "
                                   f"{limit} tokens; this input is {len(ids)}", param="input",

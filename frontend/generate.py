@@ -101,11 +101,15 @@ class OpenAIServing:
         self._ids = map(f"{secrets.token_hex(4)}-{{}}".format, itertools.count())
         self.turns = loop_turns()  # the protocol, each request and each stream take turns
 
-    async def tokenize(self, texts: list[str], *, special: bool,
-                       refuse: Callable[[int, int], None]) -> list[list[int]]:
-        """Each text's ids; texts long together are tokenized off the event loop, in one
-        call (inline, one at a time, 153 embedding inputs each under the bound would
-        hold the loop over a second).
+    async def prompt_ids(self, given: str | Sequence[int | str | list[int]], field: str, *,
+                         refuse: Callable[[int, int], None], special: bool = True,
+                         most: int | None = None) -> list[list[int]]:
+        """The ids of each prompt a request's ``field`` gives: a text, a list of ids, or
+        several of either (at most ``most``, each named ``field[i]`` in a refusal).
+        Texts are tokenized; ids are checked against the vocabulary. Prompts long
+        together (in characters or ids) are done off the event loop, in one call
+        (inline, one at a time, 153 embedding inputs each under the bound would hold
+        the loop over a second; ~1M ids take 150-240 ms to check).
 
         Texts long enough to go off the loop are first shown to ``refuse`` (each
         text's index, the fewest tokens it can yield: ``Tokenizer.fewest_tokens``),
@@ -113,18 +117,50 @@ class OpenAIServing:
         context costs no seconds of tokenizing before its 400.
 
         Raises:
-            ApiError: what ``refuse`` raises.
+            ApiError: 400 on ``field``: a list mixing kinds, more than ``most`` prompts,
+                a prompt with no ids, or an id outside the vocabulary; what ``refuse``
+                raises.
         """
-        encode = self.tokenizer.encode
-        if sum(map(len, texts)) <= _TOKENIZE_INLINE:
-            return [encode(text, add_special_tokens=special) for text in texts]
-        fewest = self.tokenizer.fewest_tokens
+        prompts: Sequence[str | list[int]]
+        several = False
+        if isinstance(given, str):
+            prompts = [given]
+        elif all(isinstance(t, int) for t in given):
+            prompts = [[t for t in given if isinstance(t, int)]]
+        else:
+            several = True
+            if most is not None and len(given) > most:
+                raise bad_request(f"{field}: {len(given)} prompts in one request; at most "
+                                  f"{most}", param=field, code="unsupported_value")
+            texts = [p for p in given if isinstance(p, str)]
+            lists = [p for p in given if isinstance(p, list)]
+            if len(texts) != len(given) and len(lists) != len(given):
+                raise bad_request(f"{field}: mixes strings, token ids and lists of token "
+                                  "ids; give one kind", param=field)
+            prompts = texts or lists
+        tok = self.tokenizer
+        inline = sum(map(len, prompts)) <= _TOKENIZE_INLINE
 
         def run() -> list[list[int]]:
-            for i, text in enumerate(texts):
-                refuse(i, fewest(text))
-            return [encode(text, add_special_tokens=special) for text in texts]
+            if not inline:
+                for i, prompt in enumerate(prompts):
+                    if isinstance(prompt, str):
+                        refuse(i, tok.fewest_tokens(prompt))
+            out: list[list[int]] = []
+            for i, prompt in enumerate(prompts):
+                if isinstance(prompt, str):
+                    ids = tok.encode(prompt, add_special_tokens=special)
+                    problem = "" if ids else "no input tokens"
+                else:
+                    ids, problem = prompt, prompt_problem(prompt, tok.vocab_size)
+                if problem:
+                    where = f"{field}[{i}]" if several else field
+                    raise bad_request(f"{where}: {problem}", param=field)
+                out.append(ids)
+            return out
 
+        if inline:
+            return run()
         return await asyncio.get_running_loop().run_in_executor(None, run)
 
     async def completion(self, req: CompletionRequest, send: Send, t0: float) -> int:
@@ -136,7 +172,11 @@ class OpenAIServing:
         """
         check_supported(req)
         guide = await self.translator.guide(req)
-        prompts = await self._completion_prompts(req)
+
+        def refuse(index: int, fewest: int) -> None:
+            self.translator.refuse_past_context(fewest, req.max_tokens, "prompt")
+
+        prompts = await self.prompt_ids(req.prompt, "prompt", refuse=refuse, most=MAX_PROMPTS)
         copies = answers_per_prompt(req, len(prompts))
         # Every answer is checked (its budget, its sampling) before any runs.
         states: list[RequestState] = []
@@ -148,57 +188,6 @@ class OpenAIServing:
         hide = copies != req.n and req.logprobs is None
         return await answer_several(req, states, send, self._answer, copies=copies,
                                     keep=req.n, hide_logprobs=hide)
-
-    async def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        """Each prompt's ids: a string, a list of ids, or several of either.
-
-        Raises:
-            ApiError: 400 on ``prompt``: a list mixing kinds, more than
-                :data:`MAX_PROMPTS` prompts, no ids, or an id outside the vocabulary;
-                ``context_length_exceeded``: a text sure to pass the context.
-        """
-        prompt = req.prompt
-
-        def refuse(index: int, fewest: int) -> None:
-            self.translator.refuse_past_context(fewest, req.max_tokens, "prompt")
-
-        if isinstance(prompt, str):
-            return await self.tokenize([prompt], special=True, refuse=refuse)
-        if all(isinstance(t, int) for t in prompt):
-            return await self._checked_ids([[t for t in prompt if isinstance(t, int)]],
-                                           several=False)
-        if len(prompt) > MAX_PROMPTS:
-            raise bad_request(f"prompt: {len(prompt)} prompts in one request; at most "
-                              f"{MAX_PROMPTS}", param="prompt", code="unsupported_value")
-        texts = [p for p in prompt if isinstance(p, str)]
-        if len(texts) == len(prompt):
-            return await self.tokenize(texts, special=True, refuse=refuse)
-        lists = [p for p in prompt if isinstance(p, list)]
-        if len(lists) != len(prompt):
-            raise bad_request("prompt: mixes strings, token ids and lists of token ids; "
-                              "give one kind", param="prompt")
-        return await self._checked_ids(lists, several=True)
-
-    async def _checked_ids(self, prompts: list[list[int]], *, several: bool
-                           ) -> list[list[int]]:
-        """Prompts given as token ids (``several``: a list of them), checked against the
-        vocabulary; many ids are checked off the event loop (~1M take 150-240 ms, as a
-        long text takes to tokenize).
-
-        Raises:
-            ApiError: 400: a prompt with no ids, or an id outside the vocabulary.
-        """
-        def check() -> list[list[int]]:
-            for i, ids in enumerate(prompts):
-                problem = prompt_problem(ids, self.tokenizer.vocab_size)
-                if problem:
-                    where = f"prompt[{i}]" if several else "prompt"
-                    raise bad_request(f"{where}: {problem}", param="prompt")
-            return prompts
-
-        if sum(map(len, prompts)) <= _TOKENIZE_INLINE:
-            return check()
-        return await asyncio.get_running_loop().run_in_executor(None, check)
 
     async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:
         """Answer a chat completion; returns the HTTP status sent.
@@ -215,8 +204,10 @@ class OpenAIServing:
         guide, tools = await self.translator.guide_and_tools(req)
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)
-        [ids] = await self.tokenize([text], special=False, refuse=lambda _, fewest: (
-            self.translator.refuse_past_context(fewest, asked, "messages", field)))
+        def refuse(index: int, fewest: int) -> None:
+            self.translator.refuse_past_context(fewest, asked, "messages", field)
+
+        [ids] = await self.prompt_ids(text, "messages", refuse=refuse, special=False)
         max_tokens = self.translator.budget(len(ids), asked, self.default_max_tokens,
                                             "messages", field)
         # Each answer its own state, guide and tool plan (a plan holds its answer's
@@ -233,7 +224,7 @@ class OpenAIServing:
         ids are its own and its template's).
 
         Raises:
-            ApiError: 400: an empty prompt, or sampling out of range.
+            ApiError: 400: sampling out of range.
         """
         chat = isinstance(req, ChatCompletionRequest)
         stops = req.stops()
@@ -244,9 +235,6 @@ class OpenAIServing:
         else:
             stop_ids = ()
             logprobs = req.logprobs is not None
-        if not prompt_ids:
-            raise bad_request("the prompt is empty (no tokens)",
-                              param="messages" if chat else "prompt")
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage
         return RequestState(
