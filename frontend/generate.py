@@ -168,7 +168,7 @@ class OpenAIServing:
         the prompts' order); returns the HTTP status sent.
 
         Raises:
-            ApiError: before anything was sent (400, 404, 503, ...).
+            ApiError: before anything was sent (400, 503, ...).
         """
         check_supported(req)
         guide = await self.translator.guide(req)
@@ -193,7 +193,7 @@ class OpenAIServing:
         """Answer a chat completion; returns the HTTP status sent.
 
         Raises:
-            ApiError: before anything was sent (400, 404, 503, ...).
+            ApiError: before anything was sent (400, 503, ...).
         """
         check_supported(req)
         asked = req.max_new_tokens()
@@ -204,6 +204,7 @@ class OpenAIServing:
         guide, tools = await self.translator.guide_and_tools(req)
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)
+
         def refuse(index: int, fewest: int) -> None:
             self.translator.refuse_past_context(fewest, asked, "messages", field)
 
