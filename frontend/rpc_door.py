@@ -78,7 +78,8 @@ class RpcDoor:
         self._server: RpcServer[Request] = RpcServer(RPC.inbound_codec(), endpoint,
                                                      name="door",
                                                      options=options or SocketOptions())
-        self._client = RpcClient(upstream, name="upstream")
+        # (Calls not sent when it closes are dropped: a dead scheduler would hold them.)
+        self._client = RpcClient(upstream, name="upstream", options=SocketOptions(linger_ms=0))
         self._codec = RPC.outbound_codec()
         self._stop = threading.Event()
         self._rejected = LogSummary(log, "rpc door: rejected frames")
