@@ -184,10 +184,7 @@ class OpenAIServing:
             max_tokens = self.translator.budget(len(ids), req.max_tokens, 16, "prompt")
             states += [nth_answer(self._state(req, ids, max_tokens, send, t0, guide), i)
                        for i in range(copies)]
-        # best_of without logprobs: they are asked for only to rank the answers.
-        hide = copies != req.n and req.logprobs is None
-        return await answer_several(req, states, send, self._answer, copies=copies,
-                                    keep=req.n, hide_logprobs=hide)
+        return await answer_several(req, states, send, self._answer)
 
     async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:
         """Answer a chat completion; returns the HTTP status sent.
@@ -216,7 +213,7 @@ class OpenAIServing:
         states = [nth_answer(self._state(req, ids, max_tokens, send, t0, guide, tools=(
             tools if not i or tools is None else tools.another())), i)
             for i in range(answers_per_prompt(req, 1))]
-        return await answer_several(req, states, send, self._answer, copies=req.n, keep=req.n)
+        return await answer_several(req, states, send, self._answer)
 
     def _state(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                max_tokens: int, send: Send, t0: float, guide: Guide | None, *,
