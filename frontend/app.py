@@ -55,9 +55,10 @@ from frontend.asgi import (
 )
 from frontend.chat import ChatTemplate
 from frontend.errors import ApiError, bad_request, clip, from_engine
-from frontend.generate import GenerateSettings, OpenAIServing
+from frontend.generate import OpenAIServing
 from frontend.metrics import HttpMetrics
 from frontend.rpc_door import RpcDoor
+from frontend.sampling import SamplingTranslator
 from frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -73,7 +74,6 @@ from frontend.schemas import (
 from frontend.tokenizer import Tokenizer
 from frontend.turns import loop_turns
 from messages import BusError
-from messages.checks import prompt_problem
 from scheduler import (
     AsyncEngine,
     EngineError,
@@ -252,10 +252,11 @@ class Frontend:
         except BaseException:  # a start that fails stops what it started
             await self.close()
             raise
-        self._gen = OpenAIServing(engine, self.tokenizer, GenerateSettings(
-            s.model_name, s.default_max_tokens, self.max_model_len, s.model_aliases,
-            guided=isinstance(s.model, HFModelSpec)),
-            self.metrics, self.template)
+        translator = SamplingTranslator(self.tokenizer, model_name=s.model_name,
+                                        max_model_len=self.max_model_len,
+                                        guided=isinstance(s.model, HFModelSpec))
+        self._gen = OpenAIServing(engine, translator, self.template, self.metrics,
+                                  default_max_tokens=s.default_max_tokens)
         if self.metrics is not None:
             self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())
         # What start-up built (torch, the tokenizer, the engine) leaves the garbage
@@ -354,9 +355,7 @@ class Frontend:
     def _not_found(self, method: str, path: str) -> ApiError:
         """The 404 for a path with no route (OpenAI's ``model_not_found`` for a model's)."""
         if path.startswith("/v1/models/"):
-            return ApiError(404, f"the model {clip(path[len('/v1/models/'):])!r} does not exist "
-                                 f"here: this server serves {_names(self.settings)}",
-                            param="model", code="model_not_found")
+            return _no_model(path[len("/v1/models/"):], self.settings)
         return ApiError(404, self._off.get(path, f"no route {method} {clip(path)}"),
                         code="not_found")
 
@@ -400,7 +399,16 @@ class Frontend:
         s = self.settings
         return read_body(scope, receive, s.max_body_bytes, s.body_timeout)
 
-    def _generator(self) -> OpenAIServing:
+    def _generator(self, model: str) -> OpenAIServing:
+        """The request path, for a request naming ``model``.
+
+        Raises:
+            ApiError: 404: ``model`` is not served here; 503: the scheduler is not
+                available.
+        """
+        s = self.settings
+        if model != s.model_name and model not in s.model_aliases:
+            raise _no_model(model, s)
         if self._gen is None or self._gone:
             raise ApiError(503, "the scheduler is not available", type="server_error",
                            code="scheduler_unavailable")
@@ -409,22 +417,21 @@ class Frontend:
     async def _completions(self, scope: Scope, receive: Receive, send: Reply, t0: float) -> int:
         body = await self._body(scope, receive)
         req = decode(body, CompletionRequest)
-        gen = self._generator()
+        gen = self._generator(req.model)
         return await self._guarded(receive, send, lambda out: gen.completion(req, out, t0),
                                    stream=req.stream)
 
     async def _chat(self, scope: Scope, receive: Receive, send: Reply, t0: float) -> int:
         body = await self._body(scope, receive)
         req = decode(body, ChatCompletionRequest)
-        gen = self._generator()
+        gen = self._generator(req.model)
         return await self._guarded(receive, send, lambda out: gen.chat(req, out, t0),
                                    stream=req.stream)
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Reply, t0: float) -> int:
         body = await self._body(scope, receive)
         req = decode(body, EmbeddingRequest)
-        gen = self._generator()
-        gen.check_model(req.model)
+        gen = self._generator(req.model)
         texts = await self._embedding_inputs(gen, req)
         engine = gen.engine
 
@@ -448,7 +455,6 @@ class Frontend:
         return await self._guarded(receive, send, run, stream=False)
 
     async def _embedding_inputs(self, gen: OpenAIServing, req: EmbeddingRequest) -> list[list[int]]:
-        raw = req.input
         limit = self.max_model_len
 
         def refuse(i: int, fewest: int) -> None:  # a text sure to pass it, untokenized
@@ -457,23 +463,8 @@ class Frontend:
                                   f"{limit} tokens; this input is at least {fewest}",
                                   param="input", code="context_length_exceeded")
 
-        if isinstance(raw, str):
-            texts = await gen.tokenize([raw], special=True, refuse=refuse)
-        elif all(isinstance(x, int) for x in raw):
-            texts = [[x for x in raw if isinstance(x, int)]]
-        elif all(isinstance(x, str) for x in raw):
-            texts = await gen.tokenize([x for x in raw if isinstance(x, str)], special=True,
-                                       refuse=refuse)
-        elif all(isinstance(x, list) for x in raw):
-            texts = [x for x in raw if isinstance(x, list)]
-        else:
-            raise bad_request("input: mixes strings, token ids and lists of token ids; give "
-                              "one kind", param="input")
-        vocab = self.tokenizer.vocab_size
+        texts = await gen.prompt_ids(req.input, "input", refuse=refuse)
         for i, ids in enumerate(texts):
-            problem = prompt_problem(ids, vocab)
-            if problem:
-                raise bad_request(f"input[{i}]: {problem}", param="input")
             if limit is not None and len(ids) > limit:  # as a completion's prompt is told
                 raise bad_request(f"input[{i}]: this model's maximum context length is "
                                   f"{limit} tokens; this input is {len(ids)}", param="input",
@@ -531,9 +522,11 @@ class Frontend:
         return 200
 
 
-def _names(s: Settings) -> str:
-    """The served names, for an error's message."""
-    return ", ".join(map(repr, (s.model_name, *s.model_aliases)))
+def _no_model(name: str, s: Settings) -> ApiError:
+    """The 404 for model ``name``, not one ``s`` serves (a request's, a path's)."""
+    served = ", ".join(map(repr, (s.model_name, *s.model_aliases)))
+    return ApiError(404, f"the model {clip(name)!r} does not exist here: this server serves "
+                         f"{served} (GET /v1/models)", param="model", code="model_not_found")
 
 
 async def _within_rpc_wait(call: Awaitable[T]) -> T:

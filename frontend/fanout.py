@@ -60,7 +60,7 @@ def answers_per_prompt(req: CompletionRequest | ChatCompletionRequest, prompts: 
             :data:`MAX_ANSWERS` of one prompt, or :data:`MAX_PROMPTS` in all).
     """
     best_of = req.best_of if isinstance(req, CompletionRequest) else None
-    copies = req.n if best_of is None else best_of
+    copies = _copies(req)
     if copies < req.n:
         raise bad_request(f"best_of ({best_of}) must be at least n ({req.n})",
                           param="best_of", code="invalid_value")
@@ -91,16 +91,16 @@ def nth_answer(state: RequestState, copy: int) -> RequestState:
 
 async def answer_several(req: CompletionRequest | ChatCompletionRequest,
                          states: list[RequestState], send: Send,
-                         answer: Callable[[RequestState], Awaitable[int]], *,
-                         copies: int = 1, keep: int = 1, hide_logprobs: bool = False) -> int:
+                         answer: Callable[[RequestState], Awaitable[int]]) -> int:
     """Answer one or several requests to the engine as one answer: several prompts, or
-    ``copies`` answers of each prompt (``n``, ``best_of``), all at once, each by
-    ``answer`` (the request path's); their answers become the choices, ``index`` =
-    prompt's index * ``keep`` + answer's (vLLM's order), and the usage is their sum
-    (each prompt counted once). With ``copies > keep`` (``best_of``) each prompt keeps
-    its ``keep`` answers of highest cumulative logprob (``hide_logprobs``: asked only
-    to rank them, left out of the answer). One refused (before anything was sent)
-    aborts the others. Returns the HTTP status sent.
+    several answers of each prompt (``n``; a completion's ``best_of``, in the order of
+    :func:`answers_per_prompt`), all at once, each by ``answer`` (the request path's);
+    their answers become the choices, ``index`` = prompt's index * ``n`` + answer's
+    (vLLM's order), and the usage is their sum (each prompt counted once). With
+    ``best_of`` above ``n`` each prompt keeps its ``n`` answers of highest cumulative
+    logprob (without ``logprobs``, asked only to rank them and left out of the
+    answer). One refused (before anything was sent) aborts the others. Returns the
+    HTTP status sent.
 
     Raises:
         ApiError: what one answer raises.
@@ -109,8 +109,12 @@ async def answer_several(req: CompletionRequest | ChatCompletionRequest,
         return await answer(states[0])
     if req.stream:
         return await _answer_several_streamed(req, states, send, answer)
+    copies = _copies(req)
+    keep = req.n
+    # best_of ranks by logprobs, asked or not (not asked: left out of the answer).
+    hide_logprobs = (copies != keep and isinstance(req, CompletionRequest)
+                     and req.logprobs is None)
     if hide_logprobs:
-        # best_of ranks by logprobs, asked or not.
         for state in states:
             state.logprobs = True
     chat = states[0].response.chat
@@ -221,6 +225,13 @@ async def _answer_several_streamed(req: CompletionRequest | ChatCompletionReques
             prompt, answer_tokens, prompt + answer_tokens, PromptTokensDetails(cached))))
     await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
     return 200
+
+
+def _copies(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """How many answers of each prompt ``req`` asks for: ``best_of`` (completions), else
+    ``n``."""
+    best_of = req.best_of if isinstance(req, CompletionRequest) else None
+    return req.n if best_of is None else best_of
 
 
 def _cumulative_logprob(part: Completion | ChatCompletion) -> float:

@@ -5,9 +5,10 @@ Follow one request (each step names the module that does it):
 
 1. :mod:`frontend.app` routes ``POST /v1/completions`` or
    ``/v1/chat/completions``, decodes the body (:mod:`frontend.schemas`: a bad
-   one is a 400 naming its field) and calls :meth:`OpenAIServing.completion` or
+   one is a 400 naming its field), checks that it names a model served (else a
+   404) and calls :meth:`OpenAIServing.completion` or
    :meth:`OpenAIServing.chat` with the connection's ASGI ``send``.
-2. The handler checks the model, has the request's guide (and a chat's tool
+2. The handler has the request's guide (and a chat's tool
    plan) built and checked off the event loop, and tokenizes the prompt (a
    chat's rendered by its template, :mod:`frontend.chat`; a long one off the
    loop). :class:`~frontend.sampling.SamplingTranslator` turns the request into
@@ -39,13 +40,12 @@ import itertools
 import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 from frontend.asgi import SSE, Send, send_bytes
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
-from frontend.errors import ApiError, bad_request, from_engine
+from frontend.errors import bad_request, from_engine
 from frontend.fanout import MAX_PROMPTS, answer_several, answers_per_prompt, nth_answer
 from frontend.metrics import HttpMetrics
 from frontend.request_state import RequestState
@@ -57,45 +57,18 @@ from frontend.schemas import (
     check_supported,
     sse_safe,
 )
-from frontend.tokenizer import Tokenizer
 from frontend.tools import ToolPlan
 from frontend.turns import loop_turns
 from messages import Guide
 from messages.checks import prompt_problem
 from scheduler import AsyncEngine, EngineError, StreamChunk
 
-__all__ = ["GenerateSettings", "OpenAIServing", "RequestState"]
+__all__ = ["OpenAIServing", "RequestState"]
 
 #: Prompts longer than this (characters) are tokenized off the event loop.
 _TOKENIZE_INLINE = 16384
 #: Chunks a stream turns into events per turn on the loop (frontend.turns).
 _CHUNKS_A_TURN = 16
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateSettings:
-    """What a generation needs besides the request.
-
-    Attributes:
-        model_name: the name answers report.
-        default_max_tokens: ``max_tokens`` when a request gives none
-            (completions: OpenAI's 16; chat: this), cut to the room the
-            prompt leaves in the model's context.
-        max_model_len: the most tokens a request's prompt and answer may hold
-            together (the ``model_info`` rpc's ``max_prompt_tokens``); a
-            request asking for more is a 400, as in OpenAI and vLLM. None: no
-            bound here.
-        model_aliases: other names a request may give for the same model (any name
-            not served is a 404).
-        guided: the model has a tokenizer vocabulary, so structured output can be
-            served (the built-in models' is synthetic: a guide is a 400).
-    """
-
-    model_name: str
-    default_max_tokens: int = 256
-    max_model_len: int | None = None
-    model_aliases: tuple[str, ...] = ()
-    guided: bool = True
 
 
 def _push(state: RequestState, ids: Sequence[int]) -> tuple[str, list[int] | None]:
@@ -107,38 +80,36 @@ def _push(state: RequestState, ids: Sequence[int]) -> tuple[str, list[int] | Non
 
 
 class OpenAIServing:
-    """Answers ``/v1/completions`` and ``/v1/chat/completions`` over one engine."""
+    """Answers ``/v1/completions`` and ``/v1/chat/completions`` over one engine.
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: GenerateSettings,
-                 metrics: HttpMetrics | None, template: ChatTemplate) -> None:
+    ``translator`` knows the served model (its tokenizer, name and context);
+    ``default_max_tokens`` is a chat's ``max_tokens`` when it gives none (a
+    completion's is OpenAI's 16), cut to the room the prompt leaves in the context.
+    """
+
+    def __init__(self, engine: AsyncEngine, translator: SamplingTranslator,
+                 template: ChatTemplate, metrics: HttpMetrics | None, *,
+                 default_max_tokens: int = 256) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.translator = translator
+        self.tokenizer = translator.tokenizer
         self.template = template
-        self.settings = settings
         self.metrics = metrics
+        self.default_max_tokens = default_max_tokens
         # Answer ids: this server's run, then a count (ids do not repeat across restarts
         # or replicas, as cmpl-0, cmpl-1, ... did).
         self._ids = map(f"{secrets.token_hex(4)}-{{}}".format, itertools.count())
-        # How a request becomes its guide, token budget and SamplingParams.
-        self.translator = SamplingTranslator(tokenizer, model_name=settings.model_name,
-                                             max_model_len=settings.max_model_len,
-                                             guided=settings.guided)
         self.turns = loop_turns()  # the protocol, each request and each stream take turns
 
-    def check_model(self, model: str) -> None:
-        """Raises: ApiError: 404 when ``model`` is not the one served."""
-        s = self.settings
-        if model != s.model_name and model not in s.model_aliases:
-            served = ", ".join(map(repr, (s.model_name, *s.model_aliases)))
-            raise ApiError(404, f"the model {model!r} does not exist here: this server "
-                                f"serves {served} (GET /v1/models)",
-                           param="model", code="model_not_found")
-
-    async def tokenize(self, texts: list[str], *, special: bool,
-                       refuse: Callable[[int, int], None]) -> list[list[int]]:
-        """Each text's ids; texts long together are tokenized off the event loop, in one
-        call (inline, one at a time, 153 embedding inputs each under the bound would
-        hold the loop over a second).
+    async def prompt_ids(self, given: str | Sequence[int | str | list[int]], field: str, *,
+                         refuse: Callable[[int, int], None], special: bool = True,
+                         most: int | None = None) -> list[list[int]]:
+        """The ids of each prompt a request's ``field`` gives: a text, a list of ids, or
+        several of either (at most ``most``, each named ``field[i]`` in a refusal).
+        Texts are tokenized; ids are checked against the vocabulary. Prompts long
+        together (in characters or ids) are done off the event loop, in one call
+        (inline, one at a time, 153 embedding inputs each under the bound would hold
+        the loop over a second; ~1M ids take 150-240 ms to check).
 
         Texts long enough to go off the loop are first shown to ``refuse`` (each
         text's index, the fewest tokens it can yield: ``Tokenizer.fewest_tokens``),
@@ -146,18 +117,50 @@ class OpenAIServing:
         context costs no seconds of tokenizing before its 400.
 
         Raises:
-            ApiError: what ``refuse`` raises.
+            ApiError: 400 on ``field``: a list mixing kinds, more than ``most`` prompts,
+                a prompt with no ids, or an id outside the vocabulary; what ``refuse``
+                raises.
         """
-        encode = self.tokenizer.encode
-        if sum(map(len, texts)) <= _TOKENIZE_INLINE:
-            return [encode(text, add_special_tokens=special) for text in texts]
-        fewest = self.tokenizer.fewest_tokens
+        prompts: Sequence[str | list[int]]
+        several = False
+        if isinstance(given, str):
+            prompts = [given]
+        elif all(isinstance(t, int) for t in given):
+            prompts = [[t for t in given if isinstance(t, int)]]
+        else:
+            several = True
+            if most is not None and len(given) > most:
+                raise bad_request(f"{field}: {len(given)} prompts in one request; at most "
+                                  f"{most}", param=field, code="unsupported_value")
+            texts = [p for p in given if isinstance(p, str)]
+            lists = [p for p in given if isinstance(p, list)]
+            if len(texts) != len(given) and len(lists) != len(given):
+                raise bad_request(f"{field}: mixes strings, token ids and lists of token "
+                                  "ids; give one kind", param=field)
+            prompts = texts or lists
+        tok = self.tokenizer
+        inline = sum(map(len, prompts)) <= _TOKENIZE_INLINE
 
         def run() -> list[list[int]]:
-            for i, text in enumerate(texts):
-                refuse(i, fewest(text))
-            return [encode(text, add_special_tokens=special) for text in texts]
+            if not inline:
+                for i, prompt in enumerate(prompts):
+                    if isinstance(prompt, str):
+                        refuse(i, tok.fewest_tokens(prompt))
+            out: list[list[int]] = []
+            for i, prompt in enumerate(prompts):
+                if isinstance(prompt, str):
+                    ids = tok.encode(prompt, add_special_tokens=special)
+                    problem = "" if ids else "no input tokens"
+                else:
+                    ids, problem = prompt, prompt_problem(prompt, tok.vocab_size)
+                if problem:
+                    where = f"{field}[{i}]" if several else field
+                    raise bad_request(f"{where}: {problem}", param=field)
+                out.append(ids)
+            return out
 
+        if inline:
+            return run()
         return await asyncio.get_running_loop().run_in_executor(None, run)
 
     async def completion(self, req: CompletionRequest, send: Send, t0: float) -> int:
@@ -165,12 +168,15 @@ class OpenAIServing:
         the prompts' order); returns the HTTP status sent.
 
         Raises:
-            ApiError: before anything was sent (400, 404, 503, ...).
+            ApiError: before anything was sent (400, 503, ...).
         """
         check_supported(req)
-        self.check_model(req.model)
         guide = await self.translator.guide(req)
-        prompts = await self._completion_prompts(req)
+
+        def refuse(index: int, fewest: int) -> None:
+            self.translator.refuse_past_context(fewest, req.max_tokens, "prompt")
+
+        prompts = await self.prompt_ids(req.prompt, "prompt", refuse=refuse, most=MAX_PROMPTS)
         copies = answers_per_prompt(req, len(prompts))
         # Every answer is checked (its budget, its sampling) before any runs.
         states: list[RequestState] = []
@@ -178,70 +184,15 @@ class OpenAIServing:
             max_tokens = self.translator.budget(len(ids), req.max_tokens, 16, "prompt")
             states += [nth_answer(self._state(req, ids, max_tokens, send, t0, guide), i)
                        for i in range(copies)]
-        # best_of without logprobs: they are asked for only to rank the answers.
-        hide = copies != req.n and req.logprobs is None
-        return await answer_several(req, states, send, self._answer, copies=copies,
-                                    keep=req.n, hide_logprobs=hide)
-
-    async def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        """Each prompt's ids: a string, a list of ids, or several of either.
-
-        Raises:
-            ApiError: 400 on ``prompt``: a list mixing kinds, more than
-                :data:`MAX_PROMPTS` prompts, no ids, or an id outside the vocabulary;
-                ``context_length_exceeded``: a text sure to pass the context.
-        """
-        prompt = req.prompt
-
-        def refuse(index: int, fewest: int) -> None:
-            self.translator.refuse_past_context(fewest, req.max_tokens, "prompt")
-
-        if isinstance(prompt, str):
-            return await self.tokenize([prompt], special=True, refuse=refuse)
-        if all(isinstance(t, int) for t in prompt):
-            return await self._checked_ids([[t for t in prompt if isinstance(t, int)]],
-                                           several=False)
-        if len(prompt) > MAX_PROMPTS:
-            raise bad_request(f"prompt: {len(prompt)} prompts in one request; at most "
-                              f"{MAX_PROMPTS}", param="prompt", code="unsupported_value")
-        texts = [p for p in prompt if isinstance(p, str)]
-        if len(texts) == len(prompt):
-            return await self.tokenize(texts, special=True, refuse=refuse)
-        lists = [p for p in prompt if isinstance(p, list)]
-        if len(lists) != len(prompt):
-            raise bad_request("prompt: mixes strings, token ids and lists of token ids; "
-                              "give one kind", param="prompt")
-        return await self._checked_ids(lists, several=True)
-
-    async def _checked_ids(self, prompts: list[list[int]], *, several: bool
-                           ) -> list[list[int]]:
-        """Prompts given as token ids (``several``: a list of them), checked against the
-        vocabulary; many ids are checked off the event loop (~1M take 150-240 ms, as a
-        long text takes to tokenize).
-
-        Raises:
-            ApiError: 400: a prompt with no ids, or an id outside the vocabulary.
-        """
-        def check() -> list[list[int]]:
-            for i, ids in enumerate(prompts):
-                problem = prompt_problem(ids, self.tokenizer.vocab_size)
-                if problem:
-                    where = f"prompt[{i}]" if several else "prompt"
-                    raise bad_request(f"{where}: {problem}", param="prompt")
-            return prompts
-
-        if sum(map(len, prompts)) <= _TOKENIZE_INLINE:
-            return check()
-        return await asyncio.get_running_loop().run_in_executor(None, check)
+        return await answer_several(req, states, send, self._answer)
 
     async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:
         """Answer a chat completion; returns the HTTP status sent.
 
         Raises:
-            ApiError: before anything was sent (400, 404, 503, ...).
+            ApiError: before anything was sent (400, 503, ...).
         """
         check_supported(req)
-        self.check_model(req.model)
         asked = req.max_new_tokens()
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         if asked == 0:  # (a completion's 0 is legitimate: it will score a prompt, with echo)
@@ -250,16 +201,19 @@ class OpenAIServing:
         guide, tools = await self.translator.guide_and_tools(req)
         text = self.template.render(req.messages, req.add_generation_prompt,
                                     None if tools is None else tools.tools)
-        [ids] = await self.tokenize([text], special=False, refuse=lambda _, fewest: (
-            self.translator.refuse_past_context(fewest, asked, "messages", field)))
-        max_tokens = self.translator.budget(len(ids), asked, self.settings.default_max_tokens,
+
+        def refuse(index: int, fewest: int) -> None:
+            self.translator.refuse_past_context(fewest, asked, "messages", field)
+
+        [ids] = await self.prompt_ids(text, "messages", refuse=refuse, special=False)
+        max_tokens = self.translator.budget(len(ids), asked, self.default_max_tokens,
                                             "messages", field)
         # Each answer its own state, guide and tool plan (a plan holds its answer's
         # streaming state and call id): n answers are n requests, each constrained.
         states = [nth_answer(self._state(req, ids, max_tokens, send, t0, guide, tools=(
             tools if not i or tools is None else tools.another())), i)
             for i in range(answers_per_prompt(req, 1))]
-        return await answer_several(req, states, send, self._answer, copies=req.n, keep=req.n)
+        return await answer_several(req, states, send, self._answer)
 
     def _state(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                max_tokens: int, send: Send, t0: float, guide: Guide | None, *,
@@ -268,7 +222,7 @@ class OpenAIServing:
         ids are its own and its template's).
 
         Raises:
-            ApiError: 400: an empty prompt, or sampling out of range.
+            ApiError: 400: sampling out of range.
         """
         chat = isinstance(req, ChatCompletionRequest)
         stops = req.stops()
@@ -279,14 +233,11 @@ class OpenAIServing:
         else:
             stop_ids = ()
             logprobs = req.logprobs is not None
-        if not prompt_ids:
-            raise bad_request("the prompt is empty (no tokens)",
-                              param="messages" if chat else "prompt")
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage
         return RequestState(
             endpoint="chat" if chat else "completions",
-            response=ResponseShaper(chat, next(self._ids), self.settings.model_name,
+            response=ResponseShaper(chat, next(self._ids), self.translator.model_name,
                                     self.tokenizer),
             prompt_ids=prompt_ids,
             sampling=self.translator.params(req, max_tokens, stop_ids, guide, tools),
@@ -350,9 +301,9 @@ class OpenAIServing:
         out_offsets: list[int] = []  # ... and its offsets
         finish: str | None = None
         try:
-            chunks = await anext(steps)  # a refusal is still an HTTP error here
-            state.echo_prompt(chunks[0].prompt_logprobs, chunks[0].prompt_top_logprobs)
-            while True:
+            # (The first step comes before anything is sent: a refusal is an HTTP error.)
+            async for chunks in steps:
+                state.echo_prompt(chunks[0].prompt_logprobs, chunks[0].prompt_top_logprobs)
                 await self.turns.take()
                 events: list[bytes] = []
                 for n, chunk in enumerate(chunks, 1):
@@ -392,7 +343,6 @@ class OpenAIServing:
                                 "more_body": finish is None})
                 if finish is not None:
                     break
-                chunks = await anext(steps)
         except EngineError as exc:
             if not started:
                 raise

@@ -4,11 +4,12 @@ The engine's own endpoints live in a private temporary directory. The door
 binds a ROUTER where the operator was told to look (``ipc://DIR/rpc``, as
 ``python -m scheduler serve --endpoint DIR`` does, or a ``tcp://`` endpoint
 with CURVE) and forwards each call, as it came, to the scheduler's rpc
-endpoint, many calls in flight at once; each reply goes back to the peer
-that asked (by identity, never by payload). A thread of its own waits on
-both sockets (one :class:`~bus.Receiver`), so a call is answered however busy
-the event loop is, and the scheduler sees it on its rpc channel, as any
-other caller's.
+endpoint, many calls in flight at once (calls of a :class:`~bus.RpcClient`,
+under its rids); each reply goes back to the peer that asked (by identity,
+never by payload) under the rid it gave. A thread of its own waits on both
+sockets, so a call is answered however busy the event loop is, and the
+scheduler sees it on its rpc channel, as any other caller's. A reply that
+cannot be decoded fails its call at once.
 
 Once the engine reports the scheduler gone (``gone``, asked before each
 call is forwarded and every 0.2 s while calls wait), each call after it is
@@ -20,7 +21,6 @@ caller's timeout.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -34,13 +34,12 @@ from bus import (
     Envelope,
     LogSummary,
     Origin,
-    Receiver,
-    RpcCaller,
+    PeerGone,
+    RpcClient,
     RpcServer,
     SocketOptions,
 )
-from bus.channels import Inbox
-from messages import Codec, Message, Request, RpcReqInput, RpcReqOutput, fit_text
+from messages import RPC, Request, RpcReqInput, RpcReqOutput, fit_text
 
 __all__ = ["RpcDoor"]
 
@@ -76,38 +75,38 @@ class RpcDoor:
         self._auth: CurveAuthenticator | None = None
         if curve_clients is not None:
             self._auth = CurveAuthenticator(zmq.Context.instance(), curve_clients)
-        self._server: RpcServer[Request] = RpcServer(Codec(Request, types=[RpcReqInput]),
-                                                     endpoint, name="door",
+        self._server: RpcServer[Request] = RpcServer(RPC.inbound_codec(), endpoint,
+                                                     name="door",
                                                      options=options or SocketOptions())
-        self._caller = RpcCaller(upstream, name="upstream")
-        self._codec: Codec[Message] = Codec(Message, types=[RpcReqOutput])
-        self._waiting: dict[str, tuple[Origin, str]] = {}
-        self._ids = itertools.count()
+        # (Calls not sent when it closes are dropped: a dead scheduler would hold them.)
+        self._client = RpcClient(upstream, name="upstream", options=SocketOptions(linger_ms=0))
+        self._codec = RPC.outbound_codec()
         self._stop = threading.Event()
         self._rejected = LogSummary(log, "rpc door: rejected frames")
-        inboxes: list[Inbox[Message]] = [self._server, self._caller]
-        self._receiver: Receiver[Message] = Receiver(inboxes)
         self._thread = threading.Thread(target=self._run, name="rpc-door", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._server.pollable(), zmq.POLLIN)
+        poller.register(self._client.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                self._receiver.wait(GONE_CHECK_S)
-                for env in self._receiver.poll():
-                    if not isinstance(env, Envelope):
-                        self._rejected.add(env.origin.inbox, env.error.reason)
-                        if env.error.rid is not None and env.origin.inbox == "door":
-                            # answered, as the scheduler answers it (an invalid method name)
-                            self._fail(env.error.rid, env.origin, str(env.error))
-                    elif isinstance(env.message, RpcReqInput):
+                poller.poll(int(GONE_CHECK_S * 1000))
+                for env in self._server.drain(MAX_IN_FLIGHT):
+                    if isinstance(env, Envelope):
+                        assert isinstance(env.message, RpcReqInput)  # (all the codec reads)
                         self._forward(env.message, env.origin)
-                    elif isinstance(env.message, RpcReqOutput):
-                        self._answer(env.message)
+                        continue
+                    self._rejected.add("door", env.error.reason)
+                    if env.error.rid is not None:
+                        # answered, as the scheduler answers it (an invalid method name)
+                        self._fail(env.error.rid, env.origin, str(env.error))
+                self._client.read_replies()
                 self._fail_waiting()
         finally:
+            self._client.close()  # (a call still waiting is answered that the door closed)
             self._server.close()  # (its socket file too: bus.sockets.close_socket)
-            self._caller.close()
             if self._auth is not None:
                 self._auth.stop()
             self._rejected.flush()  # a burst's tail, logged as the door closes (else at exit)
@@ -122,14 +121,12 @@ class RpcDoor:
     def _fail_waiting(self) -> None:
         """Answer every call still waiting, once the scheduler is gone and a reply it sent
         before it died had ``REPLY_GRACE_S`` to arrive."""
-        if not self._waiting or self._scheduler_gone() is None:
+        if not self._client.in_flight or self._scheduler_gone() is None:
             return
         if time.monotonic() - self._gone_since < REPLY_GRACE_S:
             return
-        waiting, self._waiting = self._waiting, {}
-        for origin, rid in waiting.values():
-            self._fail(rid, origin, f"the scheduler is gone, so this call will not be "
-                                    f"answered: {self._why_gone}")
+        self._client.fail_all(PeerGone("upstream", f"the scheduler is gone, so this call "
+                                                   f"will not be answered: {self._why_gone}"))
 
     def _forward(self, call: RpcReqInput, origin: Origin) -> None:
         why = self._scheduler_gone()
@@ -137,26 +134,27 @@ class RpcDoor:
             self._fail(call.rid, origin, f"the scheduler is gone, so rpc {call.method!r} was "
                                          f"not forwarded: {why}")
             return
-        if len(self._waiting) >= MAX_IN_FLIGHT:
+        if self._client.in_flight >= MAX_IN_FLIGHT:
             self._fail(call.rid, origin, f"rpc door: {MAX_IN_FLIGHT} calls already wait for "
                                          "the scheduler; retry later")
             return
-        rid = f"door-{next(self._ids)}"
-        try:
-            self._caller.send_nowait(RpcReqInput(rid=rid, method=call.method,
-                                                 parameters=call.parameters))
-        except ChannelError as exc:
-            self._fail(call.rid, origin, f"the scheduler is not reachable: {exc}")
-            return
-        self._waiting[rid] = (origin, call.rid)
 
-    def _answer(self, reply: RpcReqOutput) -> None:
-        waiting = self._waiting.pop(reply.rid, None)
-        if waiting is None:
-            return  # its call was already failed (the scheduler is gone)
-        origin, rid = waiting
-        self._reply(RpcReqOutput(rid=rid, success=reply.success, message=reply.message,
-                                 result=reply.result), origin)
+        def answer(reply: RpcReqOutput | Exception) -> None:
+            if isinstance(reply, Exception):  # (its reply undecodable, or no reply will come)
+                self._fail(call.rid, origin, str(reply))
+                return
+            self._reply(RpcReqOutput(rid=call.rid, success=reply.success,
+                                     message=reply.message, result=reply.result), origin)
+
+        forwarded = self._client.start(call.method, answer, **call.parameters)
+        try:
+            if self._client.try_send(forwarded):
+                return
+            why = "it takes no call now (not connected, or its queue is full)"
+        except ChannelError as exc:
+            why = str(exc)
+        self._client.forget(forwarded)
+        self._fail(call.rid, origin, f"the scheduler is not reachable: {why}")
 
     def _fail(self, rid: str, origin: Origin, why: str) -> None:
         """Answer call ``rid`` of ``origin`` with a failure saying ``why`` (bounded as a
@@ -172,7 +170,7 @@ class RpcDoor:
     @property
     def in_flight(self) -> int:
         """Calls forwarded to the scheduler and not yet answered."""
-        return len(self._waiting)
+        return self._client.in_flight
 
     def close(self) -> None:
         """Stop forwarding and close both sockets (idempotent); an ipc endpoint's socket

@@ -7,6 +7,7 @@ import json
 import re
 import socket
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from bus import RpcClient
-from frontend import ByteTokenizer, Settings
+from frontend import ByteTokenizer, Settings, generate
+from messages.checks import prompt_problem
 from scheduler import Limits, ModelConfig
 from tests.conftest import eventually
 from tests.frontend.server import Server, openai_client, raw_post
@@ -338,6 +340,35 @@ def test_embedding_inputs_long_together_are_tokenized_off_the_loop() -> None:
             assert r.status_code == 200 and len(r.json()["data"]) == len(inputs)
             on_loop = [t == "frontend-test-server" for t in tok.threads]
             assert on_loop == [inline] * len(inputs), tok.threads
+    finally:
+        s.stop()
+
+
+def test_many_token_ids_are_checked_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without this: an embedding's ids were checked against the vocabulary on the event
+    # loop however many there were (a completion's went to a thread past the bound, as
+    # ~1M ids take 150-240 ms to check).
+    threads: list[str] = []
+
+    def noting(ids: Sequence[int], vocab_size: int) -> str:
+        threads.append(threading.current_thread().name)
+        return prompt_problem(ids, vocab_size)
+
+    monkeypatch.setattr(generate, "prompt_problem", noting)
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
+                        metrics=False), tok)
+    try:
+        ids = [i % 250 for i in range(2000)]  # (an embedding's list holds 2048 at most)
+        for path, field, more in (("/v1/completions", "prompt", {"max_tokens": 1}),
+                                  ("/v1/embeddings", "input", {})):
+            for prompts, inline in (([ids] * 10, False), ([ids[:100]], True)):
+                threads.clear()
+                r = httpx.post(f"{s.url}{path}", timeout=60,
+                               json={"model": "tiny", field: prompts, **more})
+                assert r.status_code == 200, r.text
+                on_loop = [t == "frontend-test-server" for t in threads]
+                assert on_loop == [inline] * len(prompts), threads
     finally:
         s.stop()
 

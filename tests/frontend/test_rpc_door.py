@@ -1,0 +1,43 @@
+"""The rpc door against an upstream the test plays: what it does with a reply it cannot read."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bus import Envelope, RpcClient, RpcServer
+from frontend import RpcDoor
+from messages import RPC, Request, RpcReqInput, RpcReqOutput
+
+
+def test_a_reply_the_door_cannot_decode_fails_its_call_at_once(tmp_path: Path) -> None:
+    """The upstream answers the forwarded call with a reply that names its rid but does
+    not decode (a message past its bound): the caller is answered at once with a failure
+    that says why (without it: the caller waited out its whole timeout)."""
+    upstream: RpcServer[Request] = RpcServer(RPC.inbound_codec(), f"ipc://{tmp_path}/up",
+                                             name="up")
+    door = RpcDoor(f"ipc://{tmp_path}/door", f"ipc://{tmp_path}/up", gone=lambda: None)
+    caller = RpcClient(f"ipc://{tmp_path}/door")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            waiting = pool.submit(caller.call, "get_load", timeout=30.0)
+            deadline = time.monotonic() + 30.0
+            forwarded: list[Envelope[Request]] = []
+            while not forwarded and time.monotonic() < deadline:
+                upstream.pollable().poll(100)
+                forwarded = [e for e in upstream.drain(1) if isinstance(e, Envelope)]
+            assert forwarded, "the call was not forwarded"
+            call = forwarded[0].message
+            assert isinstance(call, RpcReqInput) and call.method == "get_load"
+            too_long = RpcReqOutput(rid=call.rid, success=True, message="x" * (1 << 17))
+            upstream.reply(RPC.outbound_codec().encode(too_long), forwarded[0].origin)
+            reply = waiting.result(timeout=60.0)
+        assert not reply.success and "cannot decode RpcReqOutput" in reply.message, reply
+        assert time.monotonic() - t0 < 10.0  # not the call's 30 s
+        assert door.in_flight == 0
+    finally:
+        caller.close()
+        door.close()
+        upstream.close()
