@@ -141,4 +141,6 @@ def test_an_engine_whose_model_fails_in_the_replicas_raises_model_load_error(
     with pytest.raises(ModelLoadError, match="size mismatch") as caught:
         Engine("zmq", wrong_shape, dp_size=2)  # an RpcTimeout after 100 s before
     assert str(caught.value).startswith(f"model {wrong_shape}")
-    assert time.monotonic() - t0 < 60
+    # (well under the 100 s of the rpc timeout it used to wait for; two replicas
+    # importing torch on a loaded 2-core machine take tens of seconds)
+    assert time.monotonic() - t0 < 90
