@@ -717,3 +717,62 @@ def test_dispatch_pd_joins_no_replica_of_another_model(tmp_path: Path) -> None:
     finally:
         for p in (*replicas, front):
             _stop(p)
+
+
+#: ``python -m scheduler`` whose first stop signal is handled where Python cannot raise:
+#: once the file ``argv[1]`` exists, the dispatcher's next step drops an object whose
+#: destructor raises SIGTERM, so the handler's KeyboardInterrupt is discarded there, as
+#: it is when it lands in a zmq frame's destructor under a flood of outputs.
+_STOP_IN_A_DESTRUCTOR = """
+import os, signal, sys
+from scheduler.__main__ import main
+from scheduler.dp import Dispatcher
+class RaisesOnDrop:
+    def __del__(self):
+        signal.raise_signal(signal.SIGTERM)
+raised = []
+step = Dispatcher.step
+def stepped(self):
+    if not raised and os.path.exists(sys.argv[1]):
+        raised.append(True)
+        RaisesOnDrop()
+    return step(self)
+Dispatcher.step = stepped
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_stop_signal_discarded_where_python_cannot_raise_still_stops_dispatch(
+        tmp_path: Path) -> None:
+    # The stop must land even when its exception is discarded (a destructor, a gc
+    # callback): the dispatcher answers the open stream with shutdown, has its replica
+    # abort it, and exits 0, rather than forwarding the flood until it is killed.
+    dirs = [tmp_path / "a", tmp_path / "front"]
+    for d in dirs:
+        d.mkdir(mode=0o700)
+    trigger = tmp_path / "stop-now"
+    replica = _serve(dirs[0])
+    with open(tmp_path / "dispatch.err", "w") as err:
+        front = subprocess.Popen(
+            [sys.executable, "-c", _STOP_IN_A_DESTRUCTOR, str(trigger), "dispatch",
+             "--endpoint", str(dirs[1]), "--replica", str(dirs[0])], stderr=err, text=True)
+    try:
+        out, work, rpc = _raw_client(dirs[1])
+        with out, work, rpc, RpcClient(f"ipc://{dirs[0]}/rpc") as rpc0:
+            _until_all_live(rpc)
+            work.send(TokenizedGenerateReqInput(rid="t0", input_ids=token_ids([1, 2]),
+                                                sampling=SamplingParams(max_new_tokens=100_000),
+                                                stream=True))
+            seen: dict[str, list[Output]] = {}
+            _collect(out, lambda s: "t0" in s, seen)  # the flood is on
+            trigger.touch()
+            _collect(out, lambda s: _ended_with(s, "t0") is not None, seen)
+            end = _ended_with(seen, "t0")
+            assert isinstance(end, ErrorOut) and end.code == "shutdown", end
+            assert front.wait(30) == 0
+            eventually(lambda: _running(rpc0) == 0, 10.0, "the replica to abort it")
+        stderr = (tmp_path / "dispatch.err").read_text()
+        assert "interrupted: stopping" in stderr and "Traceback" not in stderr, stderr
+    finally:
+        for p in (replica, front):
+            _stop(p)
