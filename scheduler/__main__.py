@@ -282,13 +282,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     def metrics_bound(port: int) -> None:  # once it listens: port 0's pick is known
         print(f"metrics: {_metrics_url(args.metrics_host, port)}", file=sys.stderr, flush=True)
 
+    signals = StopSignals()
+
     def serve() -> bool:
         serve_zmq(endpoints, loaded, max_batch=args.max_batch, options=options,
                   curve_clients=allowed, limits=limits, metrics_port=args.metrics_port,
-                  metrics_host=args.metrics_host, metrics_bound=metrics_bound)
+                  metrics_host=args.metrics_host, metrics_bound=metrics_bound,
+                  stop_requested=signals.requested)
         return True
 
-    return _until_stopped(serve)
+    return _until_stopped(serve, signals)
 
 
 def _until_stopped(serve: Callable[[], bool], signals: StopSignals | None = None) -> int:
