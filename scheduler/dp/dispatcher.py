@@ -99,6 +99,7 @@ _WORK = Origin("work")
 _Handler = Callable[[Message, Origin], None]
 
 UNREAD_REPLIES = 8  #: replies of one caller in our backlog past which its calls are not run
+FINISH_FLUSH = 1.0  #: seconds a stop waits for the consumer to take the last answers
 
 
 #: Counters of a dispatcher, by name (also in ``get_load``'s reply as ``dispatcher.<name>``).
@@ -709,13 +710,28 @@ class Dispatcher:
         return not len(self.ledger) or self.clock() >= self._stop_deadline
 
     def _finish(self, code: ErrorCode, msg: str, abort: bool = False) -> None:
-        """Answer what is still in flight; ``abort``: stop it at its replica too."""
+        """Answer what is still in flight; ``abort``: stop it at its replica too.
+
+        A consumer not reading gets :data:`FINISH_FLUSH` seconds to take what waits for
+        it; what it has not taken then is dropped, and the terminal answers among it
+        are named in a warning (never dropped silently)."""
+        ended: list[str] = []
         for rep in self.replicas:
             for entry in self.ledger.lose(rep.index):
                 if abort:
                     rep.abort(entry.rid)
                 self._error(entry.rid, _WORK, code, msg)
-        deadline = time.monotonic() + 1.0
+                ended.append(entry.rid)
+        deadline = time.monotonic() + FINISH_FLUSH
         while self.router.flush() and time.monotonic() < deadline:
             time.sleep(0.001)  # sleep-ok: pacing the last flush to a slow consumer
+        left = self.router.backlog_by_origin().get(_WORK, 0) if self.router.backlog else 0
+        if left and ended:
+            unsent = ended[-left:]  # routed last, so the tail of the work queue (FIFO)
+            named = ", ".join(repr(rid) for rid in unsent[:5])
+            more = f" and {len(unsent) - 5} more" if len(unsent) > 5 else ""
+            log.warning("%d outputs for the work channel's consumer were not read within "
+                        "%g s of the stop and are dropped, among them the %s answers of "
+                        "%d requests: %s%s", left, FINISH_FLUSH, code, len(unsent), named,
+                        more)
         self.logs.flush()
