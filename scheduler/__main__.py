@@ -25,7 +25,7 @@ from scheduler.cli.options import (
     limits_from,
 )
 from scheduler.cli.rpc import run_rpc
-from scheduler.cli.signals import ignore_stop_signals
+from scheduler.cli.signals import StopSignals, ignore_stop_signals
 from scheduler.cli.top import run_top
 from scheduler.core.admission import Limits
 from scheduler.dp import ReplicaSpec, serve_dispatch
@@ -246,11 +246,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(exc))
         endpoints, options, allowed = _upstream(parser, args)
         raise_open_files_limit("scheduler dispatch")  # each client holds sockets
+        signals = StopSignals()
         return _until_stopped(lambda: serve_dispatch(
             endpoints, specs, options=options, curve_clients=allowed, policy=args.dp_policy,
             heartbeat_timeout=args.heartbeat_timeout, rpc_timeout=args.rpc_timeout,
             max_backlog=args.max_backlog, pd=args.pd,
-            max_handoff_bytes=args.max_handoff_bytes, handoff_deadline=args.handoff_deadline))
+            max_handoff_bytes=args.max_handoff_bytes, handoff_deadline=args.handoff_deadline,
+            stop_requested=signals.requested), signals)
     if args.pd is not None:
         if args.dp_size not in (1, sum(args.pd)):
             parser.error(f"--pd {args.pd[0]}:{args.pd[1]} runs {sum(args.pd)} replicas: "
@@ -280,49 +282,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     def metrics_bound(port: int) -> None:  # once it listens: port 0's pick is known
         print(f"metrics: {_metrics_url(args.metrics_host, port)}", file=sys.stderr, flush=True)
 
+    signals = StopSignals()
+
     def serve() -> bool:
         serve_zmq(endpoints, loaded, max_batch=args.max_batch, options=options,
                   curve_clients=allowed, limits=limits, metrics_port=args.metrics_port,
-                  metrics_host=args.metrics_host, metrics_bound=metrics_bound)
+                  metrics_host=args.metrics_host, metrics_bound=metrics_bound,
+                  stop_requested=signals.requested)
         return True
 
-    return _until_stopped(serve)
+    return _until_stopped(serve, signals)
 
 
-def _stop_once(signum: int, frame: object) -> None:
-    """The first SIGINT or SIGTERM stops: it unwinds as Ctrl-C does. Those after it are
-    ignored, so the clean-up they would cut (bounded: sockets, then replicas' exits)
-    finishes (a second signal would give a traceback from the clean-up, or status -15)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):  # (not SIG_IGN: that one raises
-        signal.signal(sig, _stopping)  # "ignored due to race condition" when pending)
-    raise KeyboardInterrupt
-
-
-def _stopping(signum: int, frame: object) -> None:
-    """A signal once stopping: nothing to do, the stop is under way."""
-
-
-
-def _until_stopped(serve: Callable[[], bool]) -> int:
-    """Run ``serve`` (True once a ``shutdown`` reached all it serves) as a command.
+def _until_stopped(serve: Callable[[], bool], signals: StopSignals | None = None) -> int:
+    """Run ``serve`` (True once a ``shutdown`` reached all it serves) as a command,
+    stopped by ``signals`` (given: ``serve``'s loop also asks its ``requested``).
 
     SIGTERM unwinds like Ctrl-C, so the channels close and remove their socket
-    files (Python's default SIGTERM would leave them); a second signal is
-    ignored (:func:`_stop_once`). Asked to stop is exit 0, not a failure; a
-    shutdown that did not reach every replica is 1; an endpoint another
-    process serves is one line and 1, not a traceback.
+    files (Python's default SIGTERM would leave them), even when its first
+    ``KeyboardInterrupt`` lands where Python cannot raise; a second signal is
+    ignored (:class:`~scheduler.cli.signals.StopSignals`). Asked to stop is exit
+    0, not a failure; a shutdown that did not reach every replica is 1; an
+    endpoint another process serves is one line and 1, not a traceback.
     """
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _stop_once)
-    try:
-        return 0 if serve() else 1
-    except KeyboardInterrupt:
-        ignore_stop_signals()
-        print("interrupted: stopping", file=sys.stderr)
-        return 0
-    except (EndpointInUse, NoReplicaLeft) as exc:
-        print(f"scheduler: {exc}", file=sys.stderr)
-        return 1
+    with signals or StopSignals():
+        try:
+            return 0 if serve() else 1
+        except KeyboardInterrupt:
+            ignore_stop_signals()
+            print("interrupted: stopping", file=sys.stderr)
+            return 0
+        except (EndpointInUse, NoReplicaLeft) as exc:
+            print(f"scheduler: {exc}", file=sys.stderr)
+            return 1
 
 
 def _load(model: ModelSpec) -> Model:
@@ -368,6 +360,7 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
     sup = supervise(procs, directory, model, max_batch=args.max_batch, limits=limits,
                     none_left=give_up)
     reached = [False]  # a shutdown reached every replica: they exit by themselves
+    signals = StopSignals()
 
     def serve() -> bool:
         try:
@@ -376,7 +369,8 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
                                         max_backlog=limits.max_backlog,
                                         heartbeat_timeout=LOCAL_HEARTBEAT_TIMEOUT,
                                         pd=args.pd, handoff_deadline=limits.handoff_deadline,
-                                        max_handoff_bytes=limits.max_handoff_bytes)
+                                        max_handoff_bytes=limits.max_handoff_bytes,
+                                        stop_requested=signals.requested)
         except KeyboardInterrupt:
             if none_left:
                 raise NoReplicaLeft(none_left[0]) from None
@@ -384,7 +378,7 @@ def _serve_dp(args: argparse.Namespace, endpoints: Endpoints, options: SocketOpt
         return reached[0]
 
     try:
-        return _until_stopped(serve)
+        return _until_stopped(serve, signals)
     finally:
         sup.stop()
         ranks = [p for r in procs for p in r]

@@ -247,10 +247,18 @@ class Scheduler(ControlMethods):
         """Whether any request is queued or running."""
         return bool(self.batch or self._aborted or self._held)
 
-    def run(self) -> None:
-        """Serve until :meth:`request_shutdown`; then answer everything left and return."""
+    def run(self, stop_requested: Callable[[], bool] | None = None) -> None:
+        """Serve until :meth:`request_shutdown`; then answer everything left and return.
+
+        ``stop_requested`` (a command's stop signal,
+        :class:`~scheduler.cli.signals.StopSignals`) is asked every step, however busy:
+        once true, the loop ends as on a ``KeyboardInterrupt`` (everything answered
+        ``shutdown``), even where the signal's own exception was discarded.
+        """
         try:
             while not self._stopping:
+                if stop_requested is not None and stop_requested():
+                    raise KeyboardInterrupt("stop requested")
                 with self.router.batching():  # a step's outputs leave as one burst
                     received = self.step()
                 if not received and not self.busy and not self._stopping:

@@ -99,6 +99,7 @@ _WORK = Origin("work")
 _Handler = Callable[[Message, Origin], None]
 
 UNREAD_REPLIES = 8  #: replies of one caller in our backlog past which its calls are not run
+FINISH_FLUSH = 1.0  #: seconds a stop waits for the consumer to take the last answers
 
 
 #: Counters of a dispatcher, by name (also in ``get_load``'s reply as ``dispatcher.<name>``).
@@ -138,6 +139,11 @@ class Dispatcher:
             the bound alone is answered ``invalid_request`` naming the rid, its size
             and the bound. Over ``tcp://`` what counts is what zmq has not written
             out to the replica's connection yet (``PushOutbox.bytes_unsent``).
+        stop_requested: asked at every step, however busy (a command's stop signal,
+            :class:`~scheduler.cli.signals.StopSignals`): once true, :meth:`run` stops
+            as on a ``KeyboardInterrupt`` (each request in flight answered
+            ``shutdown`` and aborted at its replica), even where the signal's own
+            exception was discarded.
     """
 
     TICK = 0.02  # seconds between liveness checks when idle
@@ -149,7 +155,8 @@ class Dispatcher:
                  join_timeout: float = 60.0, max_backlog: int = 1024,
                  clock: Callable[[], float] = time.monotonic,
                  pd: tuple[int, int] | None = None, handoff_deadline: float = 60.0,
-                 max_handoff_bytes: int = 512 << 20) -> None:
+                 max_handoff_bytes: int = 512 << 20,
+                 stop_requested: Callable[[], bool] | None = None) -> None:
         if not replicas:
             raise ValueError("a dispatcher needs at least one replica")
         check_distinct(replicas)
@@ -204,6 +211,7 @@ class Dispatcher:
             rpc_calls_not_run=0)
         self.gate = OutputGate(self.ledger, self.stats)
         self.throttle = OutputThrottle(self.receiver, self.replicas, max_backlog // 2)
+        self.stop_requested = stop_requested or (lambda: False)
         self._stopping = False
         self._stop_deadline = 0.0
         self._serving = False
@@ -220,11 +228,13 @@ class Dispatcher:
         """
         deadline = self.clock() + self.join_timeout
         while not self._ready(self.clock() >= deadline):
+            self._stop_if_requested()
             if not self.step():
                 self.receiver.wait(self.TICK)
         self.serve_upstream()
         try:
             while not self._done():
+                self._stop_if_requested()  # every step: a flood never makes us idle
                 with self.router.batching():  # what one step forwards leaves as one burst
                     took = self.step()
                 if not took:
@@ -234,6 +244,12 @@ class Dispatcher:
             raise  # clients get no answer, and its replicas go on generating for them)
         self._finish("shutdown", "the dispatcher shut down before the request finished")
         return bool(self.shutdown_ok)
+
+    def _stop_if_requested(self) -> None:
+        """Raise ``KeyboardInterrupt`` once a stop was requested: a signal's own may have
+        been discarded where it landed (see :class:`~scheduler.cli.signals.StopSignals`)."""
+        if self.stop_requested():
+            raise KeyboardInterrupt("stop requested")
 
     def _ready(self, late: bool) -> bool:
         """Serve once one replica is live, and no other is a local one still starting
@@ -694,13 +710,28 @@ class Dispatcher:
         return not len(self.ledger) or self.clock() >= self._stop_deadline
 
     def _finish(self, code: ErrorCode, msg: str, abort: bool = False) -> None:
-        """Answer what is still in flight; ``abort``: stop it at its replica too."""
+        """Answer what is still in flight; ``abort``: stop it at its replica too.
+
+        A consumer not reading gets :data:`FINISH_FLUSH` seconds to take what waits for
+        it; what it has not taken then is dropped, and the terminal answers among it
+        are named in a warning (never dropped silently)."""
+        ended: list[str] = []
         for rep in self.replicas:
             for entry in self.ledger.lose(rep.index):
                 if abort:
                     rep.abort(entry.rid)
                 self._error(entry.rid, _WORK, code, msg)
-        deadline = time.monotonic() + 1.0
+                ended.append(entry.rid)
+        deadline = time.monotonic() + FINISH_FLUSH
         while self.router.flush() and time.monotonic() < deadline:
             time.sleep(0.001)  # sleep-ok: pacing the last flush to a slow consumer
+        left = self.router.backlog_by_origin().get(_WORK, 0) if self.router.backlog else 0
+        if left and ended:
+            unsent = ended[-left:]  # routed last, so the tail of the work queue (FIFO)
+            named = ", ".join(repr(rid) for rid in unsent[:5])
+            more = f" and {len(unsent) - 5} more" if len(unsent) > 5 else ""
+            log.warning("%d outputs for the work channel's consumer were not read within "
+                        "%g s of the stop and are dropped, among them the %s answers of "
+                        "%d requests: %s%s", left, FINISH_FLUSH, code, len(unsent), named,
+                        more)
         self.logs.flush()

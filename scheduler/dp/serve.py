@@ -15,7 +15,7 @@ the same mark on its side (its calls wait in its own socket).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -39,7 +39,8 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
                    heartbeat_interval: float = 0.2, heartbeat_timeout: float = 2.0,
                    join_timeout: float = 60.0, max_backlog: int = 1024,
                    pd: tuple[int, int] | None = None, handoff_deadline: float = 60.0,
-                   max_handoff_bytes: int = 512 << 20) -> bool:
+                   max_handoff_bytes: int = 512 << 20,
+                   stop_requested: Callable[[], bool] | None = None) -> bool:
     """Serve ``endpoints`` like one scheduler, dispatching over ``replicas``, until a
     ``shutdown`` rpc (which reaches every replica) has been answered.
 
@@ -48,7 +49,9 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
 
     ``options`` and ``curve_clients`` are for the upstream side, as in
     :func:`~scheduler.launch.wiring.serve_zmq`; each replica carries its own
-    options in its :class:`ReplicaSpec`. See :class:`Dispatcher` for the rest.
+    options in its :class:`ReplicaSpec`. ``stop_requested`` (a command's stop signal,
+    asked every step) ends the loop as a ``KeyboardInterrupt`` would. See
+    :class:`Dispatcher` for the rest.
     """
     options = options or SocketOptions()
     auth = CurveAuthenticator(zmq.Context.instance(), curve_clients) \
@@ -66,7 +69,8 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
                                     heartbeat_timeout=heartbeat_timeout,
                                     join_timeout=join_timeout, max_backlog=max_backlog,
                                     pd=pd, handoff_deadline=handoff_deadline,
-                                    max_handoff_bytes=max_handoff_bytes)
+                                    max_handoff_bytes=max_handoff_bytes,
+                                    stop_requested=stop_requested)
             try:
                 return dispatcher.run()
             finally:

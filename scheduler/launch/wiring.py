@@ -147,7 +147,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
               limits: Limits | None = None, metrics: bool = True,
               metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
               metrics_bound: Callable[[int], None] | None = None,
-              loaded: Callable[[], None] | None = None) -> None:
+              loaded: Callable[[], None] | None = None,
+              stop_requested: Callable[[], bool] | None = None) -> None:
     """Run a scheduler over zmq until shut down (the body of the scheduler process).
 
     With ``tp``, this is rank 0 of ``tp.world_size`` ranks: it owns the
@@ -161,6 +162,8 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
     model is loaded here, in the scheduler's process, from its spec, or comes
     loaded (``serve`` loads it before anything is bound or printed);
     ``loaded`` is called once it is, before the first request is served.
+    ``stop_requested`` (a command's stop signal) is asked every step
+    (:meth:`Scheduler.run <scheduler.core.loop.Scheduler.run>`).
     """
     codec: Codec[Request] = WORK.inbound_codec()  # each channel's door (messages.channels)
     out_codec: Codec[Output] = OUT.outbound_codec()
@@ -197,7 +200,7 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
             if loaded is not None:
                 loaded()
             with _metrics_http(sched, metrics_host, metrics_port, metrics_bound):
-                sched.run()
+                sched.run(stop_requested)
     finally:
         if broadcast is not None:
             broadcast.close()  # rank 0 unlinks the shared-memory ring

@@ -430,3 +430,28 @@ def test_a_dispatcher_that_fails_answers_and_aborts_what_it_had(rig: Rig) -> Non
     assert sorted(answers) == sorted(aborted) == sorted(rids)
     assert all(a.code == "internal" and "RuntimeError: a bug" in a.message
                for a in answers.values())
+
+
+def test_a_stop_whose_answers_its_consumer_does_not_read_says_which_are_lost(
+        rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    # A stop gives a consumer that is not reading a bounded wait (the last flush), not
+    # forever; the terminal answers it never took are named in the log, not dropped
+    # silently with the backlog.
+    rids = rig.send(1)
+    rig.replica.take(1, wait_ms=5_000)
+    tokens = BatchTokenIDOut.from_lists(rids, [[7]], [None])
+    deadline = time.monotonic() + 30
+    while not rig.dispatcher.router.backlog:  # every buffer on the way to the client is full
+        assert time.monotonic() < deadline, "the client's buffers never filled"
+        for _ in range(256):
+            try:
+                rig.replica.out.send_nowait(tokens)
+            except WouldBlock:
+                break
+        rig.dispatcher.receiver.wait(0.01)
+        rig.dispatcher.step()  # (not Rig.step: the client reads nothing)
+    rig.dispatcher.stop_requested = lambda: True  # as a stop signal would
+    with caplog.at_level("WARNING", logger="scheduler.dp"), pytest.raises(KeyboardInterrupt):
+        rig.dispatcher.run()
+    lost = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert len(lost) == 1 and repr(rids[0]) in lost[0] and "shutdown" in lost[0], lost

@@ -717,3 +717,92 @@ def test_dispatch_pd_joins_no_replica_of_another_model(tmp_path: Path) -> None:
     finally:
         for p in (*replicas, front):
             _stop(p)
+
+
+#: ``python -m scheduler`` whose first stop signal is handled where Python cannot raise:
+#: once the file ``argv[1]`` exists, the next step of the loop class ``argv[2]``
+#: (``module:Class``) drops an object whose destructor raises SIGTERM, so the handler's
+#: KeyboardInterrupt is discarded there, as it is when it lands in a zmq frame's
+#: destructor under a flood of messages.
+_STOP_IN_A_DESTRUCTOR = """
+import importlib, os, signal, sys
+from scheduler.__main__ import main
+module, name = sys.argv[2].split(":")
+loop = getattr(importlib.import_module(module), name)
+class RaisesOnDrop:
+    def __del__(self):
+        signal.raise_signal(signal.SIGTERM)
+raised = []
+step = loop.step
+def stepped(self):
+    if not raised and os.path.exists(sys.argv[1]):
+        raised.append(True)
+        RaisesOnDrop()
+    return step(self)
+loop.step = stepped
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def _stopped_in_a_destructor(tmp_path: Path, loop: str, args: list[str]
+                             ) -> tuple[subprocess.Popen[str], Path]:
+    """``python -m scheduler *args`` (stderr in ``tmp_path/command.err``) whose stop is
+    discarded as :data:`_STOP_IN_A_DESTRUCTOR` says once the returned path exists."""
+    trigger = tmp_path / "stop-now"
+    with open(tmp_path / "command.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", _STOP_IN_A_DESTRUCTOR, str(trigger),
+                                 loop, *args], stderr=err, text=True)
+    return proc, trigger
+
+
+def _stream_then_stop(directory: Path, trigger: Path, proc: subprocess.Popen[str]) -> None:
+    """Stream one long request through ``directory``'s endpoint; once it flows, stop it
+    (``trigger``): its stream ends ``shutdown`` and ``proc`` exits 0, saying so."""
+    out, work, rpc = _raw_client(directory)
+    with out, work, rpc:
+        _until_all_live(rpc)
+        work.send(TokenizedGenerateReqInput(rid="t0", input_ids=token_ids([1, 2]),
+                                            sampling=SamplingParams(max_new_tokens=100_000),
+                                            stream=True))
+        seen: dict[str, list[Output]] = {}
+        _collect(out, lambda s: "t0" in s, seen)  # the flood is on
+        trigger.touch()
+        _collect(out, lambda s: _ended_with(s, "t0") is not None, seen)
+        end = _ended_with(seen, "t0")
+        assert isinstance(end, ErrorOut) and end.code == "shutdown", end
+        assert proc.wait(30) == 0
+    stderr = (trigger.parent / "command.err").read_text()
+    assert "interrupted: stopping" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_a_stop_signal_discarded_where_python_cannot_raise_still_stops_dispatch(
+        tmp_path: Path) -> None:
+    # The stop must land even when its exception is discarded (a destructor, a gc
+    # callback): the dispatcher answers the open stream with shutdown, has its replica
+    # abort it, and exits 0, rather than forwarding the flood until it is killed.
+    dirs = [tmp_path / "a", tmp_path / "front"]
+    for d in dirs:
+        d.mkdir(mode=0o700)
+    replica = _serve(dirs[0])
+    front, trigger = _stopped_in_a_destructor(
+        tmp_path, "scheduler.dp:Dispatcher",
+        ["dispatch", "--endpoint", str(dirs[1]), "--replica", str(dirs[0])])
+    try:
+        with RpcClient(f"ipc://{dirs[0]}/rpc") as rpc0:
+            _stream_then_stop(dirs[1], trigger, front)
+            eventually(lambda: _running(rpc0) == 0, 10.0, "the replica to abort it")
+    finally:
+        for p in (replica, front):
+            _stop(p)
+
+
+def test_a_stop_signal_discarded_where_python_cannot_raise_still_stops_serve(
+        tmp_path: Path) -> None:
+    # The same for one scheduler (``serve``): its loop reads a frame per request too.
+    (tmp_path / "s").mkdir(mode=0o700)
+    proc, trigger = _stopped_in_a_destructor(tmp_path, "scheduler.core.loop:Scheduler",
+                                             ["serve", "--endpoint", str(tmp_path / "s")])
+    try:
+        _stream_then_stop(tmp_path / "s", trigger, proc)
+    finally:
+        _stop(proc)
