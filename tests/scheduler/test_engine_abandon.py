@@ -7,12 +7,13 @@ process)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import pytest
@@ -44,54 +45,45 @@ def _running(engine: Engine) -> int:
     return running
 
 
-def test_an_interrupted_generate_aborts_its_request() -> None:
+@contextlib.contextmanager
+def _interrupted_once_running(engine: Engine) -> Iterator[None]:
+    """Run the body in the main thread; once ``engine`` runs a request, another thread
+    sends the main one SIGINT, whose handler raises :class:`Interrupted` there."""
     main = threading.main_thread().ident
     assert main == threading.get_ident()
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
         raise Interrupted
 
-    with Engine("ring", SMALL) as engine:
-        def when_running() -> None:  # (another thread: the main one waits in generate)
-            _until(lambda: _running(engine) == 1, "the request running")
-            signal.pthread_kill(main, signal.SIGINT)
+    def when_running() -> None:
+        _until(lambda: _running(engine) == 1, "the request running")
+        signal.pthread_kill(main, signal.SIGINT)
 
-        before = signal.signal(signal.SIGINT, interrupt)
-        sender = threading.Thread(target=when_running, daemon=True)
-        try:
-            sender.start()
-            with pytest.raises(Interrupted):
-                engine.generate([1, 2, 3], LONG)
-        finally:
-            sender.join(WAIT)
-            signal.signal(signal.SIGINT, before)
+    before = signal.signal(signal.SIGINT, interrupt)
+    sender = threading.Thread(target=when_running, daemon=True)
+    try:
+        sender.start()
+        yield
+    finally:
+        sender.join(WAIT)
+        signal.signal(signal.SIGINT, before)
+
+
+def test_an_interrupted_generate_aborts_its_request() -> None:
+    with Engine("ring", SMALL) as engine:
+        with _interrupted_once_running(engine), pytest.raises(Interrupted):
+            engine.generate([1, 2, 3], LONG)
         _until(lambda: _running(engine) == 0, "the interrupted request aborted")
         assert engine.pending == 0
         assert len(engine.generate([1, 2], SamplingParams(max_new_tokens=2)).token_ids) == 2
 
 
 def test_an_interrupted_stream_aborts_its_request_while_its_traceback_is_kept() -> None:
-    main = threading.main_thread().ident
-    assert main == threading.get_ident()
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise Interrupted
-
     with Engine("ring", SMALL) as engine:
-        def when_running() -> None:
-            _until(lambda: _running(engine) == 1, "the request running")
-            signal.pthread_kill(main, signal.SIGINT)
-
-        before = signal.signal(signal.SIGINT, interrupt)
-        sender = threading.Thread(target=when_running, daemon=True)
-        try:
-            sender.start()
-            with pytest.raises(Interrupted) as kept:  # (its traceback holds the stream)
-                for _ in engine.stream([1, 2, 3], LONG):
-                    pass
-        finally:
-            sender.join(WAIT)
-            signal.signal(signal.SIGINT, before)
+        with (_interrupted_once_running(engine),
+              pytest.raises(Interrupted) as kept):  # (its traceback holds the stream)
+            for _ in engine.stream([1, 2, 3], LONG):
+                pass
         _until(lambda: _running(engine) == 0, "the interrupted stream's request aborted")
         assert kept.tb is not None
 
