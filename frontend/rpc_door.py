@@ -83,6 +83,9 @@ class RpcDoor:
         self._codec = RPC.outbound_codec()
         self._stop = threading.Event()
         self._rejected = LogSummary(log, "rpc door: rejected frames")
+        # (Counted apart: a caller that stops reading is not a sender of bad frames.)
+        self._undelivered = LogSummary(log, "rpc door: replies not delivered (the caller "
+                                            "left or stopped reading)")
         self._thread = threading.Thread(target=self._run, name="rpc-door", daemon=True)
         self._thread.start()
 
@@ -110,6 +113,7 @@ class RpcDoor:
             if self._auth is not None:
                 self._auth.stop()
             self._rejected.flush()  # a burst's tail, logged as the door closes (else at exit)
+            self._undelivered.flush()
 
     def _scheduler_gone(self) -> str | None:
         """Why the scheduler is gone (asked of the engine until it is), or None."""
@@ -165,7 +169,7 @@ class RpcDoor:
         try:
             self._server.reply(self._codec.encode(reply), origin, block=False)
         except ChannelError as exc:  # the caller left or stopped reading: its loss only
-            self._rejected.add("door", f"reply to a peer that is gone: {exc}")
+            self._undelivered.add("door", f"reply {reply.rid!r}: {exc}")
 
     @property
     def in_flight(self) -> int:

@@ -31,9 +31,10 @@ h11, a head that stalls is closed, unanswered, at the idle timeout).
 
 A request whose body the server has not received whole when its answer is
 complete (a 413 told by its ``content-length``, a 404, an answer that did not
-read it) closes its connection after the answer: the rest of that body is
-never read (uvicorn read and dropped it, a 1 GB body sent by a client that
-kept the connection busy included). A client that half-closes its
+read it) closes its connection after the answer, which says so
+(``connection: close``, under h11 too): the rest of that body is never read
+(uvicorn read and dropped it, a 1 GB body sent by a client that kept the
+connection busy included). A client that half-closes its
 connection (``SHUT_WR``) after its requests gets their answers, then the
 connection closes (uvicorn closed it at the end of file, unanswered), if
 they begin within ``_EOF_GRACE_S`` (a client that closed its connection
@@ -166,6 +167,25 @@ def _close_delimited(cycle: Any) -> None:
         await send(message)
 
     cycle.send = send_1_0
+
+
+def _announce_close_if_unread(cycle: Any) -> None:
+    """Have an answer on uvicorn's h11 request ``cycle`` say ``connection: close`` when it
+    begins before its request's body was read whole (the connection closes after it:
+    ``on_response_complete``), as :func:`_send_whole` does under httptools: h11 closed
+    the connection after such an answer without saying so, and a client that keeps
+    its connections sent its next request into the close."""
+    send = cycle.send
+    close = (b"connection", b"close")
+
+    async def send_h11(message: Any) -> None:
+        if message["type"] == "http.response.start" and cycle.more_body:
+            cycle.keep_alive = False
+            if close not in cycle.scope["headers"]:
+                cycle.scope["headers"].append(close)  # (uvicorn adds it to the answer)
+        await send(message)
+
+    cycle.send = send_h11
 
 
 async def _send_whole(cycle_ref: weakref.ref[Any], status: int, headers: Headers,
@@ -436,6 +456,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
                 earlier = self.cycle
                 super().handle_events()  # (makes at most one request: h11 pauses after it)
                 cycle = self.cycle
+                if cycle is not earlier:
+                    _announce_close_if_unread(cycle)
                 if cycle is not earlier and _framed_twice(cycle.scope["headers"]):
                     # (kept open, the bytes a proxy that trusted the length took for
                     # this body would be read here as the next request: smuggling)

@@ -1058,7 +1058,7 @@ class AsyncEngine:
         self._flush_sends()  # what this turn submitted goes before the shutdown
         # The shutdown rpc and the joins block: run them off the loop, which keeps
         # delivering the terminal answers meanwhile.
-        await asyncio.get_running_loop().run_in_executor(None, self._stop_scheduler, seconds)
+        await _in_own_thread(self._stop_scheduler, seconds)
         if self._loop is not None:
             self._loop.remove_reader(self._fd)
             self._loop.remove_reader(self._rpc.fileno())
@@ -1225,3 +1225,32 @@ def _prompts(out: BatchTokenIDOut) -> list[tuple[tuple[float, ...] | None, Tops 
         at += n
     return got
 
+
+async def _in_own_thread(blocking: Callable[[float], None], timeout: float) -> None:
+    """``blocking(timeout)``, run on a thread of its own and waited for (its exception
+    raised here). Not on the loop's default executor: that one refuses work once the
+    interpreter begins to exit (``RuntimeError: cannot schedule new futures after
+    interpreter shutdown``), when a close from an ``atexit`` handler, or an engine's
+    finalizer, still has to stop its scheduler."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():  # (the close was cancelled meanwhile)
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            blocking(timeout)
+        except BaseException as exc:  # raised in the awaiting close, as the executor did
+            error = exc
+        with contextlib.suppress(RuntimeError):  # (the loop is closed: nobody awaits)
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name="engine-close", daemon=True).start()
+    await done

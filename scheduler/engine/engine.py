@@ -12,11 +12,14 @@ first); a submit here waits for room on a full work channel.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, Self, TypeVar, cast
@@ -119,9 +122,9 @@ class Engine:
             self._stop_loop()
             raise
         self._abandoned = weakref.finalize(self, _close_abandoned, self._core, self._loop)
-        # Not at exit: the loop thread ends with the process (a daemon), and a scheduler
-        # process watches its parent.
+        # Not at exit: an engine still open then is closed by _close_at_exit, waited for.
         self._abandoned.atexit = False
+        _open.add(self)
 
     def _run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the engine's loop and wait for its outcome (from any thread
@@ -234,6 +237,7 @@ class Engine:
             owner = not self._closing
             self._closing = True  # from here on _run refuses every call
             self._abandoned.detach()
+            _open.discard(self)
             if owner and self._loop_thread.is_alive():
                 closing = asyncio.run_coroutine_threadsafe(self._core.close(timeout),
                                                            self._loop)
@@ -282,8 +286,18 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
         runner.get_loop().run_forever()
 
 
+log = logging.getLogger("scheduler.engine")
+
 #: The closes of engines collected unclosed, held until they end.
 _abandoned_closes: set[asyncio.Task[None]] = set()
+#: Set as each of those closes ends (what the exit waits for).
+_abandoned_ends: set[threading.Event] = set()
+#: Engines started and not closed (nor collected).
+_open: weakref.WeakSet[Engine] = weakref.WeakSet()
+#: Seconds the exit waits, at most, for the closes of engines collected unclosed.
+_EXIT_WAIT_S = 60.0
+# A forked child has no loop thread to end those closes: its exit waits for none.
+os.register_at_fork(after_in_child=_abandoned_ends.clear)
 
 
 def _close_abandoned(core: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
@@ -294,17 +308,47 @@ def _close_abandoned(core: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None
     if os.getpid() != core._owner:
         return
 
+    ended = threading.Event()
+    _abandoned_ends.add(ended)
+
     async def close() -> None:
         try:
             await core.close()
         finally:
             loop.stop()
+            ended.set()
+            _abandoned_ends.discard(ended)
 
     def begin() -> None:
         task = loop.create_task(close())
         _abandoned_closes.add(task)
         task.add_done_callback(_abandoned_closes.discard)
 
-    with contextlib.suppress(RuntimeError):  # (the loop is closed already)
+    try:
         loop.call_soon_threadsafe(begin)
+    except RuntimeError:  # (the loop is closed already)
+        _abandoned_ends.discard(ended)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """As the interpreter exits, close every engine still open (each with its close's
+    default timeout) and wait for the closes of engines collected unclosed. Else
+    their schedulers ran on as the interpreter was torn down: an embedded one in
+    mid-step aborted the process (``terminate called without an active
+    exception``), a scheduler process was left to see its parent die. Engines of
+    the parent of a forked child are its parent's to close."""
+    for engine in list(_open):
+        if os.getpid() != engine._core._owner:
+            continue
+        try:
+            engine.close()
+        except Exception as exc:  # the next engine is closed still
+            log.error("closing an engine at exit failed: %s: %s", type(exc).__name__, exc)
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for ended in list(_abandoned_ends):
+        if not ended.wait(max(0.0, deadline - time.monotonic())):
+            log.error("an engine collected unclosed was still closing at exit (%.0f s)",
+                      _EXIT_WAIT_S)
+            break
 

@@ -77,6 +77,13 @@ def _until_closed(sock: socket.socket, feed: bytes = b"") -> tuple[bytes, float]
         got += data
 
 
+def _announces_close(raw: bytes) -> bool:
+    """Whether the answer's head says ``connection: close`` (a client that keeps its
+    connections learns from it not to send its next request there)."""
+    head = raw.partition(b"\r\n\r\n")[0].lower()
+    return b"\r\nconnection: close\r\n" in head + b"\r\n"
+
+
 def _error(raw: bytes, status: int) -> dict[str, object]:
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 %d " % status), raw[:300]
@@ -96,6 +103,7 @@ def test_a_body_past_the_limit_is_not_read(server: Server) -> None:
         raw, closed_after = _until_closed(sock, feed=b"x" * (16 << 10))
     assert _error(raw, 413)["code"] == "body_too_large"
     assert closed_after < WAIT / 2
+    assert _announces_close(raw), raw[:300]
 
 
 def test_an_unread_body_of_another_answer_is_not_read_either(server: Server) -> None:
@@ -104,6 +112,7 @@ def test_an_unread_body_of_another_answer_is_not_read_either(server: Server) -> 
         sock.sendall(b"GET /health HTTP/1.1\r\nhost: test\r\ncontent-length: 1000000000\r\n\r\n")
         raw, _ = _until_closed(sock, feed=b"x" * (16 << 10))
     assert raw.startswith(b"HTTP/1.1 200 "), raw[:300]
+    assert _announces_close(raw), raw[:300]
 
 
 def test_a_read_body_keeps_the_connection(server: Server) -> None:
