@@ -99,7 +99,9 @@ _WORK = Origin("work")
 _Handler = Callable[[Message, Origin], None]
 
 UNREAD_REPLIES = 8  #: replies of one caller in our backlog past which its calls are not run
-FINISH_FLUSH = 1.0  #: seconds a stop waits for the consumer to take the last answers
+#: Seconds a stop waits for the work channel's consumer to take the last answers (those
+#: still in our backlog, and those zmq queues: a process that exits drops them).
+FINISH_FLUSH = 5.0
 
 
 #: Counters of a dispatcher, by name (also in ``get_load``'s reply as ``dispatcher.<name>``).
@@ -191,6 +193,9 @@ class Dispatcher:
         #: Hand-offs waiting for a decode replica with room, in arrival order.
         self._handoffs_waiting: deque[KVHandoff] = deque()
         self.max_backlog = max_backlog
+        self.out = out
+        #: Seconds a stop waits for the last answers to leave (:data:`FINISH_FLUSH`).
+        self.finish_flush = FINISH_FLUSH
         self.logs = DispatcherLogs()
         self.router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
                                        max_backlog=max_backlog,
@@ -712,9 +717,12 @@ class Dispatcher:
     def _finish(self, code: ErrorCode, msg: str, abort: bool = False) -> None:
         """Answer what is still in flight; ``abort``: stop it at its replica too.
 
-        A consumer not reading gets :data:`FINISH_FLUSH` seconds to take what waits for
-        it; what it has not taken then is dropped, and the terminal answers among it
-        are named in a warning (never dropped silently)."""
+        A consumer not reading gets :attr:`finish_flush` seconds to take what waits for
+        it, here and in zmq's queue (zmq's is dropped when the process exits: so the
+        stop waits until zmq has written the answers out, not just accepted them);
+        what it has not taken then is dropped, and the terminal answers among it are
+        named in a warning (never dropped silently)."""
+        self.out.track_writes()  # before the answers: they are the tail to wait for
         ended: list[str] = []
         for rep in self.replicas:
             for entry in self.ledger.lose(rep.index):
@@ -722,16 +730,17 @@ class Dispatcher:
                     rep.abort(entry.rid)
                 self._error(entry.rid, _WORK, code, msg)
                 ended.append(entry.rid)
-        deadline = time.monotonic() + FINISH_FLUSH
+        deadline = time.monotonic() + self.finish_flush
         while self.router.flush() and time.monotonic() < deadline:
             time.sleep(0.001)  # sleep-ok: pacing the last flush to a slow consumer
         left = self.router.backlog_by_origin().get(_WORK, 0) if self.router.backlog else 0
+        left += self.out.wait_written(max(0.0, deadline - time.monotonic()))
         if left and ended:
             unsent = ended[-left:]  # routed last, so the tail of the work queue (FIFO)
             named = ", ".join(repr(rid) for rid in unsent[:5])
             more = f" and {len(unsent) - 5} more" if len(unsent) > 5 else ""
             log.warning("%d outputs for the work channel's consumer were not read within "
                         "%g s of the stop and are dropped, among them the %s answers of "
-                        "%d requests: %s%s", left, FINISH_FLUSH, code, len(unsent), named,
+                        "%d requests: %s%s", left, self.finish_flush, code, len(unsent), named,
                         more)
         self.logs.flush()
