@@ -69,7 +69,7 @@ from messages import (
     fit_text,
 )
 from router import CallbackSink, RpcReplySink, TransportSink, scheduler_router
-from scheduler.core.backpressure import collapse
+from scheduler.core.backpressure import FINISH_FLUSH, collapse, flush_last
 from scheduler.core.outputs import stopped_by
 from scheduler.dp.affinity import PrefixAffinity
 from scheduler.dp.fanout import CallerQueue, Fanout, merge_replies
@@ -99,9 +99,6 @@ _WORK = Origin("work")
 _Handler = Callable[[Message, Origin], None]
 
 UNREAD_REPLIES = 8  #: replies of one caller in our backlog past which its calls are not run
-#: Seconds a stop waits for the work channel's consumer to take the last answers (those
-#: still in our backlog, and those zmq queues: a process that exits drops them).
-FINISH_FLUSH = 5.0
 
 
 #: Counters of a dispatcher, by name (also in ``get_load``'s reply as ``dispatcher.<name>``).
@@ -194,7 +191,8 @@ class Dispatcher:
         self._handoffs_waiting: deque[KVHandoff] = deque()
         self.max_backlog = max_backlog
         self.out = out
-        #: Seconds a stop waits for the last answers to leave (:data:`FINISH_FLUSH`).
+        #: Seconds a stop waits for the last answers to leave
+        #: (:data:`~scheduler.core.backpressure.FINISH_FLUSH`).
         self.finish_flush = FINISH_FLUSH
         self.logs = DispatcherLogs()
         self.router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
@@ -730,11 +728,7 @@ class Dispatcher:
                     rep.abort(entry.rid)
                 self._error(entry.rid, _WORK, code, msg)
                 ended.append(entry.rid)
-        deadline = time.monotonic() + self.finish_flush
-        while self.router.flush() and time.monotonic() < deadline:
-            time.sleep(0.001)  # sleep-ok: pacing the last flush to a slow consumer
-        left = self.router.backlog_by_origin().get(_WORK, 0) if self.router.backlog else 0
-        left += self.out.wait_written(max(0.0, deadline - time.monotonic()))
+        left = flush_last(self.router, self.out, _WORK, self.finish_flush)
         if left and ended:
             unsent = ended[-left:]  # routed last, so the tail of the work queue (FIFO)
             named = ", ".join(repr(rid) for rid in unsent[:5])

@@ -29,7 +29,7 @@ from messages import (
     token_ids,
 )
 from scheduler import Engine, ModelConfig, RequestFailed
-from scheduler.dp.dispatcher import FINISH_FLUSH
+from scheduler.core.backpressure import FINISH_FLUSH
 from scheduler.launch.processes import STANDBY_AFTER_ENV
 from scheduler.launch.wiring import Endpoints
 from tests import procs
@@ -809,25 +809,27 @@ def test_a_stop_signal_discarded_where_python_cannot_raise_still_stops_serve(
         _stop(proc)
 
 
-def test_a_stopped_dispatcher_waits_for_a_client_behind_its_stream_to_take_the_end(
-        tmp_path: Path) -> None:
-    # A client with a small receive queue falls behind a stream, and the dispatcher is
-    # stopped: its shutdown answer waits in the dispatcher's zmq queue (and backlog)
-    # behind the unread stream. The client reads again 2 s later and must still get
-    # it: the dispatcher does not exit (which drops zmq's queue) before it is out.
+
+@pytest.mark.parametrize("command", ["dispatch", "serve"])
+def test_a_stopped_server_waits_for_a_client_behind_its_stream_to_take_the_end(
+        tmp_path: Path, command: str) -> None:
+    # A client with a small receive queue falls behind a stream, and the server
+    # (``dispatch`` over a replica, or one ``serve``) is stopped: its shutdown answer
+    # waits in its zmq queue (and backlog) behind the unread stream. The client reads
+    # again 2 s later and must still get it: the process does not exit (which drops
+    # zmq's queue) before it is out, and exits 0 within the bound.
     dirs = [tmp_path / "a", tmp_path / "front"]
     for d in dirs:
         d.mkdir(mode=0o700)
-    replica = _serve(dirs[0])
-    with open(tmp_path / "dispatch.err", "w") as err:
-        front = subprocess.Popen([sys.executable, "-m", "scheduler", "dispatch", "--endpoint",
-                                  str(dirs[1]), "--replica", str(dirs[0])],
-                                 stderr=err, text=True)
+    replica = _serve(dirs[0]) if command == "dispatch" else None
+    more = ["--replica", str(dirs[0])] if command == "dispatch" else []
+    with open(tmp_path / "command.err", "w") as err:
+        front = subprocess.Popen([sys.executable, "-m", "scheduler", command, "--endpoint",
+                                  str(dirs[1]), *more], stderr=err, text=True)
     try:
         out = PullInbox(Codec(Output), f"ipc://{dirs[1]}/out", options=SocketOptions(hwm=8))
         work = PushOutbox(Codec(Request), f"ipc://{dirs[1]}/work")
-        with out, work, RpcClient(f"ipc://{dirs[1]}/rpc") as rpc, \
-                RpcClient(f"ipc://{dirs[0]}/rpc") as rpc0:
+        with out, work, RpcClient(f"ipc://{dirs[1]}/rpc") as rpc:
             _until_all_live(rpc)
             work.send(TokenizedGenerateReqInput(
                 rid="t0", input_ids=token_ids([1, 2]), stream=True,
@@ -844,9 +846,12 @@ def test_a_stopped_dispatcher_waits_for_a_client_behind_its_stream_to_take_the_e
             assert front.wait(30) == 0
             took = time.monotonic() - stopped
             assert took < FINISH_FLUSH + 5.0, took  # bounded (slack for this 2-core box)
-            eventually(lambda: _running(rpc0) == 0, 10.0, "the replica to abort it")
-        stderr = (tmp_path / "dispatch.err").read_text()
+        if replica is not None:
+            with RpcClient(f"ipc://{dirs[0]}/rpc") as rpc0:
+                eventually(lambda: _running(rpc0) == 0, 10.0, "the replica to abort it")
+        stderr = (tmp_path / "command.err").read_text()
         assert "not read within" not in stderr and "Traceback" not in stderr, stderr
     finally:
         for p in (replica, front):
-            _stop(p)
+            if p is not None:
+                _stop(p)
