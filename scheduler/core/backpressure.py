@@ -23,13 +23,19 @@ whose outputs pile up, so the backlog stops growing at its source.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from bus import Origin
+from bus import Origin, PushOutbox
 from messages import BatchEmbeddingOut, BatchTokenIDOut, ErrorOut, Output, RpcReqOutput, fit_text
+from router import Router
 
-__all__ = ["InboxThrottle", "collapse"]
+__all__ = ["FINISH_FLUSH", "InboxThrottle", "collapse", "flush_last"]
+
+#: Seconds a stopping process waits for its consumer to take the last outputs (those in
+#: the router's backlog, and those zmq queues: a process that exits drops them).
+FINISH_FLUSH = 5.0
 
 log = logging.getLogger("scheduler")
 
@@ -123,3 +129,26 @@ def collapse(items: list[tuple[Output, Origin]], abort: Callable[[str], None],
     for rid in stuck:
         abort(rid)
     return kept
+
+
+def flush_last(router: Router[Output], out: PushOutbox[Output], origin: Origin,
+               timeout: float = FINISH_FLUSH) -> int:
+    """Give the consumer of ``origin``'s outputs ``timeout`` seconds to take the last ones
+    of a stopping process; returns how many it has not taken by then (dropped at exit).
+
+    First the router's backlog is flushed into ``out``, then
+    :meth:`~bus.PushOutbox.wait_written` (``out``'s writes tracked from before the
+    last outputs were routed) waits, in what is left of ``timeout``, for zmq to
+    write them out: zmq drops what it still queues when the process exits. An
+    ``out`` that watches its peers and has none connected is not waited for.
+    """
+    peers = out.peers
+    if peers is not None:
+        peers.last_left()  # (reads the connections' events)
+        if not peers.peers:
+            timeout = 0.0
+    deadline = time.monotonic() + timeout
+    while router.flush() and time.monotonic() < deadline:
+        time.sleep(0.001)  # sleep-ok: pacing the last flush to a slow consumer
+    left = router.backlog_by_origin().get(origin, 0) if router.backlog else 0
+    return left + out.wait_written(max(0.0, deadline - time.monotonic()))

@@ -247,13 +247,17 @@ class Scheduler(ControlMethods):
         """Whether any request is queued or running."""
         return bool(self.batch or self._aborted or self._held)
 
-    def run(self, stop_requested: Callable[[], bool] | None = None) -> None:
+    def run(self, stop_requested: Callable[[], bool] | None = None, *,
+            finishing: Callable[[], None] | None = None) -> None:
         """Serve until :meth:`request_shutdown`; then answer everything left and return.
 
         ``stop_requested`` (a command's stop signal,
         :class:`~scheduler.cli.signals.StopSignals`) is asked every step, however busy:
         once true, the loop ends as on a ``KeyboardInterrupt`` (everything answered
         ``shutdown``), even where the signal's own exception was discarded.
+        ``finishing`` is called once the loop ends, before those answers are routed
+        (the wiring tracks its output socket's writes from there: they must leave
+        before the process exits).
         """
         try:
             while not self._stopping:
@@ -271,9 +275,13 @@ class Scheduler(ControlMethods):
                     self.receiver.wait(0.005)
         except BaseException as exc:
             # Still answer everyone, saying why, before the error propagates.
+            if finishing is not None:
+                finishing()
             self.finish_all(*stopped_by(exc, "scheduler"))
             raise
         else:
+            if finishing is not None:
+                finishing()
             self.finish_all("shutdown")
         finally:  # a burst's tail, logged as the loop ends (else at the exit)
             for summary in (self._rejects, self._misaddressed, self._not_carried):

@@ -69,7 +69,7 @@ from messages import (
     fit_text,
 )
 from router import CallbackSink, RpcReplySink, TransportSink, scheduler_router
-from scheduler.core.backpressure import collapse
+from scheduler.core.backpressure import FINISH_FLUSH, collapse, flush_last
 from scheduler.core.outputs import stopped_by
 from scheduler.dp.affinity import PrefixAffinity
 from scheduler.dp.fanout import CallerQueue, Fanout, merge_replies
@@ -99,7 +99,6 @@ _WORK = Origin("work")
 _Handler = Callable[[Message, Origin], None]
 
 UNREAD_REPLIES = 8  #: replies of one caller in our backlog past which its calls are not run
-FINISH_FLUSH = 1.0  #: seconds a stop waits for the consumer to take the last answers
 
 
 #: Counters of a dispatcher, by name (also in ``get_load``'s reply as ``dispatcher.<name>``).
@@ -191,6 +190,10 @@ class Dispatcher:
         #: Hand-offs waiting for a decode replica with room, in arrival order.
         self._handoffs_waiting: deque[KVHandoff] = deque()
         self.max_backlog = max_backlog
+        self.out = out
+        #: Seconds a stop waits for the last answers to leave
+        #: (:data:`~scheduler.core.backpressure.FINISH_FLUSH`).
+        self.finish_flush = FINISH_FLUSH
         self.logs = DispatcherLogs()
         self.router = scheduler_router(TransportSink(out), RpcReplySink(rpc),
                                        max_backlog=max_backlog,
@@ -712,9 +715,12 @@ class Dispatcher:
     def _finish(self, code: ErrorCode, msg: str, abort: bool = False) -> None:
         """Answer what is still in flight; ``abort``: stop it at its replica too.
 
-        A consumer not reading gets :data:`FINISH_FLUSH` seconds to take what waits for
-        it; what it has not taken then is dropped, and the terminal answers among it
-        are named in a warning (never dropped silently)."""
+        A consumer not reading gets :attr:`finish_flush` seconds to take what waits for
+        it, here and in zmq's queue (zmq's is dropped when the process exits: so the
+        stop waits until zmq has written the answers out, not just accepted them);
+        what it has not taken then is dropped, and the terminal answers among it are
+        named in a warning (never dropped silently)."""
+        self.out.track_writes()  # before the answers: they are the tail to wait for
         ended: list[str] = []
         for rep in self.replicas:
             for entry in self.ledger.lose(rep.index):
@@ -722,16 +728,13 @@ class Dispatcher:
                     rep.abort(entry.rid)
                 self._error(entry.rid, _WORK, code, msg)
                 ended.append(entry.rid)
-        deadline = time.monotonic() + FINISH_FLUSH
-        while self.router.flush() and time.monotonic() < deadline:
-            time.sleep(0.001)  # sleep-ok: pacing the last flush to a slow consumer
-        left = self.router.backlog_by_origin().get(_WORK, 0) if self.router.backlog else 0
+        left = flush_last(self.router, self.out, _WORK, self.finish_flush)
         if left and ended:
             unsent = ended[-left:]  # routed last, so the tail of the work queue (FIFO)
             named = ", ".join(repr(rid) for rid in unsent[:5])
             more = f" and {len(unsent) - 5} more" if len(unsent) > 5 else ""
             log.warning("%d outputs for the work channel's consumer were not read within "
                         "%g s of the stop and are dropped, among them the %s answers of "
-                        "%d requests: %s%s", left, FINISH_FLUSH, code, len(unsent), named,
+                        "%d requests: %s%s", left, self.finish_flush, code, len(unsent), named,
                         more)
         self.logs.flush()

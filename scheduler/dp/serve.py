@@ -62,7 +62,7 @@ def serve_dispatch(endpoints: Endpoints, replicas: Sequence[ReplicaSpec], *,
                           options=dataclasses.replace(options, hwm=min(options.hwm, RPC_HWM))
                           ) as rpc, \
                 PushOutbox(OUT.outbound_codec(), endpoints.out, options=options,
-                           bind=endpoints.server_binds_out) as out:
+                           bind=endpoints.server_binds_out, watch_peers=True) as out:
             dispatcher = Dispatcher(work, rpc, out, replicas, policy=policy,
                                     rpc_timeout=rpc_timeout,
                                     heartbeat_interval=heartbeat_interval,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -23,6 +24,7 @@ import zmq
 
 from bus import (
     CurveAuthenticator,
+    Origin,
     PullInbox,
     PushOutbox,
     Receiver,
@@ -33,8 +35,9 @@ from bus import (
 )
 from bus.channels import Inbox
 from messages import OUT, RPC, WORK, Codec, Output, Request
-from router import RingSink, RpcReplySink, TransportSink, scheduler_router
+from router import RingSink, Router, RpcReplySink, TransportSink, scheduler_router
 from scheduler.core.admission import Limits
+from scheduler.core.backpressure import FINISH_FLUSH, flush_last
 from scheduler.core.loop import RequestSource, Scheduler, Upstream
 from scheduler.core.metrics_http import MetricsServer
 from scheduler.launch.tp import BroadcastReceiver, TPConfig, init_ranks, null_router, rpc_reducer
@@ -44,6 +47,8 @@ from scheduler.models.protocol import Model
 __all__ = ["Endpoints", "rpc_codec", "serve_follower", "serve_ring", "serve_zmq"]
 
 _OPTIONS = SocketOptions()
+
+log = logging.getLogger("scheduler")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +205,10 @@ def serve_zmq(endpoints: Endpoints, model: ModelSpec | Model, *, max_batch: int 
             if loaded is not None:
                 loaded()
             with _metrics_http(sched, metrics_host, metrics_port, metrics_bound):
-                sched.run(stop_requested)
+                try:
+                    sched.run(stop_requested, finishing=out.track_writes)
+                finally:  # the last answers leave before the process exits
+                    _last_answers(router, out, work.name)
     finally:
         if broadcast is not None:
             broadcast.close()  # rank 0 unlinks the shared-memory ring
@@ -237,6 +245,16 @@ def _readers_of(inbox: str, out: PushOutbox[Output]) -> Upstream:
     if peers is None:
         raise ValueError(f"output channel {out.name!r} was opened without watch_peers")
     return Upstream(inbox, peers.last_left)
+
+
+def _last_answers(router: Router[Output], out: PushOutbox[Output], inbox: str) -> None:
+    """Wait (at most :data:`~scheduler.core.backpressure.FINISH_FLUSH`) for ``out``'s
+    consumer to take the last outputs; a warning counts those it did not take."""
+    left = flush_last(router, out, Origin(inbox))
+    if left and out.peers is not None and out.peers.peers:  # (none: nobody could read)
+        log.warning("%d outputs for the %s channel's consumer, the last requests' terminal "
+                    "answers among them, were not read within %g s of the stop and are "
+                    "dropped", left, inbox, FINISH_FLUSH)
 
 
 def _unreleased(out: PushOutbox[Output]) -> Callable[[], int]:

@@ -451,6 +451,7 @@ def test_a_stop_whose_answers_its_consumer_does_not_read_says_which_are_lost(
         rig.dispatcher.receiver.wait(0.01)
         rig.dispatcher.step()  # (not Rig.step: the client reads nothing)
     rig.dispatcher.stop_requested = lambda: True  # as a stop signal would
+    rig.dispatcher.finish_flush = 1.0  # (the client never reads: no need to wait 5 s)
     with caplog.at_level("WARNING", logger="scheduler.dp"), pytest.raises(KeyboardInterrupt):
         rig.dispatcher.run()
     lost = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bus import Envelope, PullInbox, PushOutbox, RpcClient, RpcServer
+from bus import Envelope, PullInbox, PushOutbox, RpcClient, RpcServer, SocketOptions
 from messages import (
     BatchTokenIDOut,
     Codec,
@@ -29,6 +29,7 @@ from messages import (
     token_ids,
 )
 from scheduler import Engine, ModelConfig, RequestFailed
+from scheduler.core.backpressure import FINISH_FLUSH
 from scheduler.launch.processes import STANDBY_AFTER_ENV
 from scheduler.launch.wiring import Endpoints
 from tests import procs
@@ -806,3 +807,51 @@ def test_a_stop_signal_discarded_where_python_cannot_raise_still_stops_serve(
         _stream_then_stop(tmp_path / "s", trigger, proc)
     finally:
         _stop(proc)
+
+
+
+@pytest.mark.parametrize("command", ["dispatch", "serve"])
+def test_a_stopped_server_waits_for_a_client_behind_its_stream_to_take_the_end(
+        tmp_path: Path, command: str) -> None:
+    # A client with a small receive queue falls behind a stream, and the server
+    # (``dispatch`` over a replica, or one ``serve``) is stopped: its shutdown answer
+    # waits in its zmq queue (and backlog) behind the unread stream. The client reads
+    # again 2 s later and must still get it: the process does not exit (which drops
+    # zmq's queue) before it is out, and exits 0 within the bound.
+    dirs = [tmp_path / "a", tmp_path / "front"]
+    for d in dirs:
+        d.mkdir(mode=0o700)
+    replica = _serve(dirs[0]) if command == "dispatch" else None
+    more = ["--replica", str(dirs[0])] if command == "dispatch" else []
+    with open(tmp_path / "command.err", "w") as err:
+        front = subprocess.Popen([sys.executable, "-m", "scheduler", command, "--endpoint",
+                                  str(dirs[1]), *more], stderr=err, text=True)
+    try:
+        out = PullInbox(Codec(Output), f"ipc://{dirs[1]}/out", options=SocketOptions(hwm=8))
+        work = PushOutbox(Codec(Request), f"ipc://{dirs[1]}/work")
+        with out, work, RpcClient(f"ipc://{dirs[1]}/rpc") as rpc:
+            _until_all_live(rpc)
+            work.send(TokenizedGenerateReqInput(
+                rid="t0", input_ids=token_ids([1, 2]), stream=True,
+                sampling=SamplingParams(max_new_tokens=1_000_000)))
+            seen: dict[str, list[Output]] = {}
+            _collect(out, lambda s: "t0" in s, seen)  # the stream flows; now not read
+            time.sleep(1.0)  # sleep-ok: the client falls behind (every buffer fills)
+            front.send_signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            time.sleep(2.0)  # sleep-ok: a client that reads again 2 s after the stop
+            _collect(out, lambda s: _ended_with(s, "t0") is not None, seen, timeout=20)
+            end = _ended_with(seen, "t0")
+            assert isinstance(end, ErrorOut) and end.code == "shutdown", end
+            assert front.wait(30) == 0
+            took = time.monotonic() - stopped
+            assert took < FINISH_FLUSH + 5.0, took  # bounded (slack for this 2-core box)
+        if replica is not None:
+            with RpcClient(f"ipc://{dirs[0]}/rpc") as rpc0:
+                eventually(lambda: _running(rpc0) == 0, 10.0, "the replica to abort it")
+        stderr = (tmp_path / "command.err").read_text()
+        assert "not read within" not in stderr and "Traceback" not in stderr, stderr
+    finally:
+        for p in (replica, front):
+            if p is not None:
+                _stop(p)
