@@ -17,6 +17,7 @@ import contextlib
 import functools
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, Self, TypeVar, cast
@@ -26,7 +27,7 @@ import numpy.typing as npt
 from messages import SamplingParams
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine.async_engine import AsyncEngine, close_timeout
+from scheduler.engine.async_engine import AsyncEngine, close_on, close_timeout
 from scheduler.engine.handles import RequestHandle, Stream, StreamChunk
 from scheduler.errors import EngineClosed
 from scheduler.launch.wiring import Endpoints
@@ -282,15 +283,11 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
         runner.get_loop().run_forever()
 
 
-#: The closes of engines collected unclosed, held until they end.
-_abandoned_closes: set[asyncio.Task[None]] = set()
-
-
 def _close_abandoned(core: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
     """An engine collected without a close: close its ``core`` on its ``loop``, then stop
-    the loop (its thread ends). Never waits: the collector may run this on any
-    thread, the loop's own included. Nothing in a forked child (the loop is the
-    parent's)."""
+    the loop (its thread ends), and warn (``ResourceWarning``, as for an unclosed
+    AsyncEngine). Never waits: the collector may run this on any thread, the loop's
+    own included. Nothing in a forked child (the loop is the parent's)."""
     if os.getpid() != core._owner:
         return
 
@@ -300,11 +297,8 @@ def _close_abandoned(core: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None
         finally:
             loop.stop()
 
-    def begin() -> None:
-        task = loop.create_task(close())
-        _abandoned_closes.add(task)
-        task.add_done_callback(_abandoned_closes.discard)
-
-    with contextlib.suppress(RuntimeError):  # (the loop is closed already)
-        loop.call_soon_threadsafe(begin)
-
+    if close_on(loop, close):  # (else the loop is closed: the loop thread ended it)
+        warnings.warn(f"an Engine ({core.mode} mode, run directory {core._dir}) was collected "
+                      f"without close(): its scheduler is stopped now (use 'with "
+                      f"Engine(...)', or 'engine.close()')", ResourceWarning,
+                      stacklevel=1)
