@@ -19,7 +19,7 @@ from typing import Literal
 import pytest
 
 from messages import SamplingParams
-from scheduler import AsyncEngine, Engine, ModelConfig
+from scheduler import AsyncEngine, ModelConfig
 
 SMALL = ModelConfig(vocab_size=128, hidden=32, layers=1, seed=3)
 TWO = SamplingParams(max_new_tokens=2)
@@ -94,16 +94,3 @@ def test_a_closed_async_engine_says_nothing_when_collected() -> None:
         gone = asyncio.run(run())
         gc.collect()
     assert gone() is None
-
-
-def test_an_engine_collected_unclosed_warns() -> None:
-    engine = Engine("ring", SMALL)
-    thread = engine._loop_thread
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ResourceWarning)
-        del engine
-        gc.collect()
-    said = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
-    assert len(said) == 1 and "an Engine" in said[0], said
-    thread.join(WAIT)
-    assert not thread.is_alive(), "its loop thread still runs"
