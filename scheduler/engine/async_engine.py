@@ -38,6 +38,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections import deque
 from collections.abc import (
@@ -130,7 +131,8 @@ from scheduler.models.loading import (
 )
 from scheduler.models.protocol import Model
 
-__all__ = ["SEND_TIMEOUT", "AsyncEngine", "AsyncRequest", "close_timeout", "deliver_rows"]
+__all__ = ["SEND_TIMEOUT", "AsyncEngine", "AsyncRequest", "close_timeout",
+           "deliver_rows"]
 
 log = logging.getLogger("scheduler.engine")
 
@@ -345,7 +347,10 @@ class AsyncEngine:
         self._dir = make_run_dir("engine")  # named for us: swept if we are killed
         # Removed by this one finalizer: at close, when a constructor that failed
         # leaves the engine to the collector, or at exit for an engine never closed.
-        self._remove_dir = weakref.finalize(self, remove_run_dir, self._dir)
+        # Tied to the engine's state, not to the engine: an engine collected unclosed
+        # keeps its scheduler's sockets there until _abandoned has stopped it.
+        self._state_alive = _StateAlive()
+        self._remove_dir = weakref.finalize(self._state_alive, remove_run_dir, self._dir)
         self.endpoints = Endpoints.in_dir(self._dir)
         self._requests: dict[str, RequestState] = {}  # rid -> its state, on the loop
         self._owner = os.getpid()  # a forked child may not use it (_check_process)
@@ -366,9 +371,13 @@ class AsyncEngine:
             self._ingress = Ring(1 << 16, name="work")
             self._egress = Ring(1 << 16, name="out")
             ingress, egress = self._ingress, self._egress
+            # The thread holds the engine weakly (else an engine dropped unclosed
+            # could never be collected, nor its finalizer stop the thread).
+            assert self._loaded is not None
             self._thread = threading.Thread(
-                target=self._run_embedded, args=(ingress, egress, max_batch),
-                name="scheduler", daemon=True)
+                target=_run_embedded, name="scheduler", daemon=True,
+                args=(weakref.ref(self), ingress, egress, self.endpoints.rpc, self._loaded,
+                      max_batch, self.limits, metrics))
             self._thread.start()
             out_inbox = RingInbox(egress, name="out")
         else:
@@ -381,17 +390,15 @@ class AsyncEngine:
             self._procs = self._started.essential
         self._out_inbox = out_inbox
         self._rpc = RpcClient(self.endpoints.rpc, name="rpc")
-        self._outputs: Receiver[Output] = Receiver([out_inbox], budget=1024)
         self._start_timeout = start_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the loop's thread, once started
         self._watchdog: asyncio.Task[None] | None = None
         pollable = self._out_inbox.pollable()
-        self._zmq_out = pollable if isinstance(pollable, zmq.Socket) else None
         self._fd = pollable if isinstance(pollable, int) else int(pollable.get(zmq.FD))
-        self._reading = False  # the loop's reader is registered
-        self._sent_unread = 0  # sends since outputs were last read
-        self._backlog: deque[Envelope[Output] | Rejected] = deque()  # read, not yet delivered
+        self._reader = _Reader(self._requests, Receiver([out_inbox], budget=1024),
+                               pollable if isinstance(pollable, zmq.Socket) else None,
+                               self._rpc)
         # Sent at the end of this turn of the loop, as one burst: requests, and the
         # states of requests to abort (an abort is made, or not, at the last moment).
         self._outq: list[Request | RequestState] = []
@@ -403,6 +410,14 @@ class AsyncEngine:
         self._shut: asyncio.Future[None] | None = None  # done once close() begins
         self.unawaited_failures = 0
         self._unseen_log = LogSummary(log, "requests failed with nobody awaiting them")
+        # An engine dropped without a close (an exception path, a notebook cell run
+        # again) is collected, as nothing it started holds it (the loop holds its
+        # _Reader; its scheduler thread and watchdog hold it weakly): this closes what
+        # it started then. It holds the engine's state, not the engine. Not at exit
+        # (the scheduler thread is a daemon, a scheduler process watches its parent,
+        # _remove_dir removes the run directory), nothing in a forked child.
+        self._abandoned = weakref.finalize(self, _close_abandoned, self.__dict__)
+        self._abandoned.atexit = False
 
     async def start(self) -> Self:
         """Start reading outputs on the running loop; wait for the scheduler to answer.
@@ -415,10 +430,12 @@ class AsyncEngine:
         loop = self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._shut = loop.create_future()
-        loop.add_reader(self._fd, self._on_readable)
-        loop.add_reader(self._rpc.fileno(), self._on_rpc_readable)
-        self._reading = True
-        self._watchdog = loop.create_task(self._watch())
+        reader = self._reader
+        reader.loop = loop
+        loop.add_reader(self._fd, reader.on_readable)
+        loop.add_reader(self._rpc.fileno(), reader.on_rpc_readable)
+        reader.reading = True
+        self._watchdog = loop.create_task(_watch(weakref.ref(self)))
         try:
             hello_answer(await self.collective_rpc(HELLO_METHOD, timeout=self._start_timeout,
                                                    **hello_params()),
@@ -874,9 +891,10 @@ class AsyncEngine:
             raise EngineClosed("the engine is closed") from exc
         # A burst of submits runs in one turn of the loop, before it polls again: the
         # outputs are read every so often meanwhile, so their delivery overlaps it.
-        self._sent_unread += n
-        if self._sent_unread >= _READ_EVERY and self._reading:
-            self._on_readable()
+        reader = self._reader
+        reader.sent_unread += n
+        if reader.sent_unread >= _READ_EVERY and reader.reading:
+            reader.on_readable()
         return n
 
     def _end(self, rid: str, item: Item) -> None:
@@ -890,46 +908,6 @@ class AsyncEngine:
         self._requests.clear()
         for state in states:
             state.put(error)
-
-    # -- outputs --------------------------------------------------------------------
-
-    def _on_readable(self) -> None:
-        if not self._reading:  # a call scheduled before the reader was removed
-            return
-        self._sent_unread = 0
-        # A poll at a time, delivered a share of rows at a time: the requests
-        # woken run before the next share, and a flood of outputs never holds
-        # the loop for longer than one share (deliver_rows).
-        backlog, more = self._backlog, False
-        if not backlog:
-            got = self._outputs.poll()
-            backlog.extend(got)
-            more = len(got) >= self._outputs.budget
-        deliver_rows(self._requests, backlog, _ROWS_PER_TURN)
-        assert self._loop is not None
-        sock = self._zmq_out
-        # zmq's FD is edge-triggered: it fires again only after EVENTS is read
-        # with nothing left; if messages slipped in meanwhile, go again.
-        if backlog or more or (sock is not None
-                               and cast(int, sock.getsockopt(_EVENTS)) & _POLLIN):
-            self._loop.call_soon(self._on_readable)
-
-    def _on_rpc_readable(self) -> None:
-        # Outputs waiting now are delivered before the rpc replies: a reply the
-        # scheduler sent after a request's last tokens finds them delivered (a
-        # caller that waits for get_load to say idle, then reads its stream).
-        if self._reading:
-            self._on_readable()
-        self._rpc.read_replies()
-
-    async def _watch(self) -> None:
-        """Fail every waiting request and rpc call promptly once the scheduler is gone."""
-        while not self.closed:
-            await asyncio.sleep(0.1)  # a liveness poll, not a wait for a condition
-            if not self._alive():
-                why = self._gone or "the scheduler is gone"
-                self._fail_all(SchedulerGone(why))
-                self._rpc.fail_all(PeerGone(f"{self._rpc.name} ({self._rpc.endpoint})", why))
 
     def _alive(self) -> bool:
         supervisor = self._started.supervisor
@@ -1051,9 +1029,10 @@ class AsyncEngine:
         if self.closed:
             return
         self._closed = True
+        self._abandoned.detach()
         if self._shut is not None:  # (made by start)
             self._shut.set_result(None)  # wakes every submit waiting for room
-        if self._watchdog is not None:
+        if self._watchdog is not None and not self._watchdog.get_loop().is_closed():
             self._watchdog.cancel()
         self._flush_sends()  # what this turn submitted goes before the shutdown
         # The shutdown rpc and the joins block: run them off the loop, which keeps
@@ -1062,13 +1041,14 @@ class AsyncEngine:
         if self._loop is not None:
             self._loop.remove_reader(self._fd)
             self._loop.remove_reader(self._rpc.fileno())
-        self._reading = False
+        reader = self._reader
+        reader.reading = False
         while True:  # read last what arrived last, after what was read before
-            got = self._outputs.poll()
-            self._backlog.extend(got)
-            if len(got) < self._outputs.budget:
+            got = reader.outputs.poll()
+            reader.backlog.extend(got)
+            if len(got) < reader.outputs.budget:
                 break
-        deliver_rows(self._requests, self._backlog, len(self._backlog))
+        deliver_rows(self._requests, reader.backlog, len(reader.backlog))
         self._fail_all(EngineClosed("the engine closed before the request finished"))
         self._rpc.close()  # the channels, once the outputs are read
         self._out_inbox.close()
@@ -1129,17 +1109,142 @@ class AsyncEngine:
         self._started = SchedulerProcesses()
         self._procs = []
 
-    def _run_embedded(self, ingress: Ring[Request], egress: Ring[Output], max_batch: int
-                      ) -> None:
-        try:
-            # Requests are validated at submit (_validated), so the ring need
-            # not check them again.
-            assert self._loaded is not None
-            serve_ring(ingress, egress, self.endpoints.rpc, self._loaded, max_batch=max_batch,
-                       limits=self.limits, validate=False, metrics=self._metrics)
-        except BaseException as exc:
-            self._gone = f"the embedded scheduler crashed: {exc!r}"
-            log.exception("embedded scheduler crashed")
+class _StateAlive:
+    """Alive while an engine's state is: with the engine, or, once it is collected
+    unclosed, until the close its finalizer runs (on that state) ends."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Reader:
+    """What the event loop's readers call: outputs read and handed to their requests'
+    states, rpc replies to their calls. An object of its own, holding what reading
+    needs and not the engine, so that the loop does not hold the engine (one dropped
+    without a close is collected); it delivers until the close removes the readers."""
+
+    __slots__ = ("backlog", "loop", "outputs", "reading", "requests", "rpc", "sent_unread",
+                 "sock")
+
+    def __init__(self, requests: dict[str, RequestState], outputs: Receiver[Output],
+                 sock: zmq.Socket[bytes] | None, rpc: RpcClient) -> None:
+        self.requests = requests  # the engine's own table (rid -> state)
+        self.outputs = outputs
+        self.sock = sock  # the PULL socket (zmq mode), whose FD is edge-triggered
+        self.rpc = rpc
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by start
+        self.reading = False  # the loop's readers are registered
+        self.sent_unread = 0  # sends since outputs were last read
+        self.backlog: deque[Envelope[Output] | Rejected] = deque()  # read, not yet delivered
+
+    def on_readable(self) -> None:
+        if not self.reading:  # a call scheduled before the reader was removed
+            return
+        self.sent_unread = 0
+        # A poll at a time, delivered a share of rows at a time: the requests
+        # woken run before the next share, and a flood of outputs never holds
+        # the loop for longer than one share (deliver_rows).
+        backlog, more = self.backlog, False
+        if not backlog:
+            got = self.outputs.poll()
+            backlog.extend(got)
+            more = len(got) >= self.outputs.budget
+        deliver_rows(self.requests, backlog, _ROWS_PER_TURN)
+        assert self.loop is not None
+        sock = self.sock
+        # zmq's FD is edge-triggered: it fires again only after EVENTS is read
+        # with nothing left; if messages slipped in meanwhile, go again.
+        if backlog or more or (sock is not None
+                               and cast(int, sock.getsockopt(_EVENTS)) & _POLLIN):
+            self.loop.call_soon(self.on_readable)
+
+    def on_rpc_readable(self) -> None:
+        # Outputs waiting now are delivered before the rpc replies: a reply the
+        # scheduler sent after a request's last tokens finds them delivered (a
+        # caller that waits for get_load to say idle, then reads its stream).
+        if self.reading:
+            self.on_readable()
+        self.rpc.read_replies()
+
+
+async def _watch(engine_ref: weakref.ref[AsyncEngine]) -> None:
+    """Fail every waiting request and rpc call of the engine promptly once its scheduler
+    is gone. Holds the engine only between two looks (its finalizer stops this task's
+    reason to run: it ends once the engine is closed or collected)."""
+    while True:
+        await asyncio.sleep(0.1)  # a liveness poll, not a wait for a condition
+        engine = engine_ref()
+        if engine is None or engine.closed:
+            return
+        if not engine._alive():
+            why = engine._gone or "the scheduler is gone"
+            engine._fail_all(SchedulerGone(why))
+            engine._rpc.fail_all(PeerGone(f"{engine._rpc.name} ({engine._rpc.endpoint})", why))
+        del engine
+
+
+def _run_embedded(engine_ref: weakref.ref[AsyncEngine], ingress: Ring[Request],
+                  egress: Ring[Output], rpc: str, model: Model, max_batch: int, limits: Limits,
+                  metrics: bool) -> None:
+    """The embedded (ring mode) scheduler's thread; a crash is told to the engine, if it
+    is still there, as why its scheduler is gone."""
+    try:
+        # Requests are validated at submit (_validated), so the ring need
+        # not check them again.
+        serve_ring(ingress, egress, rpc, model, max_batch=max_batch, limits=limits,
+                   validate=False, metrics=metrics)
+    except BaseException as exc:
+        engine = engine_ref()
+        if engine is not None:
+            engine._gone = f"the embedded scheduler crashed: {exc!r}"
+        log.exception("embedded scheduler crashed")
+
+
+#: The closes of engines collected unclosed, held until they end (a task only the loop
+#: holds may be collected before it ends).
+_abandoned_closes: set[asyncio.Task[None]] = set()
+
+
+def close_on(loop: asyncio.AbstractEventLoop, close: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``close()`` as a task on ``loop``, held until it ends, without waiting for it
+    (from any thread, the loop's own included: the collector may run a finalizer
+    anywhere). Returns False, having done nothing, when ``loop`` is closed."""
+    async def run() -> None:
+        await close()
+
+    def begin() -> None:
+        task = loop.create_task(run())
+        _abandoned_closes.add(task)
+        task.add_done_callback(_abandoned_closes.discard)
+
+    try:
+        loop.call_soon_threadsafe(begin)
+    except RuntimeError:  # the loop is closed
+        return False
+    return True
+
+
+def _close_abandoned(state: dict[str, object]) -> None:
+    """An engine collected without a close: close what it started (its scheduler thread
+    or processes, its channels, the loop's readers and its watchdog, its run
+    directory) as its :meth:`AsyncEngine.close` does, run by a stand-in that has its
+    ``state``; then warn (``ResourceWarning``, as asyncio does for an unclosed
+    transport). Never waits: the close runs as a task on the engine's loop, which
+    keeps serving (the blocking steps run off it), or, for an engine never started or
+    whose loop is closed, on a loop of its own in a daemon thread. Nothing in a forked
+    child (what the engine started is the parent's)."""
+    if _pid != state["_owner"]:
+        return
+    stand_in = AsyncEngine.__new__(AsyncEngine)
+    stand_in.__dict__.update(state)
+    loop = stand_in._loop
+    if loop is None or not close_on(loop, stand_in.close):
+        stand_in._reader.reading = False  # (the loop's readers went with the loop)
+        threading.Thread(target=asyncio.run, args=(stand_in.close(),), daemon=True,
+                         name="engine-close").start()
+    warnings.warn(f"an AsyncEngine ({stand_in.mode} mode, run directory {stand_in._dir}) was "
+                  f"collected without close(): its scheduler is stopped now (use 'async with "
+                  f"AsyncEngine(...)', or 'await engine.close()')", ResourceWarning,
+                  stacklevel=1)
 
 
 def deliver_rows(requests: dict[str, RequestState],

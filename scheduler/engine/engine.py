@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, Self, TypeVar, cast
@@ -302,9 +303,9 @@ os.register_at_fork(after_in_child=_abandoned_ends.clear)
 
 def _close_abandoned(core: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
     """An engine collected without a close: close its ``core`` on its ``loop``, then stop
-    the loop (its thread ends). Never waits: the collector may run this on any
-    thread, the loop's own included. Nothing in a forked child (the loop is the
-    parent's)."""
+    the loop (its thread ends), and warn (``ResourceWarning``, as for an unclosed
+    AsyncEngine). Never waits: the collector may run this on any thread, the loop's
+    own included. Nothing in a forked child (the loop is the parent's)."""
     if os.getpid() != core._owner:
         return
 
@@ -326,8 +327,13 @@ def _close_abandoned(core: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None
 
     try:
         loop.call_soon_threadsafe(begin)
-    except RuntimeError:  # (the loop is closed already)
+    except RuntimeError:  # (the loop is closed already: the loop thread ended it)
         _abandoned_ends.discard(ended)
+        return
+    warnings.warn(f"an Engine ({core.mode} mode, run directory {core._dir}) was collected "
+                  f"without close(): its scheduler is stopped now (use 'with "
+                  f"Engine(...)', or 'engine.close()')", ResourceWarning,
+                  stacklevel=1)
 
 
 @atexit.register

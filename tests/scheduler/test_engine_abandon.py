@@ -2,8 +2,8 @@
 (Ctrl-C) cancels the call, so a generate's request is aborted (without it: the request
 ran on, holding its slot, to its last token), and so is an interrupted stream's, its
 traceback kept (as an interactive session keeps it); an engine collected without a
-close is closed (without it: its loop thread and scheduler ran for the life of the
-process)."""
+close is closed, with a ResourceWarning (without it: its loop thread and scheduler ran
+for the life of the process)."""
 
 from __future__ import annotations
 
@@ -93,8 +93,9 @@ def test_an_engine_collected_unclosed_is_closed() -> None:
     core, thread = engine._core, engine._loop_thread
     assert len(engine.generate([1, 2], SamplingParams(max_new_tokens=2)).token_ids) == 2
     gone = weakref.ref(engine)
-    del engine
-    gc.collect()
+    with pytest.warns(ResourceWarning, match="an Engine .* without close"):
+        del engine
+        gc.collect()
     assert gone() is None, "the engine was not collected"
     thread.join(WAIT)
     assert not thread.is_alive(), "its loop thread still runs"
