@@ -39,6 +39,7 @@ import numpy as np
 from bus import SocketOptions
 from frontend.asgi import (
     JSON,
+    PIECE,
     TEXT,
     WATCH_AFTER_S,
     WHOLE,
@@ -301,8 +302,10 @@ class Frontend:
         assert isinstance(method, str) and isinstance(path, str)
         route = self._routes.get((method, path))
         extensions = scope.get("extensions")
+        if not isinstance(extensions, dict):
+            extensions = {}
         reply = Reply(send, request_id(scope), head=method == "HEAD",
-                      whole=extensions.get(WHOLE) if isinstance(extensions, dict) else None)
+                      whole=extensions.get(WHOLE), piece=extensions.get(PIECE))
         endpoint = route[0] if route is not None else "other"
         metrics = self.metrics
         if metrics is not None:

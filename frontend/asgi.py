@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 
 from frontend.errors import ApiError, clip
 
-__all__ = ["WATCH_AFTER_S", "WHOLE", "Conn", "Receive", "Reply", "Scope", "Send", "Whole",
-           "read_body", "request_id", "send_bytes"]
+__all__ = ["PIECE", "WATCH_AFTER_S", "WHOLE", "Conn", "Piece", "Receive", "Reply", "Scope",
+           "Send", "Whole", "read_body", "request_id", "send_bytes", "send_piece"]
 
 Scope = MutableMapping[str, object]
 Event = MutableMapping[str, object]
@@ -31,6 +31,12 @@ Whole = Callable[[int, Headers, bytes], Awaitable[None]]
 #: The scope extension under which a server offers a :data:`Whole`
 #: (``scope["extensions"][WHOLE]``; :mod:`frontend.serving` does).
 WHOLE = "tsb.http.response.whole"
+#: A server's way to send a piece of a chunked answer begun: ``await piece(body, more)``
+#: is one ``http.response.body`` (``more`` False: the last), written as one chunk with
+#: no ASGI message built (a stream sends one a step: the door's per-token path).
+Piece = Callable[[bytes, bool], Awaitable[None]]
+#: The scope extension under which a server offers a :data:`Piece`.
+PIECE = "tsb.http.response.piece"
 
 JSON = [(b"content-type", b"application/json")]
 TEXT = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
@@ -128,6 +134,15 @@ async def send_bytes(send: Send, status: int, body: bytes,
     await send({"type": "http.response.body", "body": body})
 
 
+async def send_piece(send: Send, body: bytes, more: bool) -> None:
+    """A piece of an answer begun (``more`` False: its last): through a :class:`Reply`,
+    at once (:meth:`Reply.piece`), else as one ASGI ``http.response.body``."""
+    if isinstance(send, Reply):
+        await send.piece(body, more)
+        return
+    await send({"type": "http.response.body", "body": body, "more_body": more})
+
+
 async def send_error(send: Send, error: ApiError) -> None:
     """``error`` in OpenAI's shape, with ``Retry-After`` and ``Allow`` when it has them.
 
@@ -177,17 +192,20 @@ class Reply:
 
     A whole answer goes through the server's :data:`Whole` where it offers one
     (``whole``, from the scope's :data:`WHOLE` extension): one write, no ASGI
-    messages built on either side.
+    messages built on either side; so does each piece of a stream, through its
+    :data:`Piece` (``piece``, from :data:`PIECE`).
     """
 
-    __slots__ = ("_head", "_rid", "_send", "_whole", "done", "events", "sent", "started")
+    __slots__ = ("_head", "_piece", "_rid", "_send", "_whole", "done", "events", "sent",
+                 "started")
 
     def __init__(self, send: Send, rid: bytes, *, head: bool = False,
-                 whole: Whole | None = None) -> None:
+                 whole: Whole | None = None, piece: Piece | None = None) -> None:
         self._send = send
         self._rid = (b"x-request-id", rid)
         self._head = head
         self._whole = whole
+        self._piece = None if head else piece  # (a HEAD answer's body goes unsent)
         self.started = self.events = self.done = self.sent = False
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
@@ -199,6 +217,19 @@ class Reply:
             return
         self.started = self.done = True  # (a whole answer is no stream of events)
         await whole(status, [*headers, self._rid], b"" if self._head else body)
+        self.sent = True
+
+    async def piece(self, body: bytes, more: bool) -> None:
+        """Send a piece of the answer begun (``more`` False: its last)."""
+        piece = self._piece
+        if piece is None:
+            await self({"type": "http.response.body", "body": body, "more_body": more})
+            return
+        if more:
+            await piece(body, True)
+            return
+        self.done = True
+        await piece(body, False)
         self.sent = True
 
     async def __call__(self, event: Event) -> None:

@@ -42,7 +42,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import cast
 
-from frontend.asgi import SSE, Send, send_bytes
+from frontend.asgi import SSE, Send, send_bytes, send_piece
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import bad_request, from_engine
@@ -339,8 +339,7 @@ class OpenAIServing:
                         self._first_token(state)
                         await send({"type": "http.response.start", "status": 200,
                                     "headers": SSE})
-                    await send({"type": "http.response.body", "body": b"".join(events),
-                                "more_body": finish is None})
+                    await send_piece(send, b"".join(events), finish is None)
                 if finish is not None:
                     break
         except EngineError as exc:

@@ -64,6 +64,8 @@ A whole answer (the app's :meth:`frontend.asgi.Reply.whole`) is sent by
 write, with none of the two ASGI messages built, copied and read back that
 uvicorn's ``send`` takes, nor its second write (each a system call that, on
 loopback, runs the reader's side of TCP too).
+Each piece of a stream (the events of a step) is sent by :func:`_send_piece`,
+offered as :data:`frontend.asgi.PIECE`: one chunk written, no ASGI message.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ import weakref
 from itertools import chain
 from typing import Any
 
-from frontend.asgi import WHOLE, Headers
+from frontend.asgi import PIECE, WHOLE, Headers
 from frontend.errors import ApiError, clip
 from frontend.turns import loop_turns
 
@@ -235,6 +237,36 @@ async def _send_whole(cycle_ref: weakref.ref[Any], status: int, headers: Headers
     cycle.response_complete = True
     cycle.message_event.set()
     if not keep_alive:
+        transport.close()
+    cycle.on_response()
+
+
+async def _send_piece(cycle_ref: weakref.ref[Any], body: bytes, more: bool) -> None:
+    """Send a piece of a chunked answer begun on uvicorn's (httptools) request ``cycle``
+    as one chunk (``more`` False: then the last chunk, and the cycle completed as
+    :func:`_send_whole` completes it), as its ``send`` would send one
+    ``http.response.body``: after a paused writer drains; nothing to a client gone.
+    An answer not chunked (HTTP/1.0's), not begun or complete goes through the
+    cycle's own ``send``, with its rules and errors."""
+    cycle = cycle_ref()
+    if cycle is None:  # (its request is over)
+        return
+    if not cycle.chunked_encoding or not cycle.response_started or cycle.response_complete:
+        await cycle.send({"type": "http.response.body", "body": body, "more_body": more})
+        return
+    if cycle.flow.write_paused and not cycle.disconnected:
+        await cycle.flow.drain()
+    if cycle.disconnected:
+        return
+    transport = cycle.transport
+    if more:
+        if body:
+            transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return
+    transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body) if body else b"0\r\n\r\n")
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
         transport.close()
     cycle.on_response()
 
@@ -502,7 +534,9 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             if cycle.scope.get("http_version") == "1.0":
                 _close_delimited(cycle)
             extensions = self.scope.setdefault("extensions", {})  # (uvicorn's kept)
-            extensions[WHOLE] = functools.partial(_send_whole, weakref.ref(cycle))
+            ref = weakref.ref(cycle)
+            extensions[WHOLE] = functools.partial(_send_whole, ref)
+            extensions[PIECE] = functools.partial(_send_piece, ref)
 
         def on_body(self, body: bytes) -> None:
             self._body += len(body)  # (the connection's, all requests')

@@ -34,11 +34,11 @@ H11_NAMES = ["handle_events", "conn"]
 CYCLE_NAMES = ["send", "scope", "response_started", "response_complete", "disconnected",
                "message_event", "keep_alive", "more_body"]
 #: ... and on httptools' cycle alone (an HTTP/1.0 answer's framing: h11 frames it itself;
-#: a whole answer's one write, ``_send_whole``).
+#: a whole answer's one write, ``_send_whole``; a stream's pieces, ``_send_piece``).
 HTTPTOOLS_CYCLE_NAMES = ["chunked_encoding", "expected_content_length", "flow",
                          "default_headers", "waiting_for_100_continue", "on_response",
                          "transport"]
-#: What frontend/serving.py's ``_send_whole`` uses on uvicorn's flow control.
+#: What frontend/serving.py's ``_send_whole`` and ``_send_piece`` use on uvicorn's flow control.
 FLOW_NAMES = ["write_paused", "drain"]
 #: What frontend/listening.py and frontend/running.py use on uvicorn.Server.
 SERVER_NAMES = ["startup", "shutdown", "serve", "handle_exit", "config", "started",
