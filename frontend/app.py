@@ -73,7 +73,7 @@ from frontend.schemas import (
     encode,
 )
 from frontend.tokenizer import Tokenizer
-from frontend.turns import loop_turns
+from frontend.turns import Turns, loop_turns
 from messages import BusError
 from scheduler import (
     AsyncEngine,
@@ -195,6 +195,8 @@ class Frontend:
         self.max_model_len: int | None = None
         self._gen: OpenAIServing | None = None
         self._gone = False
+        #: The serving loop's turns, once started (a lookup per request is a getpid).
+        self._turns: Turns | None = None
         self._lag: asyncio.Task[None] | None = None
         self._started = int(time.time())
         self._routes: dict[tuple[str, str], tuple[str, Handler]] = {
@@ -258,6 +260,7 @@ class Frontend:
                                         guided=isinstance(s.model, HFModelSpec))
         self._gen = OpenAIServing(engine, translator, self.template, self.metrics,
                                   default_max_tokens=s.default_max_tokens)
+        self._turns = self._gen.turns
         if self.metrics is not None:
             self._lag = asyncio.get_running_loop().create_task(self.metrics.probe_loop_lag())
         # What start-up built (torch, the tokenizer, the engine) leaves the garbage
@@ -321,7 +324,7 @@ class Frontend:
                 # A request's work takes its turn before any of it runs: 256
                 # requests arriving at once held the loop 20-30 ms between
                 # their bodies and their tokenizing (frontend.turns).
-                await loop_turns().take()
+                await (self._turns or loop_turns()).take()
             status = await route[1](scope, receive, reply, t0)
         except ApiError as exc:
             status = exc.status

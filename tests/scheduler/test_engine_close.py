@@ -188,6 +188,28 @@ def test_an_async_engine_refuses_another_loop_at_once_naming_both() -> None:
         loop_a.close()
 
 
+def test_an_async_engine_refuses_a_later_loop_on_its_own_thread() -> None:
+    """The engine's loop stopped, another loop runs on the same thread: a call from it
+    is refused as one from any other loop (the thread alone does not say which loop)."""
+    loop_a = asyncio.new_event_loop()
+    engine = AsyncEngine("ring", SMALL)
+    try:
+        loop_a.run_until_complete(engine.start())
+
+        async def from_loop_b() -> object:
+            return await asyncio.wait_for(
+                engine.generate([1, 2], SamplingParams(max_new_tokens=2)), WAIT)
+
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError,
+                           match=r"started on event loop <.*called from event loop <"):
+            asyncio.run(from_loop_b())
+        assert time.monotonic() - t0 < WAIT / 2
+    finally:
+        loop_a.run_until_complete(engine.close())
+        loop_a.close()
+
+
 def test_timeouts_generate_aborts_and_a_handles_result_keeps_the_request() -> None:
     with Engine("ring", SMALL, max_batch=4) as engine:
         with pytest.raises(TimeoutError):
