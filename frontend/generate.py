@@ -293,7 +293,7 @@ class OpenAIServing:
         steps = cast(AsyncGenerator[list[StreamChunk], None],
                      self.engine.stream_steps(state.prompt_ids, state.sampling,
                                               return_logprob=state.logprobs))
-        detok, response, send = state.detok, state.response, state.send
+        detok, response, send, turns = state.detok, state.response, state.send, self.turns
         started = False
         got: list[StreamChunk] = []  # the chunks of an answer sent whole (not streamed)
         pieces: list[str] = []  # ... their text
@@ -304,11 +304,12 @@ class OpenAIServing:
             # (The first step comes before anything is sent: a refusal is an HTTP error.)
             async for chunks in steps:
                 state.echo_prompt(chunks[0].prompt_logprobs, chunks[0].prompt_top_logprobs)
-                await self.turns.take()
+                if not turns.ready():
+                    await turns.wait()
                 events: list[bytes] = []
                 for n, chunk in enumerate(chunks, 1):
                     if not n % _CHUNKS_A_TURN:  # a long backlog: another turn for the rest
-                        await self.turns.take()
+                        await turns.take()
                     text, offsets = _push(state, chunk.token_ids)
                     finish = "stop" if detok.stopped else chunk.finish_reason
                     if chunk.cached_tokens is not None:

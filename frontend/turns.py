@@ -68,6 +68,16 @@ class Turns:
         """Return when this task may do its next unit of work (at once, mostly)."""
         if self._now():
             return
+        await self.wait()
+
+    def ready(self) -> bool:
+        """Whether this task may do its next unit of work now (it is then taken); else
+        ``await`` :meth:`wait`. :meth:`take` without a coroutine made each time: a
+        stream takes a turn every step."""
+        return self._now()
+
+    async def wait(self) -> None:
+        """Wait for this task's turn, in line (only after :meth:`ready` said no)."""
         loop = self._loop
         assert loop is not None
         turn = loop.create_future()

@@ -194,7 +194,7 @@ class RequestState:
     def take(self, one: bool = False) -> list[Item]:
         """The outputs waiting now (``one``: the oldest alone), oldest first; empty if none."""
         items = self.items
-        if one and len(items) > 1:
+        if len(items) == 1 or (one and items):  # (a stream's usual step: one)
             item = items.popleft()
             return [item.chunk(self.rid) if isinstance(item, _Merged) else item]
         out = [i.chunk(self.rid) if isinstance(i, _Merged) else i for i in items]
