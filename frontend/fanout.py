@@ -197,6 +197,7 @@ async def _answer_several_streamed(req: CompletionRequest | ChatCompletionReques
         state.send = forward
         state.response = first.for_choice(i)
         state.include_usage = False  # the summed usage goes last, once
+        state.part = True  # an error ends the whole stream, once
     tasks = [asyncio.ensure_future(answer(state)) for state in states]
     try:
         await asyncio.gather(*tasks)

@@ -344,7 +344,7 @@ class OpenAIServing:
                 if finish is not None:
                     break
         except EngineError as exc:
-            if not started:
+            if not started or state.part:
                 raise
             error = from_engine(exc)
             await send({"type": "http.response.body", "body": b"data: " + sse_safe(error.body())

@@ -473,6 +473,42 @@ def test_several_prompts_abort_together(tmp_path: Path) -> None:
         s.stop()
 
 
+def test_several_answers_streamed_end_with_one_error_event(tmp_path: Path) -> None:
+    """The scheduler shuts down under a stream of two answers (``n: 2``), both begun:
+    the stream ends with one error event and one [DONE] (without it: one error event
+    per answer, each naming no choice)."""
+    tok = ByteTokenizer()
+    s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
+                        max_batch=2, metrics=False, rpc_endpoint=f"ipc://{tmp_path}/rpc"), tok)
+    rpc = RpcClient(f"ipc://{tmp_path}/rpc")
+    endless = {"model": "tiny", "prompt": "a", "max_tokens": 1_000_000, "temperature": 1.0,
+               "ignore_eos": True, "n": 2, "stream": True}
+
+    def running() -> object:
+        result = rpc.call("get_load", timeout=10.0).result
+        assert result is not None
+        return result["running"]
+
+    try:
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=endless, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen: set[int] = set()
+            while seen != {0, 1}:  # both answers' events have begun
+                line = next(lines)
+                if line.startswith("data: {"):
+                    seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+            eventually(lambda: running() == 2, 30.0, "both answers to run")
+            assert rpc.call("shutdown", timeout=10.0).success
+            rest = [line for line in lines if line]
+        errors = [line for line in rest if '"error"' in line]
+        assert len(errors) == 1 and "shutdown" in errors[0], rest[-5:]
+        assert rest[-1] == "data: [DONE]" and rest.count("data: [DONE]") == 1, rest[-5:]
+    finally:
+        rpc.close()
+        s.stop()
+
+
 def test_answer_ids_carry_the_server_s_run() -> None:
     # Without this: ids restarted at cmpl-0 with each start, and repeated across replicas.
     tok = ByteTokenizer()
