@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 
-from frontend.asgi import Event, Send, send_bytes
+from frontend.asgi import Event, Send, send_bytes, send_piece
 from frontend.errors import ApiError, bad_request
 from frontend.request_state import RequestState
 from frontend.responses import DONE
@@ -189,7 +189,7 @@ async def _answer_several_streamed(req: CompletionRequest | ChatCompletionReques
         if body.endswith(DONE):  # one [DONE], after every answer
             body = body[:-len(DONE)]
         if body:
-            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send_piece(send, body, True)
 
     # Each answer its choice index, under the first one's answer id.
     first = states[0].response
@@ -205,8 +205,7 @@ async def _answer_several_streamed(req: CompletionRequest | ChatCompletionReques
         if not started:
             raise
         await _cancel_all(tasks)  # (none of theirs may follow the last message)
-        await send({"type": "http.response.body", "more_body": False,
-                    "body": b"data: " + sse_safe(exc.body()) + b"\n\n" + DONE})
+        await send_piece(send, b"data: " + sse_safe(exc.body()) + b"\n\n" + DONE, False)
         return 200
     finally:
         await _cancel_all(tasks)
@@ -224,7 +223,7 @@ async def _answer_several_streamed(req: CompletionRequest | ChatCompletionReques
             answer_tokens += u.completion_tokens
         tail.insert(0, states[0].response.usage_event(Usage(
             prompt, answer_tokens, prompt + answer_tokens, PromptTokensDetails(cached))))
-    await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
+    await send_piece(send, b"".join(tail), False)
     return 200
 
 

@@ -347,8 +347,7 @@ class OpenAIServing:
             if not started or state.part:
                 raise
             error = from_engine(exc)
-            await send({"type": "http.response.body", "body": b"data: " + sse_safe(error.body())
-                        + b"\n\n" + DONE})
+            await send_piece(send, b"data: " + sse_safe(error.body()) + b"\n\n" + DONE, False)
             return 200
         finally:
             await steps.aclose()  # not finished (a stop string, a client gone): abort
