@@ -52,7 +52,7 @@ from frontend.asgi import (
     read_body,
     request_id,
     send_bytes,
-    send_error,
+    send_failure,
 )
 from frontend.chat import ChatTemplate
 from frontend.errors import ApiError, bad_request, clip, from_engine
@@ -328,7 +328,7 @@ class Frontend:
             status = await route[1](scope, receive, reply, t0)
         except ApiError as exc:
             status = exc.status
-            await send_error(reply, exc)
+            await send_failure(reply, exc)
         except asyncio.CancelledError:
             # Only the server's shutdown cancels here (a generation's own cancellation
             # is _guarded's): an answer in OpenAI's shape, not uvicorn's 500 and a
@@ -339,20 +339,20 @@ class Frontend:
             status = 503
             with contextlib.suppress(Exception):  # (bounded: a client not reading)
                 async with asyncio.timeout(CUT_SHORT_S):
-                    await send_error(reply, ApiError(503, "the server is shutting down",
-                                                    type="server_error", code="shutting_down"))
+                    await send_failure(reply, ApiError(503, "the server is shutting down",
+                                                      type="server_error", code="shutting_down"))
         except Disconnected:
             status = 499  # nginx's "client closed request": nothing was sent
         except EngineError as exc:  # raised outside a generation's own conversion
             error = from_engine(exc)
             status = error.status
-            await send_error(reply, error)
+            await send_failure(reply, error)
         except Exception:  # a bug: logged, and a 500 in OpenAI's shape, not uvicorn's text
             log.exception("%s %s failed", method, path)
             status = 500
-            with contextlib.suppress(Exception):  # (begun: uvicorn closes it unfinished)
-                await send_error(reply, ApiError(500, "internal error (see the server's log)",
-                                                type="server_error", code="internal"))
+            with contextlib.suppress(Exception):  # (a client gone, a whole answer begun)
+                await send_failure(reply, ApiError(500, "internal error (see the server's "
+                                                   "log)", type="server_error", code="internal"))
         finally:
             if metrics is not None:
                 metrics.in_flight -= 1
@@ -387,7 +387,7 @@ class Frontend:
                              code="shutting_down")
             try:  # bounded: a client that is not reading must not hold the shutdown
                 async with asyncio.timeout(CUT_SHORT_S):
-                    begun = await conn.cut_short(error.body())
+                    begun = await reply.fail(error)
             except (TimeoutError, asyncio.CancelledError):  # (cancelled again: teardown)
                 if task is not None and task.cancelling():
                     task.uncancel()

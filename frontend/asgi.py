@@ -15,9 +15,10 @@ import secrets
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 
 from frontend.errors import ApiError, clip
+from frontend.schemas import sse_safe
 
 __all__ = ["PIECE", "WATCH_AFTER_S", "WHOLE", "Conn", "Piece", "Receive", "Reply", "Scope",
-           "Send", "Whole", "read_body", "request_id", "send_bytes", "send_piece"]
+           "Send", "Whole", "read_body", "request_id", "send_bytes", "send_failure", "send_piece"]
 
 Scope = MutableMapping[str, object]
 Event = MutableMapping[str, object]
@@ -158,6 +159,13 @@ async def send_error(send: Send, error: ApiError) -> None:
     await send_bytes(send, error.status, error.body(), headers)
 
 
+async def send_failure(reply: Reply, error: ApiError) -> None:
+    """``error`` as the answer (:func:`send_error`), or as the end of the answer that
+    has begun (:meth:`Reply.fail`: a stream's last event)."""
+    if not await reply.fail(error):
+        await send_error(reply, error)
+
+
 #: ``x-request-id`` values echoed: printable ASCII, no space at either end, bounded.
 MAX_REQUEST_ID = 256
 _REQUEST_ID = re.compile(rb"[!-~](?:[ -~]*[!-~])?")
@@ -231,6 +239,17 @@ class Reply:
         self.done = True
         await piece(body, False)
         self.sent = True
+
+    async def fail(self, error: ApiError) -> bool:
+        """End the answer with ``error`` where one has begun: a stream of events gets it
+        as its last event, then ``[DONE]`` (not cut mid-answer). Returns whether an
+        answer had begun; if not, nothing was sent (answer with :func:`send_error`)."""
+        if not self.started:
+            return False
+        if self.events and not self.done:
+            await self.piece(b"data: " + sse_safe(error.body()) + b"\n\ndata: [DONE]\n\n",
+                             False)
+        return True
 
     async def __call__(self, event: Event) -> None:
         if event["type"] == "http.response.start":
@@ -311,18 +330,6 @@ class Conn:
         if event["type"] == "http.disconnect" and not (self._reply.done or self._closed):
             self.gone = True
             self._task.cancel()
-
-    async def cut_short(self, error: bytes) -> bool:
-        """The answer was cancelled from outside (the server shutting down): end a
-        stream of events with ``error`` (an event's data) and ``[DONE]`` rather than
-        cut it. Returns whether an answer had begun (else the caller answers)."""
-        reply = self._reply
-        if not reply.started:
-            return False
-        if reply.events and not reply.done:
-            await reply({"type": "http.response.body",
-                         "body": b"data: " + error + b"\n\ndata: [DONE]\n\n"})
-        return True
 
     def close(self) -> None:
         """The answer is sent (or abandoned): stop watching. After a sent answer the

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import msgspec
 
 from frontend.asgi import Event, Send, send_bytes, send_piece
-from frontend.errors import ApiError, bad_request
+from frontend.errors import bad_request
 from frontend.request_state import RequestState
 from frontend.responses import DONE
 from frontend.schemas import (
@@ -36,7 +36,6 @@ from frontend.schemas import (
     PromptTokensDetails,
     Usage,
     encode,
-    sse_safe,
 )
 
 __all__ = ["MAX_ANSWERS", "MAX_PROMPTS", "answer_several", "answers_per_prompt",
@@ -167,11 +166,12 @@ async def _answer_several_streamed(req: CompletionRequest | ChatCompletionReques
     """Stream several answers as one: each one's events carry its choice ``index``
     and the one answer id, interleaved as they come; one ``[DONE]`` ends them all,
     after the summed usage (``include_usage``). The response starts with the first
-    answer's first event: a refusal of any before that is an HTTP error, after it an
-    error event (the others are aborted either way).
+    answer's first event. The first error of any aborts the others and is raised:
+    before that first event the app answers with it, after it the app ends the
+    stream with it as one error event (:func:`frontend.asgi.send_failure`).
 
     Raises:
-        ApiError: before anything was sent.
+        ApiError: one answer's refusal or error.
     """
     started = False
 
@@ -197,17 +197,10 @@ async def _answer_several_streamed(req: CompletionRequest | ChatCompletionReques
         state.send = forward
         state.response = first.for_choice(i)
         state.include_usage = False  # the summed usage goes last, once
-        state.part = True  # an error ends the whole stream, once
     tasks = [asyncio.ensure_future(answer(state)) for state in states]
     try:
         await asyncio.gather(*tasks)
-    except ApiError as exc:
-        if not started:
-            raise
-        await _cancel_all(tasks)  # (none of theirs may follow the last message)
-        await send_piece(send, b"data: " + sse_safe(exc.body()) + b"\n\n" + DONE, False)
-        return 200
-    finally:
+    finally:  # one failed: the others end before its error ends the stream (the app's)
         await _cancel_all(tasks)
     tail = [DONE]
     opts = req.stream_options

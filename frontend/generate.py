@@ -55,7 +55,6 @@ from frontend.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     check_supported,
-    sse_safe,
 )
 from frontend.tools import ToolPlan
 from frontend.turns import loop_turns
@@ -168,7 +167,8 @@ class OpenAIServing:
         the prompts' order); returns the HTTP status sent.
 
         Raises:
-            ApiError: before anything was sent (400, 503, ...).
+            ApiError: a refusal (400, 503, ...); once a stream has begun, the engine's
+                error, which the app sends as the stream's last event.
         """
         check_supported(req)
         guide = await self.translator.guide(req)
@@ -190,7 +190,8 @@ class OpenAIServing:
         """Answer a chat completion; returns the HTTP status sent.
 
         Raises:
-            ApiError: before anything was sent (400, 503, ...).
+            ApiError: a refusal (400, 503, ...); once a stream has begun, the engine's
+                error, which the app sends as the stream's last event.
         """
         check_supported(req)
         asked = req.max_new_tokens()
@@ -254,8 +255,9 @@ class OpenAIServing:
         sent.
 
         Raises:
-            ApiError: the engine's refusal (:func:`frontend.errors.from_engine`), before
-                anything was sent.
+            ApiError: the engine's refusal or error (:func:`frontend.errors.from_engine`),
+                before or after a stream began (the app ends a begun one with it:
+                :func:`frontend.asgi.send_failure`).
         """
         try:
             if not state.stream and not state.has_stops:
@@ -343,12 +345,6 @@ class OpenAIServing:
                     await send_piece(send, b"".join(events), finish is None)
                 if finish is not None:
                     break
-        except EngineError as exc:
-            if not started or state.part:
-                raise
-            error = from_engine(exc)
-            await send_piece(send, b"data: " + sse_safe(error.body()) + b"\n\n" + DONE, False)
-            return 200
         finally:
             await steps.aclose()  # not finished (a stop string, a client gone): abort
         if not state.stream:

@@ -47,9 +47,6 @@ class RequestState:
         cached_tokens: how many of the prompt's tokens the prefix cache held (known
             once the request finishes).
         echo: a completion's ``echo``, until the prompt is in the answer.
-        part: one of several answers streamed as one (``n``, several prompts): an
-            engine error after its first event is raised, for the whole stream to
-            end with one error event (:mod:`frontend.fanout`), not one per answer.
     """
 
     endpoint: str
@@ -70,7 +67,6 @@ class RequestState:
     #: ``echo`` (completions): the answer begins with the prompt (its logprobs too, when
     #: ``logprobs`` is given: ``sampling.prompt_logprobs`` asks the scheduler for them).
     echo: bool = False
-    part: bool = False
 
     def echo_prompt(self, lps: Sequence[float] | None, tops: Tops | None) -> None:
         """Have the answer begin with the prompt, once its logprobs (if asked) are in."""

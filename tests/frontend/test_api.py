@@ -473,16 +473,18 @@ def test_several_prompts_abort_together(tmp_path: Path) -> None:
         s.stop()
 
 
-def test_several_answers_streamed_end_with_one_error_event(tmp_path: Path) -> None:
-    """The scheduler shuts down under a stream of two answers (``n: 2``), both begun:
-    the stream ends with one error event and one [DONE] (without it: one error event
-    per answer, each naming no choice)."""
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stream_whose_scheduler_stops_ends_with_one_error_event(tmp_path: Path,
+                                                                  n: int) -> None:
+    """The scheduler shuts down under a stream of ``n`` answers, all begun: the stream
+    ends with one error event and one [DONE] (without it, for ``n: 2``: one error
+    event per answer, each naming no choice)."""
     tok = ByteTokenizer()
     s = Server(Settings(model=ModelConfig(vocab_size=tok.vocab_size, kind="stub"),
                         max_batch=2, metrics=False, rpc_endpoint=f"ipc://{tmp_path}/rpc"), tok)
     rpc = RpcClient(f"ipc://{tmp_path}/rpc")
     endless = {"model": "tiny", "prompt": "a", "max_tokens": 1_000_000, "temperature": 1.0,
-               "ignore_eos": True, "n": 2, "stream": True}
+               "ignore_eos": True, "n": n, "stream": True}
 
     def running() -> object:
         result = rpc.call("get_load", timeout=10.0).result
@@ -494,11 +496,11 @@ def test_several_answers_streamed_end_with_one_error_event(tmp_path: Path) -> No
             assert r.status_code == 200
             lines = r.iter_lines()
             seen: set[int] = set()
-            while seen != {0, 1}:  # both answers' events have begun
+            while seen != set(range(n)):  # every answer's events have begun
                 line = next(lines)
                 if line.startswith("data: {"):
                     seen.update(c["index"] for c in json.loads(line[6:])["choices"])
-            eventually(lambda: running() == 2, 30.0, "both answers to run")
+            eventually(lambda: running() == n, 30.0, "every answer to run")
             assert rpc.call("shutdown", timeout=10.0).success
             rest = [line for line in lines if line]
         errors = [line for line in rest if '"error"' in line]
