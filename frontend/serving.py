@@ -228,16 +228,21 @@ async def _send_whole(cycle_ref: weakref.ref[Any], status: int, headers: Headers
         out += (name, b": ", value, b"\r\n")
     if cycle.more_body:  # (its body is not read whole: the connection closes after this)
         cycle.keep_alive = False
-    keep_alive = cycle.keep_alive
-    out.append(b"\r\n" if keep_alive else b"connection: close\r\n\r\n")
+    out.append(b"\r\n" if cycle.keep_alive else b"connection: close\r\n\r\n")
     if cycle.scope["method"] != "HEAD":
         out.append(body)
-    transport = cycle.transport
-    transport.write(b"".join(out))
+    cycle.transport.write(b"".join(out))
+    _complete(cycle)
+
+
+def _complete(cycle: Any) -> None:
+    """Complete uvicorn's (httptools) request ``cycle`` whose answer's last bytes are
+    written, as its ``send`` does: its ``receive`` tells ``http.disconnect``, the
+    connection closes where it is not kept alive, else its next request begins."""
     cycle.response_complete = True
     cycle.message_event.set()
-    if not keep_alive:
-        transport.close()
+    if not cycle.keep_alive:
+        cycle.transport.close()
     cycle.on_response()
 
 
@@ -264,11 +269,7 @@ async def _send_piece(cycle_ref: weakref.ref[Any], body: bytes, more: bool) -> N
             transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return
     transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body) if body else b"0\r\n\r\n")
-    cycle.response_complete = True
-    cycle.message_event.set()
-    if not cycle.keep_alive:
-        transport.close()
-    cycle.on_response()
+    _complete(cycle)
 
 
 def _tell_gone(cycle: Any) -> None:
