@@ -2,7 +2,11 @@
 together (``frontend.serving``'s whole-answer path), where uvicorn's ``send`` wrote
 them in two (each write a system call that, on loopback, runs the reader's side of
 TCP too). Its bytes are what uvicorn would have sent: the default headers, the
-request id, ``connection: close`` when asked, no body to HEAD."""
+request id, ``connection: close`` when asked, no body to HEAD.
+
+A stream's pieces take their own path (``frontend.serving._send_piece``): one chunk
+written per piece, no ASGI message built or read back on either side. Its bytes are
+uvicorn's, so only a count of the calls tells that the path is taken."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import frontend.serving
 from frontend import ByteTokenizer, Settings
 from scheduler import ModelConfig
 from tests.conftest import eventually
@@ -117,3 +122,29 @@ def test_pipelined_whole_answers_are_one_write_each_in_order(server: Server) -> 
         got = read_until_closed(client)
     assert got.count(b"HTTP/1.1 200 OK") == 3, got
     assert len(record.writes) == 3 and b"".join(record.writes) == got, record.writes
+
+
+def test_each_piece_of_a_stream_is_one_write_through_the_piece_path(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    taken: list[bool] = []  # each piece's ``more``, as the piece path was given it
+    real = frontend.serving._send_piece
+
+    async def counted(cycle_ref: object, body: bytes, more: bool) -> None:
+        taken.append(more)
+        await real(cycle_ref, body, more)  # type: ignore[arg-type]
+
+    # (looked up as each request's scope is made: this server's next request takes it)
+    monkeypatch.setattr(frontend.serving, "_send_piece", counted)
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        record = recorded(server, client)
+        client.sendall(raw_post("/v1/completions", {"model": "tiny", "prompt": "hi",
+                                                    "max_tokens": 4, "stream": True},
+                                close=True))
+        got = read_until_closed(client)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower(), got
+    assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), got
+    assert taken and taken[-1] is False and all(taken[:-1]), taken
+    # The head is one write; each piece is one more (the last with the chunked end).
+    assert len(record.writes) == 1 + len(taken), record.writes
+    assert b"".join(record.writes) == got, record.writes
