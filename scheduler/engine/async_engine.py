@@ -1,8 +1,10 @@
 """``AsyncEngine``: the engine client, on one asyncio event loop.
 
 It starts the scheduler in one of two modes (a thread of this process, or
-processes reached over ipc endpoints in a private run directory), watches
-that it lives, and stops it at close. Every request takes one path.
+processes reached over ipc endpoints in a private run directory:
+:class:`~scheduler.launch.started.StartedScheduler`, which also says whether
+it still serves and stops it), fails what waits once it is gone, and stops
+it at close. Every request takes one path.
 :meth:`AsyncEngine._start` validates it, records its
 :class:`~scheduler.engine.handles.RequestState` under its rid and queues
 it; the requests queued in one turn of the loop leave at its end
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -50,7 +53,6 @@ from collections.abc import (
     Sequence,
 )
 from itertools import count, pairwise, repeat
-from multiprocessing.process import BaseProcess
 from typing import Literal, Self, TypeVar, cast
 
 import numpy as np
@@ -71,7 +73,6 @@ from bus import (
     RpcClient,
     RpcTimeout,
     SocketOptions,
-    sweep_shm,
 )
 from bus.channels import Inbox
 from messages import (
@@ -117,13 +118,11 @@ from scheduler.errors import (
 )
 from scheduler.handshake import HELLO_METHOD, hello_answer, hello_params
 from scheduler.launch.leftovers import make_run_dir, remove_run_dir
-from scheduler.launch.processes import SchedulerProcesses, load_failure, start_processes
-from scheduler.launch.tp import check_tp_room
-from scheduler.launch.wiring import Endpoints, serve_ring
+from scheduler.launch.started import StartedScheduler, checked_layout
+from scheduler.launch.wiring import Endpoints
 from scheduler.models.loading import (
     HFModelSpec,
     ModelArg,
-    ModelLoadError,
     ModelSpec,
     check_model_loads,
     load_model,
@@ -148,10 +147,6 @@ SEND_TIMEOUT = SocketOptions().send_timeout_ms / 1000
 #: close(None) and close(inf): as long as it takes (11 days: a bound every join and
 #: wait takes, poll(2)'s milliseconds included).
 _FOREVER = 1e6
-#: The shutdown rpc's least wait, so that it is sent even by close(0).
-_SEND_AT_LEAST = 0.1
-#: Seconds a data-parallel replica gets to exit after its dispatcher did.
-_REPLICA_GRACE = 2.0
 
 #: Sends between two opportunistic reads of the outputs (see ``AsyncEngine._send_nowait``).
 _READ_EVERY = 32
@@ -308,28 +303,7 @@ class AsyncEngine:
                  dp_size: int = 1, dp_policy: Policy = "least_loaded",
                  limits: Limits | None = None, metrics: bool = True,
                  pd: tuple[int, int] | None = None) -> None:
-        if mode not in ("ring", "zmq"):
-            raise ValueError(f"mode must be 'ring' or 'zmq', not {mode!r}")
-        if pd is not None:  # prefill and decode apart: P + D replicas behind a dispatcher
-            if not (isinstance(pd, tuple) and len(pd) == 2
-                    and all(type(n) is int and n >= 1 for n in pd)):
-                raise ValueError(f"pd must be a pair of ints (P, D), each at least 1, "
-                                 f"not {pd!r}")
-            if dp_size not in (1, sum(pd)):
-                raise ValueError(f"pd={pd!r} makes {sum(pd)} replicas: dp_size={dp_size} "
-                                 f"says otherwise (leave it out)")
-            if mode != "zmq":
-                raise ValueError(f"pd={pd!r} needs mode='zmq' (each replica is a process)")
-            dp_size = sum(pd)
-        if max_batch < 1:  # here, not in a scheduler process that would die at start
-            raise ValueError(f"max_batch must be at least 1, not {max_batch}")
-        for name, size, each in (("tp_size", tp_size, "rank"), ("dp_size", dp_size, "replica")):
-            if size < 1:
-                raise ValueError(f"{name} must be at least 1, not {size}")
-            if size > 1 and mode != "zmq":
-                raise ValueError(f"{name} > 1 needs mode='zmq' (each {each} is a process)")
-        if tp_size > 1:
-            check_tp_room()  # a clear error now, rather than a rank that fails to start
+        dp_size = checked_layout(mode, max_batch, tp_size, dp_size, pd)
         self.model = model_spec(model)
         if mode == "zmq":  # that it would load, before a process starts that could not
             check_model_loads(self.model)
@@ -358,11 +332,6 @@ class AsyncEngine:
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_seq = count()
         self._closed = False
-        self._gone: str | None = None
-        self._load_error: ModelLoadError | None = None  # why a scheduler process did not start
-        self._thread: threading.Thread | None = None
-        self._procs: list[BaseProcess] = []  # those whose death ends the engine
-        self._started = SchedulerProcesses()
         self._ingress: Ring[Request] | None = None
         self._egress: Ring[Output] | None = None
         self._work_out: PushOutbox[Request] | None = None
@@ -370,24 +339,18 @@ class AsyncEngine:
         if mode == "ring":
             self._ingress = Ring(1 << 16, name="work")
             self._egress = Ring(1 << 16, name="out")
-            ingress, egress = self._ingress, self._egress
-            # The thread holds the engine weakly (else an engine dropped unclosed
-            # could never be collected, nor its finalizer stop the thread).
             assert self._loaded is not None
-            self._thread = threading.Thread(
-                target=_run_embedded, name="scheduler", daemon=True,
-                args=(weakref.ref(self), ingress, egress, self.endpoints.rpc, self._loaded,
-                      max_batch, self.limits, metrics))
-            self._thread.start()
-            out_inbox = RingInbox(egress, name="out")
+            self._scheduler = StartedScheduler.embedded(
+                self._ingress, self._egress, self.endpoints.rpc, self._loaded,
+                max_batch=max_batch, limits=self.limits, metrics=metrics)
+            out_inbox = RingInbox(self._egress, name="out")
         else:
             out_inbox = PullInbox(OUT.outbound_codec(), self.endpoints.out, name="out")
             self._work_out = PushOutbox(WORK.inbound_codec(), self.endpoints.work, name="work")
-            self._started = start_processes(self.endpoints, self._dir, self.model,
-                                            max_batch=max_batch, tp_size=tp_size,
-                                            dp_size=dp_size, limits=self.limits,
-                                            metrics=metrics, dp_policy=dp_policy, pd=pd)
-            self._procs = self._started.essential
+            self._scheduler = StartedScheduler.spawned(
+                self.endpoints, self._dir, self.model, max_batch=max_batch, tp_size=tp_size,
+                dp_size=dp_size, limits=self.limits, metrics=metrics, dp_policy=dp_policy,
+                pd=pd)
         self._out_inbox = out_inbox
         self._rpc = RpcClient(self.endpoints.rpc, name="rpc")
         self._start_timeout = start_timeout
@@ -412,8 +375,9 @@ class AsyncEngine:
         self._unseen_log = LogSummary(log, "requests failed with nobody awaiting them")
         # An engine dropped without a close (an exception path, a notebook cell run
         # again) is collected, as nothing it started holds it (the loop holds its
-        # _Reader; its scheduler thread and watchdog hold it weakly): this closes what
-        # it started then. It holds the engine's state, not the engine. Not at exit
+        # _Reader, its watchdog holds it weakly, its scheduler thread not at all):
+        # this closes what it started then. It holds the engine's state, not the
+        # engine. Not at exit
         # (the scheduler thread is a daemon, a scheduler process watches its parent,
         # _remove_dir removes the run directory), nothing in a forked child.
         self._abandoned = weakref.finalize(self, _close_abandoned, self.__dict__)
@@ -472,16 +436,15 @@ class AsyncEngine:
         """
         self._check_process()
         if self._closed:
-            return self._gone or "the engine is closed"
-        self._alive()
-        return self._gone
+            return self._scheduler.gone or "the engine is closed"
+        self._scheduler.alive()
+        return self._scheduler.gone
 
     @property
     def replica_pids(self) -> list[tuple[int, ...]]:
         """The process ids of each data-parallel replica (every tp rank), when
         ``dp_size > 1``: what a test or an operator kills to see a replica lost."""
-        return [tuple(p.pid for p in ranks if p.pid is not None)
-                for ranks in self._started.replicas]
+        return self._scheduler.replica_pids
 
     # -- requests -------------------------------------------------------------
 
@@ -633,8 +596,8 @@ class AsyncEngine:
         self._check_loop()
         if self._closed:
             raise EngineClosed("the engine is closed")
-        if self._gone is not None:
-            raise SchedulerGone(self._gone)
+        if self._scheduler.gone is not None:
+            raise SchedulerGone(self._scheduler.gone)
 
     def _validated(self, req: R) -> R:
         """``req`` as a decoder would hand it over (both modes), or InvalidRequest.
@@ -800,7 +763,8 @@ class AsyncEngine:
         """The caller of ``state`` left: drop its outputs, and abort its request unless it
         ended (by identity: its rid may be a new request's by now)."""
         state.left = True
-        if self._requests.get(state.rid) is state and not self.closed and self._gone is None:
+        if (self._requests.get(state.rid) is state and not self.closed
+                and self._scheduler.gone is None):
             self._abort(state)
 
     def _abort(self, state: RequestState) -> None:
@@ -823,7 +787,7 @@ class AsyncEngine:
         """Queue the aborts that waited for room again, in order (each still sent only
         while its state holds its rid)."""
         waiting, self._unsent_aborts = self._unsent_aborts, deque()
-        if not self.closed and self._gone is None:
+        if not self.closed and self._scheduler.gone is None:
             for state in waiting:
                 self._send(state)
 
@@ -915,35 +879,6 @@ class AsyncEngine:
         for state in states:
             state.put(error)
 
-    def _alive(self) -> bool:
-        supervisor = self._started.supervisor
-        if supervisor is not None and supervisor.none_left is not None:
-            if self._gone is None:  # every replica given up on: nothing serves
-                self._gone = supervisor.none_left
-                self._load_error = supervisor.load_error  # (what a start then raises)
-                if self._load_error is None:  # (else the supervisor said it, once)
-                    log.error("%s: requests in flight fail, new ones are refused", self._gone)
-            return False
-        dead = next((p for p in self._procs if not p.is_alive()), None)
-        if dead is not None:
-            if self._gone is None:
-                self._load_error = load_failure(dead)
-                if self._load_error is not None:  # raised by the start: no log line
-                    self._gone = (f"scheduler process {dead.name} did not start: "
-                                  f"{self._load_error}")
-                    return False
-                self._gone = f"scheduler process {dead.name} exited (exit code {dead.exitcode})"
-                # Said once, and not at this engine's own close. Exit code 0: it was
-                # told to stop, as by an operator's rpc shutdown.
-                if not self.closed:
-                    log.log(logging.WARNING if dead.exitcode == 0 else logging.ERROR,
-                            "%s: requests in flight fail, new ones are refused", self._gone)
-            return False
-        if self._thread is not None and not self._thread.is_alive():
-            self._gone = self._gone or "the embedded scheduler thread stopped"
-            return False
-        return True
-
     # -- rpc --------------------------------------------------------------------
 
     async def collective_rpc(self, /, method: str, *, timeout: float = 30.0,
@@ -998,9 +933,9 @@ class AsyncEngine:
         except ChannelClosed as exc:  # (closed by this engine's close)
             raise EngineClosed(f"rpc {method!r}: the engine closed before the reply") from exc
         except PeerGone as exc:
-            if self._load_error is not None:  # what the scheduler said over its report pipe
-                raise self._load_error from exc
-            raise SchedulerGone(f"rpc {method!r}: {self._gone or exc}") from exc
+            if self._scheduler.load_error is not None:  # what it said over its report pipe
+                raise self._scheduler.load_error from exc
+            raise SchedulerGone(f"rpc {method!r}: {self._scheduler.gone or exc}") from exc
         return reply
 
     async def metrics(self, timeout: float = 30.0) -> str:
@@ -1043,7 +978,7 @@ class AsyncEngine:
         self._flush_sends()  # what this turn submitted goes before the shutdown
         # The shutdown rpc and the joins block: run them off the loop, which keeps
         # delivering the terminal answers meanwhile.
-        await _in_own_thread(self._stop_scheduler, seconds)
+        await _in_own_thread(functools.partial(self._scheduler.stop, self._rpc), seconds)
         if self._loop is not None:
             self._loop.remove_reader(self._fd)
             self._loop.remove_reader(self._rpc.fileno())
@@ -1066,54 +1001,6 @@ class AsyncEngine:
         self._remove_dir()
         self._unseen_log.flush()  # the last ones counted, not left unsaid
 
-    def _stop_scheduler(self, timeout: float) -> None:
-        """Shut the scheduler down and wait for it to stop (blocks), the shutdown rpc and
-        the exits within one deadline ``timeout`` seconds away (:func:`close_timeout`).
-
-        A scheduler process still running at the deadline (hung, stopped) is
-        killed, else it would hold a frontend's exit past its close timeout. An
-        embedded scheduler is a thread, which cannot be: it gets the step it is
-        in (its rings must outlive it: released under a running thread, they
-        abort the process at exit). Its last answers are still read meanwhile
-        by whoever reads the outputs.
-        """
-        deadline = time.monotonic() + timeout
-        supervisor = self._started.supervisor
-        if supervisor is not None:  # restart nothing that is being shut down
-            supervisor.stop()
-        if self._alive():
-            try:  # sent whatever the timeout (a call with none left sends nothing)
-                self._rpc.call("shutdown", timeout=max(timeout, _SEND_AT_LEAST),
-                               alive=self._alive)
-            except Exception as exc:  # still tear down
-                log.warning("shutdown rpc failed: %s", exc)
-        if self._thread is not None:
-            self._thread.join(max(0.1, deadline - time.monotonic()))
-            if self._thread.is_alive():
-                log.warning("the embedded scheduler is still in a step at the close's "
-                            "deadline: waiting for it to end")
-                self._thread.join()
-        kill_now = self._gone is not None  # a rank died: the others may wait on it for ever
-        killed = False
-        for proc in self._started.all():
-            if kill_now:
-                proc.kill()
-                killed = True
-            # A replica the dispatcher could not shut down (lost, stopped) gets a short
-            # grace once the dispatcher is gone, not what is left of the deadline.
-            left = deadline - time.monotonic()
-            proc.join(max(0.1, left if proc in self._procs else min(left, _REPLICA_GRACE)))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-                killed = True
-        if killed:  # a killed process left its shared-memory segments: unlink them now
-            sweep_shm()
-        for proc in self._started.all():  # their pipes (two each) now, not at GC
-            if proc.exitcode is not None:  # joined (or killed and joined) just before
-                proc.close()
-        self._started = SchedulerProcesses()
-        self._procs = []
 
 class _StateAlive:
     """Alive while an engine's state is: with the engine, or, once it is collected
@@ -1181,28 +1068,11 @@ async def _watch(engine_ref: weakref.ref[AsyncEngine]) -> None:
         engine = engine_ref()
         if engine is None or engine.closed:
             return
-        if not engine._alive():
-            why = engine._gone or "the scheduler is gone"
+        if not engine._scheduler.alive(engine.closed):
+            why = engine._scheduler.gone or "the scheduler is gone"
             engine._fail_all(SchedulerGone(why))
             engine._rpc.fail_all(PeerGone(f"{engine._rpc.name} ({engine._rpc.endpoint})", why))
         del engine
-
-
-def _run_embedded(engine_ref: weakref.ref[AsyncEngine], ingress: Ring[Request],
-                  egress: Ring[Output], rpc: str, model: Model, max_batch: int, limits: Limits,
-                  metrics: bool) -> None:
-    """The embedded (ring mode) scheduler's thread; a crash is told to the engine, if it
-    is still there, as why its scheduler is gone."""
-    try:
-        # Requests are validated at submit (_validated), so the ring need
-        # not check them again.
-        serve_ring(ingress, egress, rpc, model, max_batch=max_batch, limits=limits,
-                   validate=False, metrics=metrics)
-    except BaseException as exc:
-        engine = engine_ref()
-        if engine is not None:
-            engine._gone = f"the embedded scheduler crashed: {exc!r}"
-        log.exception("embedded scheduler crashed")
 
 
 #: The closes of engines collected unclosed, held until they end (a task only the loop

@@ -30,7 +30,7 @@ def test_a_killed_dispatcher_is_503_at_the_door_and_its_replicas_stop() -> None:
     server = Server(Settings(mode="zmq", dp_size=2, model=STUB), TOK)
     try:
         engine = server.engine
-        dispatcher = engine._started.essential[0].pid
+        dispatcher = engine._scheduler.essential[0].pid
         assert dispatcher is not None
         replicas = [pid for ranks in engine.replica_pids for pid in ranks]
         with ThreadPoolExecutor(1) as pool:

@@ -358,7 +358,7 @@ def test_a_hung_scheduler_holds_the_server_s_exit_seconds_not_a_minute() -> None
     # Without this: SIGTERM with a SIGSTOPped scheduler took ~70 s to exit (the engine's
     # close waited 30 s for its shutdown rpc, then 30 s more for the processes).
     s = Server(Settings(mode="zmq", model=STUB), TOK)
-    pids = [p.pid for p in s.engine._procs if p.pid is not None]
+    pids = [p.pid for p in s.engine._scheduler.essential if p.pid is not None]
     assert pids
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)

@@ -251,7 +251,7 @@ async def test_a_dead_scheduler_fails_every_waiting_task_promptly(
         tasks = [asyncio.create_task(engine.generate([1], SamplingParams(
             max_new_tokens=20_000))) for _ in range(50)]
         await asyncio.sleep(0)  # let them submit
-        pid = engine._procs[0].pid
+        pid = engine._scheduler.essential[0].pid
         assert pid is not None
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
@@ -276,7 +276,7 @@ async def test_a_stopped_scheduler_fails_every_waiting_rpc_caller_at_once() -> N
     # scheduler dies every one of them fails at once, long before its timeout.
     engine = AsyncEngine("zmq", SMALL)
     await engine.start()
-    pid = engine._procs[0].pid
+    pid = engine._scheduler.essential[0].pid
     assert pid is not None
     try:
         os.kill(pid, signal.SIGSTOP)
@@ -300,7 +300,7 @@ async def test_a_stopped_scheduler_fails_every_waiting_rpc_caller_at_once() -> N
 async def test_rpc_calls_waiting_when_the_engine_closes_end_with_engine_closed() -> None:
     engine = AsyncEngine("zmq", SMALL)
     await engine.start()
-    pid = engine._procs[0].pid
+    pid = engine._scheduler.essential[0].pid
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)  # nothing is answered; close kills it past its timeout
     calls = [asyncio.create_task(engine.collective_rpc("get_load", timeout=60))

@@ -48,8 +48,8 @@ async def test_an_async_engine_collected_unclosed_stops_its_scheduler(
     async with AsyncEngine("ring", SMALL) as other:  # on the same loop, kept
         engine = await AsyncEngine(mode, SMALL).start()
         assert len((await engine.generate([1, 2], TWO)).token_ids) == 2
-        thread, run_dir = engine._thread, engine._dir
-        pids = [p.pid for p in engine._started.all() if p.pid is not None]
+        thread, run_dir = engine._scheduler.thread, engine._dir
+        pids = [p.pid for p in engine._scheduler.processes.all() if p.pid is not None]
         assert (thread is not None) == (mode == "ring") and bool(pids) == (mode == "zmq")
         gone = weakref.ref(engine)
         with warnings.catch_warnings(record=True) as caught:
@@ -72,7 +72,7 @@ async def test_an_async_engine_collected_unclosed_stops_its_scheduler(
 
 def test_an_async_engine_never_started_is_stopped_when_collected() -> None:
     engine = AsyncEngine("ring", SMALL)
-    thread = engine._thread
+    thread = engine._scheduler.thread
     assert thread is not None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceWarning)

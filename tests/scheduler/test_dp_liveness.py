@@ -295,7 +295,7 @@ def test_health_silence_counts_from_the_oldest_unanswered_probe() -> None:
 
 def test_a_submit_blocked_on_a_full_channel_fails_promptly_when_the_scheduler_dies() -> None:
     with Engine("zmq", ModelConfig(kind="stub")) as engine:
-        pid = engine._core._procs[0].pid
+        pid = engine._core._scheduler.essential[0].pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)  # it reads nothing more: the channel fills
         sent = [0]

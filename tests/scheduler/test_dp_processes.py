@@ -333,8 +333,8 @@ def test_a_killed_local_replica_is_restarted_rejoins_and_stays() -> None:
         load = engine.collective_rpc("get_load")
         assert load.success and load.result is not None
         assert load.result["replica0.generation"] == 2 and load.result["dispatcher.lost"] == 1
-        assert engine._core._started.supervisor is not None
-        assert engine._core._started.supervisor.restarts == [1, 0]
+        assert engine._core._scheduler.processes.supervisor is not None
+        assert engine._core._scheduler.processes.supervisor.restarts == [1, 0]
 
 
 def test_closing_a_dp_engine_stops_its_supervisor_first() -> None:
@@ -345,7 +345,7 @@ def test_closing_a_dp_engine_stops_its_supervisor_first() -> None:
     threading.excepthook = errors.append
     try:
         engine = Engine("zmq", STUB_MODEL, dp_size=2)
-        sup = engine._core._started.supervisor
+        sup = engine._core._scheduler.processes.supervisor
         assert sup is not None
         engine.close()
         assert sup._stop.is_set()  # told to stop, not left to notice the dispatcher gone

@@ -45,10 +45,10 @@ def test_a_killed_dispatcher_stops_its_replicas_within_the_bound(
     engine = Engine("zmq", model_dir if pd else None, dp_size=2, max_batch=64, pd=pd)
     prompt = 300 if pd else 8
     try:
-        dispatcher = engine._core._started.essential[0].pid
+        dispatcher = engine._core._scheduler.essential[0].pid
         assert dispatcher is not None
         replicas = [pid for ranks in engine.replica_pids for pid in ranks]
-        ranks = [p for r in engine._core._started.replicas for p in r]
+        ranks = [p for r in engine._core._scheduler.processes.replicas for p in r]
         long = SamplingParams(max_new_tokens=100_000, ignore_eos=True)  # decodes for long
         streams = [engine.submit([1 + n % 5] * prompt, long, stream=True) for n in range(8)]
         for h in streams:  # every one decodes (under pd: handed off to the decode replica)

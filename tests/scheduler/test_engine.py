@@ -127,7 +127,7 @@ def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"],
     with pytest.raises(TypeError):  # no number: refused before anything is closed
         engine.close("5")  # type: ignore[arg-type]
     assert not engine.closed
-    pids = [p.pid for p in engine._core._procs]  # (close() forgets its processes)
+    pids = [p.pid for p in engine._core._scheduler.essential]  # (close() forgets its processes)
     engine.close(timeout)
     engine.close()  # idempotent
     for h in handles:
@@ -138,7 +138,7 @@ def test_close_answers_every_accepted_request(mode: Literal["ring", "zmq"],
     with pytest.raises(EngineClosed):
         engine.submit([1])
     assert not engine._loop_thread.is_alive()
-    assert engine._core._thread is None or not engine._core._thread.is_alive()
+    assert engine._core._scheduler.thread is None or not engine._core._scheduler.thread.is_alive()
     assert not any(procs.alive(pid) for pid in pids if pid is not None)
     assert (mode == "zmq") == bool(pids)
 
@@ -147,7 +147,7 @@ def test_dead_scheduler_process_fails_pending_calls_promptly() -> None:
     engine = Engine("zmq", SMALL)
     try:
         h = engine.submit([1], SamplingParams(max_new_tokens=1_000_000))
-        pid = engine._core._procs[0].pid
+        pid = engine._core._scheduler.essential[0].pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         t0 = time.perf_counter()
@@ -166,7 +166,7 @@ def test_rpc_calls_from_several_threads_wait_together() -> None:
     # 8 threads call a stopped scheduler with a 1 s timeout: in flight together, they
     # all time out about 1 s later; served one after another, the last waited 8 s.
     engine = Engine("zmq", ModelConfig(kind="stub"))
-    pid = engine._core._procs[0].pid
+    pid = engine._core._scheduler.essential[0].pid
     assert pid is not None
     try:
         os.kill(pid, signal.SIGSTOP)

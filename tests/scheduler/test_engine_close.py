@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from bus import RpcClient
 from messages import AbortReq, Request, SamplingParams
 from scheduler import AsyncEngine, Engine, EngineClosed, ModelConfig, RequestFailed
 from scheduler.engine import async_engine
@@ -122,14 +123,15 @@ def test_close_from_two_threads_waits_for_the_one_close() -> None:
     handle = engine.submit([1, 2], LONG)
     run_dir = engine._core._dir
     held, go = threading.Event(), threading.Event()
-    real_stop = engine._core._stop_scheduler
+    scheduler = engine._core._scheduler
+    real_stop = scheduler.stop
 
-    def held_stop(timeout: float) -> None:  # the first close, held inside its core close
-        held.set()
+    def held_stop(rpc: RpcClient, timeout: float) -> None:  # the first close, held inside
+        held.set()  # its core close
         go.wait(WAIT)
-        real_stop(timeout)
+        real_stop(rpc, timeout)
 
-    engine._core._stop_scheduler = held_stop  # type: ignore[method-assign]
+    scheduler.stop = held_stop  # type: ignore[method-assign]
     first = _Call(engine.close)
     first.start()
     try:

@@ -53,7 +53,7 @@ def test_a_dying_rank_is_reported_and_the_engine_shuts_down() -> None:
     engine = Engine("zmq", SMALL, tp_size=2)
     try:
         h = engine.submit([1], SamplingParams(max_new_tokens=1_000_000))
-        pids = [p.pid for p in engine._core._procs]  # (close() forgets its processes)
+        pids = [p.pid for p in engine._core._scheduler.essential]  # (close() forgets its processes)
         assert len(pids) == 2
         pid = pids[1]
         assert pid is not None
