@@ -228,17 +228,20 @@ class Reply:
         self.sent = True
 
     async def piece(self, body: bytes, more: bool) -> None:
-        """Send a piece of the answer begun (``more`` False: its last)."""
-        piece = self._piece
-        if piece is None:
-            await self({"type": "http.response.body", "body": body, "more_body": more})
-            return
+        """Send a piece of the answer begun (``more`` False: its last): through the
+        server's :data:`Piece` where it offers one, else as an ASGI body message."""
+        send = self._piece or self._body
         if more:
-            await piece(body, True)
+            await send(body, True)
             return
-        self.done = True
-        await piece(body, False)
+        self.done = True  # the last message: uvicorn's disconnect after it is no leaving
+        await send(body, False)
         self.sent = True
+
+    async def _body(self, body: bytes, more: bool) -> None:
+        if self._head:
+            body = b""
+        await self._send({"type": "http.response.body", "body": body, "more_body": more})
 
     async def fail(self, error: ApiError) -> bool:
         """End the answer with ``error`` where one has begun: a stream of events gets it
@@ -258,15 +261,12 @@ class Reply:
             self.started = True
             self.events = (b"content-type", SSE_TYPE) in headers
             await self._send({**event, "headers": [*headers, self._rid]})
-            return
-        if self._head and event.get("body"):
-            event = {**event, "body": b""}
-        if event["type"] != "http.response.body" or event.get("more_body"):
+        elif event["type"] == "http.response.body":
+            body = event.get("body", b"")
+            assert isinstance(body, bytes)
+            await self.piece(body, bool(event.get("more_body")))
+        else:
             await self._send(event)
-            return
-        self.done = True  # the last message: uvicorn's disconnect after it is no leaving
-        await self._send(event)
-        self.sent = True
 
 
 #: Seconds a whole (non-streamed) answer may take before its connection is watched
