@@ -316,7 +316,7 @@ def kill_pending(n: int = 300) -> dict[str, float]:
         handles = [engine.submit([1, 2, 3], SamplingParams(max_new_tokens=100_000))
                    for _ in range(n)]
         engine.collective_rpc("get_load")
-        pid = engine._core._procs[0].pid
+        pid = engine._core._scheduler.essential[0].pid
         assert pid is not None
         failed = 0
         t0 = time.perf_counter()

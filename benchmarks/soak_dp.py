@@ -95,7 +95,7 @@ def dp_pause(streams: int = 20, pause: float = 4.0) -> dict[str, float]:
                                  stream=True) for i in range(streams)]
         for h in handles:  # every one has started
             next(iter(h))
-        pid = engine._core._procs[0].pid
+        pid = engine._core._scheduler.essential[0].pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
         time.sleep(pause)  # sleep-ok: the pause under test
@@ -175,7 +175,7 @@ def dp_respawn() -> dict[str, float]:
     with Engine("zmq", dp_size=2, start_timeout=300) as engine:
         sp = SamplingParams(max_new_tokens=1)
         engine.generate([1, 2], sp, dp_rank=0)
-        sup = engine._core._started.supervisor
+        sup = engine._core._scheduler.processes.supervisor
         assert sup is not None
         deadline = time.monotonic() + 120
         while not sup.standby_ready and time.monotonic() < deadline:

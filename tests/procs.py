@@ -28,6 +28,20 @@ def children(pid: int) -> list[int]:
     return kids
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: its children, theirs, and so on."""
+    found = []
+    for child in children(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
+def started(pid: int) -> list[int]:
+    """The scheduler processes ``pid`` started: ``multiprocessing``'s fork server (a child
+    of ``pid``) forks them, so they are the children of ``pid``'s children."""
+    return [grandchild for child in children(pid) for grandchild in children(child)]
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie or a dead process does not)."""
     try:

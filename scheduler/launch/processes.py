@@ -7,6 +7,13 @@ the frontend's channels reach) decide whether the engine is alive: a lost
 replica is the dispatcher's business, which fails or re-runs its requests
 and goes on with the others, and a local replica that dies is restarted
 in place (:mod:`scheduler.launch.respawn`).
+
+Each process is forked from multiprocessing's fork server, which imported
+what they run once (:func:`_context`): a start costs a fork, about 10 ms,
+where a spawned interpreter took 1.5-2 s of a core to import torch. A
+process so started is the fork server's child, not its starter's: it
+watches its starter by pid and start time (:func:`_watch_parent`), and is
+given its starter's environment as it is when the process starts.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import contextlib
 import json
 import logging
 import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -116,14 +125,18 @@ def _when_gone(pid: int, alive: Callable[[], bool], then: Callable[[], None],
     threading.Thread(target=wait, name=name, daemon=True).start()
 
 
-def _watch_parent(parent: int) -> None:
-    """Exit as soon as ``parent`` does, removing the files both of them made.
+def _watch_parent(parent: int, started: int) -> None:
+    """Exit as soon as ``parent`` (the process that started this one, which started at
+    ``started``: :func:`~bus.shm.segment.start_time`) does, removing the files both of
+    them made.
 
     A parent that is SIGKILLed runs no clean-up, and its children would go on
     serving endpoints nobody owns, and leave its run directory and their
-    shared memory behind (:mod:`scheduler.launch.leftovers`).
+    shared memory behind (:mod:`scheduler.launch.leftovers`). (It is not this
+    process's parent in the kernel's sense, which is the fork server.)
     """
-    _when_gone(parent, lambda: os.getppid() == parent, _orphaned, "parent-watch")
+    _when_gone(parent, lambda: pid_alive(parent) and start_time(parent) == started,
+               _orphaned, "parent-watch")
 
 
 def _watch_upstream(upstream: Connection) -> None:
@@ -180,11 +193,12 @@ def _forget_in_fork() -> None:
 os.register_at_fork(after_in_child=_forget_in_fork)
 
 
-def _child(parent: int, target: Callable[..., None], *args: object,
-           _report: Connection | None = None, _upstream: Connection | None = None,
-           **kwargs: object) -> None:
-    """A spawned process's body: watch the parent (and the upstream, when ``_upstream``
-    will name it: :func:`_watch_upstream`), then run ``target``.
+def _child(parent: tuple[int, int, dict[str, str]], target: Callable[..., None],
+           *args: object, _report: Connection | None = None,
+           _upstream: Connection | None = None, **kwargs: object) -> None:
+    """A scheduler process's body: take the ``parent``'s environment, watch the parent
+    (:func:`_parent` made the three), and the upstream when ``_upstream`` will name
+    it (:func:`_watch_upstream`), then run ``target``.
 
     A model that does not load ends the process with exit code 1 and no
     traceback: its one-line reason goes to the parent through ``_report``
@@ -197,7 +211,12 @@ def _child(parent: int, target: Callable[..., None], *args: object,
     # cut the streams that drain is for.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked by _start)
-    _watch_parent(parent)
+    pid, started, environ = parent
+    # The fork server's environment is the one its starter had when it started; a
+    # spawned process had the one its starter has now.
+    os.environ.clear()
+    os.environ.update(environ)
+    _watch_parent(pid, started)
     if _upstream is not None:
         _watch_upstream(_upstream)
     try:
@@ -209,12 +228,37 @@ def _child(parent: int, target: Callable[..., None], *args: object,
         sys.exit(1)
 
 
+#: What the fork server imports before it forks a scheduler process: all the processes
+#: run (torch with it), so that each starts with it imported.
+_PRELOAD = ["scheduler.launch.processes"]
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's fork server context, its preload :data:`_PRELOAD` added (it is
+    read when the server starts: at the first process started, unless another
+    module of this process started it first)."""
+    ctx = multiprocessing.get_context("forkserver")
+    assert isinstance(ctx, multiprocessing.context.ForkServerContext)
+    server = multiprocessing.forkserver._forkserver
+    preload = list(getattr(server, "_preload_modules", []))
+    ctx.set_forkserver_preload([*preload, *(m for m in _PRELOAD if m not in preload)])
+    return ctx
+
+
+def _parent() -> tuple[int, int, dict[str, str]]:
+    """What :func:`_child` is told of the process that starts it: its pid, its start time
+    and its environment now."""
+    me = os.getpid()
+    return me, start_time(me), dict(os.environ)
+
+
 def _start(proc: BaseProcess) -> None:
     """Start ``proc`` (its target :func:`_child`) with SIGINT blocked, as CPython starts its
     resource tracker: the blocked mask passes through fork and exec, so a Ctrl-C while
-    the new interpreter imports (torch: seconds) waits, pending, until :func:`_child`
-    ignores it, instead of a ``KeyboardInterrupt`` traceback from each process
-    starting. (SIGTERM needs nothing: it ends an importing process without a word.)
+    the fork server imports (torch: seconds; it is started by the first process
+    started) waits, pending, until it ignores it, and one while a process starts waits
+    until :func:`_child` ignores it, instead of a ``KeyboardInterrupt`` traceback from
+    each. (SIGTERM needs nothing: it ends an importing process without a word.)
 
     The resource tracker is started first: starting it unblocks SIGINT (CPython's
     ``ensure_running`` unblocks rather than restoring the mask it found), which would
@@ -279,10 +323,10 @@ def _start_scheduler(endpoints: Endpoints, directory: str, model: ModelSpec, *,
     ranks in a file of its own: a dead incarnation's is not reused).
     ``replica``: rank 0 leaves :func:`_shutdown_mark` in ``directory`` when a
     shutdown stops it."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     init = f"{directory}/tp-init" + (f"-{attempt}" if attempt else "")
     tp = TPConfig(tp_size, init) if tp_size > 1 else None
-    me = os.getpid()
+    me = _parent()
     body: tuple[object, ...] = (_serve_replica, directory) if replica else (serve_zmq,)
     reports = [ctx.Pipe(duplex=False) for _ in range(tp_size)]
     # A replica's every rank is told its dispatcher's pid (_tell_upstream).
@@ -471,11 +515,11 @@ def _stand_by(wake: Connection, directory: str, model: ModelSpec, max_batch: int
 
 def _start_standby(directory: str, model: ModelSpec, max_batch: int, limits: Limits,
                    metrics: bool) -> Standby:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     wait, wake = ctx.Pipe()
     read, write = ctx.Pipe(duplex=False)  # its report, once it serves a replica (_child)
     told, tell = ctx.Pipe(duplex=False)  # its dispatcher's pid (_tell_upstream)
-    proc = ctx.Process(target=_child, args=(os.getpid(), _stand_by, wait, directory, model,
+    proc = ctx.Process(target=_child, args=(_parent(), _stand_by, wait, directory, model,
                                             max_batch, limits, metrics),
                        kwargs={"_report": write, "_upstream": told},
                        name="replica-standby", daemon=True)
@@ -511,8 +555,8 @@ def start_processes(endpoints: Endpoints, directory: str, model: ModelSpec, *,
         return started
     started.replicas, specs = start_replicas(directory, dp_size, model, max_batch=max_batch,
                                              tp_size=tp_size, limits=limits, metrics=metrics)
-    ctx = multiprocessing.get_context("spawn")
-    dispatcher = ctx.Process(target=_child, args=(os.getpid(), serve_dispatch, endpoints, specs),
+    ctx = _context()
+    dispatcher = ctx.Process(target=_child, args=(_parent(), serve_dispatch, endpoints, specs),
                              kwargs={"policy": dp_policy, "max_backlog": limits.max_backlog,
                                      "pd": pd, "handoff_deadline": limits.handoff_deadline,
                                      "max_handoff_bytes": limits.max_handoff_bytes,

@@ -241,7 +241,9 @@ class StartStop:
 
 
 def _spawned(parent: int) -> list[int]:
-    """The processes ``parent`` started through ``multiprocessing``'s spawn (Linux /proc)."""
+    """The interpreters ``parent`` started through ``multiprocessing``: its fork server (it
+    imports what the scheduler processes run, then forks them), or a spawned process
+    (Linux /proc)."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -250,7 +252,8 @@ def _spawned(parent: int) -> list[int]:
             with open(f"/proc/{name}/stat", "rb") as f:
                 ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                spawned = b"spawn_main" in f.read()
+                line = f.read()
+            spawned = b"spawn_main" in line or b"multiprocessing.forkserver" in line
         except (OSError, IndexError, ValueError):
             continue
         if ppid == parent and spawned:
@@ -278,9 +281,10 @@ def _catches_sigint(pid: int) -> bool:
 
 def ctrl_c_while_starting(extra: tuple[str, ...] = ()) -> StartStop:
     """Start ``python -m frontend --mode zmq`` as a process group's leader and, as soon as
-    its first scheduler process has Python's SIGINT handler (it is then importing: torch
-    takes seconds), send SIGINT to the whole group, as a terminal's Ctrl-C does; wait
-    for the exit. (Sooner, the signal's default action ends the child without a word.)"""
+    the interpreter that imports for its scheduler processes (its fork server) has
+    Python's SIGINT handler (it is then importing: torch takes seconds), send SIGINT to
+    the whole group, as a terminal's Ctrl-C does; wait for the exit. (Sooner, the
+    signal's default action ends the child without a word.)"""
     with tempfile.TemporaryDirectory(prefix="tsb-starting-") as tmp:
         proc = _frontend(tmp, free_port(), "zmq", extra, new_session=True)
         children: list[int] = []

@@ -26,7 +26,7 @@ from scheduler.__main__ import main as scheduler_main
 from scheduler.cli.rpc import parse_params, rpc_endpoint
 from tests.conftest import eventually
 from tests.frontend.server import Server, raw_post
-from tests.procs import children, wait_gone
+from tests.procs import started, wait_gone
 
 TOK = ByteTokenizer()
 STUB = ModelConfig(vocab_size=TOK.vocab_size, kind="stub")
@@ -158,7 +158,7 @@ def test_the_rpc_door_fails_fast_once_the_scheduler_is_gone(tmp_path: Path) -> N
     """A killed scheduler process: the call waiting at the door, and each one after it,
     is answered at once with a failure naming the scheduler as gone (without it: each
     waited out its whole timeout)."""
-    before = set(children(os.getpid()))
+    before = set(started(os.getpid()))
     server = Server(Settings(mode="zmq", model=STUB, rpc_endpoint=f"ipc://{tmp_path}/rpc"),
                     TOK)
     rpc = RpcClient(f"ipc://{tmp_path}/rpc")
@@ -166,7 +166,7 @@ def test_the_rpc_door_fails_fast_once_the_scheduler_is_gone(tmp_path: Path) -> N
         load = rpc.call("get_load", timeout=60.0).result
         assert load is not None and isinstance(load["pid"], int)
         pid = load["pid"]
-        assert pid in set(children(os.getpid())) - before  # the scheduler, started for us
+        assert pid in set(started(os.getpid())) - before  # the scheduler, started for us
         door = server.app.door
         assert door is not None and server.engine.gone is None
         os.kill(pid, signal.SIGSTOP)  # it reads no more: the next call waits at the door

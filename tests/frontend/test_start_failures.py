@@ -136,8 +136,9 @@ def test_ctrl_c_to_the_process_group_lets_a_stream_in_flight_finish(
 
 
 def test_ctrl_c_while_the_scheduler_process_imports_is_quiet() -> None:
-    # The spawned interpreter imports torch for seconds before it ignores SIGINT: a
-    # terminal's Ctrl-C then printed a KeyboardInterrupt traceback from each process.
+    # The interpreter that imports for the scheduler processes (the fork server; once,
+    # each spawned one) imports torch for seconds before it ignores SIGINT: a terminal's
+    # Ctrl-C then printed a KeyboardInterrupt traceback from each.
     got = ctrl_c_while_starting()
     assert got.children, got
     assert "Traceback" not in got.stderr and "KeyboardInterrupt" not in got.stderr, \

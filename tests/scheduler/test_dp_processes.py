@@ -391,8 +391,8 @@ def test_a_killed_frontend_takes_its_scheduler_processes_with_it(tmp_path: Path)
     try:
         with RpcClient(f"ipc://{tmp_path}/ep/rpc") as rpc:
             assert rpc.call("get_load", timeout=60).success
-        children = procs.children(serve.pid)
-        assert len(children) >= 2
+        children = procs.descendants(serve.pid)  # the fork server too
+        assert len(procs.started(serve.pid)) >= 2  # its two replicas (it dispatches itself)
     finally:
         serve.kill()
         serve.wait(30)
@@ -441,7 +441,7 @@ def test_serve_dp_shutdown_with_a_replica_down_exits_non_zero(tmp_path: Path) ->
 def test_serve_dp_stops_promptly_on_sigint_to_the_parent_alone(tmp_path: Path) -> None:
     serve, rpc = _serve_dp(tmp_path)
     try:
-        children = procs.children(serve.pid)
+        children = procs.descendants(serve.pid)
         t0 = time.monotonic()
         serve.send_signal(signal.SIGINT)
         code = serve.wait(60)
@@ -459,10 +459,11 @@ def test_serve_dp_stops_promptly_on_sigint_to_the_parent_alone(tmp_path: Path) -
 
 
 def _standby_appears(serve: subprocess.Popen[str], known: set[int], timeout: float) -> int:
-    """The pid of the next child of ``serve`` not in ``known`` (its replicas' standby)."""
+    """The pid of the next process ``serve`` started not in ``known`` (its replicas'
+    standby)."""
     deadline = time.monotonic() + timeout
     while True:
-        new = [p for p in procs.children(serve.pid) if p not in known and procs.alive(p)]
+        new = [p for p in procs.started(serve.pid) if p not in known and procs.alive(p)]
         if new:
             return new[0]
         assert time.monotonic() < deadline, "no standby was started"
@@ -501,7 +502,7 @@ def test_serve_dp_restarts_a_replica_killed_while_its_standby_is_still_starting(
         assert reply.result is not None
         replica0, replica1 = reply.result["replica0.pid"], reply.result["replica1.pid"]
         assert isinstance(replica0, int) and isinstance(replica1, int)
-        known = set(procs.children(serve.pid))
+        known = set(procs.started(serve.pid))
         for _ in range(2):
             standby = _standby_appears(serve, known, 60)
             known.add(standby)

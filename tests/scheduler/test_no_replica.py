@@ -74,7 +74,7 @@ def test_serve_dp_whose_replicas_all_keep_dying_exits_1_saying_none_can_serve(
     try:
         deadline = time.monotonic() + 180
         while serve.poll() is None:  # every replica killed as soon as it appears
-            for pid in procs.children(serve.pid):
+            for pid in procs.started(serve.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             assert time.monotonic() < deadline, "serve --dp ran on with no replica left"
