@@ -19,11 +19,16 @@ given its starter's environment as it is when the process starts.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
+import multiprocessing.reduction
+import multiprocessing.spawn
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -188,6 +193,17 @@ def _forget_in_fork() -> None:
     children = getattr(multiprocessing.process, "_children", None)
     if isinstance(children, set):
         children.difference_update(_STARTED)
+    # The parent's fork server is not this child's to use (its pid is no child of ours,
+    # and its lock may have been held at the fork): the child starts its own when it
+    # starts a process. (In a process the fork server forked, nothing is set yet.)
+    server = multiprocessing.forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(alive, int) and getattr(server, "_forkserver_pid", None) is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        for name in ("_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd"):
+            setattr(server, name, None)
+        setattr(server, "_lock", threading.Lock())  # noqa: B010  # (not in typeshed)
 
 
 os.register_at_fork(after_in_child=_forget_in_fork)
@@ -233,12 +249,95 @@ def _child(parent: tuple[int, int, dict[str, str]], target: Callable[..., None],
 _PRELOAD = ["scheduler.launch.processes"]
 
 
-def _context() -> multiprocessing.context.ForkServerContext:
-    """multiprocessing's fork server context, its preload :data:`_PRELOAD` added (it is
-    read when the server starts: at the first process started, unless another
-    module of this process started it first)."""
-    ctx = multiprocessing.get_context("forkserver")
-    assert isinstance(ctx, multiprocessing.context.ForkServerContext)
+class _Popen(multiprocessing.popen_forkserver.Popen):
+    """A process forked by the fork server, told apart from its server.
+
+    * Its main module is not imported first (``spawn``'s way, kept by the
+      fork server's): what it runs and is given is the scheduler's, so the
+      starter's script (its side effects, and the environment it reads as it
+      is imported) never runs in a scheduler process.
+    * Whether it runs is its pidfd's to say: multiprocessing reads that from
+      the fork server, so a fork server that died (killed, say) made every
+      process it forked look exited (code 255) while it ran on; it could then
+      be neither killed nor told apart from a dead one. The exit code is still
+      the fork server's (255 where it is gone).
+    """
+
+    sentinel: int
+
+    def _launch(self, process_obj: BaseProcess) -> None:
+        # As multiprocessing.popen_forkserver.Popen._launch, the main module left out.
+        prep_data = multiprocessing.spawn.get_preparation_data(process_obj.name)
+        prep_data.pop("init_main_from_name", None)
+        prep_data.pop("init_main_from_path", None)
+        buf = io.BytesIO()
+        multiprocessing.context.set_spawning_popen(self)
+        try:
+            multiprocessing.reduction.dump(prep_data, buf)
+            multiprocessing.reduction.dump(process_obj, buf)
+        finally:
+            multiprocessing.context.set_spawning_popen(None)
+        fds: list[int] = self._fds  # type: ignore[attr-defined]  # (its __init__'s)
+        status, w = multiprocessing.forkserver.connect_to_new_process(fds)
+        parent_w = os.dup(w)  # (the child's sentinel of its parent, as there)
+        self.finalizer = multiprocessing.util.Finalize(self, _close_fds, (parent_w, status))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = multiprocessing.forkserver.read_signed(status)
+        self._status = status
+        self.sentinel = status
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except OSError:  # it exited already, or no pidfd here: the fork server says
+            return
+        self.sentinel = pidfd
+        self._close_pidfd = multiprocessing.util.Finalize(self, os.close, (pidfd,))
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        if self.returncode is None:
+            if not wait_readable([self.sentinel], 0 if flag == os.WNOHANG else None):
+                return None
+            # It exited: its code comes from the fork server once it reaped it (at once).
+            if not wait_readable([self._status], _STATUS_WAIT):
+                self.returncode = 255
+                return self.returncode
+            try:
+                self.returncode = multiprocessing.forkserver.read_signed(self._status)
+            except (OSError, EOFError):  # the fork server is gone
+                self.returncode = 255
+        return self.returncode
+
+    def close(self) -> None:
+        super().close()
+        close_pidfd = getattr(self, "_close_pidfd", None)
+        if close_pidfd is not None:
+            close_pidfd()
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+class _Process(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: BaseProcess) -> _Popen:
+        return _Popen(process_obj)
+
+
+class _Context(multiprocessing.context.ForkServerContext):
+    Process = _Process
+
+
+#: Seconds an exited process's code is waited for from the fork server (it reaps at once).
+_STATUS_WAIT = 5.0
+
+
+def _context() -> _Context:
+    """multiprocessing's fork server context, its processes :class:`_Process`, its preload
+    :data:`_PRELOAD` added (read when the server starts: at the first process started,
+    unless another module of this process started it first)."""
+    ctx = _Context()
     server = multiprocessing.forkserver._forkserver
     preload = list(getattr(server, "_preload_modules", []))
     ctx.set_forkserver_preload([*preload, *(m for m in _PRELOAD if m not in preload)])
