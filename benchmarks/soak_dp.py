@@ -15,8 +15,8 @@ them against its bounds table.
 * ``dp_short_behind_long_ttft_p50_ms``: the median time to first token of
   20 short requests sent just after a 32k-token prompt (``dp_size=2``).
 * ``dp_replica_respawn_ms``: from SIGKILL of a local replica to it taking
-  new work again (restarted by the engine itself, from its ready standby:
-  ``dp_replica_respawn_standby``).
+  new work again (restarted by the engine itself: forked from the fork server,
+  its model built).
 * ``log_lines_per_1000_garbage_frames``: stderr lines of ``serve --dp 2``
   per 1000 garbage frames sent to its work socket.
 """
@@ -170,16 +170,10 @@ def dp_short_behind_long(shorts: int = 20, long_tokens: int = 32_768) -> dict[st
 
 
 def dp_respawn() -> dict[str, float]:
-    """SIGKILL a local replica of an engine that has run a while (its standby is
-    ready, as on any server past its first seconds); time until it takes new work."""
+    """SIGKILL a local replica of an engine; time until it takes new work."""
     with Engine("zmq", dp_size=2, start_timeout=300) as engine:
         sp = SamplingParams(max_new_tokens=1)
         engine.generate([1, 2], sp, dp_rank=0)
-        sup = engine._core._scheduler.processes.supervisor
-        assert sup is not None
-        deadline = time.monotonic() + 120
-        while not sup.standby_ready and time.monotonic() < deadline:
-            time.sleep(0.05)  # sleep-ok: pacing a deadline poll
         t0 = time.perf_counter()
         for pid in engine.replica_pids[0]:
             os.kill(pid, signal.SIGKILL)
@@ -191,8 +185,7 @@ def dp_respawn() -> dict[str, float]:
             except RequestFailed:
                 time.sleep(0.01)  # sleep-ok: pacing a deadline poll
         ms = (time.perf_counter() - t0) * 1e3
-        used = sup.standby_used
-    return {"dp_replica_respawn_ms": round(ms, 1), "dp_replica_respawn_standby": used}
+    return {"dp_replica_respawn_ms": round(ms, 1)}
 
 
 def garbage_logs(n: int = 5000) -> dict[str, float]:

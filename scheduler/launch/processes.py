@@ -46,7 +46,7 @@ from bus.shm.segment import pid_alive, start_time
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy, ReplicaSpec, serve_dispatch
 from scheduler.launch.leftovers import leave_files
-from scheduler.launch.respawn import STANDBY_AFTER, ReplicaSupervisor, Standby
+from scheduler.launch.respawn import ReplicaSupervisor
 from scheduler.launch.tp import TPConfig
 from scheduler.launch.wiring import Endpoints, serve_follower, serve_zmq
 from scheduler.models.loading import ModelLoadError, ModelSpec
@@ -505,39 +505,6 @@ def _start_replica(directory: str, model: ModelSpec, max_batch: int, tp_size: in
                             name=f"replica{i}", attempt=attempt, replica=True)
 
 
-#: The environment variable that, set to ``0`` when a supervisor is made, keeps it from
-#: starting standbys: its restarts then start a fresh process (an interpreter and torch
-#: start more). For replica sets that are never killed (shared test engines), where a
-#: standby is only an idle process's start-up CPU.
-NO_STANDBY_ENV = "TSB_STANDBY"
-
-#: The environment variable that, set when a supervisor is made, is the seconds it
-#: waits after every replica started before it starts a standby (default
-#: :data:`~scheduler.launch.respawn.STANDBY_AFTER`). For tests of the standby itself,
-#: which would otherwise wait those seconds out for it to appear.
-STANDBY_AFTER_ENV = "TSB_STANDBY_AFTER"
-
-
-def _standby_after() -> float:
-    """The supervisor's wait before a standby: :data:`STANDBY_AFTER_ENV`, else the default.
-
-    A value that is no number of seconds >= 0 is logged, naming the variable, and the
-    default is used: the replicas have started by now, and must not be left behind.
-    """
-    value = os.environ.get(STANDBY_AFTER_ENV)
-    if value is None:
-        return STANDBY_AFTER
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:  # (NaN too)
-        log.warning("%s=%r is not a number of seconds >= 0: using %.1f s", STANDBY_AFTER_ENV,
-                    value, STANDBY_AFTER)
-        return STANDBY_AFTER
-    return seconds
-
-
 def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, *,
               max_batch: int, tp_size: int = 1, limits: Limits | None = None,
               metrics: bool = True, keep_going: Callable[[], bool] = lambda: True,
@@ -555,18 +522,7 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
     mark of a ``shutdown`` that stopped it. ``none_left`` is called (once, with
     one line) when every replica has been given up on: at once when one of them
     reported that its model does not load (a restart would load it no better).
-
-    With one rank per replica, a restart takes over a *standby*: a process
-    started ahead that has imported everything and waits to be told which
-    replica to serve, so a restart costs a model build, not an interpreter
-    and torch start (seconds on a busy host); none is started where the environment
-    has :data:`NO_STANDBY_ENV` set to ``0`` at this call, and the first is started
-    :data:`STANDBY_AFTER_ENV` seconds (when set) after every replica started."""
-    def standby() -> Standby:
-        spare = _start_standby(directory, model, max_batch, limits or Limits(), metrics)
-        _tell_upstream([spare.process], upstream)
-        return spare
-
+    A restart is forked from the fork server: a fork and a model build."""
     def restart(i: int, attempt: int) -> list[BaseProcess]:
         ranks = _start_replica(directory, model, max_batch, tp_size, limits, metrics, i,
                                attempt)
@@ -585,51 +541,9 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
         _tell_upstream(ranks, upstream)
     sup = ReplicaSupervisor(
         procs, restart, keep_going=keep_going, grace=UPSTREAM_BOUND,
-        standby=standby if tp_size == 1 and os.environ.get(NO_STANDBY_ENV) != "0" else None,
-        started=lambda: all(os.path.exists(os.path.join(directory, f"r{i}", "rpc"))
-                            for i in range(len(procs))),  # each bound its endpoints
-        shut_down=shut_down, ready=ready, load_failure=load_failure, none_left=none_left,
-        standby_after=_standby_after())
+        shut_down=shut_down, ready=ready, load_failure=load_failure, none_left=none_left)
     sup.start()
     return sup
-
-
-def _stand_by(wake: Connection, directory: str, model: ModelSpec, max_batch: int,
-              limits: Limits, metrics: bool) -> None:
-    """A standby's body: say it is ready (everything is imported by now), wait for a
-    replica index (nothing: stand down), then serve it as that replica's rank 0.
-
-    The supervisor hands it an index only after reading "ready", so a broken
-    pipe here means the supervisor is gone (or stood it down): nothing to serve."""
-    try:
-        wake.send_bytes(b"ready")
-        data = wake.recv_bytes()
-    except (EOFError, OSError):
-        return
-    if data:
-        sub = os.path.join(directory, f"r{int(data)}")
-        _serve_replica(sub, Endpoints.in_dir(sub), model, max_batch=max_batch, limits=limits,
-                       metrics=metrics)
-
-
-def _start_standby(directory: str, model: ModelSpec, max_batch: int, limits: Limits,
-                   metrics: bool) -> Standby:
-    ctx = _context()
-    wait, wake = ctx.Pipe()
-    read, write = ctx.Pipe(duplex=False)  # its report, once it serves a replica (_child)
-    told, tell = ctx.Pipe(duplex=False)  # its dispatcher's pid (_tell_upstream)
-    proc = ctx.Process(target=_child, args=(_parent(), _stand_by, wait, directory, model,
-                                            max_batch, limits, metrics),
-                       kwargs={"_report": write, "_upstream": told},
-                       name="replica-standby", daemon=True)
-    _start(proc)
-    _STARTED.add(proc)
-    wait.close()
-    write.close()
-    told.close()
-    _REPORTS[proc] = read
-    _UPSTREAMS[proc] = tell
-    return Standby(proc, wake)
 
 
 def start_processes(endpoints: Endpoints, directory: str, model: ModelSpec, *,

@@ -24,15 +24,9 @@ one exits while it is meant to be serving:
   given up on is logged as an error; once every replica is given up,
   ``none_left`` is called with one line saying so (``serve --dp`` exits
   non-zero with it);
-* where a *standby* can be had (one rank per replica), a process started
-  ahead, imported and waiting, takes the dead replica's place at once and
-  a new standby is started behind it; the first standby is started
-  :data:`STANDBY_AFTER` seconds after every replica has started
-  (``started()``): it must not slow their start, and a process that is
-  still importing cannot yet see its parent die. A standby is handed a
-  replica only once it has said it is ready; one still starting is waited
-  for (it is further along than a fresh start would be) up to
-  :data:`STANDBY_WAIT` seconds, after which a fresh process is started;
+* a restart is a new process forked from the fork server, which imported
+  everything already (:mod:`scheduler.launch.processes`): it costs a fork
+  and a model build, not an interpreter and torch start;
 * an exit is a clean stop, not restarted, only when ``shut_down(i, ranks)``
   says a ``shutdown`` reached that replica (its processes leave that
   evidence themselves): an exit code of 0 alone proves nothing (a process
@@ -52,21 +46,19 @@ of the old incarnation can never be taken for the new one's.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from bus import sweep_shm
 from scheduler.errors import EngineError
 from scheduler.models.files import ModelLoadError
 
-__all__ = ["BACKOFF", "BACKOFF_MAX", "STABLE", "STANDBY_AFTER", "STANDBY_WAIT", "TRIES",
-           "NoReplicaLeft", "ReplicaSupervisor", "RespawnPolicy", "Standby"]
+__all__ = ["BACKOFF", "BACKOFF_MAX", "STABLE", "TRIES", "NoReplicaLeft", "ReplicaSupervisor",
+           "RespawnPolicy"]
 
 log = logging.getLogger("scheduler.launch")
 
@@ -78,10 +70,6 @@ BACKOFF = 0.1
 BACKOFF_MAX = 5.0
 #: Seconds a restarted replica must stay up for its tries to be counted from 0 again.
 STABLE = 60.0
-#: Seconds after every replica started before the first standby is started.
-STANDBY_AFTER = 10.0
-#: Seconds a restart waits for a standby still starting before it starts a fresh process.
-STANDBY_WAIT = 30.0
 #: Seconds between two looks at the processes (an exit is restarted this late at most).
 _LOOK = 0.05
 
@@ -142,52 +130,6 @@ class RespawnPolicy:
         return self._failures[i]
 
 
-@dataclass(slots=True)
-class Standby:
-    """A replica process started ahead, waiting on ``wake`` for the index to serve."""
-
-    process: BaseProcess
-    wake: Connection
-    _ready: bool = False
-
-    @property
-    def ready(self) -> bool:
-        """Whether it has started and imported everything (a take-over is then immediate)."""
-        if not self._ready and not self.wake.closed:
-            with contextlib.suppress(OSError, EOFError):
-                self._ready = self.wake.poll() and self.wake.recv_bytes() == b"ready"
-        return self._ready
-
-    def take_over(self, i: int) -> list[BaseProcess]:
-        """Make it serve replica ``i`` now; its processes.
-
-        Raises:
-            RuntimeError: it has not said it is ready (it would still be
-                sending that on a pipe this closes).
-            OSError: it is gone (its end of the pipe closed).
-        """
-        if not self.ready:
-            raise RuntimeError(f"standby pid {self.process.pid} is not ready")
-        self.wake.send_bytes(str(i).encode())
-        self.wake.close()
-        return [self.process]
-
-    def stand_down(self) -> None:
-        """Let it exit (it serves nothing)."""
-        with contextlib.suppress(OSError):
-            self.wake.send_bytes(b"")
-        self.wake.close()
-
-
-def _stop_standby(standby: Standby) -> None:
-    """Stand ``standby`` down and wait for it (killed if it does not exit)."""
-    standby.stand_down()
-    standby.process.join(5.0)
-    if standby.process.is_alive():
-        standby.process.kill()
-        standby.process.join(5.0)
-
-
 class ReplicaSupervisor:
     """Restarts replica ``i`` with ``start(i, attempt)`` when its processes exit while
     it is meant to be serving.
@@ -201,8 +143,6 @@ class ReplicaSupervisor:
         start: starts replica ``i`` afresh (``attempt``: its restarts so far + 1).
         keep_going: ``False`` once nothing should be restarted any more.
         policy: backoff, tries and reset (its clock is the supervisor's too).
-        standby: starts a standby (``None``: restarts always start afresh).
-        started: whether every replica has started (standbys wait for that).
         shut_down: whether replica ``i``'s exited processes ``ranks`` stopped
             because a ``shutdown`` reached them (the only exit not restarted).
         ready: whether replica ``i``'s processes ``ranks`` have loaded their
@@ -212,40 +152,30 @@ class ReplicaSupervisor:
         none_left: called once, with one line, when every replica is given up.
         grace: seconds the replicas have to exit once ``keep_going()`` says no
             by itself (:meth:`upstream_gone`).
-        standby_after: seconds after every replica started (or after a standby
-            exited unasked) before a standby is started (:data:`STANDBY_AFTER`).
     """
 
     def __init__(self, replicas: list[list[BaseProcess]],
                  start: Callable[[int, int], list[BaseProcess]], *,
                  keep_going: Callable[[], bool] = lambda: True,
                  policy: RespawnPolicy | None = None,
-                 standby: Callable[[], Standby] | None = None,
-                 started: Callable[[], bool] = lambda: True,
                  shut_down: Callable[[int, list[BaseProcess]], bool] = lambda i, ranks: False,
                  ready: Callable[[int, list[BaseProcess]], bool] = lambda i, ranks: True,
                  load_failure: Callable[[BaseProcess], ModelLoadError | None] = (
                      lambda proc: None),
                  none_left: Callable[[str], None] | None = None,
-                 grace: float = 1.0, standby_after: float = STANDBY_AFTER) -> None:
+                 grace: float = 1.0) -> None:
         self.replicas = replicas
         #: Seconds :meth:`upstream_gone` waits for the replicas to exit by themselves.
         self.grace = grace
-        #: Seconds before a standby is started (see ``standby_after``).
-        self.standby_after = standby_after
         self._start = start
         self._keep_going = keep_going
         self.policy = policy or RespawnPolicy(len(replicas))
         self.clock = self.policy.clock
         self.restarts = [0] * len(replicas)  #: restarts done, per replica
-        self.standby_used = 0  #: restarts that took over a standby
         self.given_up: set[int] = set()  #: replicas that used up their tries
         self.stopped: set[int] = set()  #: replicas a shutdown stopped
         self._exit_codes: dict[int, int] = {}  # replica -> its last exit code
         self._due: dict[int, float] = {}  # replica -> when to restart it
-        self._waiting: dict[int, float] = {}  # replica -> since when it waits for the standby
-        self._make_standby = standby
-        self._all_started = started
         self._shut_down = shut_down
         self._ready = ready
         self._load_failure = load_failure
@@ -255,8 +185,6 @@ class ReplicaSupervisor:
         #: The error that gave every replica up, when it was a model that does not load.
         self.load_error: ModelLoadError | None = None
         self._served = False  # some replica loaded its model once (its start is over)
-        self._standby: Standby | None = None
-        self._next_standby: float | None = None  # when to start a standby (once all started)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replica-supervisor",
                                         daemon=True)
@@ -270,21 +198,12 @@ class ReplicaSupervisor:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
-        self._stand_down()
-
-    def _stand_down(self) -> None:
-        standby, self._standby = self._standby, None
-        if standby is not None:
-            _stop_standby(standby)
 
     def _run(self) -> None:
-        try:
-            while not self._stop.wait(_LOOK) and self._keep_going():
-                self.look()
-            if not self._stop.is_set():  # keep_going() said no: the dispatcher is gone
-                self.upstream_gone()
-        finally:
-            self._stand_down()
+        while not self._stop.wait(_LOOK) and self._keep_going():
+            self.look()
+        if not self._stop.is_set():  # keep_going() said no: the dispatcher is gone
+            self.upstream_gone()
 
     def upstream_gone(self) -> None:
         """The dispatcher is gone: wait up to ``grace`` seconds for every replica process
@@ -305,24 +224,20 @@ class ReplicaSupervisor:
             log.warning("%s still ran %.1f s after the dispatcher exited: killed",
                         ", ".join(stragglers), self.grace)
         sweep_shm()
-        self._stand_down()  # (after: a standby still importing is waited for up to 5 s)
 
     def look(self) -> None:
         """Look at every replica's processes once, at the policy's clock's now: restart
-        those due, note those that exited, start a standby when one is wanted."""
+        those due, note those that exited."""
         now = self.clock()
         if self.none_left is not None:
-            return  # nothing is restarted, and no standby is wanted
-        if self._make_standby is not None:
-            self._keep_a_standby(now)
+            return  # nothing is restarted
         for i, ranks in enumerate(self.replicas):
             if i in self.given_up or i in self.stopped:
                 continue
             if i in self._due:
                 if now >= self._due[i]:
                     del self._due[i]
-                    if not self._restart(i, now):
-                        self._due[i] = now  # it waits for the standby: looked at again
+                    self._restart(i)
                 continue
             codes = [p.exitcode for p in ranks]
             if all(c is None for c in codes):
@@ -335,26 +250,6 @@ class ReplicaSupervisor:
                 log.info("replica%d stopped (shutdown)", i)
                 continue
             self._exited(i, ranks, next(c for c in codes if c is not None))
-
-    def _keep_a_standby(self, now: float) -> None:
-        """Start a standby ``standby_after`` seconds after every replica started, a
-        new one at once after a take-over, and, after one that exited unasked (or was
-        let go, too slow), only ``standby_after`` seconds later: one that cannot
-        start must not be started again every look."""
-        assert self._make_standby is not None
-        if self._next_standby is None:
-            if not self._all_started():
-                return
-            self._next_standby = now + self.standby_after
-        standby = self._standby
-        if standby is not None and standby.process.exitcode is not None:
-            log.warning("the standby (pid %s) exited (exit code %s) before it was needed: "
-                        "another in %.1f s", standby.process.pid, standby.process.exitcode,
-                        self.standby_after)
-            self._standby = None
-            self._next_standby = now + self.standby_after
-        if self._standby is None and now >= self._next_standby:
-            self._standby = self._make_standby()
 
     def _exited(self, i: int, ranks: list[BaseProcess], code: int) -> None:
         for p in ranks:  # a rank left alone would wait for its dead peer for ever
@@ -396,7 +291,6 @@ class ReplicaSupervisor:
         log.log(logging.ERROR if self._served else logging.DEBUG,
                 "replica%d did not load its model: %s: restarting no replica", i, failure)
         self.none_left = f"no replica can serve: {failure}"
-        self._stand_down()
         if self._on_none_left is not None:
             self._on_none_left(self.none_left)
 
@@ -411,60 +305,18 @@ class ReplicaSupervisor:
         return (f"no replica can serve: each exited {self.policy.tries + 1} times in a row "
                 f"({codes}; the log above has their errors)")
 
-    def _take_standby(self, i: int) -> list[BaseProcess] | None:
-        """The standby's processes, now serving replica ``i`` (``None``: none is ready)."""
-        standby = self._standby
-        if standby is None or standby.process.exitcode is not None or not standby.ready:
-            return None
-        self._standby = None
-        try:
-            new = standby.take_over(i)
-        except OSError:  # it died between its "ready" and now: start afresh
-            return None
-        self.standby_used += 1
-        return new
-
-    @property
-    def standby_ready(self) -> bool:
-        """Whether a standby waits, ready to take over."""
-        standby = self._standby
-        return standby is not None and standby.process.exitcode is None and standby.ready
-
-    def _standby_starting(self, i: int, now: float) -> bool:
-        """Whether replica ``i``'s restart should wait for the standby, still starting
-        (no longer than :data:`STANDBY_WAIT`; then it is let go and a fresh one starts)."""
-        standby = self._standby
-        if standby is None or standby.process.exitcode is not None or standby.ready:
-            return False
-        if i not in self._waiting:
-            self._waiting[i] = now
-            log.info("replica%d waits for the standby (pid %s) to finish starting", i,
-                     standby.process.pid)
-        if now - self._waiting[i] < STANDBY_WAIT:
-            return True
-        log.warning("the standby (pid %s) did not start within %.0f s: stopping it, "
-                    "starting replica%d afresh", standby.process.pid, STANDBY_WAIT, i)
-        self._standby = None
-        self._next_standby = now + self.standby_after
-        _stop_standby(standby)
-        return False
-
-    def _restart(self, i: int, now: float) -> bool:
-        """Start replica ``i`` again; ``False``: not yet (it waits for the standby)."""
+    def _restart(self, i: int) -> None:
+        """Start replica ``i`` again."""
         if self._stop.is_set() or not self._keep_going():
-            return True
-        if self._standby_starting(i, now):
-            return False
-        self._waiting.pop(i, None)
+            return
         try:
-            new = self._take_standby(i) or self._start(i, self.restarts[i] + 1)
+            new = self._start(i, self.restarts[i] + 1)
         except Exception as exc:  # a failed start is a failed try
             log.warning("replica%d could not be restarted: %s", i, exc)
             self._exited(i, [], -1)
-            return True
+            return
         self.restarts[i] += 1
         self.policy.started(i)
         self.replicas[i][:] = new
         log.warning("replica%d restarted (pid %s, restart %d)", i,
                     ", ".join(str(p.pid) for p in new), self.restarts[i])
-        return True

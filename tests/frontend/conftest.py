@@ -43,8 +43,8 @@ class HFDoors:
     module first asks for it and stopped when the last module that uses it is done.
 
     A ``zmq`` door costs a scheduler process, ``dp2`` three (a dispatcher, two
-    replicas; no standby: ``TSB_STANDBY=0``), each importing torch and transformers: seconds of CPU
-    apiece on a 2-core host. Modules whose tests only send requests (none stops,
+    replicas), each building the model (transformers imported in each: seconds of CPU
+    apiece on a 2-core host). Modules whose tests only send requests (none stops,
     breaks or reconfigures its server) share them. ``users`` maps each mode to
     the modules of this session's tests that use it.
     """
@@ -64,13 +64,10 @@ class HFDoors:
         threads made 20 guided answers take 27 s instead of 1.
         """
         if mode not in self._doors:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("TSB_STANDBY", "0")  # never killed: a standby would only cost CPU
-                settings, app = settings_from(parse([
-                    "--model", str(self._model), "--served-model-name", "tiny",
-                    *HF_MODES[mode], "--endpoint",
-                    str(self._endpoints.mktemp("ep") / "ep")]))
-                self._doors[mode] = Server(settings, app.tokenizer)
+            settings, app = settings_from(parse([
+                "--model", str(self._model), "--served-model-name", "tiny",
+                *HF_MODES[mode], "--endpoint", str(self._endpoints.mktemp("ep") / "ep")]))
+            self._doors[mode] = Server(settings, app.tokenizer)
         return self._doors[mode]
 
     def release(self, mode: str, module: str) -> None:

@@ -15,7 +15,6 @@ pytest.importorskip("transformers")
 
 from bus import RpcClient
 from frontend.__main__ import parse, settings_from
-from scheduler.launch.processes import NO_STANDBY_ENV
 from tests.frontend.server import Server, openai_client
 
 MAX_TOKENS = 12
@@ -39,9 +38,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tiny_hf: Path
             _RPC_DIRS.append(ep)
             settings, app = settings_from(parse(["--model", str(model), "--served-model-name",
                                                  "tiny", "--endpoint", str(ep), *flags]))
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv(NO_STANDBY_ENV, "0")  # never killed: a standby would only cost CPU
-                made.append(Server(settings, app.tokenizer))
+            made.append(Server(settings, app.tokenizer))
         yield made[0], made[1]
     finally:
         for server in made:

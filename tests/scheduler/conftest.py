@@ -39,8 +39,7 @@ class HFEngines:
     started when a test first asks and shared by every module that asks for them
     (``hf_engines``): their tests only send requests, and each ends what it sends (none
     stops, breaks or reconfigures an engine). A ``dp_size=2`` start costs three
-    processes (a dispatcher, two replicas; no standby: ``TSB_STANDBY=0``) that each
-    import torch and transformers: seconds of CPU apiece on a 2-core host.
+    processes (a dispatcher, two replicas), each a fork and a model build.
 
     They stop when the last module that uses them is done (``users``: those modules).
     """
@@ -56,9 +55,7 @@ class HFEngines:
         Its schedulers run one intra-op torch thread, as every process the tests
         start does (``one_torch_thread``)."""
         if dp_size not in self._engines:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("TSB_STANDBY", "0")  # never killed: a standby would only cost CPU
-                self._engines[dp_size] = Engine("zmq", self._model, dp_size=dp_size)
+            self._engines[dp_size] = Engine("zmq", self._model, dp_size=dp_size)
         engine = self._engines[dp_size]
         assert engine.pending == 0, f"the shared dp_size={dp_size} engine was left busy"
         return engine

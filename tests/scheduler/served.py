@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -11,22 +10,16 @@ from pathlib import Path
 import zmq
 
 from bus import RpcClient
-from scheduler.launch.processes import NO_STANDBY_ENV
 
 
 class Served:
     """A ``serve`` process (``extra`` arguments appended), with a work PUSH, an out PULL
-    and an rpc client; :meth:`close` stops all of it.
-
-    Its tests drive it over its sockets and never kill one of its replicas (under
-    ``--dp``), so it starts no standby (``TSB_STANDBY=0``): one would only be an idle
-    interpreter importing torch 10 s in, beside the test."""
+    and an rpc client; :meth:`close` stops all of it."""
 
     def __init__(self, tmp: Path, *extra: str) -> None:
         self.dir = tmp / "sched"
         self.proc = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--endpoint",
-                                      str(self.dir), *extra], stderr=subprocess.DEVNULL,
-                                     env={**os.environ, NO_STANDBY_ENV: "0"})
+                                      str(self.dir), *extra], stderr=subprocess.DEVNULL)
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         deadline = time.monotonic() + 120
         while not (self.dir / "rpc").exists():

@@ -37,7 +37,6 @@ from scheduler.dp import (
     dispatch_table,
     merge_replies,
 )
-from scheduler.launch.processes import NO_STANDBY_ENV
 
 # -- the dispatch table ---------------------------------------------------------
 
@@ -186,10 +185,7 @@ def test_flush_cache_says_what_every_replica_freed_together() -> None:
 @pytest.fixture(scope="module")
 def dp_engine() -> Iterator[Engine]:
     """The module's dp engine: its tests only send requests, none kills a replica."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(NO_STANDBY_ENV, "0")  # never killed: a standby would only cost CPU
-        engine = Engine("zmq", dp_size=2)
-    with engine:
+    with Engine("zmq", dp_size=2) as engine:
         yield engine
 
 

@@ -30,7 +30,6 @@ from messages import (
 )
 from scheduler import Engine, ModelConfig, RequestFailed
 from scheduler.core.backpressure import FINISH_FLUSH
-from scheduler.launch.processes import STANDBY_AFTER_ENV
 from scheduler.launch.wiring import Endpoints
 from tests import procs
 from tests.conftest import eventually
@@ -456,73 +455,6 @@ def test_serve_dp_stops_promptly_on_sigint_to_the_parent_alone(tmp_path: Path) -
         if serve.poll() is None:
             serve.kill()
         serve.wait(30)
-
-
-def _standby_appears(serve: subprocess.Popen[str], known: set[int], timeout: float) -> int:
-    """The pid of the next process ``serve`` started not in ``known`` (its replicas'
-    standby)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        new = [p for p in procs.started(serve.pid) if p not in known and procs.alive(p)]
-        if new:
-            return new[0]
-        assert time.monotonic() < deadline, "no standby was started"
-        time.sleep(0.01)  # sleep-ok: pacing a deadline poll
-
-
-def _all_live_with_new_replica0(rpc: RpcClient, old: int, timeout: float) -> int:
-    """Poll get_load until every replica is live and replica 0 is not ``old``; its pid."""
-    deadline = time.monotonic() + timeout
-    while True:
-        reply = rpc.call("get_load", timeout=30)
-        if reply.success and reply.result is not None and reply.result["replica0.pid"] != old:
-            pid = reply.result["replica0.pid"]
-            assert isinstance(pid, int)
-            return pid
-        assert time.monotonic() < deadline, f"replica0 not live again: {reply.message}"
-        time.sleep(0.1)  # sleep-ok: pacing a deadline poll
-
-
-def test_serve_dp_restarts_a_replica_killed_while_its_standby_is_still_starting(
-        tmp_path: Path) -> None:
-    # Twice: killed as the first standby starts, then again within seconds of that
-    # restart, as the next standby starts. Each time the standby, still importing,
-    # must not be handed the replica (it exited 0 on the closed pipe: never restarted).
-    # The first standby starts 1 s after both replicas did, not the default 10 s.
-    log = tmp_path / "serve.log"
-    with open(log, "w") as err:
-        serve = subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--dp", "2",
-                                  "--endpoint", str(tmp_path / "ep")], stderr=err, text=True,
-                                 env={**os.environ, STANDBY_AFTER_ENV: "1"})
-    rpc = RpcClient(f"ipc://{tmp_path}/ep/rpc")
-    try:
-        deadline = time.monotonic() + 120
-        while not (reply := rpc.call("get_load", timeout=120)).success:  # both live
-            assert time.monotonic() < deadline
-        assert reply.result is not None
-        replica0, replica1 = reply.result["replica0.pid"], reply.result["replica1.pid"]
-        assert isinstance(replica0, int) and isinstance(replica1, int)
-        known = set(procs.started(serve.pid))
-        for _ in range(2):
-            standby = _standby_appears(serve, known, 60)
-            known.add(standby)
-            os.kill(replica0, signal.SIGKILL)  # the standby is still importing torch
-            replica0 = _all_live_with_new_replica0(rpc, replica0, 90)
-            known.add(replica0)
-        for _ in range(10):  # and they stay live
-            assert rpc.call("get_load", timeout=30).success
-        assert procs.alive(replica0) and procs.alive(replica1)
-        assert rpc.call("shutdown", timeout=30).success
-        assert serve.wait(60) == 0
-    finally:
-        rpc.close()
-        if serve.poll() is None:
-            serve.kill()
-        serve.wait(30)
-    text = log.read_text()
-    assert text.count("replica0 exited (exit code -9)") == 2, text
-    assert text.count("replica0 restarted") == 2, text
-    assert "replica1 exited" not in text, text  # its exit 0 after shutdown: no death
 
 
 def test_serve_dp_does_not_restart_a_replica_a_shutdown_stopped(tmp_path: Path) -> None:

@@ -36,7 +36,6 @@ from messages import (
 )
 from scheduler import Engine, ModelConfig, RequestFailed
 from scheduler.dp import Refused, dispatch_table, merge_replies
-from scheduler.launch.processes import NO_STANDBY_ENV
 from scheduler.models.hf import HFCausalLM
 from scheduler.models.protocol import PromptChunk, RequestState, StateMismatch
 from scheduler.models.tiny import TinyLM
@@ -64,10 +63,7 @@ def _load(engine: Engine) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def pd_engine(model_dir: Path) -> Iterator[Engine]:
     """The module's pd engine: its tests only send requests, none kills a replica."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(NO_STANDBY_ENV, "0")  # never killed: a standby would only cost CPU
-        engine = Engine("zmq", model_dir, pd=(1, 1))
-    with engine:
+    with Engine("zmq", model_dir, pd=(1, 1)) as engine:
         yield engine
 
 

@@ -1,13 +1,10 @@
 """The respawn policy and the replica supervisor on a fake clock, with fake processes:
-backoff, the reset after a stable minute, what counts as a death, and standbys that
-are not ready yet. (Real processes: test_dp_processes.py.)"""
+backoff, the reset after a stable minute, what counts as a death. (Real processes:
+test_dp_processes.py.)"""
 
 from __future__ import annotations
 
-import multiprocessing
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 
 import pytest
 
@@ -16,12 +13,9 @@ from scheduler.launch.respawn import (
     BACKOFF,
     BACKOFF_MAX,
     STABLE,
-    STANDBY_AFTER,
-    STANDBY_WAIT,
     TRIES,
     ReplicaSupervisor,
     RespawnPolicy,
-    Standby,
 )
 
 
@@ -206,153 +200,3 @@ def test_an_exit_0_without_a_shutdown_is_a_death_and_with_one_a_stop() -> None:
     clock.now += BACKOFF_MAX
     sup.look()
     assert starts == [0] and sup.stopped == {1} and sup.given_up == set()
-
-
-class _Standbys:
-    """Standbys on real pipes; the test plays the standby's side."""
-
-    def __init__(self) -> None:
-        self.made: list[tuple[Standby, Connection]] = []
-
-    def __call__(self) -> Standby:
-        theirs, ours = multiprocessing.Pipe()
-        standby = Standby(Proc(), ours)
-        self.made.append((standby, theirs))
-        return standby
-
-    def close(self) -> None:
-        for standby, theirs in self.made:
-            theirs.close()
-            standby.wake.close()
-
-
-def test_a_standby_still_starting_is_waited_for_never_handed_over(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = Clock()
-    standbys = _Standbys()
-    sup, replicas, starts = _supervisor(clock, 2, standby=standbys)
-    try:
-        sup.look()
-        clock.now += STANDBY_AFTER
-        sup.look()  # the standby is started: it imports, it has not said "ready"
-        standby, theirs = standbys.made[0]
-        _die(replicas, 0)
-        sup.look()
-        for _ in range(5):  # the restart is due: it waits for the standby
-            clock.now += 1.0
-            sup.look()
-        assert starts == [] and sup.restarts == [0, 0] and not theirs.poll()
-        theirs.send_bytes(b"ready")  # it finished starting
-        sup.look()
-        assert theirs.recv_bytes() == b"0"  # handed replica 0 only now
-        assert replicas[0] == [standby.process] and sup.standby_used == 1
-        sup.look()  # a new standby behind it (standby_after passed long ago)
-        assert len(standbys.made) == 2
-        _die(replicas, 0)  # a second crash while that one starts: waited for too,
-        sup.look()  # and once it takes too long, a fresh start
-        clock.now += STANDBY_WAIT / 2
-        sup.look()
-        assert starts == []
-        clock.now += STANDBY_WAIT
-        sup.look()
-        assert starts == [0] and sup.restarts == [2, 0]
-        let_go = standbys.made[1][0]
-        assert isinstance(let_go.process, Proc)
-        assert let_go.wake.closed and let_go.process.killed
-    finally:
-        sup.stop()
-        standbys.close()
-
-
-def test_a_standby_take_over_refuses_a_standby_not_ready() -> None:
-    theirs, ours = multiprocessing.Pipe()
-    try:
-        with pytest.raises(RuntimeError, match="not ready"):
-            Standby(Proc(), ours).take_over(0)
-        assert not theirs.poll()
-    finally:
-        theirs.close()
-        ours.close()
-
-
-def test_a_standby_that_exits_unasked_is_replaced_only_after_a_pause() -> None:
-    clock = Clock()
-    standbys = _Standbys()
-    sup, _, _ = _supervisor(clock, 1, standby=standbys)
-    try:
-        sup.look()
-        assert standbys.made == []  # not while the replicas start
-        clock.now += STANDBY_AFTER
-        sup.look()
-        assert len(standbys.made) == 1
-        first = standbys.made[0][0].process
-        assert isinstance(first, Proc)
-        first.exitcode = 1  # it could not start
-        for _ in range(10):
-            sup.look()
-            clock.now += 0.05
-        assert len(standbys.made) == 1  # not one a look
-        clock.now += STANDBY_AFTER
-        sup.look()
-        assert len(standbys.made) == 2
-    finally:
-        sup.stop()
-        standbys.close()
-
-
-def test_a_supervisor_made_under_tsb_standby_0_keeps_no_standby(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # What the shared test engines use: a replica set nobody kills needs no standby.
-    from scheduler.launch.processes import NO_STANDBY_ENV, supervise
-    from scheduler.models.tiny import ModelConfig
-
-    for value, keeps in ((None, True), ("1", True), ("0", False)):
-        if value is None:
-            monkeypatch.delenv(NO_STANDBY_ENV, raising=False)
-        else:
-            monkeypatch.setenv(NO_STANDBY_ENV, value)
-        sup = supervise([], str(tmp_path), ModelConfig(kind="stub"), max_batch=1)
-        try:
-            assert (sup._make_standby is not None) == keeps, value
-        finally:
-            sup.stop()
-
-
-def test_a_supervisor_made_under_tsb_standby_after_starts_its_standby_that_late(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-        caplog: pytest.LogCaptureFixture) -> None:
-    # What the test of a standby killed while it starts uses, not to wait 10 s for one.
-    from scheduler.launch.processes import STANDBY_AFTER_ENV, supervise
-    from scheduler.models.tiny import ModelConfig
-
-    for value, after in ((None, STANDBY_AFTER), ("0.5", 0.5), ("0", 0.0),
-                         ("soon", STANDBY_AFTER), ("-1", STANDBY_AFTER)):
-        if value is None:
-            monkeypatch.delenv(STANDBY_AFTER_ENV, raising=False)
-        else:
-            monkeypatch.setenv(STANDBY_AFTER_ENV, value)
-        caplog.clear()
-        sup = supervise([], str(tmp_path), ModelConfig(kind="stub"), max_batch=1)
-        try:
-            assert sup.standby_after == after, value
-        finally:
-            sup.stop()
-        named = [r for r in caplog.records if STANDBY_AFTER_ENV in r.getMessage()]
-        assert len(named) == (after == STANDBY_AFTER and value is not None), value
-
-
-def test_standby_after_is_the_wait_before_each_standby() -> None:
-    clock = Clock()
-    standbys = _Standbys()
-    sup, _, _ = _supervisor(clock, 2, standby=standbys, standby_after=0.5)
-    try:
-        sup.look()
-        clock.now += 0.4
-        sup.look()
-        assert standbys.made == []
-        clock.now += 0.1
-        sup.look()
-        assert len(standbys.made) == 1
-    finally:
-        sup.stop()
-        standbys.close()
