@@ -51,8 +51,8 @@ from scheduler.launch.tp import TPConfig
 from scheduler.launch.wiring import Endpoints, serve_follower, serve_zmq
 from scheduler.models.loading import ModelLoadError, ModelSpec
 
-__all__ = ["SchedulerProcesses", "load_failure", "start_processes", "start_replicas",
-           "supervise"]
+__all__ = ["SchedulerProcesses", "exit_text", "load_failure", "start_processes",
+           "start_replicas", "supervise"]
 
 log = logging.getLogger("scheduler.launch")
 
@@ -267,6 +267,7 @@ class _Popen(multiprocessing.popen_forkserver.Popen):
 
     def _launch(self, process_obj: BaseProcess) -> None:
         # As multiprocessing.popen_forkserver.Popen._launch, the main module left out.
+        self._process = weakref.ref(process_obj)
         prep_data = multiprocessing.spawn.get_preparation_data(process_obj.name)
         prep_data.pop("init_main_from_name", None)
         prep_data.pop("init_main_from_path", None)
@@ -299,12 +300,20 @@ class _Popen(multiprocessing.popen_forkserver.Popen):
                 return None
             # It exited: its code comes from the fork server once it reaped it (at once).
             if not wait_readable([self._status], _STATUS_WAIT):
-                self.returncode = 255
-                return self.returncode
+                return self._code_lost()
             try:
                 self.returncode = multiprocessing.forkserver.read_signed(self._status)
             except (OSError, EOFError):  # the fork server is gone
-                self.returncode = 255
+                return self._code_lost()
+        return self.returncode
+
+    def _code_lost(self) -> int:
+        """The exit code of a process whose fork server is gone (it alone could read it):
+        255, as multiprocessing says then, noted in :data:`_CODE_LOST`."""
+        self.returncode = 255
+        proc = self._process()
+        if proc is not None:
+            _CODE_LOST.add(proc)
         return self.returncode
 
     def close(self) -> None:
@@ -331,15 +340,29 @@ class _Context(multiprocessing.context.ForkServerContext):
 
 #: Seconds an exited process's code is waited for from the fork server (it reaps at once).
 _STATUS_WAIT = 5.0
+#: The processes that exited after their fork server did: their exit code (255) says
+#: nothing (:func:`exit_text`).
+_CODE_LOST: weakref.WeakSet[BaseProcess] = weakref.WeakSet()
+
+
+def exit_text(proc: BaseProcess) -> str:
+    """``proc``'s exit code as a message quotes it: ``exit code N``, or that it is unknown
+    (its fork server, which alone could read it, is gone)."""
+    if proc in _CODE_LOST:
+        return "exit code unknown: the fork server that started it is gone"
+    return f"exit code {proc.exitcode}"
 
 
 def _context() -> _Context:
     """multiprocessing's fork server context, its processes :class:`_Process`, its preload
-    :data:`_PRELOAD` added (read when the server starts: at the first process started,
-    unless another module of this process started it first)."""
+    :data:`_PRELOAD` added and ``__main__`` taken out (read when the server starts: at
+    the first process started, unless another module of this process started it
+    first). multiprocessing preloads ``__main__`` by default: the starting script, run
+    again in the fork server (where CPython reads the key it looks for, 3.13's later
+    releases and 3.14), and inherited by every scheduler process forked there."""
     ctx = _Context()
     server = multiprocessing.forkserver._forkserver
-    preload = list(getattr(server, "_preload_modules", []))
+    preload = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
     ctx.set_forkserver_preload([*preload, *(m for m in _PRELOAD if m not in preload)])
     return ctx
 

@@ -19,7 +19,12 @@ from bus import Ring, RpcClient, sweep_shm
 from messages import Output, Request
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.launch.processes import SchedulerProcesses, load_failure, start_processes
+from scheduler.launch.processes import (
+    SchedulerProcesses,
+    exit_text,
+    load_failure,
+    start_processes,
+)
 from scheduler.launch.tp import check_tp_room
 from scheduler.launch.wiring import Endpoints, serve_ring
 from scheduler.models.loading import ModelLoadError, ModelSpec
@@ -139,7 +144,7 @@ class StartedScheduler:
                     self.gone = (f"scheduler process {dead.name} did not start: "
                                  f"{self.load_error}")
                     return False
-                self.gone = f"scheduler process {dead.name} exited (exit code {dead.exitcode})"
+                self.gone = f"scheduler process {dead.name} exited ({exit_text(dead)})"
                 # Exit code 0: it was told to stop, as by an operator's rpc shutdown.
                 if not closing:
                     log.log(logging.WARNING if dead.exitcode == 0 else logging.ERROR,

@@ -5,9 +5,11 @@ the process that holds it):
 * a child made by ``os.fork`` after its parent started a ``zmq`` engine starts an engine of
   its own (it inherited the parent's fork server, which is not its child to use);
 * a fork server that dies does not take its processes with it: the engine serves on, and
-  its close stops them (multiprocessing read the server's death as their exit);
+  its close stops them (multiprocessing read the server's death as their exit); one
+  that exits after it is said to have an unknown exit code, not 255;
 * a scheduler process imports nothing of the starting script (a spawned one imported
-  it again, and so ran what its top level does).
+  it again, and so ran what its top level does), nor does the fork server (which
+  multiprocessing has preload ``__main__`` by default).
 """
 
 from __future__ import annotations
@@ -64,6 +66,14 @@ if __name__ == "__main__":
         assert time.monotonic() < deadline, [p for p in forked if alive(p)]
         time.sleep(0.01)  # sleep-ok: pacing a deadline poll
     print("stopped", flush=True)
+    with Engine("zmq", ModelConfig(vocab_size=259, kind="stub")) as engine:
+        os.kill(multiprocessing.forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+        os.kill(engine.collective_rpc("get_load").result["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while engine.gone is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # sleep-ok: pacing a deadline poll
+        print(engine.gone, flush=True)
 """
 
 _SCRIPT_AND_ENV = """
@@ -74,9 +84,11 @@ if __name__ != "__main__":  # (imported in another process: what this test refus
     MARK.write_text(__name__)
 from scheduler import Engine, ModelConfig
 if __name__ == "__main__":
+    import multiprocessing.forkserver
     for n in range(2):
         with Engine("zmq", ModelConfig(vocab_size=259, kind="stub"), dp_size=1 + n) as engine:
             print(n, engine.generate([1]).finish_reason, flush=True)
+    print(multiprocessing.forkserver._forkserver._preload_modules, flush=True)
 """
 
 
@@ -95,11 +107,14 @@ def test_a_forked_child_starts_an_engine_of_its_own(tmp_path: Path) -> None:
 
 def test_a_killed_fork_server_leaves_its_processes_serving_until_the_close(
         tmp_path: Path) -> None:
-    assert _run(tmp_path, _KILLED_SERVER).split() == ["served", "on", "stopped"]
+    out = _run(tmp_path, _KILLED_SERVER).splitlines()
+    assert out[:2] == ["served on", "stopped"], out
+    assert out[2] == ("scheduler process scheduler exited (exit code unknown: the fork "
+                      "server that started it is gone)"), out
 
 
 def test_a_scheduler_process_imports_nothing_of_the_starting_script(tmp_path: Path) -> None:
     mark = tmp_path / "imported"
-    assert _run(tmp_path, _SCRIPT_AND_ENV, str(mark)).split() == [
-        "0", "length", "1", "length"]
+    assert _run(tmp_path, _SCRIPT_AND_ENV, str(mark)).splitlines() == [
+        "0 length", "1 length", "['scheduler.launch.processes']"]
     assert not mark.exists(), f"the script was imported as {mark.read_text()!r}"
