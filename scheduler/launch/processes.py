@@ -564,7 +564,8 @@ def supervise(procs: list[list[BaseProcess]], directory: str, model: ModelSpec, 
         _tell_upstream(ranks, upstream)
     sup = ReplicaSupervisor(
         procs, restart, keep_going=keep_going, grace=UPSTREAM_BOUND,
-        shut_down=shut_down, ready=ready, load_failure=load_failure, none_left=none_left)
+        shut_down=shut_down, ready=ready, load_failure=load_failure, none_left=none_left,
+        exit_text=exit_text)
     sup.start()
     return sup
 

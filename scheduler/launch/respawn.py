@@ -150,6 +150,7 @@ class ReplicaSupervisor:
         load_failure: why an exited process did not load its model, if that
             is why it exited (every replica is then given up on at once).
         none_left: called once, with one line, when every replica is given up.
+        exit_text: how an exited process's exit is said (``exit code N``).
         grace: seconds the replicas have to exit once ``keep_going()`` says no
             by itself (:meth:`upstream_gone`).
     """
@@ -163,7 +164,9 @@ class ReplicaSupervisor:
                  load_failure: Callable[[BaseProcess], ModelLoadError | None] = (
                      lambda proc: None),
                  none_left: Callable[[str], None] | None = None,
-                 grace: float = 1.0) -> None:
+                 grace: float = 1.0,
+                 exit_text: Callable[[BaseProcess], str] = (
+                     lambda proc: f"exit code {proc.exitcode}")) -> None:
         self.replicas = replicas
         #: Seconds :meth:`upstream_gone` waits for the replicas to exit by themselves.
         self.grace = grace
@@ -174,12 +177,13 @@ class ReplicaSupervisor:
         self.restarts = [0] * len(replicas)  #: restarts done, per replica
         self.given_up: set[int] = set()  #: replicas that used up their tries
         self.stopped: set[int] = set()  #: replicas a shutdown stopped
-        self._exit_codes: dict[int, int] = {}  # replica -> its last exit code
+        self._exits: dict[int, str] = {}  # replica -> its last exit, as exit_text says it
         self._due: dict[int, float] = {}  # replica -> when to restart it
         self._shut_down = shut_down
         self._ready = ready
         self._load_failure = load_failure
         self._on_none_left = none_left
+        self._exit_text = exit_text
         #: Once every replica is given up on: one line saying so (else ``None``).
         self.none_left: str | None = None
         #: The error that gave every replica up, when it was a model that does not load.
@@ -249,16 +253,18 @@ class ReplicaSupervisor:
                 self.stopped.add(i)  # a shutdown reached it: nothing to restart
                 log.info("replica%d stopped (shutdown)", i)
                 continue
-            self._exited(i, ranks, next(c for c in codes if c is not None))
+            self._exited(i, ranks, self._exit_text(next(p for p in ranks
+                                                        if p.exitcode is not None)))
 
-    def _exited(self, i: int, ranks: list[BaseProcess], code: int) -> None:
+    def _exited(self, i: int, ranks: list[BaseProcess], how: str) -> None:
+        """Replica ``i`` (its processes ``ranks``) exited, ``how`` (``exit code N``)."""
         for p in ranks:  # a rank left alone would wait for its dead peer for ever
             if p.exitcode is None:
                 p.kill()
             p.join(5.0)
         if any(p.exitcode is not None and p.exitcode < 0 for p in ranks):
             sweep_shm()  # a process a signal ended unlinked nothing: its segments go now
-        self._exit_codes[i] = code
+        self._exits[i] = how
         failure = next((f for f in map(self._load_failure, ranks) if f is not None), None)
         if failure is not None:
             self._give_up_all(i, failure)
@@ -267,8 +273,8 @@ class ReplicaSupervisor:
         if delay is None:
             self.given_up.add(i)
             serving = self._serving()
-            log.error("replica%d exited (exit code %s) after %d restarts in a row: not "
-                      "restarting it again%s", i, code, self.policy.tries,
+            log.error("replica%d exited (%s) after %d restarts in a row: not "
+                      "restarting it again%s", i, how, self.policy.tries,
                       "; the others serve on" if serving else "")
             if not serving:
                 self.none_left = self._none_left_line()
@@ -276,8 +282,8 @@ class ReplicaSupervisor:
                     self._on_none_left(self.none_left)
             return
         self._due[i] = self.clock() + delay
-        log.warning("replica%d exited (exit code %s): restarting it in %.2f s (try %d of %d)",
-                    i, code, delay, self.policy.failures(i), self.policy.tries)
+        log.warning("replica%d exited (%s): restarting it in %.2f s (try %d of %d)",
+                    i, how, delay, self.policy.failures(i), self.policy.tries)
 
     def _give_up_all(self, i: int, failure: ModelLoadError) -> None:
         """Replica ``i`` did not load its model: no replica will (the same model, the
@@ -300,7 +306,7 @@ class ReplicaSupervisor:
 
     def _none_left_line(self) -> str:
         """One line: no replica can serve, and each one's last exit code."""
-        codes = ", ".join(f"replica{i} exit code {self._exit_codes.get(i)}"
+        codes = ", ".join(f"replica{i} {self._exits.get(i, 'exit code None')}"
                           for i in range(len(self.replicas)))
         return (f"no replica can serve: each exited {self.policy.tries + 1} times in a row "
                 f"({codes}; the log above has their errors)")
@@ -313,7 +319,7 @@ class ReplicaSupervisor:
             new = self._start(i, self.restarts[i] + 1)
         except Exception as exc:  # a failed start is a failed try
             log.warning("replica%d could not be restarted: %s", i, exc)
-            self._exited(i, [], -1)
+            self._exited(i, [], "exit code -1")
             return
         self.restarts[i] += 1
         self.policy.started(i)
