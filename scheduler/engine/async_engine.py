@@ -347,7 +347,7 @@ class AsyncEngine:
         else:
             out_inbox = PullInbox(OUT.outbound_codec(), self.endpoints.out, name="out")
             self._work_out = PushOutbox(WORK.inbound_codec(), self.endpoints.work, name="work")
-            self._scheduler = StartedScheduler.spawned(
+            self._scheduler = StartedScheduler.forked(
                 self.endpoints, self._dir, self.model, max_batch=max_batch, tp_size=tp_size,
                 dp_size=dp_size, limits=self.limits, metrics=metrics, dp_policy=dp_policy,
                 pd=pd)
@@ -378,7 +378,7 @@ class AsyncEngine:
         # _Reader, its watchdog holds it weakly, its scheduler thread not at all):
         # this closes what it started then. It holds the engine's state, not the
         # engine. Not at exit
-        # (the scheduler thread is a daemon, a scheduler process watches its parent,
+        # (the scheduler thread is a daemon, a scheduler process watches its starter,
         # _remove_dir removes the run directory), nothing in a forked child.
         self._abandoned = weakref.finalize(self, _close_abandoned, self.__dict__)
         self._abandoned.atexit = False

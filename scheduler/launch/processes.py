@@ -91,19 +91,23 @@ def _orphaned() -> None:
     os._exit(1)
 
 
-def _when_gone(pid: int, alive: Callable[[], bool], then: Callable[[], None],
-               name: str) -> None:
-    """Call ``then`` in a daemon thread ``name`` as soon as process ``pid`` exits
-    (at once, here, when it is gone already).
+def _when_gone(pid: int, started: int, then: Callable[[], None], name: str) -> None:
+    """Call ``then`` in a daemon thread ``name`` as soon as process ``pid``, which started
+    at ``started`` (:func:`~bus.shm.segment.start_time`), exits (at once, here, when
+    it is gone already).
 
     A pidfd becomes readable when the process exits, whoever its parent is
     and whoever reaps it (unlike ``PR_SET_PDEATHSIG``, which fires when the
     *thread* that started the child ends); a thread parked on it costs
-    nothing until then. Where there is no pidfd, ``alive()`` is asked twice a
-    second instead. ``alive()`` is also asked once the pidfd is open: a pid
-    names whichever process has it now, and the one watched may have exited
-    and its pid been given to another before the pidfd was made.
+    nothing until then. Where there is no pidfd, the process is looked at
+    twice a second instead. It is also looked at once the pidfd is open: a
+    pid names whichever process has it now, and the one watched may have
+    exited and its pid been given to another (of another start time) before
+    the pidfd was made.
     """
+    def alive() -> bool:
+        return pid_alive(pid) and start_time(pid) == started
+
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -140,8 +144,7 @@ def _watch_parent(parent: int, started: int) -> None:
     shared memory behind (:mod:`scheduler.launch.leftovers`). (It is not this
     process's parent in the kernel's sense, which is the fork server.)
     """
-    _when_gone(parent, lambda: pid_alive(parent) and start_time(parent) == started,
-               _orphaned, "parent-watch")
+    _when_gone(parent, started, _orphaned, "parent-watch")
 
 
 def _watch_upstream(upstream: Connection) -> None:
@@ -173,8 +176,7 @@ def _watch_upstream(upstream: Connection) -> None:
                         os.getpid(), pid)
             _orphaned()
 
-        _when_gone(pid, lambda: pid_alive(pid) and start_time(pid) == started, gone,
-                   "upstream-watch")
+        _when_gone(pid, started, gone, "upstream-watch")
 
     threading.Thread(target=wait_for_pid, name="upstream-pid", daemon=True).start()
 
@@ -201,9 +203,10 @@ def _forget_in_fork() -> None:
     if isinstance(alive, int) and getattr(server, "_forkserver_pid", None) is not None:
         with contextlib.suppress(OSError):
             os.close(alive)
-        for name in ("_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd"):
-            setattr(server, name, None)
-        setattr(server, "_lock", threading.Lock())  # noqa: B010  # (not in typeshed)
+        fresh = {"_forkserver_pid": None, "_forkserver_address": None,
+                 "_forkserver_alive_fd": None, "_lock": threading.Lock()}
+        for name, value in fresh.items():  # (set by name: typeshed has none of them)
+            setattr(server, name, value)
 
 
 os.register_at_fork(after_in_child=_forget_in_fork)

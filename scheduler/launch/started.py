@@ -70,7 +70,7 @@ def checked_layout(mode: str, max_batch: int, tp_size: int, dp_size: int,
 
 class StartedScheduler:
     """One engine's scheduler: a thread of this process (:meth:`embedded`, ring mode) or
-    processes reached over ipc endpoints (:meth:`spawned`, zmq mode)."""
+    processes reached over ipc endpoints (:meth:`forked`, zmq mode)."""
 
     #: Why the scheduler no longer serves (a process exited, the thread stopped, every
     #: replica was given up on), once :meth:`alive` saw it; None while it serves.
@@ -84,9 +84,6 @@ class StartedScheduler:
         self.load_error = None
         self.thread = thread
         self.processes = processes or SchedulerProcesses()
-        #: The processes whose death ends the engine (the dispatcher, or the scheduler's
-        #: ranks): a data-parallel replica's is the dispatcher's to handle.
-        self.essential: list[BaseProcess] = self.processes.essential
 
     @classmethod
     def embedded(cls, ingress: Ring[Request], egress: Ring[Output], rpc: str, model: Model,
@@ -108,14 +105,21 @@ class StartedScheduler:
         return started
 
     @classmethod
-    def spawned(cls, endpoints: Endpoints, directory: str, model: ModelSpec, *,
-                max_batch: int, tp_size: int, dp_size: int, limits: Limits, metrics: bool,
-                dp_policy: Policy, pd: tuple[int, int] | None) -> StartedScheduler:
-        """Start the scheduler's processes (:func:`~scheduler.launch.processes.
-        start_processes`) on ``endpoints``, their files in ``directory``."""
+    def forked(cls, endpoints: Endpoints, directory: str, model: ModelSpec, *,
+               max_batch: int, tp_size: int, dp_size: int, limits: Limits, metrics: bool,
+               dp_policy: Policy, pd: tuple[int, int] | None) -> StartedScheduler:
+        """Start the scheduler's processes, forked from the fork server
+        (:func:`~scheduler.launch.processes.start_processes`), on ``endpoints``, their
+        files in ``directory``."""
         return cls(processes=start_processes(
             endpoints, directory, model, max_batch=max_batch, tp_size=tp_size,
             dp_size=dp_size, limits=limits, metrics=metrics, dp_policy=dp_policy, pd=pd))
+
+    @property
+    def essential(self) -> list[BaseProcess]:
+        """The processes whose death ends the engine (the dispatcher, or the scheduler's
+        ranks): a data-parallel replica's is the dispatcher's to handle."""
+        return self.processes.essential
 
     @property
     def replica_pids(self) -> list[tuple[int, ...]]:
@@ -124,7 +128,7 @@ class StartedScheduler:
                 for ranks in self.processes.replicas]
 
     def alive(self, closing: bool = False) -> bool:
-        """Whether it still serves, checked now (a ``waitpid`` per process, no rpc); the
+        """Whether it still serves, checked now (a pidfd poll per process, no rpc); the
         first time it does not, :attr:`gone` says why, logged once (not while the
         engine is ``closing``, nor for a process that did not start: the engine's
         start raises that)."""
@@ -208,4 +212,3 @@ class StartedScheduler:
             if proc.exitcode is not None:  # joined (or killed and joined) just before
                 proc.close()
         self.processes = SchedulerProcesses()
-        self.essential = []

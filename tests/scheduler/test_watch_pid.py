@@ -13,10 +13,11 @@ from scheduler.launch.processes import _when_gone
 
 
 def test_a_pid_that_names_another_process_once_watched_counts_as_gone() -> None:
-    # The pid is alive (this process's own) but is not the process watched: without the
-    # check after the pidfd is made, the watch parked on a process that would never exit.
+    # The pid is alive (this process's own) but is not the process watched (that one
+    # started earlier): without the check after the pidfd is made, the watch parked on a
+    # process that would never exit.
     gone = threading.Event()
-    _when_gone(os.getpid(), lambda: False, gone.set, "test-watch")
+    _when_gone(os.getpid(), start_time(os.getpid()) - 1, gone.set, "test-watch")
     assert gone.is_set()
 
 
@@ -24,7 +25,7 @@ def test_a_live_watched_process_is_not_gone() -> None:
     gone = threading.Event()
     with subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                           stdin=subprocess.PIPE) as proc:
-        _when_gone(proc.pid, lambda: start_time(proc.pid) >= 0, gone.set, "test-watch")
+        _when_gone(proc.pid, start_time(proc.pid), gone.set, "test-watch")
         assert not gone.is_set()
         assert proc.stdin is not None
         proc.stdin.close()  # it exits: the watch fires
