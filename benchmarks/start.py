@@ -9,7 +9,12 @@ way of starting runs in a fresh interpreter of its own, one first start then
   imported the scheduler's modules (torch among them) when the first start
   made it; later starts in the process are forks.
 * ``spawn``: each process a new interpreter that imports them itself (how
-  the engine started its processes before).
+  the engine started its processes before; SGLang's way).
+* ``fork``: each process forked from the engine's own process (vLLM's default
+  while CUDA is not initialised). As fast as ours, but it forks a process
+  that runs threads (the engine's loop, zmq's I/O, torch's pool): a lock one of
+  them held at the fork stays held in the child, and the child inherits the
+  engine's sockets. The fork server forks a process that runs none.
 
 The last line is one JSON object:
 
@@ -18,8 +23,11 @@ The last line is one JSON object:
   ``zmq_start_ms_p50_spawn``: spawn's starts' median (each alike);
   ``zmq_start_ratio_spawn_vs_ours``: the second over the first (> 1: ours
   sooner).
+* ``zmq_start_ms_p50_fork``, ``zmq_start_ratio_fork_vs_ours``: the same for
+  a plain fork (about 1: the fork server's gain is safety, not speed, over it).
 * ``dp2_start_ms_p50``, ``dp2_start_ms_p50_spawn``,
-  ``dp2_start_ratio_spawn_vs_ours``: the same for ``dp_size=2`` (a dispatcher
+  ``dp2_start_ratio_spawn_vs_ours``, ``dp2_start_ms_p50_fork``,
+  ``dp2_start_ratio_fork_vs_ours``: the same for ``dp_size=2`` (a dispatcher
   and two replicas: three processes; spawned, three interpreters importing
   torch at once on the box's cores).
 * ``load_avg_1m``: the box's load as the run ended.
@@ -45,8 +53,9 @@ LATER = 4
 ROUNDS = 3
 
 KEYS = ["zmq_start_ms_first", "zmq_start_ms_p50", "zmq_start_ms_p50_spawn",
-        "zmq_start_ratio_spawn_vs_ours", "dp2_start_ms_p50", "dp2_start_ms_p50_spawn",
-        "dp2_start_ratio_spawn_vs_ours", "load_avg_1m"]
+        "zmq_start_ratio_spawn_vs_ours", "zmq_start_ms_p50_fork", "zmq_start_ratio_fork_vs_ours",
+        "dp2_start_ms_p50", "dp2_start_ms_p50_spawn", "dp2_start_ratio_spawn_vs_ours",
+        "dp2_start_ms_p50_fork", "dp2_start_ratio_fork_vs_ours", "load_avg_1m"]
 
 
 def _starts(dp_size: int, n: int) -> list[float]:
@@ -63,18 +72,18 @@ def _starts(dp_size: int, n: int) -> list[float]:
 
 
 def one(way: str) -> dict[str, list[float]]:
-    """One interpreter's starts, ``way`` ``ours`` or ``spawn``: zmq mode's first start and
-    :data:`LATER` more, then :data:`LATER` of ``dp_size=2``."""
-    if way == "spawn":
+    """One interpreter's starts, ``way`` ``ours``, ``spawn`` or ``fork``: zmq mode's first
+    start and :data:`LATER` more, then :data:`LATER` of ``dp_size=2``."""
+    if way != "ours":
         from scheduler.launch import processes
 
-        processes._context = lambda: multiprocessing.get_context("spawn")  # type: ignore[assignment,return-value]
+        processes._context = lambda: multiprocessing.get_context(way)  # type: ignore[assignment,return-value]
     zmq = _starts(1, 1 + LATER)
     return {"first": zmq[:1], "zmq": zmq[1:], "dp2": _starts(2, LATER)}
 
 
 def run() -> dict[str, object]:
-    got: dict[str, list[dict[str, list[float]]]] = {"ours": [], "spawn": []}
+    got: dict[str, list[dict[str, list[float]]]] = {"ours": [], "spawn": [], "fork": []}
     for _ in range(ROUNDS):
         for way in got:
             out = subprocess.run([sys.executable, "-m", "benchmarks.start", "one", way],
@@ -84,13 +93,17 @@ def run() -> dict[str, object]:
     def p50(way: str, part: str) -> float:
         return statistics.median(statistics.median(r[part]) for r in got[way])
 
-    ours, spawn = p50("ours", "zmq"), p50("spawn", "zmq")
-    ours2, spawn2 = p50("ours", "dp2"), p50("spawn", "dp2")
+    ours, spawn, fork = (p50(way, "zmq") for way in ("ours", "spawn", "fork"))
+    ours2, spawn2, fork2 = (p50(way, "dp2") for way in ("ours", "spawn", "fork"))
     return {"zmq_start_ms_first": round(p50("ours", "first"), 1),
             "zmq_start_ms_p50": round(ours, 1), "zmq_start_ms_p50_spawn": round(spawn, 1),
             "zmq_start_ratio_spawn_vs_ours": round(spawn / ours, 2),
+            "zmq_start_ms_p50_fork": round(fork, 1),
+            "zmq_start_ratio_fork_vs_ours": round(fork / ours, 2),
             "dp2_start_ms_p50": round(ours2, 1), "dp2_start_ms_p50_spawn": round(spawn2, 1),
             "dp2_start_ratio_spawn_vs_ours": round(spawn2 / ours2, 2),
+            "dp2_start_ms_p50_fork": round(fork2, 1),
+            "dp2_start_ratio_fork_vs_ours": round(fork2 / ours2, 2),
             "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
