@@ -130,7 +130,7 @@ from scheduler.models.loading import (
 )
 from scheduler.models.protocol import Model
 
-__all__ = ["SEND_TIMEOUT", "AsyncEngine", "AsyncRequest", "close_timeout",
+__all__ = ["SEND_TIMEOUT", "AsyncEngine", "AsyncRequest", "close_on", "close_timeout",
            "deliver_rows"]
 
 log = logging.getLogger("scheduler.engine")

@@ -30,7 +30,7 @@ import numpy.typing as npt
 from messages import SamplingParams
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine.async_engine import AsyncEngine, close_timeout
+from scheduler.engine.async_engine import AsyncEngine, close_on, close_timeout
 from scheduler.engine.handles import RequestHandle, Stream, StreamChunk
 from scheduler.errors import EngineClosed
 from scheduler.launch.wiring import Endpoints
@@ -289,9 +289,7 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
 
 log = logging.getLogger("scheduler.engine")
 
-#: The closes of engines collected unclosed, held until they end.
-_abandoned_closes: set[asyncio.Task[None]] = set()
-#: Set as each of those closes ends (what the exit waits for).
+#: Set as each close of an engine collected unclosed ends (what the exit waits for).
 _abandoned_ends: set[threading.Event] = set()
 #: Engines started and not closed (nor collected).
 _open: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -320,14 +318,7 @@ def _close_abandoned(core: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None
             ended.set()
             _abandoned_ends.discard(ended)
 
-    def begin() -> None:
-        task = loop.create_task(close())
-        _abandoned_closes.add(task)
-        task.add_done_callback(_abandoned_closes.discard)
-
-    try:
-        loop.call_soon_threadsafe(begin)
-    except RuntimeError:  # (the loop is closed already: the loop thread ended it)
+    if not close_on(loop, close):  # the loop thread closed it already
         _abandoned_ends.discard(ended)
         return
     warnings.warn(f"an Engine ({core.mode} mode, run directory {core._dir}) was collected "
