@@ -102,3 +102,9 @@ def free_tcp_base(ports: int = 3) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no free ports")
+
+
+def write_environ(path: str, name: str) -> None:
+    """Write environment variable ``name`` (``unset`` if it is not) to ``path``: a target
+    for a process, to see the environment it runs with."""
+    Path(path).write_text(os.environ.get(name, "unset"))

@@ -9,7 +9,9 @@ the process that holds it):
   that exits after it is said to have an unknown exit code, not 255;
 * a scheduler process imports nothing of the starting script (a spawned one imported
   it again, and so ran what its top level does), nor does the fork server (which
-  multiprocessing has preload ``__main__`` by default).
+  multiprocessing has preload ``__main__`` by default);
+* a scheduler process reads its starter's environment as it is when the process starts
+  (the fork server's is the one its starter had when the server started).
 """
 
 from __future__ import annotations
@@ -91,6 +93,25 @@ if __name__ == "__main__":
     print(multiprocessing.forkserver._forkserver._preload_modules, flush=True)
 """
 
+_ENV_NOW = """
+import os, sys
+from pathlib import Path
+from scheduler.launch import processes
+from tests.procs import write_environ
+if __name__ == "__main__":
+    ctx = processes._context()
+    for n, value in enumerate(["before", "after"]):
+        # The fork server starts with the first process, its environment as it is then.
+        os.environ["TSB_TEST_NOW"] = value
+        out = Path(sys.argv[1]) / str(n)
+        proc = ctx.Process(target=processes._child,
+                           args=(processes._parent(), write_environ, str(out),
+                                 "TSB_TEST_NOW"))
+        processes._start(proc)
+        proc.join(60)
+        print(out.read_text(), flush=True)
+"""
+
 
 def _run(tmp_path: Path, script: str, *args: str) -> str:
     path = tmp_path / "script.py"
@@ -118,3 +139,8 @@ def test_a_scheduler_process_imports_nothing_of_the_starting_script(tmp_path: Pa
     assert _run(tmp_path, _SCRIPT_AND_ENV, str(mark)).splitlines() == [
         "0 length", "1 length", "['scheduler.launch.processes']"]
     assert not mark.exists(), f"the script was imported as {mark.read_text()!r}"
+
+
+def test_a_scheduler_process_reads_its_starters_environment_as_it_is_now(
+        tmp_path: Path) -> None:
+    assert _run(tmp_path, _ENV_NOW, str(tmp_path)).splitlines() == ["before", "after"]
