@@ -366,7 +366,7 @@ class Frontend:
                         code="not_found")
 
     async def _guarded(self, receive: Receive, reply: Reply,
-                       run: Callable[[Send], Awaitable[int]], *, stream: bool = True) -> int:
+                       run: Callable[[Reply], Awaitable[int]], *, stream: bool = True) -> int:
         """Run ``run`` (given ``reply``) while watching the connection: a client that
         leaves cancels it (its request is aborted) and the answer is 499. A whole
         answer (``stream`` False) is watched from :data:`~frontend.asgi.WATCH_AFTER_S`

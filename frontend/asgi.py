@@ -13,12 +13,13 @@ import itertools
 import re
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Protocol
 
 from frontend.errors import ApiError, clip
 from frontend.schemas import sse_safe
 
-__all__ = ["PIECE", "WATCH_AFTER_S", "WHOLE", "Conn", "Piece", "Receive", "Reply", "Scope",
-           "Send", "Whole", "read_body", "request_id", "send_bytes", "send_failure", "send_piece"]
+__all__ = ["PIECE", "WATCH_AFTER_S", "WHOLE", "Answer", "Conn", "Piece", "Receive", "Reply",
+           "Scope", "Send", "Whole", "read_body", "request_id", "send_bytes", "send_failure"]
 
 Scope = MutableMapping[str, object]
 Event = MutableMapping[str, object]
@@ -128,20 +129,11 @@ async def send_bytes(send: Send, status: int, body: bytes,
     """A whole response, its length told (so it is not chunked): through a
     :class:`Reply`, at once (:meth:`Reply.whole`), else in two ASGI events."""
     if isinstance(send, Reply):
-        await send.whole(status, [*headers, (b"content-length", b"%d" % len(body))], body)
+        await send.whole(status, headers, body)
         return
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", b"%d" % len(body))]})
     await send({"type": "http.response.body", "body": body})
-
-
-async def send_piece(send: Send, body: bytes, more: bool) -> None:
-    """A piece of an answer begun (``more`` False: its last): through a :class:`Reply`,
-    at once (:meth:`Reply.piece`), else as one ASGI ``http.response.body``."""
-    if isinstance(send, Reply):
-        await send.piece(body, more)
-        return
-    await send({"type": "http.response.body", "body": body, "more_body": more})
 
 
 async def send_error(send: Send, error: ApiError) -> None:
@@ -188,6 +180,22 @@ def request_id(scope: Scope) -> bytes:
     return next(_MADE_IDS).encode()
 
 
+class Answer(Protocol):
+    """Where one answer of the request path goes: whole (:meth:`whole`), or as a stream
+    begun (:meth:`begin`) and sent a piece at a time (:meth:`piece`). A
+    :class:`Reply` sends it on its connection; a fan-out of several answers
+    (:mod:`frontend.fanout`) keeps each one, or merges them into one stream."""
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        """Send a whole answer (its ``content-length`` is added here)."""
+
+    async def begin(self, status: int, headers: Headers) -> None:
+        """Begin an answer sent in pieces."""
+
+    async def piece(self, body: bytes, more: bool) -> None:
+        """Send a piece of the answer begun (``more`` False: its last)."""
+
+
 class Reply:
     """The one ``send`` a request's answer goes out through (whole, streamed or an error).
 
@@ -217,7 +225,8 @@ class Reply:
         self.started = self.events = self.done = self.sent = False
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
-        """Send a whole answer: ``headers`` name its ``content-length``."""
+        """Send a whole answer (its ``content-length`` is added here)."""
+        headers = [*headers, (b"content-length", b"%d" % len(body))]
         whole = self._whole
         if whole is None:
             await self({"type": "http.response.start", "status": status, "headers": headers})
@@ -226,6 +235,10 @@ class Reply:
         self.started = self.done = True  # (a whole answer is no stream of events)
         await whole(status, [*headers, self._rid], b"" if self._head else body)
         self.sent = True
+
+    async def begin(self, status: int, headers: Headers) -> None:
+        """Begin an answer sent in pieces (:meth:`piece`)."""
+        await self({"type": "http.response.start", "status": status, "headers": headers})
 
     async def piece(self, body: bytes, more: bool) -> None:
         """Send a piece of the answer begun (``more`` False: its last): through the

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 
-from frontend.asgi import Event, Send, send_bytes, send_piece
+from frontend.asgi import JSON, Answer, Headers
 from frontend.errors import bad_request
 from frontend.request_state import RequestState
 from frontend.responses import DONE
@@ -89,7 +89,7 @@ def nth_answer(state: RequestState, copy: int) -> RequestState:
 
 
 async def answer_several(req: CompletionRequest | ChatCompletionRequest,
-                         states: list[RequestState], send: Send,
+                         states: list[RequestState], out: Answer,
                          answer: Callable[[RequestState], Awaitable[int]]) -> int:
     """Answer one or several requests to the engine as one answer: several prompts, or
     several answers of each prompt (``n``; a completion's ``best_of``, in the order of
@@ -107,7 +107,7 @@ async def answer_several(req: CompletionRequest | ChatCompletionRequest,
     if len(states) == 1:  # one answer: the request path's own response, as it is
         return await answer(states[0])
     if req.stream:
-        return await _answer_several_streamed(req, states, send, answer)
+        return await _answer_several_streamed(req, states, out, answer)
     copies = _copies(req)
     keep = req.n
     # best_of ranks by logprobs, asked or not (not asked: left out of the answer).
@@ -117,15 +117,15 @@ async def answer_several(req: CompletionRequest | ChatCompletionRequest,
         for state in states:
             state.logprobs = True
     chat = states[0].response.chat
-    bodies = [bytearray() for _ in states]
-    for state, body in zip(states, bodies, strict=True):
-        state.send = _into(body)
+    kept = [_Kept() for _ in states]
+    for state, body in zip(states, kept, strict=True):
+        state.answer = body
     tasks = [asyncio.ensure_future(answer(state)) for state in states]
     try:
         await asyncio.gather(*tasks)
     finally:
         await _cancel_all(tasks)
-    parts = [(_CHAT if chat else _COMPLETION).decode(body) for body in bodies]
+    parts = [(_CHAT if chat else _COMPLETION).decode(body.body) for body in kept]
     choices: list[CompletionChoice | ChatChoice] = []
     prompt_tokens = answer_tokens = cached = 0
     for at in range(0, len(parts), copies):
@@ -156,45 +156,29 @@ async def answer_several(req: CompletionRequest | ChatCompletionRequest,
     else:
         body_out = encode(Completion(first.id, first.created, first.model, [
             c for c in choices if isinstance(c, CompletionChoice)], usage=usage))
-    await send_bytes(send, 200, body_out)
+    await out.whole(200, JSON, body_out)
     return 200
 
 
 async def _answer_several_streamed(req: CompletionRequest | ChatCompletionRequest,
-                                   states: list[RequestState], send: Send,
+                                   states: list[RequestState], out: Answer,
                                    answer: Callable[[RequestState], Awaitable[int]]) -> int:
     """Stream several answers as one: each one's events carry its choice ``index``
-    and the one answer id, interleaved as they come; one ``[DONE]`` ends them all,
-    after the summed usage (``include_usage``). The response starts with the first
-    answer's first event. The first error of any aborts the others and is raised:
-    before that first event the app answers with it, after it the app ends the
-    stream with it as one error event (:func:`frontend.asgi.send_failure`).
+    and the one answer id, interleaved as they come (:class:`_Interleaved`); one
+    ``[DONE]`` ends them all, after the summed usage (``include_usage``). The response
+    starts with the first answer's first event. The first error of any aborts the
+    others and is raised: before that first event the app answers with it, after it
+    the app ends the stream with it as one error event
+    (:func:`frontend.asgi.send_failure`).
 
     Raises:
         ApiError: one answer's refusal or error.
     """
-    started = False
-
-    async def forward(event: Event) -> None:
-        """Every answer's send: the first response start, and each body but its
-        ``[DONE]``."""
-        nonlocal started
-        if event["type"] == "http.response.start":
-            if not started:
-                started = True
-                await send(event)
-            return
-        body = event.get("body", b"")
-        assert isinstance(body, bytes)
-        if body.endswith(DONE):  # one [DONE], after every answer
-            body = body[:-len(DONE)]
-        if body:
-            await send_piece(send, body, True)
-
+    shared = _Interleaved(out)
     # Each answer its choice index, under the first one's answer id.
     first = states[0].response
     for i, state in enumerate(states):
-        state.send = forward
+        state.answer = shared
         state.response = first.for_choice(i)
         state.include_usage = False  # the summed usage goes last, once
     tasks = [asyncio.ensure_future(answer(state)) for state in states]
@@ -216,7 +200,7 @@ async def _answer_several_streamed(req: CompletionRequest | ChatCompletionReques
             answer_tokens += u.completion_tokens
         tail.insert(0, states[0].response.usage_event(Usage(
             prompt, answer_tokens, prompt + answer_tokens, PromptTokensDetails(cached))))
-    await send_piece(send, b"".join(tail), False)
+    await out.piece(b"".join(tail), False)
     return 200
 
 
@@ -243,11 +227,44 @@ async def _cancel_all(tasks: Sequence[asyncio.Future[int]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _into(body: bytearray) -> Send:
-    """A ``send`` that keeps an answer's body in ``body`` (one prompt's of several)."""
-    async def keep(event: Event) -> None:
-        if event["type"] == "http.response.body":
-            chunk = event.get("body", b"")
-            assert isinstance(chunk, bytes)
-            body.extend(chunk)
-    return keep
+class _Kept:
+    """One answer of several, kept whole (:func:`answer_several` merges them)."""
+
+    __slots__ = ("body",)
+
+    def __init__(self) -> None:
+        self.body = bytearray()
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        self.body += body
+
+    async def begin(self, status: int, headers: Headers) -> None:
+        pass
+
+    async def piece(self, body: bytes, more: bool) -> None:
+        self.body += body
+
+
+class _Interleaved:
+    """Several streamed answers sent as one, onto ``out``: the first answer's start
+    begins it, then every piece of each goes on but its ``[DONE]`` (one ends them all)."""
+
+    __slots__ = ("_out", "_started")
+
+    def __init__(self, out: Answer) -> None:
+        self._out = out
+        self._started = False
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        raise AssertionError("a streamed answer is never sent whole")
+
+    async def begin(self, status: int, headers: Headers) -> None:
+        if not self._started:
+            self._started = True
+            await self._out.begin(status, headers)
+
+    async def piece(self, body: bytes, more: bool) -> None:
+        if body.endswith(DONE):
+            body = body[:-len(DONE)]
+        if body:
+            await self._out.piece(body, True)

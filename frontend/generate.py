@@ -7,7 +7,8 @@ Follow one request (each step names the module that does it):
    ``/v1/chat/completions``, decodes the body (:mod:`frontend.schemas`: a bad
    one is a 400 naming its field), checks that it names a model served (else a
    404) and calls :meth:`OpenAIServing.completion` or
-   :meth:`OpenAIServing.chat` with the connection's ASGI ``send``.
+   :meth:`OpenAIServing.chat` with the connection's
+   :class:`~frontend.asgi.Reply` (an :class:`~frontend.asgi.Answer`).
 2. The handler has the request's guide (and a chat's tool
    plan) built and checked off the event loop, and tokenizes the prompt (a
    chat's rendered by its template, :mod:`frontend.chat`; a long one off the
@@ -16,7 +17,7 @@ Follow one request (each step names the module that does it):
 3. Each answer gets one :class:`~frontend.request_state.RequestState`: its
    prompt ids, sampling, detokenizer and stop strings, the
    :class:`~frontend.responses.ResponseShaper` that spells its bytes, and the
-   ``send`` they go to. :func:`frontend.fanout.answer_several` answers them
+   ``answer`` they go to. :func:`frontend.fanout.answer_several` answers them
    through ``_answer``: one as it is, several (a prompt list, ``n``,
    ``best_of``) at once, joined into one response.
 4. ``_answer`` asks the :class:`~scheduler.AsyncEngine`: ``_whole`` awaits its
@@ -25,7 +26,7 @@ Follow one request (each step names the module that does it):
    in one write).
 5. Each step's token ids are detokenized (:class:`~frontend.detokenizer.Detokenizer`:
    UTF-8 safe, stop strings held back) and shaped into a body or Server-Sent
-   Events (``data: {...}``, ending ``data: [DONE]``), written to ``send``.
+   Events (``data: {...}``, ending ``data: [DONE]``), sent through ``answer``.
 
 The first step is awaited before the response starts, so a refusal
 (``Overloaded``: 503 with ``Retry-After``) is still an HTTP error, not an event
@@ -42,7 +43,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import cast
 
-from frontend.asgi import SSE, Send, send_bytes, send_piece
+from frontend.asgi import JSON, SSE, Answer
 from frontend.chat import ChatTemplate
 from frontend.detokenizer import Detokenizer
 from frontend.errors import bad_request, from_engine
@@ -162,7 +163,7 @@ class OpenAIServing:
             return run()
         return await asyncio.get_running_loop().run_in_executor(None, run)
 
-    async def completion(self, req: CompletionRequest, send: Send, t0: float) -> int:
+    async def completion(self, req: CompletionRequest, answer: Answer, t0: float) -> int:
         """Answer a completion, of one prompt or several (one choice each, ``index`` in
         the prompts' order); returns the HTTP status sent.
 
@@ -182,11 +183,11 @@ class OpenAIServing:
         states: list[RequestState] = []
         for ids in prompts:
             max_tokens = self.translator.budget(len(ids), req.max_tokens, 16, "prompt")
-            states += [nth_answer(self._state(req, ids, max_tokens, send, t0, guide), i)
+            states += [nth_answer(self._state(req, ids, max_tokens, answer, t0, guide), i)
                        for i in range(copies)]
-        return await answer_several(req, states, send, self._answer)
+        return await answer_several(req, states, answer, self._answer)
 
-    async def chat(self, req: ChatCompletionRequest, send: Send, t0: float) -> int:
+    async def chat(self, req: ChatCompletionRequest, answer: Answer, t0: float) -> int:
         """Answer a chat completion; returns the HTTP status sent.
 
         Raises:
@@ -211,13 +212,13 @@ class OpenAIServing:
                                             "messages", field)
         # Each answer its own state, guide and tool plan (a plan holds its answer's
         # streaming state and call id): n answers are n requests, each constrained.
-        states = [nth_answer(self._state(req, ids, max_tokens, send, t0, guide, tools=(
+        states = [nth_answer(self._state(req, ids, max_tokens, answer, t0, guide, tools=(
             tools if not i or tools is None else tools.another())), i)
             for i in range(answers_per_prompt(req, 1))]
-        return await answer_several(req, states, send, self._answer)
+        return await answer_several(req, states, answer, self._answer)
 
     def _state(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-               max_tokens: int, send: Send, t0: float, guide: Guide | None, *,
+               max_tokens: int, answer: Answer, t0: float, guide: Guide | None, *,
                tools: ToolPlan | None = None) -> RequestState:
         """The state of ``req``'s answer to ``prompt_ids`` (a chat's stop strings and stop
         ids are its own and its template's).
@@ -248,7 +249,7 @@ class OpenAIServing:
             # OpenAI's (and vLLM's) continuous_usage_stats: every event carries the usage
             # so far.
             continuous_usage=include_usage and opts is not None and opts.continuous_usage_stats,
-            send=send, t0=t0, echo=isinstance(req, CompletionRequest) and req.echo)
+            answer=answer, t0=t0, echo=isinstance(req, CompletionRequest) and req.echo)
 
     async def _answer(self, state: RequestState) -> int:
         """Answer one request to the engine, as ``state`` says; returns the HTTP status
@@ -278,7 +279,7 @@ class OpenAIServing:
         body = state.response.whole(text, result.finish_reason, result.token_ids, result.logprobs,
                               state.usage(), offsets, tops, state.tools)
         self._first_token(state)
-        await send_bytes(state.send, 200, body)
+        await state.answer.whole(200, JSON, body)
         return 200
 
     def _first_token(self, state: RequestState) -> None:
@@ -295,7 +296,7 @@ class OpenAIServing:
         steps = cast(AsyncGenerator[list[StreamChunk], None],
                      self.engine.stream_steps(state.prompt_ids, state.sampling,
                                               return_logprob=state.logprobs))
-        detok, response, send, turns = state.detok, state.response, state.send, self.turns
+        detok, response, answer, turns = state.detok, state.response, state.answer, self.turns
         started = False
         got: list[StreamChunk] = []  # the chunks of an answer sent whole (not streamed)
         pieces: list[str] = []  # ... their text
@@ -340,9 +341,8 @@ class OpenAIServing:
                     if not started:
                         started = True
                         self._first_token(state)
-                        await send({"type": "http.response.start", "status": 200,
-                                    "headers": SSE})
-                    await send_piece(send, b"".join(events), finish is None)
+                        await answer.begin(200, SSE)
+                    await answer.piece(b"".join(events), finish is None)
                 if finish is not None:
                     break
         finally:
@@ -353,7 +353,7 @@ class OpenAIServing:
             kept = detok.tokens  # (a stop string's cut)
             lps = [lp for c in got for lp in c.logprobs or ()] if state.logprobs else None
             tops = [t for c in got for t in c.top_logprobs or ()]
-            await send_bytes(send, 200, response.whole(
+            await answer.whole(200, JSON, response.whole(
                 "".join(pieces), finish, [i for c in got for i in c.token_ids][:kept],
                 None if lps is None else lps[:kept], state.usage(),
                 out_offsets[:kept] if offsets_wanted else None,

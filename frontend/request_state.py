@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from frontend.asgi import Send
+from frontend.asgi import Answer
 from frontend.detokenizer import Detokenizer
 from frontend.responses import ResponseShaper
 from frontend.schemas import PromptTokensDetails, Usage
@@ -41,7 +41,7 @@ class RequestState:
         stream: answered as Server-Sent Events (else as one body).
         include_usage: a last event carries the usage (``stream_options``).
         continuous_usage: every event carries the usage so far.
-        send: the ASGI send of its connection.
+        answer: where its answer goes (its connection's :class:`~frontend.asgi.Reply`).
         tools: its tool calls' plan (:mod:`frontend.tools`); ``None``: none.
         t0: when the request arrived (``time.perf_counter``), for time to first token.
         cached_tokens: how many of the prompt's tokens the prefix cache held (known
@@ -59,7 +59,7 @@ class RequestState:
     stream: bool
     include_usage: bool
     continuous_usage: bool
-    send: Send
+    answer: Answer
     t0: float
 
     cached_tokens: int = 0
