@@ -320,8 +320,8 @@ class ZmqInbox(_ZmqEnd, Generic[M]):
                     break
                 continue
             try:
-                if mapper is not None and len(frames) > 2 and \
-                        frames[0][:_MAGIC_LEN] == MAGIC:  # tensor frames in shared memory
+                if (mapper is not None and len(frames) > 2 and
+                        frames[0][:_MAGIC_LEN] == MAGIC):  # tensor frames in shared memory
                     frames = mapper.resolve(frames)
                 got = decode(frames)
             except DecodeError as exc:

@@ -211,8 +211,9 @@ class RpcClient(_ZmqEnd):
                 else:
                     self._discard_undecodable(exc)
                 continue
-            call = self._calls.pop(reply.rid, None) if isinstance(reply, RpcReqOutput) \
-                else None
+            call = None
+            if isinstance(reply, RpcReqOutput):
+                call = self._calls.pop(reply.rid, None)
             if call is None:
                 self.discarded += 1  # a late reply to an abandoned call
                 continue

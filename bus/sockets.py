@@ -88,8 +88,8 @@ def check_endpoint(endpoint: str, *, bind: bool, allow_remote: bool) -> None:
                          f"more than the {IPC_PATH_MAX} a Unix socket's may hold (use a "
                          "shorter directory)")
     port = endpoint.rsplit(":", 1)[-1]
-    if endpoint.startswith("tcp://") and not (port.isdigit() and 0 < int(port) < 65536) \
-            and not (bind and port in ("*", "0")):
+    if (endpoint.startswith("tcp://") and not (port.isdigit() and 0 < int(port) < 65536)
+            and not (bind and port in ("*", "0"))):
         raise ValueError(f"{endpoint!r} needs a port (1-65535) after its last ':'")
     if bind and endpoint.startswith("tcp://") and not allow_remote:
         host = endpoint[6:].rsplit(":", 1)[0]

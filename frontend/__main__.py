@@ -176,8 +176,9 @@ def base_url(host: str, port: int) -> str:
     """The API's base URL as a client writes it: an IPv6 host in brackets; port 0 (any
     free one) is not known until uvicorn binds, and its start-up line names it."""
     where = f"[{host}]" if ":" in host else host
-    return f"http://{where}:{port}/v1" if port else \
-        f"http://{where}:<a free port, in uvicorn's line below>/v1"
+    if not port:
+        return f"http://{where}:<a free port, in uvicorn's line below>/v1"
+    return f"http://{where}:{port}/v1"
 
 
 def settings_from(args: argparse.Namespace) -> tuple[Settings, Frontend]:

@@ -317,9 +317,10 @@ class Frontend:
         try:
             if route is None:
                 allow = self._allowed.get(path)
+                if allow is None:
+                    raise self._not_found(method, path)
                 raise ApiError(405, f"{method} is not allowed on {path} (allowed: {allow})",
-                               code="bad_method", allow=allow) if allow is not None else \
-                    self._not_found(method, path)
+                               code="bad_method", allow=allow)
             if method == "POST":
                 # A request's work takes its turn before any of it runs: 256
                 # requests arriving at once held the loop 20-30 ms between

@@ -142,8 +142,9 @@ async def send_error(send: Send, error: ApiError) -> None:
     A 408 closes the connection (as RFC 9110 advises): the rest of that
     body may still be on its way, and nothing more on it will be read.
     """
-    headers = JSON if error.retry_after is None else \
-        [*JSON, (b"retry-after", str(error.retry_after).encode())]
+    headers = JSON
+    if error.retry_after is not None:
+        headers = [*JSON, (b"retry-after", str(error.retry_after).encode())]
     if error.allow is not None:  # RFC 9110: a 405 names the methods the path has
         headers = [*headers, (b"allow", error.allow.encode())]
     if error.status == 408:
@@ -174,8 +175,8 @@ def request_id(scope: Scope) -> bytes:
     headers = scope.get("headers")
     if isinstance(headers, list):
         for name, value in headers:
-            if name == b"x-request-id" and len(value) <= MAX_REQUEST_ID \
-                    and _REQUEST_ID.fullmatch(value):
+            if (name == b"x-request-id" and len(value) <= MAX_REQUEST_ID
+                    and _REQUEST_ID.fullmatch(value)):
                 return bytes(value)
     return next(_MADE_IDS).encode()
 

@@ -316,8 +316,8 @@ def _not_implemented(codings: bytes) -> bytes:
 def _parse_refusal(error: BaseException | None, fallback: str) -> bytes:
     """The answer to a request the HTTP parser refused with ``error`` (h11's carries the
     status it advises; ``fallback``: the text when there is no error)."""
-    if error is not None and error.__context__ is not None and \
-            type(error).__name__ == "HttpParserCallbackError":
+    if (error is not None and error.__context__ is not None and
+            type(error).__name__ == "HttpParserCallbackError"):
         error = error.__context__  # (what a parser callback raised: an invalid URL)
     status = getattr(error, "error_status_hint", 400)
     if not (isinstance(status, int) and 400 <= status < 600):
@@ -441,8 +441,8 @@ def http_protocol(name: str = "auto", *, max_head_bytes: int = MAX_HEAD_BYTES,
             if transport.is_closing():
                 return
             cycle = self.cycle  # (an answered request whose body is unread is the last one)
-            if (cycle is not None and cycle.more_body and cycle.response_complete) or \
-                    (self._eof and self._done()):
+            if ((cycle is not None and cycle.more_body and cycle.response_complete) or
+                    (self._eof and self._done())):
                 # Its body is not read whole: its rest is never read, not even to be
                 # dropped (a refused 1 GB body). Or the client sends nothing more, and
                 # everything it asked is answered.

@@ -282,8 +282,8 @@ def _shrink(normalizer: object) -> int | None:
     if kind == "Replace":
         pattern, content = normalizer.get("pattern"), normalizer.get("content")
         fixed = pattern.get("String") if isinstance(pattern, dict) else None
-        grows = isinstance(fixed, str) and isinstance(content, str) and \
-            len(content.encode()) >= len(fixed.encode()) > 0
+        grows = (isinstance(fixed, str) and isinstance(content, str)
+                 and len(content.encode()) >= len(fixed.encode()) > 0)
         return 1 if grows else None
     return _SHRINKS.get(str(kind))
 

@@ -64,8 +64,8 @@ class FailureNamer:
             reason = type(exc).__name__
         try:
             tag, rid, known = self.peek(frames)
-            if not known and tag is not None and self.channel is not None \
-                    and tag in self._foreign_tags():
+            if (not known and tag is not None and self.channel is not None
+                    and tag in self._foreign_tags()):
                 return NotCarried(self._not_carried(tag), channel=self.channel,
                                   carried=self.carried, rid=rid, message_type=tag)
             if isinstance(exc, msgspec.ValidationError):
@@ -98,8 +98,8 @@ class FailureNamer:
                 cls = todo.pop()
                 todo.extend(cls.__subclasses__())
                 tag = msgspec.inspect.type_info(cls).tag  # type: ignore[attr-defined]
-                if cls in ABSTRACT_MESSAGE_TYPES or not isinstance(tag, str) \
-                        or tag in self.by_tag:
+                if (cls in ABSTRACT_MESSAGE_TYPES or not isinstance(tag, str)
+                        or tag in self.by_tag):
                     continue
                 fields = cls.__struct_fields__
                 found[tag] = fields.index("rid") + 1 if "rid" in fields else None

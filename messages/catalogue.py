@@ -299,14 +299,14 @@ class BatchTokenIDOut(Output):
         elif type(rids) is not RidColumn:
             self.rids = rids = RidColumn(rids)
         ids = self.output_ids
-        if type(ids) is memoryview and ids.format == "B" and not ids.nbytes & 3 \
-                and ids.nbytes <= _MAX_PACKED_BYTES:  # packed_u32's decode path, inline
+        if (type(ids) is memoryview and ids.format == "B" and not ids.nbytes & 3
+                and ids.nbytes <= _MAX_PACKED_BYTES):  # packed_u32's decode path, inline
             self.output_ids = ids = ids.cast("I")
         else:
             self.output_ids = ids = packed_u32(ids, field="output_ids")
         lens = self.output_lens
-        if type(lens) is memoryview and lens.format == "B" and not lens.nbytes & 3 \
-                and lens.nbytes <= _MAX_PACKED_BYTES:
+        if (type(lens) is memoryview and lens.format == "B" and not lens.nbytes & 3
+                and lens.nbytes <= _MAX_PACKED_BYTES):
             self.output_lens = lens = lens.cast("I")
         else:
             self.output_lens = lens = packed_u32(lens, field="output_lens")
@@ -343,8 +343,8 @@ class BatchTokenIDOut(Output):
         if plens is not None:
             self.prompt_lens = plens = packed_u32(plens, field="prompt_lens")
             plp = self.prompt_logprobs
-            if len(plens) != n or plp is None or plp.dtype != np.float64 \
-                    or plp.shape != (sum(plens),):
+            if (len(plens) != n or plp is None or plp.dtype != np.float64
+                    or plp.shape != (sum(plens),)):
                 raise ValueError("prompt_lens (one per rid) and prompt_logprobs (float64, "
                                  "as many as they add up to) come together")
             ptops = self.prompt_top_ids
@@ -364,8 +364,9 @@ class BatchTokenIDOut(Output):
     def prompt_top_k(self) -> int:
         """Alternatives per prompt logprob in ``prompt_top_ids`` (0: none)."""
         plp, ptops = self.prompt_logprobs, self.prompt_top_ids
-        return len(ptops) // len(plp) if plp is not None and ptops is not None and len(plp) \
-            else 0
+        if plp is None or ptops is None or not len(plp):
+            return 0
+        return len(ptops) // len(plp)
 
     def top_k(self) -> int:
         """Alternatives per output id in ``top_ids`` (0: none)."""
@@ -422,8 +423,10 @@ class BatchTokenIDOut(Output):
         bounds = self.offsets()
         spans = [(bounds[i], bounds[i + 1]) for i, k in enumerate(keep) if k]
         ids = np.frombuffer(self.output_ids, np.uint32)
-        tokens = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else \
-            np.zeros(0, np.int64)
+        if spans:
+            tokens = np.concatenate([np.arange(a, b) for a, b in spans])
+        else:
+            tokens = np.zeros(0, np.int64)
         hidden = self.hidden_states
         if hidden is not None and hidden.shape[0] == len(ids):
             hidden = hidden[torch.from_numpy(tokens)]

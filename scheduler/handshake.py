@@ -98,8 +98,8 @@ def answer_hello(protocol_version: int, fingerprint: str, layout: str = "") -> R
             a layout, or a parameter has the wrong type (``True`` is not a
             version); the rpc reply then says so (``success=False``).
     """
-    if type(protocol_version) is not int or type(fingerprint) is not str \
-            or type(layout) is not str:
+    if (type(protocol_version) is not int or type(fingerprint) is not str
+            or type(layout) is not str):
         raise ValueError("hello takes protocol_version (int), fingerprint (str) and "
                          "layout (str)")
     ours, our_layout = local_protocol()

@@ -312,8 +312,8 @@ class FramePool:
         for slabs in self._classes.values():
             for slab in list(slabs):
                 gen = slab.words[_SENT_W]
-                if slab.free() or slab.words[_CLAIM_W] or \
-                        not slab.take_back(self.unclaimed_timeout, now):
+                if (slab.free() or slab.words[_CLAIM_W] or
+                        not slab.take_back(self.unclaimed_timeout, now)):
                     continue
                 taken.append((slab.seg.name, gen))
                 slabs.remove(slab)

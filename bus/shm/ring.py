@@ -256,8 +256,8 @@ class ShmWriter:
                 if w[8 + r * 8 + _STATE] == _ATTACHED:
                     self._reader_died(r, w[8 + r * 8 + _PID])
         for r in range(self.readers):  # no pidfd (another namespace): ask the kernel
-            if w[8 + r * 8 + _STATE] == _ATTACHED and r not in self._pidfds \
-                    and not pid_alive(w[8 + r * 8 + _PID]):
+            if (w[8 + r * 8 + _STATE] == _ATTACHED and r not in self._pidfds
+                    and not pid_alive(w[8 + r * 8 + _PID])):
                 self._reader_died(r, w[8 + r * 8 + _PID])
 
     def _reader_died(self, r: int, pid: int) -> None:

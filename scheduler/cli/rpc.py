@@ -39,8 +39,8 @@ def _unreachable(endpoint: str) -> str:
         return ""
     path = endpoint[len("ipc://"):]
     folder = os.path.dirname(path) or "."
-    if (os.path.isdir(folder) and not os.access(folder, os.X_OK)) or \
-            (os.path.exists(path) and not os.access(path, os.W_OK)):
+    if ((os.path.isdir(folder) and not os.access(folder, os.X_OK)) or
+            (os.path.exists(path) and not os.access(path, os.W_OK))):
         return f"permission denied at {path} (the scheduler's directory is private to " \
                f"the user that started it)"
     if not ipc_listening(endpoint):
@@ -64,14 +64,14 @@ def parse_params(pairs: Sequence[str]) -> dict[str, Scalar]:
         if key in ("timeout", "alive"):
             raise ValueError(f"parameter {key!r}: the rpc client's own option, not a "
                              f"method's parameter (use --timeout)")
-        value: Scalar
         try:
             parsed = json.loads(raw)
         except ValueError:
             parsed = raw
-        value = parsed if parsed is None or isinstance(parsed, bool | int | float | str) \
-            else raw
-        params[key] = value
+        if parsed is None or isinstance(parsed, bool | int | float | str):
+            params[key] = parsed
+        else:  # (a list or an object: taken as the text it is)
+            params[key] = raw
     return params
 
 

@@ -31,8 +31,9 @@ _CLEAR = "\x1b[H\x1b[2J"
 def metrics_url(endpoint: str) -> str:
     """``PORT``, ``HOST:PORT`` or a full URL, as the URL of ``/metrics``."""
     if endpoint.startswith(("http://", "https://")):
-        return endpoint if endpoint.rstrip("/").endswith("/metrics") else \
-            endpoint.rstrip("/") + "/metrics"
+        if endpoint.rstrip("/").endswith("/metrics"):
+            return endpoint
+        return endpoint.rstrip("/") + "/metrics"
     if endpoint.isdigit():
         endpoint = f"127.0.0.1:{endpoint}"
     return f"http://{endpoint}/metrics"

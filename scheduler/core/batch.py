@@ -210,8 +210,8 @@ class Batch:
 
     def _run_adopted(self) -> None:
         """Adopted requests join the running batch, in arrival order, while slots are free."""
-        while self.adopted and len(self.running) + len(self.partial) + len(self.held) \
-                < self.max_batch:
+        while (self.adopted and len(self.running) + len(self.partial) + len(self.held)
+                < self.max_batch):
             seq = self.adopted.popleft()
             self.admission.leave(seq.cost)
             self.running.append(seq)
@@ -379,9 +379,10 @@ class Batch:
                     continue
             if fresh and seq.cached < 0:
                 # A prompt to score is read whole: a cached prefix has no logits to give.
-                seq.cached = 0 if seq.sampling is _EMBED or \
-                    seq.sampling.prompt_logprobs is not None else self.model.reuse_prefix(
-                        seq.key, as_tensor(seq.req.input_ids))
+                if seq.sampling is _EMBED or seq.sampling.prompt_logprobs is not None:
+                    seq.cached = 0
+                else:
+                    seq.cached = self.model.reuse_prefix(seq.key, as_tensor(seq.req.input_ids))
                 seq.prefilled = seq.cached
             left = len(seq.req.input_ids) - seq.prefilled
             whole = max(MIN_PREFILL_COST, left) <= budget or left <= budget
@@ -465,7 +466,7 @@ def _waits_for_prefix(seq: Seq, reading: set[bytes]) -> bool:
     started from the cache holds no one back; ``seq`` keeps its place in the queue.
     """
     ids = seq.req.input_ids
-    if len(ids) <= _SHARED_PREFIX or seq.sampling is _EMBED or \
-            seq.sampling.prompt_logprobs is not None:
+    if (len(ids) <= _SHARED_PREFIX or seq.sampling is _EMBED or
+            seq.sampling.prompt_logprobs is not None):
         return False
     return bytes(ids[:_SHARED_PREFIX]) in reading

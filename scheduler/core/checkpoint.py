@@ -110,8 +110,8 @@ def load_state(path: str | os.PathLike[str], *,
         dtype = getattr(torch, e.dtype, None)
         if not isinstance(dtype, torch.dtype) or any(d < 0 for d in e.shape):
             raise ValueError(f"{path}: bad entry {name!r}")
-        if e.offset < 0 or e.offset + e.nbytes > len(body) or \
-                math.prod(e.shape) * dtype.itemsize != e.nbytes:
+        if (e.offset < 0 or e.offset + e.nbytes > len(body) or
+                math.prod(e.shape) * dtype.itemsize != e.nbytes):
             raise ValueError(f"{path}: entry {name!r} does not match its bytes")
         raw = bytearray(body[e.offset : e.offset + e.nbytes])
         t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)

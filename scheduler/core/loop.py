@@ -459,8 +459,8 @@ class Scheduler(ControlMethods):
         order, while the bytes in flight allow (:meth:`_send_held`); the rest wait."""
         for s in seqs:
             req = s.req
-            if s.finished is not None or not isinstance(req, TokenizedGenerateReqInput) \
-                    or not req.prefill_only or self._live.get(req.rid) is not s:
+            if (s.finished is not None or not isinstance(req, TokenizedGenerateReqInput)
+                    or not req.prefill_only or self._live.get(req.rid) is not s):
                 continue
             self.batch.running.remove(s)  # decodes no further here; its state kept
             self._held.append(s)

@@ -358,11 +358,16 @@ class Dispatcher:
         except NoLiveReplica as exc:
             code: ErrorCode = "replica_lost"
             why = str(exc)
+            if pin is not None:
+                held_by_orphans = pin in busy and self.replicas[pin].live
+            else:
+                # A live replica that takes new requests was not picked: each such one
+                # is busy ending an earlier request with this id.
+                held_by_orphans = any(r.live and r.index not in self.decode_only
+                                      for r in self.replicas)
             if pin is not None and not 0 <= pin < len(self.replicas):
                 code = "invalid_request"
-            elif (pin in busy and self.replicas[pin].live) if pin is not None else \
-                    any(r.live and r.index not in self.decode_only  # every live one that
-                        for r in self.replicas):  # takes new requests is busy with it
+            elif held_by_orphans:
                 code = "overloaded"  # the orphan ends soon: a retry will go through
                 why = f"replica {busy[0]} is still ending an earlier request with this id"
             elif pin is None and self.decode_only:  # live decode replicas take no prompt
@@ -473,8 +478,9 @@ class Dispatcher:
                         self.replicas[entry.replica].name, exc)
 
     def _broadcast(self, call: RpcReqInput, origin: Origin, route: Broadcast) -> None:
-        if self.router.backlog and call.method != "shutdown" and \
-                self.router.backlog_by_origin().get(origin, 0) >= UNREAD_REPLIES:
+        caller_behind = (self.router.backlog and call.method != "shutdown"
+                         and self.router.backlog_by_origin().get(origin, 0) >= UNREAD_REPLIES)
+        if caller_behind:
             self.stats["rpc_calls_not_run"] += 1  # unread calls would cost every stream CPU
             self.logs.dropped_rpc.add(origin.inbox, f"call {call.rid!r} ({call.method}) not "
                                       "run: its caller sends faster than it reads replies")
@@ -551,8 +557,8 @@ class Dispatcher:
                     return
                 self._join(rep, pid if isinstance(pid, int) else None)
             cached = load.get("prefix_cache_tokens")
-            if self.affinity is not None and isinstance(cached, int) \
-                    and not isinstance(cached, bool):
+            if (self.affinity is not None and isinstance(cached, int)
+                    and not isinstance(cached, bool)):
                 self.affinity.set_cache_tokens(rep.index, cached)  # bounds its tree
             if isinstance(running, int) and isinstance(queued, int):
                 self.ledger.reported[rep.index] = running + queued

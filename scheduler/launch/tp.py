@@ -253,8 +253,8 @@ class BroadcastReceiver:
                 self._writer.send([_VIA_SHM], timeout=_SHM_SEND_TIMEOUT)
                 return envelopes
             parts = _pack_poll(self.codec, envelopes)
-            if sum(memoryview(f).nbytes for f in parts) + 8 * len(parts) + 64 \
-                    < _SHM_RING_BYTES // 2:
+            if (sum(memoryview(f).nbytes for f in parts) + 8 * len(parts) + 64
+                    < _SHM_RING_BYTES // 2):
                 self._writer.send([_VIA_SHM, *parts], timeout=_SHM_SEND_TIMEOUT)
                 return envelopes
             self._writer.send([_VIA_COLLECTIVE], timeout=_SHM_SEND_TIMEOUT)

@@ -192,8 +192,8 @@ def _check_bounds(schema: object) -> None:
         if isinstance(node, dict):
             for key in _BOUNDS:
                 bound = node.get(key)
-                if isinstance(bound, int | float) and not isinstance(bound, bool) and \
-                        abs(bound) > MAX_EXACT_BOUND:
+                if (isinstance(bound, int | float) and not isinstance(bound, bool) and
+                        abs(bound) > MAX_EXACT_BOUND):
                     raise ValueError(f"{key} {bound}: a bound past 2^53 ({MAX_EXACT_BOUND}) "
                                      "in magnitude cannot be kept exactly")
             todo.extend(node.values())

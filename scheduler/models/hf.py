@@ -352,8 +352,8 @@ class HFCausalLM:
         if held is not None:
             tree, hit = held
             tree.release(hit)
-        if self._batch is not None and self._batch.rows.pop(key, None) is not None \
-                and not self._batch.rows:
+        if (self._batch is not None and self._batch.rows.pop(key, None) is not None
+                and not self._batch.rows):
             self._batch = None
 
     def weights(self) -> Mapping[str, torch.Tensor]:
@@ -606,9 +606,9 @@ class HFCausalLM:
         batch = self._batch
         if batch is not None and batch.keys == keys:
             return batch
-        if batch is not None and len(keys) == len(batch.rows) and \
-                all(k in batch.rows for k in keys) and \
-                [batch.rows[k] for k in keys] == sorted(batch.rows[k] for k in keys):
+        if (batch is not None and len(keys) == len(batch.rows) and
+                all(k in batch.rows for k in keys) and
+                [batch.rows[k] for k in keys] == sorted(batch.rows[k] for k in keys)):
             # Only departures (freed rows): keep the rows that stay, drop all-pad columns.
             idx = torch.tensor([batch.rows[k] for k in keys], device=self.device)
             mask = batch.mask[idx]
@@ -665,8 +665,8 @@ def _layers(cache: DynamicCache) -> KV:
     """Each layer's (keys, values): every layer is a filled ``DynamicLayer`` (checked at load)."""
     out: KV = []
     for layer in cache.layers:
-        assert isinstance(layer, DynamicLayer) and layer.keys is not None \
-            and layer.values is not None
+        assert isinstance(layer, DynamicLayer)
+        assert layer.keys is not None and layer.values is not None
         out.append((layer.keys, layer.values))
     return out
 

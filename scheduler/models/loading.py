@@ -158,8 +158,12 @@ def _converted(path: Path, held: Sequence[logging.LogRecord] = ()) -> Iterator[N
         raise
     except Exception as exc:
         rows = _rows(held)
-        reason = _one_line(exc) if not rows else f"{type(exc).__name__}: {rows[0]}" + \
-            (f" (and {len(rows) - 1} more like it)" if len(rows) > 1 else "")
+        if not rows:
+            reason = _one_line(exc)
+        else:
+            reason = f"{type(exc).__name__}: {rows[0]}"
+            if len(rows) > 1:
+                reason += f" (and {len(rows) - 1} more like it)"
         raise ModelLoadError(path, reason) from exc
 
 
