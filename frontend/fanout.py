@@ -247,24 +247,33 @@ class _Kept:
 
 class _Interleaved:
     """Several streamed answers sent as one, onto ``out``: the first answer's start
-    begins it, then every piece of each goes on but its ``[DONE]`` (one ends them all)."""
+    begins it, then every piece of each goes on but its ``[DONE]`` (one ends them all).
 
-    __slots__ = ("_out", "_started")
+    One piece at a time: a connection whose client reads slowly pauses writing, and
+    the answers waiting for it to resume wait in turn. Woken together, each wrote its
+    piece (grown while it waited) after the first one's write had paused it again,
+    which a server that checks once before writing (uvicorn's ``send``) allows, and
+    the client was taken for one that reads nothing (``frontend.serving``)."""
+
+    __slots__ = ("_out", "_started", "_turn")
 
     def __init__(self, out: Answer) -> None:
         self._out = out
         self._started = False
+        self._turn = asyncio.Lock()
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
         raise AssertionError("a streamed answer is never sent whole")
 
     async def begin(self, status: int, headers: Headers) -> None:
-        if not self._started:
-            self._started = True
-            await self._out.begin(status, headers)
+        async with self._turn:  # (no piece of another answer before the start)
+            if not self._started:
+                self._started = True
+                await self._out.begin(status, headers)
 
     async def piece(self, body: bytes, more: bool) -> None:
         if body.endswith(DONE):
             body = body[:-len(DONE)]
         if body:
-            await self._out.piece(body, True)
+            async with self._turn:
+                await self._out.piece(body, True)

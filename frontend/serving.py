@@ -212,7 +212,10 @@ async def _send_whole(cycle_ref: weakref.ref[Any], status: int, headers: Headers
     cycle = cycle_ref()
     if cycle is None:  # (its request is over)
         return
-    if cycle.flow.write_paused and not cycle.disconnected:
+    # Each waiter wakes when writing resumes, and waits again if another one's write
+    # has paused it meanwhile: nothing is written while paused (the stall timer counts
+    # on it, :meth:`Guarded._stalled`).
+    while cycle.flow.write_paused and not cycle.disconnected:
         await cycle.flow.drain()
     if cycle.disconnected:
         return
@@ -259,7 +262,10 @@ async def _send_piece(cycle_ref: weakref.ref[Any], body: bytes, more: bool) -> N
     if not cycle.chunked_encoding or not cycle.response_started or cycle.response_complete:
         await cycle.send({"type": "http.response.body", "body": body, "more_body": more})
         return
-    if cycle.flow.write_paused and not cycle.disconnected:
+    # Each waiter wakes when writing resumes, and waits again if another one's write
+    # has paused it meanwhile: nothing is written while paused (the stall timer counts
+    # on it, :meth:`Guarded._stalled`).
+    while cycle.flow.write_paused and not cycle.disconnected:
         await cycle.flow.drain()
     if cycle.disconnected:
         return

@@ -384,12 +384,12 @@ def test_a_run_directory_made_for_the_server_is_removed_at_its_close(tmp_path: P
 
 
 @contextlib.contextmanager
-def _small_reader(tmp_path: Path, send_timeout: float, body: dict[str, object]
-                  ) -> Iterator[tuple[Server, RpcClient, socket.socket]]:
-    """A server with ``send_timeout``, its rpc door, and a client with a 4 KB receive
-    buffer that has sent ``body`` (and read nothing yet)."""
+def _small_reader(tmp_path: Path, send_timeout: float, body: dict[str, object],
+                  http: str = "auto") -> Iterator[tuple[Server, RpcClient, socket.socket]]:
+    """A server with ``send_timeout`` (and ``http``), its rpc door, and a client with a
+    4 KB receive buffer that has sent ``body`` (and read nothing yet)."""
     s = Server(Settings(model=STUB, max_batch=4, rpc_endpoint=f"ipc://{tmp_path}/rpc"), TOK,
-               send_timeout=send_timeout)
+               send_timeout=send_timeout, http=http)
     rpc = RpcClient(f"ipc://{tmp_path}/rpc")
     try:
         with _stalled(s.port, raw_post("/v1/completions", body)) as sock:
@@ -456,11 +456,7 @@ def test_a_slow_reader_is_not_taken_for_a_gone_one(tmp_path: Path) -> None:
     # must stay paused for several send timeouts, with the stream still running.
     send_timeout = 1.0
     with _small_reader(tmp_path, send_timeout, {**LONG, "logprobs": 0}) as (s, rpc, slow):
-        transport = s.transport_of(slow)
-        # The server's kernel buffer kept small (no autotuning), so writing pauses within
-        # a moment whatever the host's tcp_wmem: the pause is what is tested.
-        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
-                                                      4096)
+        transport = _small_send_buffer(s, slow)
         low, high = transport.get_write_buffer_limits()
         got = 0
         paused_since: float | None = None
@@ -481,6 +477,55 @@ def test_a_slow_reader_is_not_taken_for_a_gone_one(tmp_path: Path) -> None:
             else:
                 paused_since = None
         assert got > 0  # it read all along: slow, not gone
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_slow_reader_of_several_answers_is_not_taken_for_a_gone_one(
+        tmp_path: Path, http: str) -> None:
+    # Several answers streamed as one (n) each wait for the paused connection: one
+    # resume wakes them all. Each one wrote at once, its piece grown meanwhile, after
+    # the first one's write had paused the connection again and armed the stall timer:
+    # what was unread grew past the mark the timer compares, and a client that read
+    # ~80 KB/s all along was reset as one that read nothing. Each now waits again.
+    send_timeout = 0.5
+    body = {**LONG, "logprobs": 0, "n": 4}
+    with _small_reader(tmp_path, send_timeout, body, http) as (s, rpc, slow):
+        transport = _small_send_buffer(s, slow)
+        resumed = _count_resumes(transport)
+        got = 0
+        t0 = time.monotonic()
+        while (elapsed := time.monotonic() - t0) < 10 * send_timeout or len(resumed) < 2:
+            assert elapsed < 60, f"writing was resumed {len(resumed)} times; {got} B read"
+            try:
+                got += len(slow.recv(4096))
+            except ConnectionResetError:
+                pytest.fail(f"reset after {elapsed:.1f} s, {got} B read, as if gone")
+            time.sleep(0.05)  # sleep-ok: the client's reading pace is what is tested
+        assert load(rpc)[0] == 4  # every answer still streaming
+
+
+def _count_resumes(transport: asyncio.WriteTransport) -> list[None]:
+    """A list that grows by one each time ``transport``'s protocol is told that writing
+    may resume (every answer waiting for it is woken then)."""
+    protocol = transport.get_protocol()
+    resume = protocol.resume_writing
+    resumed: list[None] = []
+
+    def counted() -> None:
+        resumed.append(None)
+        resume()
+
+    protocol.resume_writing = counted  # type: ignore[method-assign]
+    return resumed
+
+
+def _small_send_buffer(s: Server, client: socket.socket) -> asyncio.WriteTransport:
+    """The transport of ``client``'s connection in ``s``, its kernel send buffer kept
+    small (no autotuning), so that writing pauses within a moment whatever the host's
+    tcp_wmem: the pause is what is tested."""
+    transport = s.transport_of(client)
+    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    return transport
 
 
 def test_the_door_s_socket_file_is_removed_at_the_server_s_close(tmp_path: Path) -> None:
