@@ -102,7 +102,12 @@ def test_a_killed_dispatchers_requests_stop_on_its_replicas_and_a_new_one_is_ser
         d.mkdir(mode=0o700)
     base = procs.free_tcp_base()
     remote = f"tcp://127.0.0.1:{base}"
-    replicas = [subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--endpoint", ep],
+    # An output backlog with room for seconds of the stub's steps: on a starved host, a
+    # replica may stream for a second before its outputs are first taken (the
+    # dispatcher's connection, or its reading, not up yet), and the default bound (1,024
+    # outputs) then ended its requests as overloaded before the dispatcher died.
+    replicas = [subprocess.Popen([sys.executable, "-m", "scheduler", "serve", "--endpoint", ep,
+                                  "--max-backlog", str(1 << 20)],
                                  stderr=subprocess.DEVNULL, text=True)
                 for ep in (str(local), remote)]
     rpcs = [RpcClient(f"ipc://{local}/rpc"), RpcClient(f"tcp://127.0.0.1:{base + 1}")]
@@ -115,12 +120,22 @@ def test_a_killed_dispatchers_requests_stop_on_its_replicas_and_a_new_one_is_ser
             for rank in range(2):
                 for i in range(PER_REPLICA):
                     work.send(_stream(f"old{rank}.{i}", rank, 100_000))
-            # Read what they stream (a reader that lags would make the dispatcher
-            # hold the replicas' outputs back, and their backlogs end the requests).
+            # Read what they stream until every request's outputs have reached us
+            # through the dispatcher (a reader that lags makes the dispatcher hold
+            # the replicas' outputs back).
+            rids = {f"old{rank}.{i}" for rank in range(2) for i in range(PER_REPLICA)}
+            seen: set[str] = set()
             deadline = time.monotonic() + 60
-            while [_load(r)["running"] for r in rpcs] != [PER_REPLICA] * 2:
-                assert time.monotonic() < deadline, [_load(r) for r in rpcs]
-                out.drain(1 << 16)
+            while not (rids <= seen
+                       and [_load(r)["running"] for r in rpcs] == [PER_REPLICA] * 2):
+                assert time.monotonic() < deadline, (sorted(rids - seen),
+                                                     [_load(r) for r in rpcs])
+                out.socket.poll(100)
+                for env in out.drain(1 << 16):
+                    assert isinstance(env, Envelope), env
+                    assert not isinstance(env.message, ErrorOut), env.message
+                    if isinstance(env.message, BatchTokenIDOut):
+                        seen.update(env.message.rids)
         dispatcher.send_signal(signal.SIGKILL)
         dispatcher.wait(30)
         killed = time.monotonic()
