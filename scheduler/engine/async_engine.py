@@ -34,6 +34,7 @@ there is room (it is never dropped).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import logging
@@ -181,6 +182,16 @@ def close_timeout(timeout: float | None) -> float:
     if timeout is None or timeout > _FOREVER:
         return _FOREVER
     return timeout if timeout > 0 else 0.0
+
+
+def _seconds(timeout: float | None) -> None:
+    """Refuse a ``timeout`` that is no number of seconds (``TypeError``), before the
+    request it bounds is sent: raised once it runs, the request would run on with
+    nobody waiting for it."""
+    if timeout is not None and (isinstance(timeout, bool)
+                                or not isinstance(timeout, int | float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not "
+                        f"{type(timeout).__name__}")
 
 
 async def _within(rid: str, answer: Awaitable[T], timeout: float | None) -> T:
@@ -377,11 +388,11 @@ class AsyncEngine:
         # again) is collected, as nothing it started holds it (the loop holds its
         # _Reader, its watchdog holds it weakly, its scheduler thread not at all):
         # this closes what it started then. It holds the engine's state, not the
-        # engine. Not at exit
-        # (the scheduler thread is a daemon, a scheduler process watches its starter,
-        # _remove_dir removes the run directory), nothing in a forked child.
+        # engine. Not at exit (_close_at_exit closes every engine still open then),
+        # nothing in a forked child.
         self._abandoned = weakref.finalize(self, _close_abandoned, self.__dict__)
         self._abandoned.atexit = False
+        _open.add(self)
 
     async def start(self) -> Self:
         """Start reading outputs on the running loop; wait for the scheduler to answer.
@@ -462,6 +473,7 @@ class AsyncEngine:
             EngineClosed: the engine is closed.
             TimeoutError: no answer within ``timeout`` seconds (the request is aborted).
         """
+        _seconds(timeout)
         request = self.submit(input_ids, sampling, return_logprob=return_logprob, rid=rid,
                               dp_rank=dp_rank)
         return await _within(request.rid, request, timeout)
@@ -545,6 +557,7 @@ class AsyncEngine:
 
         Raises: as :meth:`generate`.
         """
+        _seconds(timeout)
         rid, ids = self._prompt(input_ids, rid, dp_rank)
         req = TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, dp_rank=dp_rank)
         state = self._start([req], RequestState)[0]
@@ -971,6 +984,7 @@ class AsyncEngine:
             return
         self._closed = True
         self._abandoned.detach()
+        _open.discard(self)
         if self._shut is not None:  # (made by start)
             self._shut.set_result(None)  # wakes every submit waiting for room
         if self._watchdog is not None and not self._watchdog.get_loop().is_closed():
@@ -1121,6 +1135,46 @@ def _close_abandoned(state: dict[str, object]) -> None:
                   f"collected without close(): its scheduler is stopped now (use 'async with "
                   f"AsyncEngine(...)', or 'await engine.close()')", ResourceWarning,
                   stacklevel=1)
+
+
+#: Engines made in this process and not closed (nor collected).
+_open: weakref.WeakSet[AsyncEngine] = weakref.WeakSet()
+#: Seconds the exit waits, at most, for the close of an engine whose loop still runs.
+_EXIT_WAIT_S = 60.0
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """As the interpreter exits, close every engine still open (an ``Engine``'s are
+    closed before this runs, by its own exit handler). Else an embedded scheduler,
+    a daemon thread, could still be in a step as the interpreter was torn down, and
+    the process aborted (``terminate called without an active exception``). An
+    engine whose loop has stopped (``asyncio.run`` returned) is closed on a loop of
+    its own, as a collected one is; one whose loop still runs, in a daemon thread,
+    is closed there and waited for (at most :data:`_EXIT_WAIT_S`). Engines of the
+    parent of a forked child are its parent's to close."""
+    for engine in list(_open):
+        if engine._owner != _pid or engine.closed:
+            continue
+        try:
+            loop = engine._loop
+            if loop is not None and loop.is_running():
+                ended = threading.Event()
+
+                async def close(engine: AsyncEngine = engine,
+                                ended: threading.Event = ended) -> None:
+                    try:
+                        await engine.close()
+                    finally:
+                        ended.set()
+
+                if close_on(loop, close) and not ended.wait(_EXIT_WAIT_S):
+                    log.error("an engine was still closing at exit (%.0f s)", _EXIT_WAIT_S)
+                continue
+            engine._reader.reading = False  # (the loop's readers went with the loop)
+            asyncio.run(engine.close())
+        except Exception as exc:  # the next engine is closed still
+            log.error("closing an engine at exit failed: %s: %s", type(exc).__name__, exc)
 
 
 def deliver_rows(requests: dict[str, RequestState],

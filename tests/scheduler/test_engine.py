@@ -280,3 +280,15 @@ def test_a_blocking_submit_waits_for_room_then_fails_with_overloaded(
         assert engine.pending == 0  # those not sent are forgotten
         ring.put_many_nowait = real  # type: ignore[method-assign]
         assert len(engine.generate([3], SamplingParams(max_new_tokens=2)).token_ids) == 2
+
+
+@pytest.mark.parametrize("call", ["generate", "embed"])
+def test_a_timeout_that_is_no_number_is_refused_before_anything_is_sent(
+        engine: Engine, call: str) -> None:
+    # Without this: the request was sent, then the timeout raised TypeError, and the
+    # request ran on with nobody waiting for it.
+    run = getattr(engine, call)
+    with pytest.raises(TypeError, match=r"^timeout must be a number of seconds or None, "
+                                        r"not str$"):
+        run([1, 2], timeout="x")
+    assert engine.pending == 0

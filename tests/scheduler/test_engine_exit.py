@@ -59,3 +59,34 @@ def test_a_script_ends_cleanly_with_its_engine_left_open(case: str) -> None:
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, env=env)
     assert (run.returncode, run.stdout, run.stderr) == (0, "end\n", ""), run.stderr[-3000:]
+
+
+ASYNC_OPEN = """\
+import asyncio
+from messages import SamplingParams
+from scheduler import AsyncEngine, ModelConfig
+
+kept = []
+
+async def main():
+    engine = AsyncEngine("ring", ModelConfig(vocab_size=64, hidden=32, layers=1, seed=3))
+    await engine.start()
+    kept.append(engine)
+    steps = engine.stream_steps([1, 2], SamplingParams(max_new_tokens=100_000))
+    await anext(steps)
+    kept.append(steps)
+
+asyncio.run(main())
+print('end', flush=True)
+"""
+
+
+def test_a_script_ends_cleanly_with_an_async_engine_left_open_and_busy() -> None:
+    # Without the exit close, the loop ended by asyncio.run left the engine open, its
+    # embedded scheduler thread mid-step as the interpreter was torn down: the process
+    # aborted (status 134, "terminate called without an active exception").
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", ASYNC_OPEN], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert (run.returncode, run.stdout) == (0, "end\n"), run.stderr[-3000:]
+    assert "terminate called" not in run.stderr and "Fatal" not in run.stderr, run.stderr
