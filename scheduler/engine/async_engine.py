@@ -131,8 +131,8 @@ from scheduler.models.loading import (
 )
 from scheduler.models.protocol import Model
 
-__all__ = ["SEND_TIMEOUT", "AsyncEngine", "AsyncRequest", "close_on", "close_timeout",
-           "deliver_rows"]
+__all__ = ["EXIT_WAIT_S", "SEND_TIMEOUT", "AsyncEngine", "AsyncRequest", "close_on",
+           "close_timeout", "deliver_rows"]
 
 log = logging.getLogger("scheduler.engine")
 
@@ -1094,12 +1094,19 @@ async def _watch(engine_ref: weakref.ref[AsyncEngine]) -> None:
 _abandoned_closes: set[asyncio.Task[None]] = set()
 
 
-def close_on(loop: asyncio.AbstractEventLoop, close: Callable[[], Awaitable[None]]) -> bool:
+def close_on(loop: asyncio.AbstractEventLoop, close: Callable[[], Awaitable[None]]
+             ) -> threading.Event | None:
     """Run ``close()`` as a task on ``loop``, held until it ends, without waiting for it
     (from any thread, the loop's own included: the collector may run a finalizer
-    anywhere). Returns False, having done nothing, when ``loop`` is closed."""
+    anywhere). Returns an event set once it has ended (the task holds it until then),
+    or None, having done nothing, when ``loop`` is closed."""
+    ended = threading.Event()
+
     async def run() -> None:
-        await close()
+        try:
+            await close()
+        finally:
+            ended.set()
 
     def begin() -> None:
         task = loop.create_task(run())
@@ -1109,8 +1116,8 @@ def close_on(loop: asyncio.AbstractEventLoop, close: Callable[[], Awaitable[None
     try:
         loop.call_soon_threadsafe(begin)
     except RuntimeError:  # the loop is closed
-        return False
-    return True
+        return None
+    return ended
 
 
 def _close_abandoned(state: dict[str, object]) -> None:
@@ -1127,7 +1134,7 @@ def _close_abandoned(state: dict[str, object]) -> None:
     stand_in = AsyncEngine.__new__(AsyncEngine)
     stand_in.__dict__.update(state)
     loop = stand_in._loop
-    if loop is None or not close_on(loop, stand_in.close):
+    if loop is None or close_on(loop, stand_in.close) is None:
         stand_in._reader.reading = False  # (the loop's readers went with the loop)
         threading.Thread(target=asyncio.run, args=(stand_in.close(),), daemon=True,
                          name="engine-close").start()
@@ -1139,8 +1146,9 @@ def _close_abandoned(state: dict[str, object]) -> None:
 
 #: Engines made in this process and not closed (nor collected).
 _open: weakref.WeakSet[AsyncEngine] = weakref.WeakSet()
-#: Seconds the exit waits, at most, for the close of an engine whose loop still runs.
-_EXIT_WAIT_S = 60.0
+#: Seconds the exit waits, at most, for the closes it waits for (of an engine whose loop
+#: still runs, or one collected unclosed).
+EXIT_WAIT_S = 60.0
 
 
 @atexit.register
@@ -1151,7 +1159,7 @@ def _close_at_exit() -> None:
     the process aborted (``terminate called without an active exception``). An
     engine whose loop has stopped (``asyncio.run`` returned) is closed on a loop of
     its own, as a collected one is; one whose loop still runs, in a daemon thread,
-    is closed there and waited for (at most :data:`_EXIT_WAIT_S`). Engines of the
+    is closed there and waited for (at most :data:`EXIT_WAIT_S`). Engines of the
     parent of a forked child are its parent's to close."""
     for engine in list(_open):
         if engine._owner != _pid or engine.closed:
@@ -1159,17 +1167,9 @@ def _close_at_exit() -> None:
         try:
             loop = engine._loop
             if loop is not None and loop.is_running():
-                ended = threading.Event()
-
-                async def close(engine: AsyncEngine = engine,
-                                ended: threading.Event = ended) -> None:
-                    try:
-                        await engine.close()
-                    finally:
-                        ended.set()
-
-                if close_on(loop, close) and not ended.wait(_EXIT_WAIT_S):
-                    log.error("an engine was still closing at exit (%.0f s)", _EXIT_WAIT_S)
+                ended = close_on(loop, engine.close)
+                if ended is not None and not ended.wait(EXIT_WAIT_S):
+                    log.error("an engine was still closing at exit (%.0f s)", EXIT_WAIT_S)
                 continue
             engine._reader.reading = False  # (the loop's readers went with the loop)
             asyncio.run(engine.close())

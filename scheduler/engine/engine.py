@@ -30,7 +30,7 @@ import numpy.typing as npt
 from messages import SamplingParams
 from scheduler.core.admission import Limits
 from scheduler.dp import Policy
-from scheduler.engine.async_engine import AsyncEngine, close_on, close_timeout
+from scheduler.engine.async_engine import EXIT_WAIT_S, AsyncEngine, close_on, close_timeout
 from scheduler.engine.handles import RequestHandle, Stream, StreamChunk
 from scheduler.errors import EngineClosed
 from scheduler.launch.wiring import Endpoints
@@ -289,12 +289,11 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
 
 log = logging.getLogger("scheduler.engine")
 
-#: Set as each close of an engine collected unclosed ends (what the exit waits for).
-_abandoned_ends: set[threading.Event] = set()
+#: Set as each close of an engine collected unclosed ends (what the exit waits for); held
+#: by its close until then.
+_abandoned_ends: weakref.WeakSet[threading.Event] = weakref.WeakSet()
 #: Engines started and not closed (nor collected).
 _open: weakref.WeakSet[Engine] = weakref.WeakSet()
-#: Seconds the exit waits, at most, for the closes of engines collected unclosed.
-_EXIT_WAIT_S = 60.0
 # A forked child has no loop thread to end those closes: its exit waits for none.
 os.register_at_fork(after_in_child=_abandoned_ends.clear)
 
@@ -307,20 +306,16 @@ def _close_abandoned(core: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None
     if os.getpid() != core._owner:
         return
 
-    ended = threading.Event()
-    _abandoned_ends.add(ended)
-
     async def close() -> None:
         try:
             await core.close()
         finally:
             loop.stop()
-            ended.set()
-            _abandoned_ends.discard(ended)
 
-    if not close_on(loop, close):  # the loop thread closed it already
-        _abandoned_ends.discard(ended)
+    ended = close_on(loop, close)
+    if ended is None:  # the loop thread closed it already
         return
+    _abandoned_ends.add(ended)
     warnings.warn(f"an Engine ({core.mode} mode, run directory {core._dir}) was collected "
                   f"without close(): its scheduler is stopped now (use 'with "
                   f"Engine(...)', or 'engine.close()')", ResourceWarning,
@@ -342,10 +337,10 @@ def _close_at_exit() -> None:
             engine.close()
         except Exception as exc:  # the next engine is closed still
             log.error("closing an engine at exit failed: %s: %s", type(exc).__name__, exc)
-    deadline = time.monotonic() + _EXIT_WAIT_S
+    deadline = time.monotonic() + EXIT_WAIT_S
     for ended in list(_abandoned_ends):
         if not ended.wait(max(0.0, deadline - time.monotonic())):
             log.error("an engine collected unclosed was still closing at exit (%.0f s)",
-                      _EXIT_WAIT_S)
+                      EXIT_WAIT_S)
             break
 
