@@ -212,11 +212,8 @@ async def _send_whole(cycle_ref: weakref.ref[Any], status: int, headers: Headers
     cycle = cycle_ref()
     if cycle is None:  # (its request is over)
         return
-    # Each waiter wakes when writing resumes, and waits again if another one's write
-    # has paused it meanwhile: nothing is written while paused (the stall timer counts
-    # on it, :meth:`Guarded._stalled`).
-    while cycle.flow.write_paused and not cycle.disconnected:
-        await cycle.flow.drain()
+    if cycle.flow.write_paused:  # (a test, not a coroutine, on the hot path)
+        await _drained(cycle)
     if cycle.disconnected:
         return
     if cycle.response_started:
@@ -236,6 +233,15 @@ async def _send_whole(cycle_ref: weakref.ref[Any], status: int, headers: Headers
         out.append(body)
     cycle.transport.write(b"".join(out))
     _complete(cycle)
+
+
+async def _drained(cycle: Any) -> None:
+    """Wait until uvicorn's request ``cycle`` may write again (its connection's writing
+    resumed), or its client is gone. Each waiter wakes when writing resumes, and
+    waits again if another one's write has paused it meanwhile: nothing is written
+    while paused (the stall timer counts on it, :meth:`Guarded._stalled`)."""
+    while cycle.flow.write_paused and not cycle.disconnected:
+        await cycle.flow.drain()
 
 
 def _complete(cycle: Any) -> None:
@@ -262,11 +268,8 @@ async def _send_piece(cycle_ref: weakref.ref[Any], body: bytes, more: bool) -> N
     if not cycle.chunked_encoding or not cycle.response_started or cycle.response_complete:
         await cycle.send({"type": "http.response.body", "body": body, "more_body": more})
         return
-    # Each waiter wakes when writing resumes, and waits again if another one's write
-    # has paused it meanwhile: nothing is written while paused (the stall timer counts
-    # on it, :meth:`Guarded._stalled`).
-    while cycle.flow.write_paused and not cycle.disconnected:
-        await cycle.flow.drain()
+    if cycle.flow.write_paused:  # (a test, not a coroutine, on the hot path)
+        await _drained(cycle)
     if cycle.disconnected:
         return
     transport = cycle.transport
