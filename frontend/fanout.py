@@ -228,32 +228,34 @@ async def _cancel_all(tasks: Sequence[asyncio.Future[int]]) -> None:
 
 
 class _Kept:
-    """One answer of several, kept whole (:func:`answer_several` merges them)."""
+    """One answer of several, not streamed: its body kept (:func:`answer_several` merges
+    them). An answer not streamed is sent whole, never in pieces."""
 
     __slots__ = ("body",)
 
     def __init__(self) -> None:
-        self.body = bytearray()
+        self.body = b""
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
-        self.body += body
+        self.body = body
 
     async def begin(self, status: int, headers: Headers) -> None:
-        pass
+        raise AssertionError("an answer not streamed is never sent in pieces")
 
     async def piece(self, body: bytes, more: bool) -> None:
-        self.body += body
+        raise AssertionError("an answer not streamed is never sent in pieces")
 
 
 class _Interleaved:
     """Several streamed answers sent as one, onto ``out``: the first answer's start
     begins it, then every piece of each goes on but its ``[DONE]`` (one ends them all).
 
-    One piece at a time: a connection whose client reads slowly pauses writing, and
-    the answers waiting for it to resume wait in turn. Woken together, each wrote its
-    piece (grown while it waited) after the first one's write had paused it again,
-    which a server that checks once before writing (uvicorn's ``send``) allows, and
-    the client was taken for one that reads nothing (``frontend.serving``)."""
+    One piece at a time, the start first: the answers take turns (a lock), so that
+    when a slow client's connection pauses writing, one resume lets one of them
+    write, not all of them at once. A server that checks for a pause once before it
+    writes (uvicorn's ``send``) would let them all write while paused, and the stall
+    timer would take a client that reads for one that reads nothing
+    (:mod:`frontend.serving`)."""
 
     __slots__ = ("_out", "_started", "_turn")
 
