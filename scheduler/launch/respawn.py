@@ -257,7 +257,8 @@ class ReplicaSupervisor:
                                                         if p.exitcode is not None)))
 
     def _exited(self, i: int, ranks: list[BaseProcess], how: str) -> None:
-        """Replica ``i`` (its processes ``ranks``) exited, ``how`` (``exit code N``)."""
+        """Replica ``i`` (its processes ``ranks``) exited, ``how`` (``exit code N``), or its
+        restart failed (``ranks`` empty, ``how`` says so: ``could not be restarted (...)``)."""
         for p in ranks:  # a rank left alone would wait for its dead peer for ever
             if p.exitcode is None:
                 p.kill()
@@ -265,6 +266,7 @@ class ReplicaSupervisor:
         if any(p.exitcode is not None and p.exitcode < 0 for p in ranks):
             sweep_shm()  # a process a signal ended unlinked nothing: its segments go now
         self._exits[i] = how
+        what = f"exited ({how})" if ranks else how  # (as logged: "replica0 " + what)
         failure = next((f for f in map(self._load_failure, ranks) if f is not None), None)
         if failure is not None:
             self._give_up_all(i, failure)
@@ -273,8 +275,8 @@ class ReplicaSupervisor:
         if delay is None:
             self.given_up.add(i)
             serving = self._serving()
-            log.error("replica%d exited (%s) after %d restarts in a row: not "
-                      "restarting it again%s", i, how, self.policy.tries,
+            log.error("replica%d %s after %d restarts in a row: not "
+                      "restarting it again%s", i, what, self.policy.tries,
                       "; the others serve on" if serving else "")
             if not serving:
                 self.none_left = self._none_left_line()
@@ -282,8 +284,8 @@ class ReplicaSupervisor:
                     self._on_none_left(self.none_left)
             return
         self._due[i] = self.clock() + delay
-        log.warning("replica%d exited (%s): restarting it in %.2f s (try %d of %d)",
-                    i, how, delay, self.policy.failures(i), self.policy.tries)
+        log.warning("replica%d %s: restarting it in %.2f s (try %d of %d)",
+                    i, what, delay, self.policy.failures(i), self.policy.tries)
 
     def _give_up_all(self, i: int, failure: ModelLoadError) -> None:
         """Replica ``i`` did not load its model: no replica will (the same model, the
@@ -306,7 +308,7 @@ class ReplicaSupervisor:
 
     def _none_left_line(self) -> str:
         """One line: no replica can serve, and each one's last exit code."""
-        codes = ", ".join(f"replica{i} {self._exits.get(i, 'exit code None')}"
+        codes = ", ".join(f"replica{i} {self._exits.get(i, 'never seen exiting')}"
                           for i in range(len(self.replicas)))
         return (f"no replica can serve: each exited {self.policy.tries + 1} times in a row "
                 f"({codes}; the log above has their errors)")
@@ -318,8 +320,7 @@ class ReplicaSupervisor:
         try:
             new = self._start(i, self.restarts[i] + 1)
         except Exception as exc:  # a failed start is a failed try
-            log.warning("replica%d could not be restarted: %s", i, exc)
-            self._exited(i, [], "exit code -1")
+            self._exited(i, [], f"could not be restarted ({type(exc).__name__}: {exc})")
             return
         self.restarts[i] += 1
         self.policy.started(i)

@@ -200,3 +200,26 @@ def test_an_exit_0_without_a_shutdown_is_a_death_and_with_one_a_stop() -> None:
     clock.now += BACKOFF_MAX
     sup.look()
     assert starts == [0] and sup.stopped == {1} and sup.given_up == set()
+
+
+def test_a_restart_that_cannot_start_is_a_failed_try_said_as_such() -> None:
+    # Without this: a restart whose start raised was recorded as "exit code -1", and the
+    # line that gives up on every replica said "replica0 exit code -1".
+    clock = Clock()
+    told: list[str] = []
+    replicas: list[list[BaseProcess]] = [[Proc()]]
+
+    def start(i: int, attempt: int) -> list[BaseProcess]:
+        raise OSError("no room for another process")
+
+    sup = ReplicaSupervisor(replicas, start, policy=RespawnPolicy(1, clock=clock),
+                            none_left=told.append)
+    _die(replicas, 0)
+    for _ in range(TRIES + 1):
+        sup.look()
+        clock.now += BACKOFF_MAX
+    sup.look()
+    assert sup.given_up == {0}
+    assert told == [f"no replica can serve: each exited {TRIES + 1} times in a row (replica0 "
+                    "could not be restarted (OSError: no room for another process); the log "
+                    "above has their errors)"]
