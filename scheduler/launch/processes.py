@@ -263,7 +263,8 @@ class _Popen(multiprocessing.popen_forkserver.Popen):
       the fork server, so a fork server that died (killed, say) made every
       process it forked look exited (code 255) while it ran on; it could then
       be neither killed nor told apart from a dead one. The exit code is still
-      the fork server's (255 where it is gone).
+      read from the fork server: where it is gone the code is lost, and
+      :func:`exit_text` says so.
     """
 
     sentinel: int
